@@ -1,0 +1,1 @@
+"""PyTorch side: config, model definition, checkpoint loaders, reference generation."""

@@ -1,0 +1,118 @@
+"""Reference generation in PyTorch with a KV cache: the oracle for every later parity check."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from moeforge.errors import MoeforgeError
+from moeforge.export.model import CausalLM
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self, vocab_size: int) -> None:
+        """Reject parameters that cannot be honoured, naming the parameter."""
+        if self.max_new_tokens < 0:
+            raise MoeforgeError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise MoeforgeError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise MoeforgeError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise MoeforgeError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise MoeforgeError(f"stop token ids must be in [0, {vocab_size})")
+
+
+@dataclass
+class GenerationResult:
+    """Generated ids only (the prompt excluded), their step logits [V] if kept, and why it stopped."""
+
+    token_ids: list[int]
+    finish_reason: str
+    step_logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_positions: int, max_new_tokens: int) -> None:
+    """A prompt must be non-empty, inside the vocabulary and leave room for the new tokens."""
+    if len(prompt_ids) == 0:
+        raise MoeforgeError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise MoeforgeError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) + max_new_tokens > max_positions:
+        raise MoeforgeError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"{max_positions} positions; shorten the prompt or lower --max-new-tokens (nothing is truncated)"
+        )
+
+
+def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
+    """Pick the next token from logits [V] (float32)."""
+    if cfg.temperature == 0.0:
+        return int(torch.argmax(logits))
+    scaled = logits / cfg.temperature
+    if cfg.top_k > 0:
+        kth = torch.topk(scaled, min(cfg.top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= cfg.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        probs = probs / probs.sum()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.inference_mode()
+def generate_stream(
+    model: CausalLM, prompt_ids: Sequence[int], cfg: SamplingConfig
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (token id, logits [V] it was sampled from) one at a time: prefill, then cached decode."""
+    config = model.config
+    cfg.validate(config.vocab_size)
+    check_prompt(prompt_ids, config.vocab_size, config.max_position_embeddings, cfg.max_new_tokens)
+    generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+    device = model.output_embedding.device
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.int64, device=device)  # [1, P]
+    positions = torch.arange(ids.shape[1], device=device)[None]
+    past = None
+    for _ in range(cfg.max_new_tokens):
+        out = model(ids, positions, past)
+        past = out.past_key_values
+        logits = out.logits[0, -1]
+        token = sample_next(logits, cfg, generator)
+        yield token, logits
+        if token in cfg.stop_token_ids:
+            return
+        next_pos = int(positions[0, -1]) + 1
+        ids = torch.tensor([[token]], dtype=torch.int64, device=device)
+        positions = torch.tensor([[next_pos]], dtype=torch.int64, device=device)
+
+
+def generate(
+    model: CausalLM, prompt_ids: Sequence[int], cfg: SamplingConfig, keep_logits: bool = False
+) -> GenerationResult:
+    """Run ``generate_stream`` to the end."""
+    tokens: list[int] = []
+    logits: list[torch.Tensor] = []
+    for token, step_logits in generate_stream(model, prompt_ids, cfg):
+        tokens.append(token)
+        if keep_logits:
+            logits.append(step_logits.clone())
+    stopped = bool(tokens) and tokens[-1] in cfg.stop_token_ids
+    return GenerationResult(tokens, "stop" if stopped else "length", logits)

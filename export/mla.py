@@ -1,0 +1,107 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) in its naive and absorbed forms.
+
+Dimension letters: B batch, S new tokens, P cached, L = P + S, H heads, R kv_lora_rank,
+Dn qk_nope_head_dim, Dr qk_rope_head_dim, Dv v_head_dim.
+
+naive:  cache (key [B, H, L, Dn+Dr], value [B, H, L, Dv]): what HF and optimum cache.
+absorb: cache (latent [B, L, R+Dr],): c_kv and the shared rope key only. W_UK is folded into the
+        query and W_UV applied after attention, making it multi-query attention with key dim R+Dr
+        and value = the first R dims of the key.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeforge.export.attention import LayerCache
+from moeforge.export.config import ModelConfig
+from moeforge.export.norm import RMSNorm
+from moeforge.export.rope import apply_rotary
+
+# DeepSeek's latent norms (q_a_layernorm, kv_a_layernorm) use a fixed eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+MLAImpl = Literal["absorb", "naive"]
+
+
+class MLAttention(nn.Module):
+    """MLA with q (optionally low-rank) and a compressed kv latent."""
+
+    def __init__(self, config: ModelConfig, impl: MLAImpl) -> None:
+        super().__init__()
+        mla = config.mla
+        assert mla is not None
+        self.impl = impl
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.kv_rank = mla.kv_lora_rank
+        self.scale = config.softmax_scale
+        self.interleaved = config.rope.interleaved
+        h, n = config.hidden_size, self.num_heads
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, n * mla.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, mla.q_lora_rank, bias=config.qkv_bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, n * mla.qk_head_dim, bias=False)
+        self.q_lora = mla.q_lora_rank is not None
+        self.kv_a_proj_with_mqa = nn.Linear(h, mla.latent_dim, bias=config.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, n * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n * mla.v_head_dim, h, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        past: LayerCache | None,
+    ) -> tuple[torch.Tensor, LayerCache]:
+        # x: [B, S, H]; cos/sin: [B, S, Dr/2]; mask: [S, L]
+        b, s, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(b, s, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [B, S, H, Dn], [B, S, H, Dr]
+        q_pe = apply_rotary(q_pe, cos, sin, self.interleaved)
+
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)  # [B, S, R]
+        k_pe = apply_rotary(k_pe.unsqueeze(2), cos, sin, self.interleaved).squeeze(2)  # [B, S, Dr]
+
+        if self.impl == "absorb":
+            out, cache = self._absorbed(q_nope, q_pe, c_kv, k_pe, mask, past)
+        else:
+            out, cache = self._naive(q_nope, q_pe, c_kv, k_pe, mask, past)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.v_dim)), cache
+
+    def _naive(self, q_nope, q_pe, c_kv, k_pe, mask, past):  # type: ignore[no-untyped-def]
+        b, s = c_kv.shape[:2]
+        kv = self.kv_b_proj(c_kv).view(b, s, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(1, 2)  # [B, H, S, Dn+Dr]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, *]
+        if past is not None:
+            k = torch.cat((past[0], k), dim=2)
+            v = torch.cat((past[1], v), dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H, S, Dv]
+        return out.transpose(1, 2), (k, v)
+
+    def _absorbed(self, q_nope, q_pe, c_kv, k_pe, mask, past):  # type: ignore[no-untyped-def]
+        latent = torch.cat((c_kv, k_pe), dim=-1)  # [B, S, R+Dr]
+        if past is not None:
+            latent = torch.cat((past[0], latent), dim=1)  # [B, L, R+Dr]
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, Dn, R], [H, Dv, R]
+        q_latent = torch.einsum("bshd,hdr->bhsr", q_nope, w_uk)  # [B, H, S, R]
+        query = torch.cat((q_latent, q_pe.transpose(1, 2)), dim=-1)  # [B, H, S, R+Dr]
+        key = latent.unsqueeze(1)  # [B, 1, L, R+Dr]
+        value = key[..., : self.kv_rank]  # [B, 1, L, R]: the value is the latent itself
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        out = torch.einsum("bhsr,hvr->bshv", out, w_uv)  # [B, S, H, Dv]
+        return out, (latent,)

@@ -1,0 +1,82 @@
+"""DeepSeekMoE block: router ("gate"), stacked routed SwiGLU experts, shared experts.
+
+Dimension letters: B batch, S tokens, T = B*S, H hidden, I expert intermediate, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeforge.export.config import ModelConfig
+from moeforge.export.mlp import SwiGLU
+from moeforge.export.routing import route_tokens
+
+
+class MoERouter(nn.Module):
+    """Router logits in fp32 (weight [E, H]) plus DeepSeek-V3's score correction bias [E]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.moe is not None
+        self.moe = config.moe
+        self.weight = nn.Parameter(torch.empty(config.moe.n_routed_experts, config.hidden_size))
+        if config.moe.has_correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.moe.n_routed_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H] -> expert ids [T, K] int64, weights [T, K] float32
+        logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        return route_tokens(logits, self.e_score_correction_bias, self.moe)
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts held as stacked tensors: gate/up [E, I, H], down [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; expert_ids, weights: [T, K] -> [T, H]
+        out = torch.zeros_like(x)
+        # The loop is over a static expert count; which tokens an expert gets is a tensor op
+        # (exports to NonZero/Gather/ScatterND), so there is no data-dependent Python control flow.
+        for e in range(self.num_experts):
+            token_idx, slot = torch.where(expert_ids == e)  # [n_e], [n_e]
+            xs = x[token_idx]
+            h = F.silu(F.linear(xs, self.gate_proj[e])) * F.linear(xs, self.up_proj[e])
+            y = F.linear(h, self.down_proj[e]) * weights[token_idx, slot, None].to(x.dtype)
+            out = out.index_add(0, token_idx, y)
+        return out
+
+
+class MoEBlock(nn.Module):
+    """out = sum_k w_k * expert_k(x) + shared_experts(x)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.gate = MoERouter(config)
+        self.experts = RoutedExperts(moe.n_routed_experts, config.hidden_size, moe.moe_intermediate_size)
+        self.shared_experts = (
+            SwiGLU(config.hidden_size, moe.moe_intermediate_size * moe.n_shared_experts)
+            if moe.n_shared_experts > 0
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, S, H]
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
+        expert_ids, weights = self.gate(flat)
+        out = self.experts(flat, expert_ids, weights).view_as(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,1 @@
+"""ONNX -> ONNX graph passes (onnx-ir); one rule family per file."""

@@ -1,0 +1,150 @@
+"""The ``moeforge`` command line. Exit codes: 0 success, 1 failed check, 2 bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from moeforge import __version__
+from moeforge.errors import MoeforgeError
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeforge", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"moeforge {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text from a model (checkpoint, .gguf or preset)")
+    run.add_argument("model", help="HF folder, .gguf file, or a preset / built-in name")
+    run.add_argument("--backend", choices=["torch"], default="torch", help="execution backend (default torch)")
+    prompt = run.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenised with the model's tokenizer)")
+    prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids, e.g. 1,2,3")
+    run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible)")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    run.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    run.add_argument("--mla-impl", choices=["absorb", "naive"], default="absorb", help="MLA cache layout")
+    run.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+
+    cfg = sub.add_parser("config", help="print a model's config, parameter count and KV bytes per token")
+    cfg.add_argument("model", help="HF folder, .gguf file, or a preset name (full-size presets included)")
+    cfg.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        if args.command == "run":
+            return _cmd_run(args)
+        if args.command == "config":
+            return _cmd_config(args)
+    except MoeforgeError as exc:
+        print(f"moeforge {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return EXIT_BAD_INPUT
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from moeforge.export.generate import SamplingConfig, generate_stream
+    from moeforge.export.loader import load_model
+
+    loaded = load_model(args.model, mla_impl=args.mla_impl)
+    tokenizer = loaded.tokenizer
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise MoeforgeError(f"{args.model} ships no tokenizer: pass --prompt-ids instead of --prompt")
+        text = args.prompt
+        if args.chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(text)
+    else:
+        if args.chat:
+            raise MoeforgeError("--chat needs a text --prompt")
+        prompt_ids = args.prompt_ids
+    stop_ids: tuple[int, ...] = ()
+    if not args.ignore_eos:
+        stop_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else loaded.config.eos_token_ids
+    sampling = SamplingConfig(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, stop_token_ids=stop_ids,
+    )
+    generated: list[int] = []
+    printed = ""
+    for token, _ in generate_stream(loaded.model, prompt_ids, sampling):
+        generated.append(token)
+        if args.stream and not args.json and tokenizer is not None:
+            # Decode the whole suffix each time: byte-level BPE pieces only form text together.
+            text_so_far = tokenizer.decode(generated)
+            print(text_so_far[len(printed):], end="", flush=True)
+            printed = text_so_far
+    text_out = tokenizer.decode(generated) if tokenizer is not None else None
+    if args.json:
+        print(json.dumps({"token_ids": generated, "text": text_out}))
+    elif args.stream and tokenizer is not None:
+        print()
+    else:
+        print(text_out if text_out is not None else ",".join(map(str, generated)))
+    return EXIT_OK
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from moeforge.export.loader import load_config
+
+    config = load_config(args.model)
+    params = config.num_parameters()
+    per_token = {impl: config.kv_cache_values_per_token(impl) for impl in ("absorb", "naive")}
+    summary = {
+        "config": config.to_dict(),
+        "parameters": params,
+        "kv_cache_values_per_token_per_layer": per_token if config.mla else per_token["naive"],
+        "kv_cache_bytes_per_token_fp16": {
+            impl: 2 * v * config.num_hidden_layers for impl, v in per_token.items()
+        } if config.mla else 2 * per_token["naive"] * config.num_hidden_layers,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return EXIT_OK
+    print(f"{config.name} ({config.model_type}, {config.attention_kind}"
+          f"{', MoE' if config.moe else ''}): {params / 1e9:.3f} B parameters")
+    print(f"  layers {config.num_hidden_layers}, hidden {config.hidden_size}, heads "
+          f"{config.num_attention_heads}/{config.num_key_value_heads}, vocab {config.vocab_size}")
+    if config.moe:
+        m = config.moe
+        print(f"  experts {m.n_routed_experts} routed + {m.n_shared_experts} shared, top-{m.num_experts_per_tok}, "
+              f"{m.scoring_func} {m.topk_method} (groups {m.topk_group}/{m.n_group})")
+    kv = summary["kv_cache_bytes_per_token_fp16"]
+    if isinstance(kv, dict):
+        print(f"  KV cache per token (fp16, all layers): absorbed MLA {kv['absorb']} B, naive {kv['naive']} B")
+    else:
+        print(f"  KV cache per token (fp16, all layers): {kv} B")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

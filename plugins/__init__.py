@@ -1,0 +1,1 @@
+"""Custom ops (MoE routing, paged attention): one folder per op."""

@@ -1,0 +1,1 @@
+"""Runtime: backends, KV cache, scheduler, sampler, engine."""

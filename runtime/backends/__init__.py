@@ -1,0 +1,1 @@
+"""Execution backends implementing the runtime Backend protocol."""
