@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from moeforge.errors import CheckpointError, MoeforgeError
 from moeforge.export.config import ModelConfig
@@ -119,7 +120,7 @@ def load_model(spec: str, *, mla_impl: MLAImpl = "absorb", dtype: torch.dtype = 
     from moeforge.export.gguf_loader import read_gguf
 
     checkpoint = read_gguf(source.location)
-    model = build_from_tensors(checkpoint.config, checkpoint.tensors(), mla_impl, dtype)
+    model = build_from_tensors(checkpoint.config, checkpoint.tensors.items(), mla_impl, dtype)
     tokenizer = Tokenizer.from_gguf_metadata(checkpoint.tokenizer_metadata)
     return LoadedModel(model, checkpoint.config, tokenizer, source)
 
@@ -139,7 +140,8 @@ def build_from_tensors(
         model = CausalLM(config, mla_impl)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     seen: set[str] = set()
-    for name, tensor in tensors:
+    # disable=None: the bar shows on a terminal only, never in logs or captured output.
+    for name, tensor in tqdm(tensors, total=len(expected), desc="loading weights", unit="tensor", disable=None):
         if name not in expected:
             raise CheckpointError(f"checkpoint tensor {name!r} has no place in a {config.model_type} model")
         if tuple(tensor.shape) != expected[name]:

@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from moeforge.export.config import ModelConfig
-from moeforge.export.fp8 import dequantize_fp8_blockwise, fp8_scale_shape
 from safetensors import SafetensorError, safe_open
 
 from moeforge.errors import CheckpointError
+from moeforge.export.config import ModelConfig
+from moeforge.export.fp8 import dequantize_fp8_blockwise, fp8_scale_shape
 
 log = logging.getLogger(__name__)
 

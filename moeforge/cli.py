@@ -100,10 +100,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         generated.append(token)
         if args.stream and not args.json and tokenizer is not None:
             # Decode the whole suffix each time: byte-level BPE pieces only form text together.
-            text_so_far = tokenizer.decode(generated)
+            text_so_far = tokenizer.decode(generated, skip_special_tokens=True)
             print(text_so_far[len(printed):], end="", flush=True)
             printed = text_so_far
-    text_out = tokenizer.decode(generated) if tokenizer is not None else None
+    text_out = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else None
     if args.json:
         print(json.dumps({"token_ids": generated, "text": text_out}))
     elif args.stream and tokenizer is not None:

