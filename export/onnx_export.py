@@ -1,0 +1,117 @@
+"""torch -> ONNX: the stateless graph (input_ids, position_ids -> logits) that the passes start from.
+
+Exported with the dynamo exporter at opset 23: SDPA becomes ``Attention``, ``F.rms_norm``
+becomes ``RMSNormalization``; MLA is exported in its absorbed form (so the cache pass can keep only
+the latent); each MoE layer is one ``moeforge.MoE`` node carrying a local function.
+Dynamic axes: batch and sequence. Weights are stored as external data by the artifact writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+
+import onnx_ir as ir
+import torch
+from torch import nn
+
+from moeforge.export import moe_op
+from moeforge.export.model import CausalLM
+from moeforge.export.moe import MoEBlock
+
+log = logging.getLogger(__name__)
+
+OPSET = 23
+INPUT_NAMES = ("input_ids", "position_ids")
+
+
+class _StatelessLM(nn.Module):
+    """(input_ids [B, S], position_ids [B, S]) -> logits [B, S, V]."""
+
+    def __init__(self, model: CausalLM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, position_ids).logits
+
+
+class _MoEBoundary(nn.Module):
+    """Replaces a MoEBlock during export: routed experts as one custom op, shared experts as usual."""
+
+    def __init__(self, block: MoEBlock) -> None:
+        super().__init__()
+        self.block = block
+        self.attributes = moe_op.node_attributes(block.gate.moe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
+        gate = self.block.gate
+        bias = gate.e_score_correction_bias
+        if bias is None:
+            bias = torch.zeros(gate.weight.shape[0], dtype=gate.weight.dtype)
+        experts = self.block.experts
+        routed = torch.ops.moeforge.moe(flat, gate.weight, bias, experts.gate_proj, experts.up_proj,
+                                        experts.down_proj, **self.attributes)
+        out = routed.view_as(x)
+        if self.block.shared_experts is not None:
+            out = out + self.block.shared_experts(x)
+        return out
+
+
+@contextlib.contextmanager
+def _moe_boundaries(model: CausalLM) -> Iterator[None]:
+    # Swap in place (no model copy: a copy would double memory) and always restore.
+    swapped: list[tuple[nn.Module, MoEBlock]] = []
+    try:
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                swapped.append((layer, layer.mlp))
+                layer.mlp = _MoEBoundary(layer.mlp)
+        yield
+    finally:
+        for layer, block in swapped:
+            layer.mlp = block
+
+
+def export_stateless(model: CausalLM) -> ir.Model:
+    """Export ``model`` (absorbed MLA) to an in-memory onnx-ir model at opset 23."""
+    if model.config.mla is not None and model.mla_impl != "absorb":
+        raise ValueError("export MLA in its absorbed form (CausalLM(config, 'absorb')) so the cache holds the latent")
+    model = model.eval()
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    # Example sizes must not be 0 or 1: torch.export specialises such dims to constants.
+    example = (torch.zeros(2, 3, dtype=torch.int64), torch.arange(3, dtype=torch.int64).expand(2, 3).contiguous())
+    with _moe_boundaries(model), warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the exporter is chatty about deprecated pytree APIs
+        program = torch.onnx.export(
+            _StatelessLM(model), example, dynamo=True, opset_version=OPSET, verbose=False,
+            input_names=list(INPUT_NAMES), output_names=["logits"],
+            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}},
+            custom_translation_table={torch.ops.moeforge.moe.default: moe_op.moe_to_onnx},
+        )
+    onnx_model = program.model
+    if model.config.moe is not None:
+        function = moe_op.moe_local_function(model.config.moe, model.config.moe.n_routed_experts, OPSET)
+        fn = ir.serde.deserialize_function(function)
+        onnx_model.functions[fn.identifier()] = fn
+    _name_dims(onnx_model)
+    return onnx_model
+
+
+def _name_dims(model: ir.Model) -> None:
+    # Stable, readable names for the dynamic axes (the exporter invents s0, s1, ...).
+    names = {}
+    for value in model.graph.inputs:
+        dims = list(value.shape)
+        for axis, label in ((0, "batch_size"), (1, "sequence_length")):
+            if isinstance(dims[axis], ir.SymbolicDim):
+                names[dims[axis].value] = label
+    for value in [*model.graph.inputs, *model.graph.outputs]:
+        if value.shape is None:
+            continue
+        value.shape = ir.Shape([
+            ir.SymbolicDim(names.get(d.value, d.value)) if isinstance(d, ir.SymbolicDim) else d for d in value.shape
+        ])

@@ -1,0 +1,54 @@
+"""Shared fixtures for pass tests: exported stateless graphs of the tiny presets, and an ORT runner
+with ONNX Runtime's own graph optimisations off (so a parity test sees only our rewrite)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from moeforge.export.loader import load_model
+from moeforge.export.onnx_export import export_stateless
+
+PRESET_NAMES = ("tiny-llama", "tiny-deepseek-v3", "tiny-deepseek-v2")
+
+
+@pytest.fixture(scope="session")
+def stateless_models() -> dict[str, tuple[object, ir.Model]]:
+    """name -> (LoadedModel, exported stateless ir.Model). Copy before mutating (``fresh_model``)."""
+    out = {}
+    for name in PRESET_NAMES:
+        loaded = load_model(name)
+        out[name] = (loaded, export_stateless(loaded.model))
+    return out
+
+
+@pytest.fixture
+def fresh_model(stateless_models) -> Callable[[str], tuple[object, ir.Model]]:
+    def get(name: str) -> tuple[object, ir.Model]:
+        loaded, model = stateless_models[name]
+        # onnx-ir models do not deepcopy (recursion); a serialise round trip is a true copy.
+        return loaded, ir.serde.deserialize_model(ir.serde.serialize_model(model))
+
+    return get
+
+
+def run_ort(model: ir.Model, feeds: dict[str, np.ndarray], optimize: bool = False) -> list[np.ndarray]:
+    """Run an in-memory model in a fresh CPU session; ORT optimisations off unless asked."""
+    proto = ir.serde.serialize_model(model)
+    options = ort.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def random_feeds(vocab: int, batch: int = 2, seq: int = 7, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64),
+        "position_ids": np.tile(np.arange(seq, dtype=np.int64), (batch, 1)),
+    }
