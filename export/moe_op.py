@@ -33,7 +33,11 @@ def moe_config_from_attributes(
     norm_topk_prob: int, routed_scaling_factor: float,
 ) -> MoEConfig:
     """The routing attributes of a node, as the MoEConfig that ``route_tokens`` reads."""
-    method = "greedy" if n_group == 1 else ("noaux_tc" if group_scoring == "top2_sum" else "group_limited_greedy")
+    # top2_sum is DeepSeek-V3's noaux_tc, which uses the correction bias even with a single group.
+    if group_scoring == "top2_sum":
+        method = "noaux_tc"
+    else:
+        method = "greedy" if n_group == 1 else "group_limited_greedy"
     return MoEConfig(
         n_routed_experts=num_experts, n_shared_experts=0, num_experts_per_tok=top_k, moe_intermediate_size=1,
         scoring_func=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,  # type: ignore[arg-type]

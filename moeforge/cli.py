@@ -44,6 +44,29 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mla-impl", choices=["absorb", "naive"], default="absorb", help="MLA cache layout")
     run.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
 
+    comp = sub.add_parser("compile", help="compile a model into an ONNX Runtime artifact directory")
+    comp.add_argument("model", help="HF folder, .gguf file, or a preset / built-in name")
+    comp.add_argument("-o", "--output", required=True, help="artifact directory to create")
+    comp.add_argument("--target", default="ort", help="ort (ONNX Runtime, CPU by default)")
+    comp.add_argument("--max-seq-len", type=int, default=None,
+                      help="longest sequence the artifact serves (default: min(2048, the model's limit))")
+    comp.add_argument("--force", action="store_true", help="replace an existing output directory")
+    comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
+    comp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    insp = sub.add_parser("inspect", help="print an artifact's manifest, op counts and KV bytes per token")
+    insp.add_argument("artifact", help="artifact directory")
+    insp.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    insp.add_argument("--no-verify", action="store_true", help="skip checking file hashes")
+
+    par = sub.add_parser("parity", help="compare an artifact with the PyTorch model, teacher-forced")
+    par.add_argument("artifact", help="artifact directory")
+    par.add_argument("--model", help="the model to compare with (default: the artifact's source)")
+    par.add_argument("--prompt-len", type=int, default=16)
+    par.add_argument("--steps", type=int, default=16, help="decode steps after the prefill")
+    par.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    par.add_argument("--json", action="store_true")
+
     cfg = sub.add_parser("config", help="print a model's config, parameter count and KV bytes per token")
     cfg.add_argument("model", help="HF folder, .gguf file, or a preset name (full-size presets included)")
     cfg.add_argument("--json", action="store_true")
@@ -60,6 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_run(args)
         if args.command == "config":
             return _cmd_config(args)
+        if args.command == "compile":
+            return _cmd_compile(args)
+        if args.command == "inspect":
+            return _cmd_inspect(args)
+        if args.command == "parity":
+            return _cmd_parity(args)
     except MoeforgeError as exc:
         print(f"moeforge {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -111,6 +140,55 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         print(text_out if text_out is not None else ",".join(map(str, generated)))
     return EXIT_OK
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moeforge.compile import CompileOptions, ParityCheckFailed, compile_model
+
+    options = CompileOptions(model=args.model, output_dir=Path(args.output), target=args.target,
+                             max_seq_len=args.max_seq_len, force=args.force, check=args.check,
+                             progress=not args.quiet)
+    try:
+        result = compile_model(options)
+    except ParityCheckFailed as failed:
+        print(failed.report.table(), file=sys.stderr)
+        print(f"moeforge compile: {failed}; nothing was written to {args.output}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    for report in result.manifest.passes:
+        print(f"  pass {report['name']:<14} {report['matches']:>5} match(es)  {report['seconds']:.2f}s")
+    if result.parity is not None:
+        print(result.parity.table().splitlines()[-1])
+    print(f"wrote {result.output_dir}")
+    return EXIT_OK
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from moeforge.artifact import load_artifact, summarize
+
+    artifact = load_artifact(args.artifact, verify=not args.no_verify)
+    print(artifact.manifest.to_json() if args.json else summarize(artifact))
+    return EXIT_OK
+
+
+def _cmd_parity(args: argparse.Namespace) -> int:
+    from moeforge.artifact import load_artifact
+    from moeforge.export.loader import load_model
+    from moeforge.parity import default_prompt, run_parity
+
+    artifact = load_artifact(args.artifact)
+    loaded = load_model(args.model or artifact.manifest.source, mla_impl="absorb")
+    if args.prompt_len < 1 or args.steps < 0:
+        raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
+    if args.prompt_len + args.steps + 1 > artifact.manifest.kv_cache.max_seq_len:
+        raise MoeforgeError(f"--prompt-len + --steps exceeds the artifact's max_seq_len "
+                            f"({artifact.manifest.kv_cache.max_seq_len})")
+    report = run_parity(artifact.model_path, loaded.model,
+                        default_prompt(loaded.config.vocab_size, args.prompt_len, args.seed),
+                        decode_steps=args.steps, precision=artifact.manifest.precision)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
+    return EXIT_OK if report.passed else EXIT_CHECK_FAILED
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

@@ -1,0 +1,59 @@
+"""The ordered pass pipelines. Order is data, not a comment: each list is what runs, top to bottom.
+
+Why this order (ONNX Runtime target):
+1. cleanup        constant folding / CSE first, so the patterns below see canonical graphs.
+2. rms_norm       RMSNormalization (+ weight Mul) -> SimplifiedLayerNormalization.
+3. skip_rms_norm  needs (2): residual Add + norm -> SkipSimplifiedLayerNormalization.
+4. rotary         rope arithmetic -> RotaryEmbedding with a cos/sin cache sized by max_seq_len.
+5. kv_cache       Attention -> GroupQueryAttention with in-place cache I/O; takes q/k after (4).
+6. packing        sibling projections (q/k/v, q_a/kv_a, gate/up) -> one MatMul + Split.
+7. moe_lowering   moeforge.MoE -> routing in standard ops + com.microsoft.MoE.
+8. cleanup        drops what the rewrites left dead (old masks, cos/sin math, transposes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import onnx_ir as ir
+
+from moeforge.graph_passes.base import GraphPass, PassContext, PassReport
+from moeforge.graph_passes.cleanup import Cleanup
+from moeforge.graph_passes.kv_cache import KVCacheInsertion
+from moeforge.graph_passes.moe_lowering import MoELowering
+from moeforge.graph_passes.packing import ProjectionPacking
+from moeforge.graph_passes.rms_norm import RmsNormFusion, SkipRmsNormFusion
+from moeforge.graph_passes.rotary import RotaryFusion
+
+
+def ort_pipeline() -> list[GraphPass]:
+    """Passes for the ONNX Runtime target, in order."""
+    return [
+        Cleanup(),
+        RmsNormFusion(),
+        SkipRmsNormFusion(),
+        RotaryFusion(),
+        KVCacheInsertion(),
+        ProjectionPacking(),
+        MoELowering(),
+        Cleanup(),
+    ]
+
+
+def run_passes(
+    model: ir.Model,
+    ctx: PassContext,
+    passes: Sequence[GraphPass],
+    on_pass_done: Callable[[PassReport], None] | None = None,
+) -> list[PassReport]:
+    """Apply ``passes`` in order; report each pass's match count and time."""
+    reports = []
+    for graph_pass in passes:
+        start = time.perf_counter()
+        matches = graph_pass.apply(model, ctx)
+        report = PassReport(graph_pass.name, matches, time.perf_counter() - start)
+        reports.append(report)
+        if on_pass_done is not None:
+            on_pass_done(report)
+    return reports

@@ -1,0 +1,172 @@
+"""The compile pipeline: checkpoint -> torch model -> stateless ONNX -> passes -> artifact directory.
+
+Stages run in a fixed order with a progress bar; the artifact is written to a temporary directory
+and renamed at the end, so a failed or interrupted compile leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import onnx_ir as ir
+from tqdm import tqdm
+
+from moeforge.artifact import (
+    ArtifactError,
+    Manifest,
+    TensorSpec,
+    check_output_dir,
+    kv_cache_spec,
+    tool_versions,
+    write_artifact,
+)
+from moeforge.errors import MoeforgeError
+from moeforge.export.config import ModelConfig
+from moeforge.export.loader import LoadedModel, load_model
+from moeforge.export.onnx_export import export_stateless
+from moeforge.genai_config import genai_config
+from moeforge.graph_passes.base import PassContext, PassReport
+from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
+from moeforge.parity import ParityReport, default_prompt, run_parity
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+TARGETS = ("ort",)
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+class ParityCheckFailed(MoeforgeError):
+    """``compile --check`` found the artifact outside its precision's thresholds (exit code 1)."""
+
+    def __init__(self, report: ParityReport) -> None:
+        super().__init__("parity check failed: " + "; ".join(report.failures))
+        self.report = report
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What ``moeforge compile`` was asked for."""
+
+    model: str
+    output_dir: Path
+    target: str = "ort"
+    max_seq_len: int | None = None  # None: min(2048, the model's max_position_embeddings)
+    force: bool = False
+    check: bool = False
+    check_steps: int = 16
+    progress: bool = True
+
+
+@dataclass
+class CompileResult:
+    output_dir: Path
+    manifest: Manifest
+    parity: ParityReport | None
+
+
+def compile_model(options: CompileOptions) -> CompileResult:
+    """Run every stage; raise MoeforgeError (bad input) or ParityCheckFailed, leaving nothing written."""
+    if options.target not in TARGETS:
+        raise MoeforgeError(f"target {options.target!r} is not supported here; targets: {', '.join(TARGETS)}")
+    if options.max_seq_len is not None and options.max_seq_len < 2:
+        raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
+    # Refuse bad output locations before the expensive stages.
+    check_output_dir(options.output_dir, force=options.force)
+
+    bar = tqdm(total=4 + len(ort_pipeline()) + (1 if options.check else 0), desc="compile", unit="stage",
+               disable=not options.progress, leave=False)
+
+    def stage(label: str) -> None:
+        bar.set_postfix_str(label)
+
+    try:
+        stage("load checkpoint")
+        loaded = load_model(options.model, mla_impl="absorb")
+        config = loaded.config
+        max_seq_len = options.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
+        if max_seq_len > config.max_position_embeddings:
+            raise MoeforgeError(
+                f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
+                f"({config.max_position_embeddings})"
+            )
+        bar.update()
+        stage("export to ONNX")
+        model = export_stateless(loaded.model)
+        bar.update()
+
+        ctx = PassContext(config=config, max_seq_len=max_seq_len, target="ort")
+
+        def pass_done(report: PassReport) -> None:
+            stage(f"pass {report.name}: {report.matches}")
+            bar.update()
+
+        reports = run_passes(model, ctx, ort_pipeline(), on_pass_done=pass_done)
+        manifest = _manifest(model, loaded, options, reports, max_seq_len)
+        stage("write artifact")
+
+        def payload(tmp: Path) -> None:
+            ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE)
+            bar.update()
+            if loaded.tokenizer is not None:
+                loaded.tokenizer.save(tmp)
+            genai = genai_config(config, manifest.kv_cache, context_length=max_seq_len,
+                                 filename=MODEL_FILE)
+            if genai is not None:
+                import json
+
+                (tmp / "genai_config.json").write_text(json.dumps(genai, indent=2))
+            if options.check:
+                stage("parity check")
+                report = run_parity(tmp / MODEL_FILE, loaded.model, default_prompt(config.vocab_size, 16),
+                                    decode_steps=options.check_steps)
+                result_holder.append(report)
+                bar.update()
+                if not report.passed:
+                    raise ParityCheckFailed(report)
+
+        result_holder: list[ParityReport] = []
+        out = write_artifact(options.output_dir, write_payload=payload, manifest=manifest, force=options.force)
+        bar.update()
+        return CompileResult(out, manifest, result_holder[0] if result_holder else None)
+    finally:
+        bar.close()
+
+
+def _tensor_specs(values: list[ir.Value]) -> list[TensorSpec]:
+    specs = []
+    for value in values:
+        shape = [d if isinstance(d, int) else str(d.value if isinstance(d, ir.SymbolicDim) else d)
+                 for d in (value.shape or [])]
+        dtype = str(value.dtype.numpy()) if value.dtype is not None else "unknown"  # numpy names: float32
+        specs.append(TensorSpec(name=value.name or "", dtype=dtype, shape=shape))
+    return specs
+
+
+def _manifest(
+    model: ir.Model, loaded: LoadedModel, options: CompileOptions, reports: list[PassReport], max_seq_len: int
+) -> Manifest:
+    config: ModelConfig = loaded.config
+    kv = kv_cache_spec(config, max_seq_len=max_seq_len, dtype="float32")
+    return Manifest(
+        model_config=config.to_dict(),
+        inputs=_tensor_specs(list(model.graph.inputs)),
+        outputs=_tensor_specs(list(model.graph.outputs)),
+        kv_cache=kv,
+        passes=[r.to_dict() for r in reports],
+        target=options.target,
+        precision="fp32",
+        tool_versions=tool_versions(),
+        files={},
+        source=options.model if loaded.source.kind == "preset" else str(Path(loaded.source.location).resolve()),
+        created_utc=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+
+
+ProgressCallback = Callable[[str], None]
+__all__ = ["ArtifactError", "CompileOptions", "CompileResult", "ParityCheckFailed", "compile_model"]

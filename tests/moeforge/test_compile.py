@@ -1,0 +1,203 @@
+"""`moeforge compile` end to end on the tiny presets: parity, artifact contract, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from moeforge.artifact import ArtifactError, load_artifact, op_counts
+from moeforge.cli import main
+from moeforge.compile import CompileOptions, compile_model
+from moeforge.export.loader import load_model
+from moeforge.parity import default_prompt, run_parity
+
+PRESETS = ("tiny-llama", "tiny-deepseek-v3", "tiny-deepseek-v2")
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("artifacts")
+    out = {}
+    for name in PRESETS:
+        result = compile_model(CompileOptions(model=name, output_dir=root / name, max_seq_len=256, progress=False))
+        out[name] = result.output_dir
+    return out
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_artifact_matches_pytorch(artifacts, name):
+    artifact = load_artifact(artifacts[name])
+    loaded = load_model(name)
+    report = run_parity(artifact.model_path, loaded.model, default_prompt(loaded.config.vocab_size, 16),
+                        decode_steps=16)
+    assert report.max_abs_err <= 1e-4, report.table()
+    assert report.greedy_match and report.top1_agreement == 1.0
+    assert len(report.steps) == 17  # prefill + 16 decode steps
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_manifest_records_the_contract(artifacts, name):
+    artifact = load_artifact(artifacts[name])
+    manifest = artifact.manifest
+    config = load_model(name).config
+    assert manifest.format_version == 1 and manifest.target == "ort" and manifest.precision == "fp32"
+    assert [p["name"] for p in manifest.passes][:2] == ["cleanup", "rms_norm"]
+    kv_pass = next(p for p in manifest.passes if p["name"] == "kv_cache")
+    assert kv_pass["matches"] == config.num_hidden_layers
+    assert manifest.kv_cache.max_seq_len == 256
+    per_token = config.kv_cache_values_per_token("absorb") * 4 * config.num_hidden_layers
+    assert manifest.kv_cache.bytes_per_token == per_token
+    assert {"model.onnx", "model.onnx.data", "tokenizer.json"} <= set(manifest.files)
+    assert all(len(entry["sha256"]) == 64 for entry in manifest.files.values())
+    names = {spec.name for spec in manifest.inputs}
+    assert {"input_ids", "position_ids", "attention_mask"} <= names
+    assert manifest.model_config["model_type"] == config.model_type
+    assert manifest.tool_versions["onnxruntime"]
+
+
+def test_mla_artifact_caches_only_the_latent(artifacts):
+    config = load_model("tiny-deepseek-v3").config
+    graph = onnx.load(str(artifacts["tiny-deepseek-v3"] / "model.onnx"), load_external_data=False).graph
+    caches = [v for v in graph.input if v.name.startswith("past_key_values.")]
+    assert len(caches) == config.num_hidden_layers
+    for value in caches:
+        dims = value.type.tensor_type.shape.dim
+        assert dims[1].dim_value == 1
+        assert dims[3].dim_value == config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_loads_in_a_fresh_onnxruntime_without_custom_ops(artifacts, name):
+    counts = op_counts(artifacts[name] / "model.onnx")
+    domains = {op.rsplit(".", 1)[0] for op in counts if "." in op}
+    assert domains <= {"com.microsoft"}  # standard ops and ORT's own contrib ops only
+    code = ("import onnxruntime as ort, sys; s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider']);"
+            "print(len(s.get_inputs()))")
+    proc = subprocess.run([sys.executable, "-c", code, str(artifacts[name] / "model.onnx")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_fused_graph_of_deepseek(artifacts):
+    config = load_model("tiny-deepseek-v3").config
+    counts = op_counts(artifacts["tiny-deepseek-v3"] / "model.onnx")
+    moe_layers = config.num_hidden_layers - config.moe.first_k_dense_replace
+    assert counts.get("com.microsoft.MoE") == moe_layers
+    assert counts.get("com.microsoft.GroupQueryAttention") == config.num_hidden_layers
+    assert "RMSNormalization" not in counts and "Attention" not in counts
+    assert not any(op.startswith("moeforge.") for op in counts)
+
+
+# ----------------------------------------------------------------------------- CLI and bad input
+
+
+def _cli(capsys, *args):
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_compile_check_inspect_parity(capsys, tmp_path):
+    out = tmp_path / "llama"
+    code, stdout, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(out), "--max-seq-len", "128", "--check",
+                                "--quiet")
+    assert code == 0, stderr
+    assert "PASS" in stdout and (out / "manifest.json").is_file()
+    code, stdout, _ = _cli(capsys, "inspect", str(out))
+    assert code == 0 and "GroupQueryAttention" in stdout
+    code, stdout, _ = _cli(capsys, "parity", str(out), "--steps", "4", "--json")
+    report = json.loads(stdout)
+    assert code == 0 and report["passed"] and len(report["steps"]) == 5
+    for key in ("max_abs_err", "mean_abs_err", "cosine_min", "top1_agreement", "greedy_match"):
+        assert (key in report and key in report["steps"][0]) or key == "greedy_match"
+
+
+def test_existing_output_without_force_is_refused(capsys, artifacts, tmp_path):
+    target = tmp_path / "existing"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    code, _, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(target), "--quiet")
+    assert code == 2 and "--force" in stderr
+    assert (target / "keep.txt").read_text() == "mine"
+
+
+def test_unwritable_output_dir(capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    code, _, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(blocker / "out"), "--quiet")
+    assert code == 2 and str(blocker) in stderr
+
+
+def test_flipped_byte_in_external_data_is_refused(capsys, artifacts, tmp_path):
+    import shutil
+
+    copy = tmp_path / "tampered"
+    shutil.copytree(artifacts["tiny-llama"], copy)
+    data = copy / "model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match=r"model\.onnx\.data"):
+        load_artifact(copy)
+    code, _, stderr = _cli(capsys, "inspect", str(copy))
+    assert code == 2 and "model.onnx.data" in stderr
+
+
+def test_sigint_during_compile_leaves_nothing(tmp_path):
+    out = tmp_path / "interrupted"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "moeforge.cli", "compile", "tiny-deepseek-v3", "-o", str(out),
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    time.sleep(6)  # inside the export stage
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == []  # no temp directory either
+
+
+def test_bad_max_seq_len(capsys, tmp_path):
+    code, _, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(tmp_path / "x"), "--max-seq-len", "99999",
+                           "--quiet")
+    assert code == 2 and "max_position_embeddings" in stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_genai_runs_a_gqa_artifact(artifacts):
+    og = pytest.importorskip("onnxruntime_genai")
+    from moeforge.runtime.backends.onnxruntime import OrtSession
+
+    path = artifacts["tiny-llama"]
+    prompt = default_prompt(512, 12, seed=3)
+    model = og.Model(str(path))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 16, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    genai_tokens = list(generator.get_sequence(0))[len(prompt):]
+
+    session = OrtSession(path / "model.onnx")
+    session.allocate(1, len(prompt) + 17)
+    ids, ours = list(prompt), []
+    logits = session.forward(np.array([ids]), np.arange(len(ids))[None], np.ones((1, len(ids)), np.int64))
+    for _ in range(16):
+        ours.append(int(logits[0, -1].argmax()))
+        pos = len(ids)
+        ids.append(ours[-1])
+        logits = session.forward(np.array([[ours[-1]]]), np.array([[pos]]), np.ones((1, pos + 1), np.int64))
+    eos = set(load_model("tiny-llama").config.eos_token_ids)
+    expected = []
+    for token in ours:  # GenAI stops at EOS and leaves it out of the sequence
+        if token in eos:
+            break
+        expected.append(token)
+    assert genai_tokens[: len(expected)] == expected and len(expected) > 0
