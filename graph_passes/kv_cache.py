@@ -153,6 +153,12 @@ def _to_bsd(tape: ir.tape.Tape, value4: ir.Value, width: int) -> ir.Value:
         bshd = producer.inputs[0]
     else:
         bshd = tape.op("Transpose", [value4], attributes={"perm": [0, 2, 1, 3]})
+    # [B, S, H*D] -> Reshape -> [B, S, H, D] (e.g. around RotaryEmbedding): take the 3D tensor as is.
+    reshape = bshd.producer()
+    if reshape is not None and reshape.op_type == "Reshape":
+        flat = reshape.inputs[0]
+        if flat is not None and flat.shape is not None and len(flat.shape) == 3 and flat.shape[2] == width:
+            return flat
     return tape.op("Reshape", [bshd, _const(tape, np.array([0, 0, width], np.int64))])
 
 
@@ -175,6 +181,7 @@ def _replace_bhsd_output(graph: ir.Graph, old: ir.Value, bshd: ir.Value) -> None
         user = use.node
         if user.op_type == "Transpose" and _perm(user) == (0, 2, 1, 3):
             ir.convenience.replace_all_uses_with(user.outputs[0], bshd)
+            graph.remove(user, safe=True)  # leave no node reading the removed attention output
             continue
         if transpose_back is None:
             transpose_back = ir.node("Transpose", [bshd], attributes={"perm": [0, 2, 1, 3]})
