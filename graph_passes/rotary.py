@@ -22,8 +22,9 @@ What this pass emits instead (one RotaryEmbedding per application):
     y  = Reshape(y3, [0, 0, H, D])                                            # [B, S, H, D], as before
 The contrib op takes 3D [B, S, H*D] or 4D [B, H, S, D] (heads before sequence), not our [B, S, H, D],
 hence the two Reshapes (no data movement). ``cos_cache``/``sin_cache`` are two graph
-initializers shared by every node, computed in float64 from ``rope_inverse_frequencies`` and cast to
-float32, with the YaRN amplitude folded in (the op's ``scale`` attribute is ignored by the CPU kernel).
+initializers shared by every node, computed by the PyTorch model's own RotaryEmbedding (float32,
+as the reference does), with the YaRN amplitude folded in (the op's ``scale`` attribute is ignored
+by the CPU kernel).
 The old angle computation (Unsqueeze/Cast/Mul of position_ids, Cos, Sin, amplitude Muls) becomes dead
 and is removed here.
 
@@ -39,9 +40,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
+import torch
 from onnxscript.rewriter import pattern
 
-from moeforge.export.rope import rope_inverse_frequencies
+from moeforge.export.rope import RotaryEmbedding, rope_inverse_frequencies
 from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset
 
 # Names of the two shared graph initializers [M, D/2] float32.
@@ -105,18 +107,19 @@ class _FusionState:
         config = ctx.config
         inv_freq, amplitude = rope_inverse_frequencies(config.rope, config.rope_dim, config.max_position_embeddings)
         inv_freq = inv_freq.numpy()
-        # float64 angles: the exported float32 position * inv_freq is off by up to half an ulp of
-        # the angle (6e-5 rad at position 2047). The tables are built once, so build them exactly;
-        # logits then move by ~1e-6 at position 150 vs the exported graph, and at position 4000 sit
-        # closer to a float64 reference than the exported graph does (measured on tiny-llama).
-        angles = np.outer(np.arange(ctx.max_seq_len, dtype=np.float64), inv_freq.astype(np.float64))  # [M, D/2]
+        # The tables come from the PyTorch model's own RotaryEmbedding (float32 angles, torch's cos/sin),
+        # so the artifact reproduces the reference it is checked against. Float64 tables are closer to
+        # the ideal rotation, but differ from PyTorch/transformers by up to half an ulp of the angle,
+        # which moved SmolLM2's logits by 5e-4 after 30 layers.
+        with torch.no_grad():
+            cos, sin = RotaryEmbedding(config)(torch.arange(ctx.max_seq_len, dtype=torch.int64)[None])  # [1, M, D/2]
         return cls(
             interleaved=config.rope.interleaved,
             rope_dim=config.rope_dim,
             inv_freq=inv_freq,
             amplitude=float(amplitude),
-            cos_table=(np.cos(angles) * amplitude).astype(np.float32),
-            sin_table=(np.sin(angles) * amplitude).astype(np.float32),
+            cos_table=cos[0].numpy().astype(np.float32),
+            sin_table=sin[0].numpy().astype(np.float32),
         )
 
 

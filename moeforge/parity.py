@@ -20,17 +20,24 @@ from moeforge.runtime.backends.onnxruntime import OrtSession
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Pass/fail limits for one precision."""
+    """Pass/fail limits for one precision, plus cosine, top-1 and greedy limits.
 
-    max_abs_err: float
+    Every logit must satisfy |ours - ref| <= atol + rtol * max|ref row|: the error of a logit grows
+    with the scale of its whole row (it comes out of reductions over the hidden state), not with its
+    own value, so a logit near zero in a row of large logits gets the row's allowance."""
+
+    atol: float
+    rtol: float
     cosine_min: float
     top1_agreement: float
     greedy_match: bool
 
 
-# fp32: the bar peers use for exported graphs (optimum: atol 1e-4 on logits; exact greedy tokens).
+# fp32: atol 1e-4 (optimum's bar for ONNX Runtime exports) and exact greedy tokens. The rtol term
+# covers real models: SmolLM2 (30 layers, logits up to ~33) in PyTorch fp32 is itself 8e-5 away from
+# the same model in float64, and an ONNX Runtime fp32 graph lands 1-2e-4 from PyTorch fp32.
 THRESHOLDS: dict[str, Thresholds] = {
-    "fp32": Thresholds(max_abs_err=1e-4, cosine_min=0.99999, top1_agreement=1.0, greedy_match=True),
+    "fp32": Thresholds(atol=1e-4, rtol=1e-5, cosine_min=0.99999, top1_agreement=1.0, greedy_match=True),
 }
 
 
@@ -44,6 +51,7 @@ class StepReport:
     mean_abs_err: float
     cosine_min: float
     top1_agreement: float
+    tolerance_used: float  # max |ours - ref| / (atol + rtol * max|ref row|): <= 1 passes
 
 
 @dataclass
@@ -56,6 +64,7 @@ class ParityReport:
     mean_abs_err: float
     cosine_min: float
     top1_agreement: float
+    tolerance_used: float
     greedy_match: bool
     precision: str
     thresholds: Thresholds
@@ -68,10 +77,11 @@ class ParityReport:
 
     def table(self) -> str:
         """A readable per-step table plus the verdict."""
-        lines = [f"{'step':>5} {'kind':<8} {'max_abs_err':>12} {'mean_abs_err':>13} {'cosine_min':>11} {'top1':>6}"]
+        lines = [f"{'step':>5} {'kind':<8} {'max_abs_err':>12} {'mean_abs_err':>13} {'cosine_min':>11} {'top1':>6}"
+                 f" {'tol_used':>9}"]
         for s in self.steps:
             lines.append(f"{s.step:>5} {s.kind:<8} {s.max_abs_err:>12.3e} {s.mean_abs_err:>13.3e} "
-                         f"{s.cosine_min:>11.7f} {s.top1_agreement:>6.3f}")
+                         f"{s.cosine_min:>11.7f} {s.top1_agreement:>6.3f} {s.tolerance_used:>9.3f}")
         verdict = "PASS" if self.passed else "FAIL: " + "; ".join(self.failures)
         lines.append(f"overall: max_abs_err {self.max_abs_err:.3e}, cosine_min {self.cosine_min:.7f}, "
                      f"top1 {self.top1_agreement:.3f}, greedy_match {self.greedy_match} ({self.precision})"
@@ -79,12 +89,15 @@ class ParityReport:
         return "\n".join(lines)
 
 
-def _compare(step: int, kind: str, ours: np.ndarray, ref: np.ndarray) -> StepReport:
+def _compare(step: int, kind: str, ours: np.ndarray, ref: np.ndarray, limits: Thresholds) -> StepReport:
     # ours/ref: [P, V] logits
-    diff = np.abs(ours.astype(np.float64) - ref.astype(np.float64))
-    cos = (ours * ref).sum(-1) / (np.linalg.norm(ours, axis=-1) * np.linalg.norm(ref, axis=-1) + 1e-30)
+    ours64, ref64 = ours.astype(np.float64), ref.astype(np.float64)
+    diff = np.abs(ours64 - ref64)
+    cos = (ours64 * ref64).sum(-1) / (np.linalg.norm(ours64, axis=-1) * np.linalg.norm(ref64, axis=-1) + 1e-30)
     top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
-    return StepReport(step, kind, float(diff.max()), float(diff.mean()), float(cos.min()), top1)
+    row_scale = np.abs(ref64).max(axis=-1, keepdims=True)  # [P, 1]
+    used = float((diff / (limits.atol + limits.rtol * row_scale)).max())
+    return StepReport(step, kind, float(diff.max()), float(diff.mean()), float(cos.min()), top1, used)
 
 
 @torch.inference_mode()
@@ -120,21 +133,23 @@ def run_parity(
         ours.append(session.forward(np.array([[tokens[step]]], np.int64), np.array([[pos]], np.int64),
                                     np.ones((1, pos + 1), np.int64))[0])
 
-    steps = [_compare(i, "prefill" if i == 0 else "decode", o, r) for i, (o, r) in enumerate(zip(ours, ref_logits,
-                                                                                                strict=True))]
+    limits = THRESHOLDS[precision]
+    steps = [_compare(i, "prefill" if i == 0 else "decode", o, r, limits)
+             for i, (o, r) in enumerate(zip(ours, ref_logits, strict=True))]
     ours_tokens = [int(o[-1].argmax()) for o in ours]
     greedy_match = ours_tokens == tokens
-    limits = THRESHOLDS[precision]
     report = ParityReport(
         prompt_len=prompt_len, decode_steps=decode_steps,
         max_abs_err=max(s.max_abs_err for s in steps), mean_abs_err=float(np.mean([s.mean_abs_err for s in steps])),
         cosine_min=min(s.cosine_min for s in steps),
         top1_agreement=float(np.mean(np.concatenate([(o.argmax(-1) == r.argmax(-1)) for o, r in zip(ours, ref_logits,
                                                                                                    strict=True)]))),
+        tolerance_used=max(s.tolerance_used for s in steps),
         greedy_match=greedy_match, precision=precision, thresholds=limits, passed=True, steps=steps,
     )
-    if report.max_abs_err > limits.max_abs_err:
-        report.failures.append(f"max_abs_err {report.max_abs_err:.3e} > {limits.max_abs_err:.0e}")
+    if report.tolerance_used > 1.0:
+        report.failures.append(f"logits outside atol {limits.atol:.0e} + rtol {limits.rtol:.0e} * max|ref row| "
+                               f"(max_abs_err {report.max_abs_err:.3e}, {report.tolerance_used:.2f}x the tolerance)")
     if report.cosine_min < limits.cosine_min:
         report.failures.append(f"cosine_min {report.cosine_min:.7f} < {limits.cosine_min}")
     if report.top1_agreement < limits.top1_agreement:
