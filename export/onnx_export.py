@@ -27,15 +27,22 @@ OPSET = 23
 INPUT_NAMES = ("input_ids", "position_ids")
 
 
-class _StatelessLM(nn.Module):
-    """(input_ids [B, S], position_ids [B, S]) -> logits [B, S, V]."""
+LAYER_OUTPUT = "layer_output.{}"
 
-    def __init__(self, model: CausalLM) -> None:
+
+class _StatelessLM(nn.Module):
+    """(input_ids [B, S], position_ids [B, S]) -> logits [B, S, V] (+ each layer's output [B, S, H])."""
+
+    def __init__(self, model: CausalLM, mark_layers: bool) -> None:
         super().__init__()
         self.model = model
+        self.mark_layers = mark_layers
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, position_ids).logits
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):  # type: ignore[no-untyped-def]
+        out = self.model(input_ids, position_ids, output_hidden_states=self.mark_layers)
+        if self.mark_layers:
+            return (out.logits, *out.hidden_states)
+        return out.logits
 
 
 class _MoEBoundary(nn.Module):
@@ -76,8 +83,12 @@ def _moe_boundaries(model: CausalLM) -> Iterator[None]:
             layer.mlp = block
 
 
-def export_stateless(model: CausalLM) -> ir.Model:
-    """Export ``model`` (absorbed MLA) to an in-memory onnx-ir model at opset 23."""
+def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
+    """Export ``model`` (absorbed MLA) to an in-memory onnx-ir model at opset 23.
+
+    ``mark_layers``: also output each decoder layer's result as ``layer_output.{i}``; passes keep graph
+    outputs intact, and ``unmark_layers`` turns them back into internal values after the passes.
+    """
     if model.config.mla is not None and model.mla_impl != "absorb":
         raise ValueError("export MLA in its absorbed form (CausalLM(config, 'absorb')) so the cache holds the latent")
     model = model.eval()
@@ -87,8 +98,10 @@ def export_stateless(model: CausalLM) -> ir.Model:
     with _moe_boundaries(model), warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter is chatty about deprecated pytree APIs
         program = torch.onnx.export(
-            _StatelessLM(model), example, dynamo=True, opset_version=OPSET, verbose=False,
-            input_names=list(INPUT_NAMES), output_names=["logits"],
+            _StatelessLM(model, mark_layers), example, dynamo=True, opset_version=OPSET, verbose=False,
+            input_names=list(INPUT_NAMES),
+            output_names=["logits"] + [LAYER_OUTPUT.format(i) for i in range(model.config.num_hidden_layers)
+                                       if mark_layers],
             dynamic_shapes={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}},
             custom_translation_table={torch.ops.moeforge.moe.default: moe_op.moe_to_onnx},
         )
@@ -99,6 +112,23 @@ def export_stateless(model: CausalLM) -> ir.Model:
         onnx_model.functions[fn.identifier()] = fn
     _name_dims(onnx_model)
     return onnx_model
+
+
+def unmark_layers(model: ir.Model) -> list[str]:
+    """Drop the ``layer_output.{i}`` graph outputs; return the names of the values they mirrored."""
+    graph = model.graph
+    names = []
+    for value in list(graph.outputs):
+        if not (value.name or "").startswith("layer_output."):
+            continue
+        graph.outputs.remove(value)
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Identity" and producer.inputs[0] is not None:
+            source = producer.inputs[0]  # a pass may have left an Identity in front of the output
+            graph.remove(producer, safe=True)
+            value = source
+        names.append(value.name or "")
+    return names
 
 
 def _name_dims(model: ir.Model) -> None:

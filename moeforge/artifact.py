@@ -198,6 +198,8 @@ class Manifest:
     ``passes``: ``[{"name": str, "matches": int, "seconds": float}, ...]`` in the order they ran.
     ``files``: ``{relpath: {"sha256": hex, "bytes": int}}`` for every file but manifest.json
     (``write_artifact`` fills it in).
+    ``layer_outputs``: names of the values holding each decoder layer's output [B, S, H] inside
+    model.onnx (not graph outputs), for ``moeforge parity --per-layer``.
     """
 
     format_version: int = FORMAT_VERSION
@@ -212,6 +214,7 @@ class Manifest:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     source: str = ""
     created_utc: str = field(default_factory=_utc_now)
+    layer_outputs: list[str] = field(default_factory=list)
 
     def config(self) -> Any:
         """The model config as a ``moeforge.export.config.ModelConfig``."""
@@ -233,6 +236,7 @@ class Manifest:
             "files": {k: dict(v) for k, v in sorted(self.files.items())},
             "source": self.source,
             "created_utc": self.created_utc,
+            "layer_outputs": list(self.layer_outputs),
         }
 
     def to_json(self) -> str:
@@ -269,6 +273,7 @@ class Manifest:
                        for k, v in data["files"].items()},
                 source=str(data.get("source", "")),
                 created_utc=str(data.get("created_utc", "")),
+                layer_outputs=[str(n) for n in data.get("layer_outputs", [])],
             )
         except KeyError as exc:
             raise ArtifactError(f"manifest is missing the field {exc.args[0]!r}") from None

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--prompt-len", type=int, default=16)
     par.add_argument("--steps", type=int, default=16, help="decode steps after the prefill")
     par.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    par.add_argument("--per-layer", action="store_true",
+                     help="also compare every decoder layer's output and name the first that diverges")
     par.add_argument("--json", action="store_true")
 
     cfg = sub.add_parser("config", help="print a model's config, parameter count and KV bytes per token")
@@ -184,11 +186,24 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     if args.prompt_len + args.steps + 1 > artifact.manifest.kv_cache.max_seq_len:
         raise MoeforgeError(f"--prompt-len + --steps exceeds the artifact's max_seq_len "
                             f"({artifact.manifest.kv_cache.max_seq_len})")
-    report = run_parity(artifact.model_path, loaded.model,
-                        default_prompt(loaded.config.vocab_size, args.prompt_len, args.seed),
-                        decode_steps=args.steps, precision=artifact.manifest.precision)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
-    return EXIT_OK if report.passed else EXIT_CHECK_FAILED
+    prompt = default_prompt(loaded.config.vocab_size, args.prompt_len, args.seed)
+    report = run_parity(artifact.model_path, loaded.model, prompt, decode_steps=args.steps,
+                        precision=artifact.manifest.precision)
+    result = report.to_dict()
+    passed = report.passed
+    layer_text = ""
+    if args.per_layer:
+        from moeforge.parity import layer_table, run_layer_parity
+
+        if not artifact.manifest.layer_outputs:
+            raise MoeforgeError("this artifact records no layer outputs; recompile it to use --per-layer")
+        rows, first = run_layer_parity(artifact.model_path, artifact.manifest.layer_outputs, loaded.model, prompt)
+        result["layers"] = [vars(row) for row in rows]
+        result["first_diverging_layer"] = first
+        layer_text = "\n" + layer_table(rows, first)
+        passed = passed and first is None
+    print(json.dumps(result, indent=2) if args.json else report.table() + layer_text)
+    return EXIT_OK if passed else EXIT_CHECK_FAILED
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from moeforge.artifact import (
 from moeforge.errors import MoeforgeError
 from moeforge.export.config import ModelConfig
 from moeforge.export.loader import LoadedModel, load_model
-from moeforge.export.onnx_export import export_stateless
+from moeforge.export.onnx_export import export_stateless, unmark_layers
 from moeforge.genai_config import genai_config
 from moeforge.graph_passes.base import PassContext, PassReport
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
@@ -97,7 +97,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
             )
         bar.update()
         stage("export to ONNX")
-        model = export_stateless(loaded.model)
+        model = export_stateless(loaded.model, mark_layers=True)
         bar.update()
 
         ctx = PassContext(config=config, max_seq_len=max_seq_len, target="ort")
@@ -107,7 +107,9 @@ def compile_model(options: CompileOptions) -> CompileResult:
             bar.update()
 
         reports = run_passes(model, ctx, ort_pipeline(), on_pass_done=pass_done)
+        layer_outputs = unmark_layers(model)  # names kept in the manifest for parity --per-layer
         manifest = _manifest(model, loaded, options, reports, max_seq_len)
+        manifest.layer_outputs = layer_outputs
         stage("write artifact")
 
         def payload(tmp: Path) -> None:

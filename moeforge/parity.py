@@ -165,3 +165,65 @@ def default_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     """A seeded random prompt (parity must not depend on a tokenizer)."""
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab_size, length).tolist()
+
+
+@dataclass
+class LayerReport:
+    """One decoder layer's output over the prefill: absolute and relative (to max|ref|) error."""
+
+    layer: int
+    max_abs_err: float
+    relative_err: float
+    diverged: bool
+
+
+# A layer "diverges" when its output is off by more than this fraction of its own scale; fp32 graphs
+# sit around 1e-6, a wrong weight or a broken rewrite at 1e-2 and above.
+LAYER_RELATIVE_LIMIT = 1e-4
+
+
+@torch.inference_mode()
+def run_layer_parity(
+    model_path: str | Path, layer_outputs: list[str], torch_model: CausalLM, prompt_ids: list[int]
+) -> tuple[list[LayerReport], int | None]:
+    """Compare every decoder layer's output over a prefill; return the rows and the first diverging layer.
+
+    The artifact's graph keeps each layer's output as a named internal value (manifest
+    ``layer_outputs``); an in-memory copy of the graph exposes them as outputs over the same weights.
+    """
+    import onnx
+
+    model_path = Path(model_path)
+    proto = onnx.load(str(model_path), load_external_data=False)
+    existing = {o.name for o in proto.graph.output}
+    for name in layer_outputs:
+        if name not in existing:
+            proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    ids = torch.tensor([prompt_ids], dtype=torch.int64)
+    positions = torch.arange(len(prompt_ids))[None]
+    reference = torch_model(ids, positions, output_hidden_states=True).hidden_states
+    session = OrtSession(model_path, graph=proto)  # weights still read from the artifact
+    session.allocate(batch=1, max_len=len(prompt_ids) + 1)
+    outputs = session.forward_with_outputs(ids.numpy(), positions.numpy(), np.ones_like(ids.numpy()),
+                                           extra_outputs=tuple(layer_outputs))[1:]
+    rows, first = [], None
+    for layer, (ours, ref) in enumerate(zip(outputs, reference, strict=True)):
+        ref_np = ref.numpy().astype(np.float64)
+        err = float(np.abs(ours.astype(np.float64) - ref_np).max())
+        relative = err / max(float(np.abs(ref_np).max()), 1e-30)
+        diverged = relative > LAYER_RELATIVE_LIMIT
+        if diverged and first is None:
+            first = layer
+        rows.append(LayerReport(layer, err, relative, diverged))
+    return rows, first
+
+
+def layer_table(rows: list[LayerReport], first: int | None) -> str:
+    """Per-layer errors with a bar per layer (log scale), and the first diverging layer."""
+    lines = [f"{'layer':>5} {'max_abs_err':>12} {'relative':>10}  log10(relative) from -8 to 0"]
+    for row in rows:
+        level = int(np.clip(np.log10(max(row.relative_err, 1e-12)) + 8, 0, 8) * 5)
+        lines.append(f"{row.layer:>5} {row.max_abs_err:>12.3e} {row.relative_err:>10.2e}  {'#' * level}"
+                     f"{'  <- diverges' if row.layer == first else ''}")
+    lines.append("no layer diverges" if first is None else f"first diverging layer: {first}")
+    return "\n".join(lines)

@@ -54,14 +54,22 @@ class OrtSession:
     """
 
     def __init__(self, model_path: str | Path, *, threads: int | None = None,
-                 providers: list[str] | None = None, optimize: bool = True) -> None:
+                 providers: list[str] | None = None, optimize: bool = True,
+                 graph: onnx.ModelProto | None = None) -> None:
+        """``graph``: an edited in-memory copy of the graph at ``model_path`` (its weights are still read
+        from the external data next to ``model_path``)."""
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
         if not optimize:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         self.model_path = Path(model_path)
-        self.session = ort.InferenceSession(str(model_path), options, providers=providers or ["CPUExecutionProvider"])
+        source: str | bytes = str(model_path)
+        if graph is not None:
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(self.model_path.parent))
+            source = graph.SerializeToString()
+        self.session = ort.InferenceSession(source, options, providers=providers or ["CPUExecutionProvider"])
         self.bindings = read_cache_bindings(model_path)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.dtype = np.float32
@@ -79,6 +87,13 @@ class OrtSession:
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """input_ids/position_ids [B, S] int64, attention_mask [B, T] int64 -> logits [B, S, V] float32."""
+        return self.forward_with_outputs(input_ids, position_ids, attention_mask)[0]
+
+    def forward_with_outputs(
+        self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+        extra_outputs: tuple[str, ...] = (),
+    ) -> list[np.ndarray]:
+        """Like ``forward``, also returning the named extra graph outputs: [logits, *extras]."""
         if attention_mask.shape[1] > self.capacity:
             raise ValueError(f"{attention_mask.shape[1]} tokens exceed the cache capacity {self.capacity}")
         io = self.session.io_binding()
@@ -91,9 +106,13 @@ class OrtSession:
             for output in binding.output_names:
                 io.bind_ortvalue_output(output, value)  # same buffer: updated in place
         io.bind_output("logits", "cpu")
+        for name in extra_outputs:
+            io.bind_output(name, "cpu")
         self.session.run_with_iobinding(io)
-        # Outputs come back in binding order; logits was bound last.
-        return io.get_outputs()[-1].numpy()
+        # Outputs come back in binding order: caches first, then logits and the extras.
+        outputs = io.get_outputs()
+        first = len(outputs) - 1 - len(extra_outputs)
+        return [o.numpy() for o in outputs[first:]]
 
 
 def default_threads() -> int:

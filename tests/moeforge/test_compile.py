@@ -201,3 +201,31 @@ def test_genai_runs_a_gqa_artifact(artifacts):
             break
         expected.append(token)
     assert genai_tokens[: len(expected)] == expected and len(expected) > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
+def test_per_layer_parity_names_the_first_diverging_layer(artifacts, name):
+    import torch
+
+    from moeforge.parity import run_layer_parity
+
+    artifact = load_artifact(artifacts[name])
+    config = load_model(name).config
+    assert len(artifact.manifest.layer_outputs) == config.num_hidden_layers
+    prompt = default_prompt(config.vocab_size, 12)
+    rows, first = run_layer_parity(artifact.model_path, artifact.manifest.layer_outputs, load_model(name).model, prompt)
+    assert first is None and all(row.relative_err < 1e-5 for row in rows)
+    # A reference whose layer 1 differs: layer 0 still agrees, layer 1 is named.
+    perturbed = load_model(name).model
+    with torch.no_grad():
+        perturbed.model.layers[1].self_attn.o_proj.weight.mul_(1.5)
+    rows, first = run_layer_parity(artifact.model_path, artifact.manifest.layer_outputs, perturbed, prompt)
+    assert first == 1
+    assert not rows[0].diverged and rows[1].diverged
+
+
+def test_cli_per_layer(capsys, artifacts):
+    code, stdout, _ = _cli(capsys, "parity", str(artifacts["tiny-deepseek-v2"]), "--steps", "2", "--per-layer")
+    assert code == 0
+    assert "no layer diverges" in stdout
+    assert stdout.count("\n") > 3 + 3  # steps table + one row per layer
