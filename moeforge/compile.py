@@ -29,6 +29,7 @@ from moeforge.export.config import ModelConfig
 from moeforge.export.loader import LoadedModel, load_model
 from moeforge.export.onnx_export import export_stateless, unmark_layers
 from moeforge.genai_config import genai_config
+from moeforge.golden import write_golden
 from moeforge.graph_passes.base import PassContext, PassReport
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
 from moeforge.parity import ParityReport, default_prompt, run_parity
@@ -123,6 +124,8 @@ def compile_model(options: CompileOptions) -> CompileResult:
                 import json
 
                 (tmp / "genai_config.json").write_text(json.dumps(genai, indent=2))
+            # Golden logits (Polygraphy JSON) for checking another backend, e.g. TensorRT, later.
+            write_golden(tmp, tmp / MODEL_FILE, default_prompt(config.vocab_size, 16, seed=1))
             if options.check:
                 stage("parity check")
                 report = run_parity(tmp / MODEL_FILE, loaded.model, default_prompt(config.vocab_size, 16),

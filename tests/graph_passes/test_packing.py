@@ -39,3 +39,16 @@ def test_packing_counts_and_parity(fresh_model, name):
     total = sum(v.const_value.size for v in model.graph.initializers.values() if v.const_value is not None)
     params = sum(p.numel() for p in loaded.model.parameters())
     assert total < 1.05 * params + 10_000
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
+def test_cleanup_keeps_numerics(fresh_model, name):
+    from moeforge.graph_passes.cleanup import Cleanup
+
+    loaded, model = fresh_model(name)
+    feeds = random_feeds(loaded.config.vocab_size)
+    before = run_ort(model, feeds)[0]
+    nodes_before = sum(1 for _ in model.graph)
+    removed = Cleanup().apply(model, PassContext(loaded.config, 256))
+    assert removed == nodes_before - sum(1 for _ in model.graph)
+    np.testing.assert_allclose(run_ort(model, feeds)[0], before, atol=1e-6, rtol=0)

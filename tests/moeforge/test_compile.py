@@ -229,3 +229,26 @@ def test_cli_per_layer(capsys, artifacts):
     assert code == 0
     assert "no layer diverges" in stdout
     assert stdout.count("\n") > 3 + 3  # steps table + one row per layer
+
+
+def test_golden_outputs_are_saved_in_polygraphy_format(artifacts):
+    from polygraphy.json import load_json
+
+    from moeforge.golden import compare_with_golden, load_golden
+    from moeforge.runtime.backends.onnxruntime import OrtSession
+
+    root = artifacts["tiny-deepseek-v3"]
+    assert {"golden/inputs.json", "golden/outputs.json"} <= set(load_artifact(root).manifest.files)
+    assert load_json(str(root / "golden" / "outputs.json"))[0][0] == "onnxrt-cpu"
+    feeds, golden = load_golden(root)
+    # A fresh run on the saved inputs reproduces the golden logits; a perturbed one does not.
+    session = OrtSession(root / "model.onnx")
+    (logits,) = session.session.run(["logits"], feeds)
+    assert compare_with_golden(root, logits).max_abs_err < 1e-5
+    assert compare_with_golden(root, logits + 0.01).max_abs_err > 5e-3
+    # And it agrees with PyTorch on the same prompt.
+    import torch
+
+    ids = feeds["input_ids"]
+    reference = load_model("tiny-deepseek-v3").model(torch.tensor(ids), torch.tensor(feeds["position_ids"])).logits
+    np.testing.assert_allclose(golden, reference.detach().numpy(), atol=1e-4)
