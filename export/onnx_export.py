@@ -13,6 +13,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 
+import numpy as np
 import onnx_ir as ir
 import torch
 from torch import nn
@@ -86,8 +87,9 @@ def _moe_boundaries(model: CausalLM) -> Iterator[None]:
 def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
     """Export ``model`` (absorbed MLA) to an in-memory onnx-ir model at opset 23.
 
-    ``mark_layers``: also output each decoder layer's result as ``layer_output.{i}``; passes keep graph
-    outputs intact, and ``unmark_layers`` turns them back into internal values after the passes.
+    ``mark_layers``: also output each decoder layer's result as ``layer_output.{i}``, through a marker
+    ``Add(x, 0)`` so that the residual value itself stays an ordinary intermediate the passes can fuse
+    (a graph output would pin it); ``unmark_layers`` removes the markers after the passes.
     """
     if model.config.mla is not None and model.mla_impl != "absorb":
         raise ValueError("export MLA in its absorbed form (CausalLM(config, 'absorb')) so the cache holds the latent")
@@ -110,8 +112,29 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
         function = moe_op.moe_local_function(model.config.moe, model.config.moe.n_routed_experts, OPSET)
         fn = ir.serde.deserialize_function(function)
         onnx_model.functions[fn.identifier()] = fn
+    if mark_layers:
+        _add_layer_markers(onnx_model)
     _name_dims(onnx_model)
     return onnx_model
+
+
+def _add_layer_markers(model: ir.Model) -> None:
+    graph = model.graph
+    zero = None
+    for index, value in enumerate(list(graph.outputs)):
+        if not (value.name or "").startswith("layer_output."):
+            continue
+        if zero is None:
+            zero = ir.Value(name="layer_output.zero", shape=ir.Shape([]), type=value.type,
+                            const_value=ir.tensor(np.zeros((), dtype=value.dtype.numpy())))
+            graph.register_initializer(zero)
+        name = value.name
+        value.name = f"{name}.source"
+        marker = ir.node("Add", [value, zero])
+        marker.outputs[0].name = name
+        marker.outputs[0].shape, marker.outputs[0].type = value.shape, value.type
+        graph.append(marker)
+        graph.outputs[index] = marker.outputs[0]
 
 
 def unmark_layers(model: ir.Model) -> list[str]:
@@ -122,12 +145,14 @@ def unmark_layers(model: ir.Model) -> list[str]:
         if not (value.name or "").startswith("layer_output."):
             continue
         graph.outputs.remove(value)
-        producer = value.producer()
-        if producer is not None and producer.op_type == "Identity" and producer.inputs[0] is not None:
-            source = producer.inputs[0]  # a pass may have left an Identity in front of the output
-            graph.remove(producer, safe=True)
-            value = source
-        names.append(value.name or "")
+        marker = value.producer()
+        assert marker is not None and marker.op_type == "Add", f"{value.name}: its Add(x, 0) marker is gone"
+        source = marker.inputs[0]
+        assert source is not None
+        graph.remove(marker, safe=True)
+        names.append(source.name or "")
+    if "layer_output.zero" in graph.initializers and not graph.initializers["layer_output.zero"].uses():
+        graph.initializers.pop("layer_output.zero")
     return names
 
 

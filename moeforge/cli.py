@@ -167,7 +167,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from moeforge.artifact import load_artifact, summarize
+    from moeforge.artifact import load_artifact
+    from moeforge.inspect import summarize
 
     artifact = load_artifact(args.artifact, verify=not args.no_verify)
     print(artifact.manifest.to_json() if args.json else summarize(artifact))

@@ -26,14 +26,13 @@ from moeforge.artifact import (
     check_output_dir,
     kv_cache_spec,
     load_artifact,
-    op_counts,
-    summarize,
     tool_versions,
     write_artifact,
 )
 from moeforge.errors import MoeforgeError
 from moeforge.export.presets import get_preset
 from moeforge.genai_config import genai_config
+from moeforge.inspect import op_counts, summarize
 
 LLAMA = get_preset("tiny-llama").config
 DEEPSEEK = get_preset("tiny-deepseek-v3").config

@@ -12,10 +12,11 @@ import numpy as np
 import onnx
 import pytest
 
-from moeforge.artifact import ArtifactError, load_artifact, op_counts
+from moeforge.artifact import ArtifactError, load_artifact
 from moeforge.cli import main
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.export.loader import load_model
+from moeforge.inspect import op_counts
 from moeforge.parity import default_prompt, run_parity
 
 PRESETS = ("tiny-llama", "tiny-deepseek-v3", "tiny-deepseek-v2")

@@ -7,10 +7,11 @@ import numpy as np
 import onnx
 import pytest
 
-from moeforge.artifact import load_artifact, op_counts
+from moeforge.artifact import load_artifact
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.export.gguf_loader import find_smollm2_gguf
 from moeforge.export.loader import load_model
+from moeforge.inspect import op_counts
 from moeforge.parity import run_parity
 from moeforge.runtime.backends.onnxruntime import OrtSession
 

@@ -1,0 +1,315 @@
+"""Sampler: picks the next token for every row of a batch of logits, each row with its own parameters.
+
+Dimension letters: B batch rows, R rows a transform acts on, V vocabulary.
+
+Processing order (vLLM / Hugging Face semantics), each step on the output of the previous one:
+
+1. repetition penalty over prompt + output tokens (HF: a positive logit is divided by the
+   penalty, a negative one multiplied, so a penalty > 1 always makes a seen token less likely);
+2. presence penalty over output tokens (subtracted once per distinct token, as in vLLM/OpenAI);
+3. temperature (0 = greedy: the row takes the argmax here and skips the rest);
+4. top-k, 5. top-p, 6. min-p (removed tokens get -inf);
+7. one draw from what is left, with the row's own generator.
+
+Why this order: penalties act on the model's scores, so a penalty means the same at any
+temperature; temperature comes before the filters so that top-p and min-p measure the
+distribution that is actually sampled from; top-k before top-p before min-p is the order of
+Hugging Face's warpers, so top-p's mass is taken over the top-k survivors (renormalised). The
+filters never remove the most likely token, so greedy (argmax of the penalised logits) equals the
+argmax after any filter, and a filtered row always keeps at least one token.
+
+Ties: top-k keeps every token tied with the k-th largest logit, and top-p keeps every token tied
+with the last one it needs; so the kept set never depends on how a sort orders equal values.
+
+Drawing: inverse CDF. A sampled row draws exactly one uniform u in [0, 1) from its generator and
+takes the first token whose cumulative (unnormalised) weight exceeds u times the total. One draw
+per sampled step makes a seeded request's stream easy to reason about: its generator is advanced
+only by its own rows, so the tokens it gets do not depend on which other requests share the batch.
+Rows without a generator share the sampler's own (seeded at construction) in row order.
+
+Logprobs are those of the raw model distribution: log-softmax of the logits as given, before any
+penalty, temperature or filter (vLLM's default, ``raw_logprobs``). They describe what the model
+predicted, independent of how it was sampled, and so stay comparable across sampling settings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeforge.errors import MoeforgeError
+
+MAX_LOGPROBS = 20
+MAX_PRESENCE_PENALTY = 2.0  # vLLM and the OpenAI API accept [-2, 2]
+
+
+class SamplingParamsError(MoeforgeError, ValueError):
+    """A sampling parameter outside its valid range; ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters. temperature 0 is greedy; top_k 0, top_p 1.0, min_p 0.0,
+    repetition_penalty 1.0 and presence_penalty 0.0 are off. ``logprobs`` is how many top logprobs
+    to return (0: only the chosen token's). ``max_tokens``, the stop fields and ``ignore_eos`` are
+    read by the engine, not by the sampler."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    logprobs: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists for the stop fields but store tuples, so the params stay hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ``SamplingParamsError`` naming the first parameter outside its valid range."""
+
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise SamplingParamsError(param, message)
+
+        def is_int(x: object) -> bool:
+            return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+        check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+              f"must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        check(is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k}")
+        check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1] (1 = off), got {self.top_p}")
+        check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1] (0 = off), got {self.min_p}")
+        check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+              f"must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        check(-MAX_PRESENCE_PENALTY <= self.presence_penalty <= MAX_PRESENCE_PENALTY, "presence_penalty",
+              f"must be in [-{MAX_PRESENCE_PENALTY}, {MAX_PRESENCE_PENALTY}] (0 = off), got {self.presence_penalty}")
+        check(self.seed is None or (is_int(self.seed) and self.seed >= 0), "seed",
+              f"must be None or an integer >= 0, got {self.seed}")
+        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+              f"must be an integer >= 1, got {self.max_tokens}")
+        check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+              f"must be an integer in [0, {MAX_LOGPROBS}] (0 = only the chosen token's), got {self.logprobs}")
+        bad = [t for t in self.stop_token_ids if not (is_int(t) and 0 <= t < vocab_size)]
+        check(not bad, "stop_token_ids", f"must be token ids in [0, {vocab_size}), got {bad[:5]}")
+        check(all(isinstance(s, str) and s for s in self.stop_strings), "stop_strings",
+              f"must be non-empty strings, got {list(self.stop_strings)[:5]}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self) -> np.random.Generator | None:
+        """The request's own generator (None without a seed): the same seed gives the same tokens."""
+        return None if self.seed is None else np.random.default_rng(self.seed)
+
+
+@dataclass
+class SampleOutput:
+    """token_ids [B] int64; logprobs [B] float32: the chosen tokens' raw-distribution logprobs;
+    top_logprobs: per row, the ``params.logprobs`` most likely (token, logprob) pairs of the raw
+    distribution, most likely first (ties: lower id first); empty for rows that asked for none."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+# ---- transforms: logits [R, V] with one parameter per row -> new logits [R, V]; input unchanged ----
+
+
+def _distinct_positions(token_ids: Sequence[Sequence[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token) index pairs of the distinct tokens of each row."""
+    lengths = [len(t) for t in token_ids]
+    rows = np.repeat(np.arange(len(token_ids), dtype=np.int64), lengths)
+    cols = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=sum(lengths))
+    flat = np.unique(rows * vocab_size + cols)
+    return flat // vocab_size, flat % vocab_size
+
+
+def apply_repetition_penalty(logits: np.ndarray, token_ids: Sequence[Sequence[int]], penalty: np.ndarray) -> np.ndarray:
+    """HF semantics: each distinct seen token's logit is divided by the penalty if positive, else
+    multiplied. ``token_ids``: per row, the prompt and output tokens."""
+    out = logits.copy()
+    r, c = _distinct_positions(token_ids, logits.shape[-1])
+    p = np.asarray(penalty, dtype=logits.dtype)[r]
+    seen = out[r, c]
+    out[r, c] = np.where(seen > 0, seen / p, seen * p)
+    return out
+
+
+def apply_presence_penalty(logits: np.ndarray, output_ids: Sequence[Sequence[int]], penalty: np.ndarray) -> np.ndarray:
+    """Subtract the penalty once from each distinct token already generated (vLLM/OpenAI)."""
+    out = logits.copy()
+    r, c = _distinct_positions(output_ids, logits.shape[-1])
+    out[r, c] -= np.asarray(penalty, dtype=logits.dtype)[r]
+    return out
+
+
+def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+    """(logits - row max) / temperature, temperature > 0. The shift leaves the distribution as is
+    and keeps a tiny temperature from overflowing: the max maps to 0, the rest to <= 0."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted / np.asarray(temperature, dtype=logits.dtype)[:, None]
+
+
+def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> np.ndarray:
+    """Keep the logits >= the row's k-th largest (ties with it kept); k <= 0 or k >= V is off."""
+    vocab = logits.shape[-1]
+    k = np.asarray(top_k, dtype=np.int64)
+    out = logits.copy()
+    rows = np.flatnonzero((k > 0) & (k < vocab))
+    if rows.size:
+        # One partition puts every needed order statistic in place for all rows at once.
+        kth_pos = vocab - k[rows]
+        part = np.partition(logits[rows], np.unique(kth_pos), axis=-1)
+        kth = part[np.arange(rows.size), kth_pos]
+        sub = out[rows]
+        sub[sub < kth[:, None]] = -np.inf
+        out[rows] = sub
+    return out
+
+
+def apply_top_p(logits: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p, plus any token
+    tied with the last one of it; top_p >= 1 is off. The most likely token always survives."""
+    p = np.asarray(top_p, dtype=np.float64)
+    out = logits.copy()
+    rows = np.flatnonzero(p < 1.0)
+    if rows.size:
+        sub = out[rows]
+        weights = np.exp(sub - sub.max(axis=-1, keepdims=True))  # unnormalised probabilities
+        ordered = -np.sort(-weights, axis=-1)
+        cum = np.cumsum(ordered, axis=-1, dtype=np.float64)
+        before = np.concatenate([np.zeros((rows.size, 1)), cum[:, :-1]], axis=-1)  # mass above each rank
+        # A rank is needed while the mass above it is still short of top_p; rank 0 always is.
+        n_keep = (before < p[rows, None] * cum[:, -1:]).sum(axis=-1)
+        cutoff = ordered[np.arange(rows.size), n_keep - 1]
+        sub[weights < cutoff[:, None]] = -np.inf
+        out[rows] = sub
+    return out
+
+
+def apply_min_p(logits: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """Keep the tokens whose probability is >= min_p times the row's largest; min_p 0 is off."""
+    m = np.asarray(min_p, dtype=np.float64)
+    out = logits.copy()
+    rows = np.flatnonzero(m > 0.0)
+    if rows.size:
+        sub = out[rows]
+        ratio = np.exp(sub - sub.max(axis=-1, keepdims=True))  # p / p_max, no normalisation needed
+        sub[ratio < m[rows, None]] = -np.inf
+        out[rows] = sub
+    return out
+
+
+def raw_logprobs(logits: np.ndarray) -> np.ndarray:
+    """log-softmax over the last axis, accumulated in float64."""
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+class Sampler:
+    """Samples one token per row. Parameters are validated by the engine on admission, not here."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        # Shared by rows that have no generator of their own (unseeded requests).
+        self._rng = np.random.default_rng(seed)
+
+    def process(
+        self,
+        logits: np.ndarray,
+        params: Sequence[SamplingParams],
+        output_tokens: Sequence[Sequence[int]],
+        prompt_tokens: Sequence[Sequence[int]],
+    ) -> np.ndarray:
+        """Logits [B, V] -> processed logits [B, V] float32: penalised for every row; for sampled rows
+        also tempered and filtered (-inf = removed). A row's distribution is the softmax of its row."""
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
+        batch = logits.shape[0]
+        for name, seq in (("params", params), ("output_tokens", output_tokens), ("prompt_tokens", prompt_tokens)):
+            if len(seq) != batch:
+                raise ValueError(f"{name} has {len(seq)} rows, logits has {batch}")
+        if np.isnan(logits).any():
+            bad = np.flatnonzero(np.isnan(logits).any(axis=-1)).tolist()
+            raise ValueError(f"logits rows {bad[:5]} contain NaN")
+        x = np.array(logits, dtype=np.float32)  # a copy: the caller's buffer is left alone
+
+        rep = np.array([q.repetition_penalty for q in params], dtype=np.float32)
+        if (rows := np.flatnonzero(rep != 1.0)).size:
+            seen = [list(prompt_tokens[i]) + list(output_tokens[i]) for i in rows]
+            x[rows] = apply_repetition_penalty(x[rows], seen, rep[rows])
+        presence = np.array([q.presence_penalty for q in params], dtype=np.float32)
+        if (rows := np.flatnonzero(presence != 0.0)).size:
+            x[rows] = apply_presence_penalty(x[rows], [output_tokens[i] for i in rows], presence[rows])
+
+        rows = np.array([i for i, q in enumerate(params) if not q.greedy], dtype=np.int64)
+        if rows.size:
+            sub = apply_temperature(x[rows], np.array([params[i].temperature for i in rows]))
+            sub = apply_top_k(sub, np.array([params[i].top_k for i in rows]))
+            sub = apply_top_p(sub, np.array([params[i].top_p for i in rows]))
+            x[rows] = apply_min_p(sub, np.array([params[i].min_p for i in rows]))
+        return x
+
+    def sample(
+        self,
+        logits: np.ndarray,
+        params: Sequence[SamplingParams],
+        generators: Sequence[np.random.Generator | None],
+        output_tokens: Sequence[Sequence[int]],
+        prompt_tokens: Sequence[Sequence[int]],
+    ) -> SampleOutput:
+        """Pick one token per row of logits [B, V]. ``generators[i]`` is row i's own generator (see
+        ``SamplingParams.make_generator``) or None; it is advanced by one draw when row i samples
+        and not at all when it is greedy. ``output_tokens``/``prompt_tokens``: tokens so far per row."""
+        if len(generators) != len(params):
+            raise ValueError(f"generators has {len(generators)} rows, params has {len(params)}")
+        x = self.process(logits, params, output_tokens, prompt_tokens)
+        tokens = x.argmax(axis=-1).astype(np.int64)  # the greedy rows' answer; sampled rows overwritten
+        rows = np.array([i for i, q in enumerate(params) if not q.greedy], dtype=np.int64)
+        if rows.size:
+            u = np.array([(self._rng if generators[i] is None else generators[i]).random() for i in rows])
+            tokens[rows] = _inverse_cdf(x[rows], u)
+
+        logprobs = raw_logprobs(logits)  # [B, V] float64
+        chosen = logprobs[np.arange(len(tokens)), tokens].astype(np.float32)
+        top = [_top_n(logprobs[i], q.logprobs) for i, q in enumerate(params)]
+        return SampleOutput(tokens, chosen, top)
+
+
+def _inverse_cdf(logits: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Per row, the first token whose cumulative weight exceeds u * total (u in [0, 1)). A token with
+    zero weight never exceeds its predecessor's cumulative weight, so it is never chosen."""
+    weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    cdf = np.cumsum(weights, axis=-1, dtype=np.float64)
+    # u < 1 keeps u * total < total (round-to-nearest never lifts it to total), so the index is < V.
+    target = u * cdf[:, -1]
+    return (cdf <= target[:, None]).sum(axis=-1).astype(np.int64)
+
+
+def _top_n(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The n largest entries of logprobs [V] as (token, logprob), largest first, ties by lower id."""
+    if n <= 0:
+        return []
+    n = min(n, logprobs.shape[-1])
+    # Every token tied with the n-th largest is a candidate, so the tie-break by id is exact.
+    nth = -np.partition(-logprobs, n - 1)[n - 1]
+    idx = np.flatnonzero(logprobs >= nth)
+    idx = idx[np.lexsort((idx, -logprobs[idx]))][:n]
+    return [(int(i), float(logprobs[i])) for i in idx]
