@@ -18,6 +18,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from moeforge.runtime.backends.base import RowInput, StepInput
+
 PAST_PREFIX = "past_key_values."
 
 
@@ -96,12 +98,25 @@ class OrtSession:
         """Like ``forward``, also returning the named extra graph outputs: [logits, *extras]."""
         if attention_mask.shape[1] > self.capacity:
             raise ValueError(f"{attention_mask.shape[1]} tokens exceed the cache capacity {self.capacity}")
+        return self._run(self._ort_values, input_ids, position_ids, attention_mask, extra_outputs)
+
+    def views(self, lo: int, hi: int) -> list[ort.OrtValue]:
+        """OrtValues over rows lo..hi-1 of every cache buffer, without copying (C-contiguous slices)."""
+        return [ort.OrtValue.ortvalue_from_numpy(buf[lo:hi]) for buf in self.buffers]
+
+    def forward_on(self, values: list[ort.OrtValue], input_ids: np.ndarray, position_ids: np.ndarray,
+                   attention_mask: np.ndarray) -> np.ndarray:
+        """``forward`` with caches bound to ``values`` (e.g. ``views``); logits [B, S, V]."""
+        return self._run(values, input_ids, position_ids, attention_mask, ())[0]
+
+    def _run(self, values: list[ort.OrtValue], input_ids: np.ndarray, position_ids: np.ndarray,
+             attention_mask: np.ndarray, extra_outputs: tuple[str, ...]) -> list[np.ndarray]:
         io = self.session.io_binding()
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
         for name, array in feeds.items():
             if name in self.input_names:
                 io.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.int64))
-        for binding, value in zip(self.bindings, self._ort_values, strict=True):
+        for binding, value in zip(self.bindings, values, strict=True):
             io.bind_ortvalue_input(binding.input_name, value)
             for output in binding.output_names:
                 io.bind_ortvalue_output(output, value)  # same buffer: updated in place
@@ -117,3 +132,87 @@ class OrtSession:
 
 def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
+
+
+class OrtBackend:
+    """The ``Backend`` of an ONNX Runtime artifact with per-sequence contiguous caches.
+
+    Cache memory: per layer one buffer [num_slots, Hkv, L, D]; slot s is row s. A prefill chunk runs
+    alone on its row (a zero-copy [1, Hkv, L, D] view); decode rows run together on the smallest
+    contiguous range of rows that holds them. Rows in that range that have no work this step get a
+    dummy token whose cache write lands at their next free position, which their own next real token
+    overwrites, so they are unharmed. GroupQueryAttention's cost follows each row's real length.
+    """
+
+    def __init__(self, model_path: str | Path, num_slots: int, max_seq_len: int, vocab_size: int,
+                 threads: int | None = None) -> None:
+        self._session = OrtSession(model_path, threads=threads)
+        self._num_slots, self._max_seq_len, self._vocab = num_slots, max_seq_len, vocab_size
+        self._session.allocate(num_slots, max_seq_len)
+        self.lengths = [0] * num_slots  # tokens held per slot: the cache's own bookkeeping
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def execute(self, step: StepInput) -> np.ndarray:
+        """Run prefill chunks one by one and all decodes together; logits [rows, V] of each last token."""
+        out = np.empty((len(step.rows), self._vocab), np.float32)
+        decodes = []
+        for index, row in enumerate(step.rows):
+            self._check(row)
+            if len(row.token_ids) == 1:
+                decodes.append((index, row))
+                continue
+            out[index] = self._run_rows(row.slot, row.slot + 1, {row.slot: row})[0, -1]
+            self.lengths[row.slot] += len(row.token_ids)
+        if decodes:
+            lo = min(r.slot for _, r in decodes)
+            hi = max(r.slot for _, r in decodes) + 1
+            logits = self._run_rows(lo, hi, {r.slot: r for _, r in decodes})
+            for index, row in decodes:
+                out[index] = logits[row.slot - lo, -1]
+                self.lengths[row.slot] += 1
+        return out
+
+    def _check(self, row: RowInput) -> None:
+        if not 0 <= row.slot < self._num_slots:
+            raise ValueError(f"slot {row.slot} is outside 0..{self._num_slots - 1}")
+        if row.start != self.lengths[row.slot]:
+            raise ValueError(f"slot {row.slot} holds {self.lengths[row.slot]} tokens, the row starts at {row.start}")
+        if not row.token_ids:
+            raise ValueError(f"slot {row.slot}: a row needs at least one token")
+        if row.start + len(row.token_ids) > self._max_seq_len:
+            raise ValueError(f"slot {row.slot}: {row.start + len(row.token_ids)} tokens exceed max_seq_len "
+                             f"{self._max_seq_len}")
+
+    def _run_rows(self, lo: int, hi: int, work: dict[int, RowInput]) -> np.ndarray:
+        # Rows lo..hi-1 of every buffer, right-padded: ids/positions [B, S], mask [B, T].
+        width = max(len(r.token_ids) for r in work.values())
+        batch = hi - lo
+        ids = np.zeros((batch, width), np.int64)
+        positions = np.zeros((batch, width), np.int64)
+        totals = []
+        for b, slot in enumerate(range(lo, hi)):
+            row = work.get(slot)
+            start = self.lengths[slot]
+            tokens = row.token_ids if row is not None else (0,)  # dummy: written at `start`, overwritten later
+            ids[b, : len(tokens)] = tokens
+            positions[b] = np.arange(start, start + width)
+            totals.append(start + len(tokens))
+        mask = np.zeros((batch, max(totals)), np.int64)
+        for b, total in enumerate(totals):
+            mask[b, :total] = 1
+        values = self._session.views(lo, hi)
+        return self._session.forward_on(values, ids, positions, mask)

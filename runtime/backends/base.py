@@ -1,0 +1,60 @@
+"""The Backend protocol: what the engine needs from an execution backend (ONNX Runtime, TensorRT).
+
+Dimension letters: S tokens of one row this step, V vocabulary.
+
+A backend owns the KV-cache memory of one artifact. The engine gives it, per step, the rows to run:
+each row names its cache slot, the tokens to feed and the position of the first one; the backend
+returns, per row, the logits of the row's last token. Everything a step needs is in ``StepInput``:
+no state about sequences lives in the backend besides the cache contents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """One sequence's work this step: feed ``token_ids`` [S] at positions start .. start+S-1 into ``slot``.
+
+    The slot's cache must already hold ``start`` tokens (positions 0 .. start-1) of this sequence.
+    """
+
+    slot: int
+    token_ids: tuple[int, ...]
+    start: int
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """All rows of one engine step (prefill chunks and decodes mixed)."""
+
+    rows: tuple[RowInput, ...]
+
+
+class Backend(Protocol):
+    """An artifact ready to run, with its cache memory."""
+
+    @property
+    def num_slots(self) -> int:
+        """How many sequences can hold a cache at once."""
+        ...
+
+    @property
+    def max_seq_len(self) -> int:
+        """Most tokens one slot holds (prompt + generated)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def execute(self, step: StepInput) -> np.ndarray:
+        """Run one step; return logits [len(step.rows), V] float32 of each row's last token."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """Forget a slot's contents (its sequence finished or was preempted)."""
+        ...
