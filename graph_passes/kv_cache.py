@@ -108,12 +108,18 @@ class KVCacheInsertion:
         k3 = _to_bsd(tape, k4, hkv * dk)
         v3 = k3 if mla else _to_bsd(tape, v4, hkv * dk)  # MLA: the value is the latent itself
         window = ctx.config.sliding_window
+        inputs: list[ir.Value | None] = [q3, k3, v3, past_key, past_value, seqlens, total]
+        attributes = {"num_heads": hq, "kv_num_heads": hkv, "scale": float(scale), "do_rotary": 0,
+                      "local_window_size": int(window) if window else -1}
+        rotary = None if mla else _foldable_rotary(q3, k3, dk)
+        if rotary is not None:
+            # GQA rotates q and k itself (one kernel instead of two RotaryEmbedding nodes + reshapes).
+            (q_raw, k_raw), position_ids, cos, sin, interleaved = rotary
+            inputs[0], inputs[1] = q_raw, k_raw
+            inputs += [cos, sin, position_ids]
+            attributes.update(do_rotary=1, rotary_interleaved=interleaved)
         out, present_key, present_value = tape.op_multi_out(
-            "GroupQueryAttention",
-            [q3, k3, v3, past_key, past_value, seqlens, total],
-            attributes={"num_heads": hq, "kv_num_heads": hkv, "scale": float(scale), "do_rotary": 0,
-                        "local_window_size": int(window) if window else -1},
-            domain=MS_DOMAIN, num_outputs=3,
+            "GroupQueryAttention", inputs, attributes=attributes, domain=MS_DOMAIN, num_outputs=3,
         )
         out.name = f"/layers.{layer}/attention/output"
         present_key.name, present_value.name = names.present
@@ -127,7 +133,29 @@ class KVCacheInsertion:
         graph.insert_before(node, tape.nodes)
         _replace_bhsd_output(graph, node.outputs[0], heads)
         graph.outputs.extend([present_key, present_value])
-        graph.remove(node, safe=False)
+        graph.remove(node, safe=True)  # detaches its inputs, so what fed only it becomes dead code
+
+
+def _foldable_rotary(q3: ir.Value, k3: ir.Value, head_dim: int):  # type: ignore[no-untyped-def]
+    """If q and k [B, S, H*D] come straight out of RotaryEmbedding nodes that share position_ids and
+    cos/sin caches, return ((q_in, k_in), position_ids, cos, sin, interleaved); else None.
+
+    GroupQueryAttention's CPU rotary needs a head size that is a multiple of 16.
+    """
+    if head_dim % 16:
+        return None
+    nodes = [v.producer() for v in (q3, k3)]
+    if any(n is None or n.op_type != "RotaryEmbedding" or n.domain != MS_DOMAIN for n in nodes):
+        return None
+    q_node, k_node = nodes
+    if any(len(n.inputs) < 4 for n in nodes) or q_node.inputs[1:4] != k_node.inputs[1:4]:
+        return None
+    interleaved = {n.attributes.get_int("interleaved", 0) for n in nodes}
+    rotated = {n.attributes.get_int("rotary_embedding_dim", head_dim) for n in nodes}
+    if len(interleaved) != 1 or rotated != {head_dim}:
+        return None  # (other users of the rotated q/k, if any, keep their RotaryEmbedding node)
+    position_ids, cos, sin = q_node.inputs[1], q_node.inputs[2], q_node.inputs[3]
+    return (q_node.inputs[0], k_node.inputs[0]), position_ids, cos, sin, interleaved.pop()
 
 
 def _batch_dim(graph: ir.Graph):  # type: ignore[no-untyped-def]

@@ -71,3 +71,26 @@ def test_gqa_graph_has_genai_names(fresh_model, tmp_path):
     assert {"logits", "present.0.key", "present.0.value"} <= outputs
     key = next(v for v in model.graph.inputs if v.name == "past_key_values.0.key")
     assert list(key.shape)[1] == loaded.config.num_key_value_heads and list(key.shape)[3] == loaded.config.head_dim
+
+
+def test_rope_folds_into_attention_for_gqa(fresh_model, tmp_path):
+    from moeforge.graph_passes.rotary import RotaryFusion
+
+    loaded, model = fresh_model("tiny-llama")  # head size 16: GQA's rotary accepts multiples of 16
+    ctx = PassContext(loaded.config, 128)
+    assert RotaryFusion().apply(model, ctx) == 2 * loaded.config.num_hidden_layers
+    KVCacheInsertion().apply(model, ctx)
+    Cleanup().apply(model, ctx)
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert ops["RotaryEmbedding"] == 0
+    assert all(n.attributes.get_int("do_rotary", 0) == 1 for n in model.graph if n.op_type == "GroupQueryAttention")
+    path = tmp_path / "model.onnx"
+    ir.save(model, path, external_data="model.onnx.data")
+    session = OrtSession(path)
+    session.allocate(batch=1, max_len=32)
+    ids = np.random.default_rng(1).integers(0, loaded.config.vocab_size, (1, 20))
+    reference = loaded.model(torch.tensor(ids), torch.arange(20)[None]).logits.detach().numpy()
+    steps = [session.forward(ids[:, :12], np.arange(12)[None], np.ones((1, 12), np.int64))]
+    for t in range(12, 20):
+        steps.append(session.forward(ids[:, t : t + 1], np.array([[t]]), np.ones((1, t + 1), np.int64)))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), reference, atol=1e-4, rtol=0)

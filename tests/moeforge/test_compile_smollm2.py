@@ -41,7 +41,8 @@ def test_fusion_is_real(smollm2_artifact):
                                                                       0) == 2 * LAYERS + 1
     assert counts.get("com.microsoft.SkipSimplifiedLayerNormalization") == 2 * LAYERS
     assert counts.get("com.microsoft.GroupQueryAttention") == LAYERS  # one attention node per layer
-    assert counts.get("com.microsoft.RotaryEmbedding") == 2 * LAYERS
+    # RoPE was fused (rotary pass) and then folded into the attention kernel (do_rotary), head size 64.
+    assert "com.microsoft.RotaryEmbedding" not in counts
     for leftover in ("RMSNormalization", "Pow", "ReduceMean", "Attention", "Cos", "Sin"):
         assert leftover not in counts, leftover
     # Packed projections: q/k/v and gate/up are one GEMM each; plus o_proj, down_proj and the LM head.
@@ -51,6 +52,10 @@ def test_fusion_is_real(smollm2_artifact):
     assert len(caches) == 2 * LAYERS
     users = {name: [n.op_type for n in graph.node if name in n.input] for name in caches}
     assert all(ops == ["GroupQueryAttention"] for ops in users.values())  # no Concat-grown caches
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention":
+            attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attributes["do_rotary"] == 1 and attributes["rotary_interleaved"] == 0
 
 
 def test_parity_with_pytorch(smollm2_artifact, reference):
