@@ -27,9 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="generate text from a model (checkpoint, .gguf or preset)")
-    run.add_argument("model", help="HF folder, .gguf file, or a preset / built-in name")
-    run.add_argument("--backend", choices=["torch"], default="torch", help="execution backend (default torch)")
+    run = sub.add_parser("run", help="generate text from an artifact, a checkpoint, a .gguf or a preset")
+    run.add_argument("model", help="artifact directory, HF folder, .gguf file, or a preset / built-in name")
+    run.add_argument("--backend", choices=["torch", "onnxruntime"], default=None,
+                     help="onnxruntime for artifacts (default), torch (the PyTorch reference) for checkpoints")
+    run.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     prompt = run.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenised with the model's tokenizer)")
     prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids, e.g. 1,2,3")
@@ -101,7 +103,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_BAD_INPUT
 
 
+def _is_artifact(path: str) -> bool:
+    from pathlib import Path
+
+    return (Path(path) / "manifest.json").is_file()
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    artifact = _is_artifact(args.model)
+    backend = args.backend or ("onnxruntime" if artifact else "torch")
+    if backend == "onnxruntime":
+        if not artifact:
+            raise MoeforgeError(f"{args.model} is not an artifact directory; compile it first "
+                                "(moeforge compile MODEL -o DIR) or use --backend torch")
+        return _run_artifact(args)
+    if artifact:
+        raise MoeforgeError("--backend torch runs checkpoints; for an artifact use --backend onnxruntime")
+    return _run_torch(args)
+
+
+def _run_artifact(args: argparse.Namespace) -> int:
+    from moeforge.runtime.engine import EngineConfig, LLMEngine
+    from moeforge.runtime.sampler import SamplingParams
+
+    engine = LLMEngine.from_artifact(args.model, EngineConfig(max_num_seqs=1, threads=args.threads))
+    prompt: str | list[int]
+    if args.prompt is not None:
+        prompt = args.prompt
+        if args.chat:
+            if engine.tokenizer is None:
+                raise MoeforgeError("--chat needs the artifact's tokenizer")
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                          add_generation_prompt=True)
+    else:
+        if args.chat:
+            raise MoeforgeError("--chat needs a text --prompt")
+        prompt = args.prompt_ids
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    final = None
+    printed = ""
+    for out in engine.stream(prompt, params):
+        final = out
+        if args.stream and not args.json and out.text is not None:
+            print(out.text[len(printed):], end="", flush=True)
+            printed = out.text
+    assert final is not None
+    if final.error:
+        raise MoeforgeError(final.error)
+    if args.json:
+        print(json.dumps({"token_ids": final.token_ids, "text": final.text}))
+    elif args.stream and final.text is not None:
+        print()
+    else:
+        print(final.text if final.text is not None else ",".join(map(str, final.token_ids)))
+    return EXIT_OK
+
+
+def _run_torch(args: argparse.Namespace) -> int:
     from moeforge.export.generate import SamplingConfig, generate_stream
     from moeforge.export.loader import load_model
 

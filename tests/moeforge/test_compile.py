@@ -253,3 +253,15 @@ def test_golden_outputs_are_saved_in_polygraphy_format(artifacts):
     ids = feeds["input_ids"]
     reference = load_model("tiny-deepseek-v3").model(torch.tensor(ids), torch.tensor(feeds["position_ids"])).logits
     np.testing.assert_allclose(golden, reference.detach().numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v2"])
+def test_run_artifact_equals_torch_reference(capsys, artifacts, name):
+    args = ["--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "12", "--ignore-eos", "--json"]
+    code, stdout, stderr = _cli(capsys, "run", str(artifacts[name]), *args)
+    assert code == 0, stderr
+    code_ref, stdout_ref, _ = _cli(capsys, "run", name, "--backend", "torch", *args)
+    assert code_ref == 0
+    assert json.loads(stdout)["token_ids"] == json.loads(stdout_ref)["token_ids"]
+    code, _, stderr = _cli(capsys, "run", name, "--backend", "onnxruntime", "--prompt-ids", "1")
+    assert code == 2 and "not an artifact" in stderr

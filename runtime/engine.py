@@ -1,0 +1,301 @@
+"""LLMEngine: the decode loop over an artifact. One step is schedule -> execute -> sample -> update.
+
+The scheduler decides which tokens of which requests run (continuous batching, chunked prefill,
+preemption); the backend runs them on its cache slots and returns each row's last logits; the
+sampler picks tokens; the scheduler records them. The engine owns the request <-> cache-slot map,
+stop strings (they need the tokenizer) and metrics. A bad request fails alone: it is rejected with
+a clear error (or finished with one) and the engine keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moeforge.errors import MoeforgeError
+from moeforge.runtime.backends.base import Backend, RowInput, StepInput
+from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from moeforge.runtime.sampler import Sampler, SamplingParams
+from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from moeforge.runtime.sequence import Sequence as Request
+from moeforge.runtime.sequence import SequenceStatus
+
+DEFAULT_PARAMS = SamplingParams()
+
+
+class RequestError(MoeforgeError):
+    """A request that cannot be served as given (the message says why and what to change)."""
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings (seconds, from ``time.perf_counter``)."""
+
+    arrival: float
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def tokens_per_second(self, num_tokens: int) -> float | None:
+        """Decode speed after the first token."""
+        if self.finished is None or self.first_token is None or num_tokens < 2:
+            return None
+        return (num_tokens - 1) / max(self.finished - self.first_token, 1e-9)
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: all generated ids so far, the new ones, text if a tokenizer exists."""
+
+    request_id: int
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EngineMetrics:
+    """Totals over the engine's life."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    execute_seconds: float = 0.0
+
+    def kv_blocks_in_use(self, kv: KVCacheManager) -> int:
+        return kv.stats().blocks_in_use
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity knobs. ``kv_blocks`` of ``block_size`` tokens is the KV memory budget that drives
+    admission and preemption (default: every slot can reach ``max_seq_len``)."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_blocks: int | None = None
+    long_prefill_chunk: int | None = None
+    threads: int | None = None
+
+
+class LLMEngine:
+    """Serve generation requests on one backend (``from_artifact`` builds the ONNX Runtime one)."""
+
+    def __init__(self, backend: Backend, *, tokenizer=None, eos_token_ids: Sequence[int] = (),  # type: ignore[no-untyped-def]
+                 config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.config = config
+        blocks_per_slot = -(-backend.max_seq_len // config.block_size)
+        num_blocks = config.kv_blocks or backend.num_slots * blocks_per_slot
+        # Contiguous-slot artifacts cannot share a cached prefix physically, so prefix caching is off.
+        self.kv = KVCacheManager(KVCacheConfig(num_blocks, config.block_size, enable_prefix_caching=False))
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=min(config.max_num_seqs, backend.num_slots),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            long_prefill_chunk=config.long_prefill_chunk, max_model_len=backend.max_seq_len,
+        ), self.kv)
+        self.sampler = Sampler()
+        self.metrics = EngineMetrics()
+        self._ids = itertools.count()
+        self._requests: dict[int, Request] = {}
+        self._generators: dict[int, np.random.Generator | None] = {}
+        self._timings: dict[int, RequestMetrics] = {}
+        self._logprobs: dict[int, list[float]] = {}
+        self._slots: dict[int, int] = {}
+        self._free_slots = list(range(backend.num_slots))
+        self._reported: dict[int, int] = {}  # tokens already returned per request (streaming deltas)
+
+    @classmethod
+    def from_artifact(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+        """Open an artifact directory (hashes verified) on ONNX Runtime, CPU by default."""
+        from moeforge.artifact import load_artifact
+        from moeforge.export.tokenizer import Tokenizer
+        from moeforge.runtime.backends.onnxruntime import OrtBackend
+
+        config = config or EngineConfig()
+        artifact = load_artifact(path)
+        manifest = artifact.manifest
+        backend = OrtBackend(artifact.model_path, num_slots=config.max_num_seqs,
+                             max_seq_len=manifest.kv_cache.max_seq_len,
+                             vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads)
+        tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
+        eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
+            manifest.model_config.get("eos_token_ids", ()))
+        return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams = DEFAULT_PARAMS) -> int:
+        """Queue a request; returns its id. Raises ``RequestError`` (nothing queued) for bad input."""
+        params.validate(self.backend.vocab_size)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this artifact has no tokenizer: pass prompt token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.backend.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.backend.vocab_size})")
+        if len(ids) + params.max_tokens > self.backend.max_seq_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the artifact's max_seq_len "
+                f"{self.backend.max_seq_len}; shorten the prompt or lower max_tokens (nothing is truncated)")
+        if not params.ignore_eos and self.eos_token_ids:
+            params = dataclasses.replace(params, stop_token_ids=tuple({*params.stop_token_ids, *self.eos_token_ids}))
+        request_id = next(self._ids)
+        request = Request(request_id, ids, params)
+        self._requests[request_id] = request
+        self._generators[request_id] = params.make_generator()
+        self._timings[request_id] = RequestMetrics(arrival=time.perf_counter())
+        self._logprobs[request_id] = []
+        self._reported[request_id] = 0
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request; its cache slot and blocks are freed."""
+        if self.scheduler.abort(request_id):
+            self._release(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the outputs of requests that advanced or finished."""
+        plan = self.scheduler.schedule()
+        for request_id in plan.preempted:
+            self._release_slot(request_id)
+            self.metrics.preemptions += 1
+        for request_id in plan.finished:
+            self._release_slot(request_id)
+        sampled, logprobs = self._execute(plan) if plan.scheduled else ({}, {})
+        done = self.scheduler.update(plan, sampled)
+        now = time.perf_counter()
+        for request_id, logprob in logprobs.items():
+            self._logprobs[request_id].append(logprob)
+            timing = self._timings[request_id]
+            if timing.first_token is None:
+                timing.first_token = now
+        touched = {item.request_id for item in plan.scheduled} | set(plan.finished)
+        self._apply_stop_strings(touched)
+        for request in done:
+            self._release_slot(request.request_id)
+        outputs = []
+        for request_id in sorted(touched):
+            request = self._requests[request_id]
+            if request_id in sampled or request.is_finished:
+                outputs.append(self._output(request))
+        return outputs
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[dict[int, int], dict[int, float]]:
+        rows = []
+        for item in plan.scheduled:
+            if item.request_id not in self._slots:
+                self._slots[item.request_id] = self._free_slots.pop(0)
+            rows.append(RowInput(self._slots[item.request_id], tuple(item.token_ids), item.start))
+        start = time.perf_counter()
+        logits = self.backend.execute(StepInput(tuple(rows)))
+        self.metrics.execute_seconds += time.perf_counter() - start
+        self.metrics.steps += 1
+        sample_rows = [i for i, item in enumerate(plan.scheduled) if item.completes_prompt]
+        for item in plan.scheduled:
+            if item.is_prefill_chunk:
+                self.metrics.prefill_tokens += item.num_tokens
+            else:
+                self.metrics.decode_tokens += item.num_tokens
+        if not sample_rows:
+            return {}, {}
+        requests = [self._requests[plan.scheduled[i].request_id] for i in sample_rows]
+        out = self.sampler.sample(
+            logits[sample_rows], [r.params for r in requests], [self._generators[r.request_id] for r in requests],
+            [r.output_token_ids for r in requests], [r.prompt_token_ids for r in requests],
+        )
+        tokens = {r.request_id: int(t) for r, t in zip(requests, out.token_ids, strict=True)}
+        logprobs = {r.request_id: float(lp) for r, lp in zip(requests, out.logprobs, strict=True)}
+        return tokens, logprobs
+
+    def _apply_stop_strings(self, request_ids: set[int]) -> None:
+        if self.tokenizer is None:
+            return
+        for request_id in request_ids:
+            request = self._requests[request_id]
+            if request.is_finished or not request.params.stop_strings:
+                continue
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            if any(stop in text for stop in request.params.stop_strings):
+                self.scheduler.abort(request_id)
+                request.status = SequenceStatus.FINISHED_STOPPED
+                self._release_slot(request_id)
+
+    def _release_slot(self, request_id: int) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self.backend.release(slot)
+            self._free_slots.append(slot)
+            self._free_slots.sort()
+
+    def _release(self, request_id: int) -> None:
+        self._release_slot(request_id)
+
+    def _output(self, request: Request) -> RequestOutput:
+        request_id = request.request_id
+        ids = list(request.output_token_ids)
+        new = ids[self._reported[request_id]:]
+        self._reported[request_id] = len(ids)
+        timing = self._timings[request_id]
+        if request.is_finished and timing.finished is None:
+            timing.finished = time.perf_counter()
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        return RequestOutput(request_id, ids, new, text, request.is_finished, request.finish_reason,
+                             request.error, list(self._logprobs[request_id]), timing)
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] = DEFAULT_PARAMS) -> list[RequestOutput]:
+        """Run prompts to completion together; a bad prompt yields an output with ``error`` set."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        results: dict[int, RequestOutput] = {}
+        order: list[int | RequestOutput] = []
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            try:
+                order.append(self.add_request(prompt, p))
+            except MoeforgeError as exc:
+                order.append(RequestOutput(-1, [], [], None, True, "error", str(exc)))
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [item if isinstance(item, RequestOutput) else results[item] for item in order]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams = DEFAULT_PARAMS) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that gave it new tokens, until it finishes."""
+        request_id = self.add_request(prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return
