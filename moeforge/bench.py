@@ -61,3 +61,161 @@ def write_result(path: str | Path, name: str, results: dict[str, Any]) -> Path:
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+# ----------------------------------------------------------------------------- moeforge bench
+def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(batch)]
+
+
+def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
+                 threads: int | None = None) -> dict[str, Any]:
+    """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT."""
+    import time
+
+    from moeforge.runtime.engine import EngineConfig, LLMEngine
+    from moeforge.runtime.sampler import SamplingParams
+
+    engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(max_num_seqs=batch,
+                                                                max_num_batched_tokens=batch * prompt_len,
+                                                                threads=threads))
+    vocab = engine.backend.vocab_size
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    engine.generate(_prompts(vocab, batch, prompt_len, seed=99), SamplingParams(max_tokens=2, ignore_eos=True))
+    start = time.perf_counter()
+    for prompt in _prompts(vocab, batch, prompt_len):
+        engine.add_request(prompt, params)
+    first_tokens_at = None
+    outputs = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs.append(out)
+        if first_tokens_at is None and all(t.first_token is not None for t in engine._timings.values()
+                                           if t.finished is None):
+            first_tokens_at = time.perf_counter()
+    end = time.perf_counter()
+    assert first_tokens_at is not None
+    ttfts = [o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None]
+    return {
+        "prefill_tokens_per_s": batch * prompt_len / (first_tokens_at - start),
+        "decode_tokens_per_s": batch * (new_tokens - 1) / (end - first_tokens_at),
+        "ttft_ms_median": 1e3 * sorted(ttfts)[len(ttfts) // 2],
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+    }
+
+
+def bench_torch(model: Any, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict[str, Any]:
+    """Our PyTorch model (eager, fp32, its own KV cache), same work."""
+    import time
+
+    import torch
+
+    ids = torch.tensor(_prompts(vocab, batch, prompt_len))
+    with torch.inference_mode():
+        model(ids[:, :4], torch.arange(4).expand(batch, -1))  # warm-up
+        start = time.perf_counter()
+        out = model(ids, torch.arange(prompt_len).expand(batch, -1))
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        first = time.perf_counter()
+        past = out.past_key_values
+        for step in range(new_tokens - 1):
+            pos = torch.full((batch, 1), prompt_len + step)
+            out = model(token, pos, past)
+            past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        end = time.perf_counter()
+    return {"prefill_tokens_per_s": batch * prompt_len / (first - start),
+            "decode_tokens_per_s": batch * (new_tokens - 1) / (end - first)}
+
+
+def bench_transformers(source: str, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict[str, Any] | None:
+    """transformers eager on the same weights (HF folder or GGUF), when installed."""
+    import time
+
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    path = Path(source)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    elif (path / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        return None
+    model.eval()
+    ids = torch.tensor(_prompts(vocab, batch, prompt_len))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        model.generate(ids[:, :4], attention_mask=mask[:, :4], max_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        first = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False)
+        end = time.perf_counter()
+    prefill = first - start
+    return {"prefill_tokens_per_s": batch * prompt_len / prefill,
+            "decode_tokens_per_s": batch * (new_tokens - 1) / max(end - first - prefill, 1e-9)}
+
+
+def bench_genai(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
+                vocab: int) -> dict[str, Any] | None:
+    """onnxruntime-genai running the same artifact from its genai_config.json, when installed."""
+    import time
+
+    import numpy as np
+
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        return None
+    if not (Path(artifact_dir) / "genai_config.json").is_file():
+        return None
+    model = og.Model(str(artifact_dir))
+    prompts = np.array(_prompts(vocab, batch, prompt_len), dtype=np.int32)
+
+    def run(n: int) -> float:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=prompt_len + n, min_length=prompt_len + n, batch_size=batch,
+                                  do_sample=False)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(prompts)
+        while not generator.is_done():
+            generator.generate_next_token()
+        return time.perf_counter() - start
+
+    run(2)
+    prefill = run(1)
+    total = run(new_tokens)
+    return {"prefill_tokens_per_s": batch * prompt_len / prefill,
+            "decode_tokens_per_s": batch * (new_tokens - 1) / max(total - prefill, 1e-9)}
+
+
+def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
+              threads: int | None = None, compare: bool = True) -> dict[str, Any]:
+    """All measurements of ``moeforge bench`` in one run, with ratios to our engine."""
+    from moeforge.artifact import load_artifact
+    from moeforge.export.loader import load_model
+
+    artifact = load_artifact(artifact_dir)
+    vocab = int(artifact.manifest.model_config["vocab_size"])
+    result: dict[str, Any] = {"artifact": str(artifact_dir), "model": artifact.manifest.model_config.get("name"),
+                              "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                              "moeforge_onnxruntime": bench_engine(artifact_dir, batch, prompt_len, new_tokens,
+                                                                   threads)}
+    if compare:
+        source = artifact.manifest.source
+        result["pytorch_eager"] = bench_torch(load_model(source).model, batch, prompt_len, new_tokens, vocab)
+        result["transformers_eager"] = bench_transformers(source, batch, prompt_len, new_tokens, vocab)
+        result["onnxruntime_genai"] = bench_genai(artifact_dir, batch, prompt_len, new_tokens, vocab)
+        ours = result["moeforge_onnxruntime"]["decode_tokens_per_s"]
+        result["decode_speedup_vs"] = {name: round(ours / r["decode_tokens_per_s"], 2)
+                                       for name in ("pytorch_eager", "transformers_eager", "onnxruntime_genai")
+                                       if (r := result[name]) is not None}
+    return result

@@ -71,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also compare every decoder layer's output and name the first that diverges")
     par.add_argument("--json", action="store_true")
 
+    bench = sub.add_parser("bench", help="prefill/decode tokens/s, TTFT, RSS; compared with PyTorch, "
+                           "transformers and onnxruntime-genai on the same work")
+    bench.add_argument("artifact", help="artifact directory")
+    bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument("--prompt-len", type=int, default=64)
+    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--no-compare", action="store_true", help="measure only moeforge")
+    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--save", action="store_true", help="also write benchmarks/results/bench_<model>_b<B>.json")
+
     cfg = sub.add_parser("config", help="print a model's config, parameter count and KV bytes per token")
     cfg.add_argument("model", help="HF folder, .gguf file, or a preset name (full-size presets included)")
     cfg.add_argument("--json", action="store_true")
@@ -93,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_inspect(args)
         if args.command == "parity":
             return _cmd_parity(args)
+        if args.command == "bench":
+            return _cmd_bench(args)
     except MoeforgeError as exc:
         print(f"moeforge {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -264,6 +277,32 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         passed = passed and first is None
     print(json.dumps(result, indent=2) if args.json else report.table() + layer_text)
     return EXIT_OK if passed else EXIT_CHECK_FAILED
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from moeforge.bench import run_bench, write_result
+
+    if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2:
+        raise MoeforgeError("--batch and --prompt-len must be >= 1, --new-tokens >= 2")
+    result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
+                       compare=not args.no_compare)
+    if args.save:
+        name = str(result["model"] or "model").lower().replace(" ", "-")
+        write_result(f"benchmarks/results/bench_{name}_b{args.batch}.json", "bench", result)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return EXIT_OK
+    print(f"{result['model']}: batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens")
+    print(f"{'runtime':<22} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    for key in ("moeforge_onnxruntime", "pytorch_eager", "transformers_eager", "onnxruntime_genai"):
+        row = result.get(key)
+        if row:
+            print(f"{key:<22} {row['prefill_tokens_per_s']:>14.1f} {row['decode_tokens_per_s']:>13.1f}")
+    ours = result["moeforge_onnxruntime"]
+    print(f"TTFT median {ours['ttft_ms_median']:.1f} ms, peak RSS {ours['peak_rss_mib']:.0f} MiB")
+    for name, ratio in result.get("decode_speedup_vs", {}).items():
+        print(f"decode speed vs {name}: {ratio:.2f}x")
+    return EXIT_OK
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
