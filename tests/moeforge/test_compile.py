@@ -265,3 +265,15 @@ def test_run_artifact_equals_torch_reference(capsys, artifacts, name):
     assert json.loads(stdout)["token_ids"] == json.loads(stdout_ref)["token_ids"]
     code, _, stderr = _cli(capsys, "run", name, "--backend", "onnxruntime", "--prompt-ids", "1")
     assert code == 2 and "not an artifact" in stderr
+
+
+def test_bench_reports_speeds_and_ratios(capsys, artifacts):
+    code, stdout, stderr = _cli(capsys, "bench", str(artifacts["tiny-llama"]), "--batch", "2", "--prompt-len", "8",
+                                "--new-tokens", "4", "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    ours = result["moeforge_onnxruntime"]
+    assert ours["prefill_tokens_per_s"] > 0 and ours["decode_tokens_per_s"] > 0 and ours["peak_rss_mib"] > 0
+    assert result["pytorch_eager"]["decode_tokens_per_s"] > 0
+    assert "pytorch_eager" in result["decode_speedup_vs"]
+    assert result["transformers_eager"] is None  # a preset has no transformers checkpoint to compare with
