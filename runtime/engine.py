@@ -93,6 +93,7 @@ class EngineConfig:
     kv_blocks: int | None = None
     long_prefill_chunk: int | None = None
     threads: int | None = None
+    providers: tuple[str, ...] | None = None  # ONNX Runtime execution providers (default: CPU)
 
 
 class LLMEngine:
@@ -137,7 +138,8 @@ class LLMEngine:
         manifest = artifact.manifest
         backend = OrtBackend(artifact.model_path, num_slots=config.max_num_seqs,
                              max_seq_len=manifest.kv_cache.max_seq_len,
-                             vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads)
+                             vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads,
+                             providers=list(config.providers) if config.providers else None)
         tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
         eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
             manifest.model_config.get("eos_token_ids", ()))

@@ -71,7 +71,7 @@ class OrtSession:
             options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                              str(self.model_path.parent))
             source = graph.SerializeToString()
-        self.session = ort.InferenceSession(source, options, providers=providers or ["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(source, options, providers=providers or default_providers())
         self.bindings = read_cache_bindings(model_path)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.dtype = np.float32
@@ -130,6 +130,18 @@ class OrtSession:
         return [o.numpy() for o in outputs[first:]]
 
 
+def default_providers() -> list[str]:
+    """CPU, the embedded default. ``MOEFORGE_ORT_PROVIDERS=CUDAExecutionProvider,CPUExecutionProvider``
+    selects others (the caches are host buffers, so a GPU provider copies them each step: correct,
+    not fast; device-resident caches arrive with the TensorRT backend)."""
+    chosen = [p for p in os.environ.get("MOEFORGE_ORT_PROVIDERS", "").split(",") if p]
+    available = set(ort.get_available_providers())
+    missing = [p for p in chosen if p not in available]
+    if missing:
+        raise ValueError(f"ONNX Runtime providers {missing} are not available here; available: {sorted(available)}")
+    return chosen or ["CPUExecutionProvider"]
+
+
 def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
@@ -145,8 +157,8 @@ class OrtBackend:
     """
 
     def __init__(self, model_path: str | Path, num_slots: int, max_seq_len: int, vocab_size: int,
-                 threads: int | None = None) -> None:
-        self._session = OrtSession(model_path, threads=threads)
+                 threads: int | None = None, providers: list[str] | None = None) -> None:
+        self._session = OrtSession(model_path, threads=threads, providers=providers)
         self._num_slots, self._max_seq_len, self._vocab = num_slots, max_seq_len, vocab_size
         self._session.allocate(num_slots, max_seq_len)
         self.lengths = [0] * num_slots  # tokens held per slot: the cache's own bookkeeping

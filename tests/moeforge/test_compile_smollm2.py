@@ -98,3 +98,19 @@ def test_genai_runs_the_artifact_with_identical_greedy_tokens(smollm2_artifact, 
     assert len(ours) >= 5
     assert genai_tokens == ours
     assert "Paris" in reference.tokenizer.decode(genai_tokens)
+
+
+def test_engine_greedy_equals_pytorch_batch_1_and_8(smollm2_artifact, reference):
+    from moeforge.export.generate import SamplingConfig, generate
+    from moeforge.runtime.engine import EngineConfig, LLMEngine
+    from moeforge.runtime.sampler import SamplingParams
+
+    texts = ["The capital of France is", "Water boils at", "def fibonacci(n):", "Once upon a time, in a small village",
+             "1, 2, 3, 4,", "The quick brown fox", "Photosynthesis is the process by which plants", "Hello"]
+    prompts = [reference.tokenizer.encode(t) for t in texts]
+    expected = [generate(reference.model, p, SamplingConfig(max_new_tokens=12)).token_ids for p in prompts]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    solo = LLMEngine.from_artifact(smollm2_artifact, EngineConfig(max_num_seqs=1)).generate(prompts[:1], params)
+    assert solo[0].token_ids == expected[0]
+    engine = LLMEngine.from_artifact(smollm2_artifact, EngineConfig(max_num_seqs=8, max_num_batched_tokens=32))
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
