@@ -7,7 +7,6 @@ and renamed at the end, so a failed or interrupted compile leaves nothing behind
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,7 +15,6 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from moeforge.artifact import (
-    ArtifactError,
     Manifest,
     TensorSpec,
     check_output_dir,
@@ -172,6 +170,3 @@ def _manifest(
         created_utc=datetime.now(UTC).isoformat(timespec="seconds"),
     )
 
-
-ProgressCallback = Callable[[str], None]
-__all__ = ["ArtifactError", "CompileOptions", "CompileResult", "ParityCheckFailed", "compile_model"]

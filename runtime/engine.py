@@ -78,9 +78,6 @@ class EngineMetrics:
     preemptions: int = 0
     execute_seconds: float = 0.0
 
-    def kv_blocks_in_use(self, kv: KVCacheManager) -> int:
-        return kv.stats().blocks_in_use
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -179,10 +176,15 @@ class LLMEngine:
     def abort(self, request_id: int) -> None:
         """Stop a request; its cache slot and blocks are freed."""
         if self.scheduler.abort(request_id):
-            self._release(request_id)
+            self._release_slot(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def kv_blocks_in_use(self) -> int:
+        """KV-cache blocks held by running requests now."""
+        return self.kv.stats().blocks_in_use
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -258,9 +260,6 @@ class LLMEngine:
             self.backend.release(slot)
             self._free_slots.append(slot)
             self._free_slots.sort()
-
-    def _release(self, request_id: int) -> None:
-        self._release_slot(request_id)
 
     def _output(self, request: Request) -> RequestOutput:
         request_id = request.request_id
