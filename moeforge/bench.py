@@ -100,7 +100,12 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     end = time.perf_counter()
     assert first_tokens_at is not None
     ttfts = [o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None]
+    # Attention's share of kernel time, from a separate profiled run (profiling perturbs the timings).
+    profiled = LLMEngine.from_artifact(artifact_dir, EngineConfig(max_num_seqs=batch, threads=threads, profile=True,
+                                                                  max_num_batched_tokens=batch * prompt_len))
+    profiled.generate(_prompts(vocab, batch, prompt_len), params)
     return {
+        "attention_time_share": round(profiled.attention_time_share() or 0.0, 3),
         "prefill_tokens_per_s": batch * prompt_len / (first_tokens_at - start),
         "decode_tokens_per_s": batch * (new_tokens - 1) / (end - first_tokens_at),
         "ttft_ms_median": 1e3 * sorted(ttfts)[len(ttfts) // 2],

@@ -299,7 +299,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if row:
             print(f"{key:<22} {row['prefill_tokens_per_s']:>14.1f} {row['decode_tokens_per_s']:>13.1f}")
     ours = result["moeforge_onnxruntime"]
-    print(f"TTFT median {ours['ttft_ms_median']:.1f} ms, peak RSS {ours['peak_rss_mib']:.0f} MiB")
+    print(f"TTFT median {ours['ttft_ms_median']:.1f} ms, peak RSS {ours['peak_rss_mib']:.0f} MiB, "
+          f"attention {100 * ours['attention_time_share']:.0f}% of kernel time")
     for name, ratio in result.get("decode_speedup_vs", {}).items():
         print(f"decode speed vs {name}: {ratio:.2f}x")
     return EXIT_OK

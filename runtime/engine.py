@@ -91,6 +91,7 @@ class EngineConfig:
     long_prefill_chunk: int | None = None
     threads: int | None = None
     providers: tuple[str, ...] | None = None  # ONNX Runtime execution providers (default: CPU)
+    profile: bool = False  # time kernels (costs a little) so attention_time_share() can answer
 
 
 class LLMEngine:
@@ -136,7 +137,8 @@ class LLMEngine:
         backend = OrtBackend(artifact.model_path, num_slots=config.max_num_seqs,
                              max_seq_len=manifest.kv_cache.max_seq_len,
                              vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads,
-                             providers=list(config.providers) if config.providers else None)
+                             providers=list(config.providers) if config.providers else None,
+                             profile=config.profile)
         tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
         eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
             manifest.model_config.get("eos_token_ids", ()))
@@ -180,6 +182,14 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def attention_time_share(self) -> float | None:
+        """Fraction of backend compute spent in attention kernels so far, when the backend can tell
+        (ONNX Runtime with ``EngineConfig(profile=True)``); None otherwise. Ends profiling."""
+        shares = self.backend.op_time_shares()
+        if shares is None:
+            return None
+        return sum(share for op, share in shares.items() if "Attention" in op)
 
     @property
     def kv_blocks_in_use(self) -> int:

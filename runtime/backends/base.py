@@ -58,3 +58,7 @@ class Backend(Protocol):
     def release(self, slot: int) -> None:
         """Forget a slot's contents (its sequence finished or was preempted)."""
         ...
+
+    def op_time_shares(self) -> dict[str, float] | None:
+        """Share of compute time per op type, if the backend can tell (else None)."""
+        ...

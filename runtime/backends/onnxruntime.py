@@ -57,7 +57,7 @@ class OrtSession:
 
     def __init__(self, model_path: str | Path, *, threads: int | None = None,
                  providers: list[str] | None = None, optimize: bool = True,
-                 graph: onnx.ModelProto | None = None) -> None:
+                 graph: onnx.ModelProto | None = None, profile: bool = False) -> None:
         """``graph``: an edited in-memory copy of the graph at ``model_path`` (its weights are still read
         from the external data next to ``model_path``)."""
         options = ort.SessionOptions()
@@ -65,6 +65,11 @@ class OrtSession:
             options.intra_op_num_threads = threads
         if not optimize:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if profile:
+            import tempfile
+
+            options.enable_profiling = True
+            options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="moeforge-profile-")) / "ort")
         self.model_path = Path(model_path)
         source: str | bytes = str(model_path)
         if graph is not None:
@@ -157,8 +162,9 @@ class OrtBackend:
     """
 
     def __init__(self, model_path: str | Path, num_slots: int, max_seq_len: int, vocab_size: int,
-                 threads: int | None = None, providers: list[str] | None = None) -> None:
-        self._session = OrtSession(model_path, threads=threads, providers=providers)
+                 threads: int | None = None, providers: list[str] | None = None, profile: bool = False) -> None:
+        self._session = OrtSession(model_path, threads=threads, providers=providers, profile=profile)
+        self._profiling = profile
         self._num_slots, self._max_seq_len, self._vocab = num_slots, max_seq_len, vocab_size
         self._session.allocate(num_slots, max_seq_len)
         self.lengths = [0] * num_slots  # tokens held per slot: the cache's own bookkeeping
@@ -177,6 +183,22 @@ class OrtBackend:
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
+
+    def op_time_shares(self) -> dict[str, float] | None:
+        """Share of kernel time per op type so far (needs ``profile=True``; ends profiling)."""
+        if not self._profiling:
+            return None
+        import json
+        from collections import Counter
+
+        path = self._session.session.end_profiling()
+        self._profiling = False
+        totals: Counter[str] = Counter()
+        for event in json.loads(Path(path).read_text()):
+            if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+                totals[event["args"]["op_name"]] += event["dur"]
+        grand = sum(totals.values()) or 1
+        return {op: duration / grand for op, duration in totals.most_common()}
 
     def execute(self, step: StepInput) -> np.ndarray:
         """Run prefill chunks one by one and all decodes together; logits [rows, V] of each last token."""

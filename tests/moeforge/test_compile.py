@@ -274,6 +274,7 @@ def test_bench_reports_speeds_and_ratios(capsys, artifacts):
     result = json.loads(stdout)
     ours = result["moeforge_onnxruntime"]
     assert ours["prefill_tokens_per_s"] > 0 and ours["decode_tokens_per_s"] > 0 and ours["peak_rss_mib"] > 0
+    assert 0 < ours["attention_time_share"] < 1
     assert result["pytorch_eager"]["decode_tokens_per_s"] > 0
     assert "pytorch_eager" in result["decode_speedup_vs"]
     assert result["transformers_eager"] is None  # a preset has no transformers checkpoint to compare with

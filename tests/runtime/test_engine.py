@@ -96,3 +96,14 @@ def test_stream_deltas_and_stop_strings(artifact):
     if stop:  # the byte-level tokenizer decodes every token to text
         stopped = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, stop_strings=(stop,)))[0]
         assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 10
+
+
+def test_attention_time_share_when_profiled(artifact):
+    _, path = artifact
+    plain = LLMEngine.from_artifact(path)
+    plain.generate(_prompts(1), GREEDY)
+    assert plain.attention_time_share() is None  # not profiled: the backend cannot tell
+    profiled = LLMEngine.from_artifact(path, EngineConfig(profile=True))
+    profiled.generate(_prompts(2), GREEDY)
+    share = profiled.attention_time_share()
+    assert share is not None and 0.0 < share < 1.0
