@@ -89,13 +89,15 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     for prompt in _prompts(vocab, batch, prompt_len):
         engine.add_request(prompt, params)
     first_tokens_at = None
+    started: set[int] = set()  # requests that produced their first token
     outputs = []
     while engine.has_unfinished():
         for out in engine.step():
+            if out.token_ids:
+                started.add(out.request_id)
             if out.finished:
                 outputs.append(out)
-        if first_tokens_at is None and all(t.first_token is not None for t in engine._timings.values()
-                                           if t.finished is None):
+        if first_tokens_at is None and len(started) == batch:
             first_tokens_at = time.perf_counter()
     end = time.perf_counter()
     assert first_tokens_at is not None
@@ -174,7 +176,7 @@ def bench_genai(artifact_dir: str | Path, batch: int, prompt_len: int, new_token
     """onnxruntime-genai running the same artifact from its genai_config.json, when installed."""
     import time
 
-    import numpy as np
+    from moeforge.genai_config import genai_greedy
 
     try:
         import onnxruntime_genai as og
@@ -183,17 +185,11 @@ def bench_genai(artifact_dir: str | Path, batch: int, prompt_len: int, new_token
     if not (Path(artifact_dir) / "genai_config.json").is_file():
         return None
     model = og.Model(str(artifact_dir))
-    prompts = np.array(_prompts(vocab, batch, prompt_len), dtype=np.int32)
+    prompts = _prompts(vocab, batch, prompt_len)
 
     def run(n: int) -> float:
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=prompt_len + n, min_length=prompt_len + n, batch_size=batch,
-                                  do_sample=False)
-        generator = og.Generator(model, params)
         start = time.perf_counter()
-        generator.append_tokens(prompts)
-        while not generator.is_done():
-            generator.generate_next_token()
+        genai_greedy(model, prompts, n, min_new_tokens=n)
         return time.perf_counter() - start
 
     run(2)

@@ -135,41 +135,63 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return _run_torch(args)
 
 
+def _prompt_ids(args: argparse.Namespace, tokenizer, model: str) -> list[int]:  # type: ignore[no-untyped-def]
+    """The prompt as token ids: --prompt-ids as given, or --prompt encoded (in the chat template with --chat)."""
+    if args.prompt is None:
+        if args.chat:
+            raise MoeforgeError("--chat needs a text --prompt")
+        return list(args.prompt_ids)
+    if tokenizer is None:
+        raise MoeforgeError(f"{model} ships no tokenizer: pass --prompt-ids instead of --prompt")
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode(text)
+
+
+class _Printer:
+    """Prints a generation: streamed text as it grows (--stream), then the result (text or --json)."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer) -> None:  # type: ignore[no-untyped-def]
+        self.args, self.tokenizer, self.printed = args, tokenizer, ""
+
+    def _text(self, token_ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def progress(self, token_ids: list[int]) -> None:
+        if self.args.stream and not self.args.json and self.tokenizer is not None:
+            # Decode the whole output each time: byte-level BPE pieces only form text together.
+            text = self._text(token_ids) or ""
+            print(text[len(self.printed):], end="", flush=True)
+            self.printed = text
+
+    def done(self, token_ids: list[int]) -> None:
+        text = self._text(token_ids)
+        if self.args.json:
+            print(json.dumps({"token_ids": token_ids, "text": text}))
+        elif self.args.stream and text is not None:
+            print()
+        else:
+            print(text if text is not None else ",".join(map(str, token_ids)))
+
+
 def _run_artifact(args: argparse.Namespace) -> int:
     from moeforge.runtime.engine import EngineConfig, LLMEngine
     from moeforge.runtime.sampler import SamplingParams
 
     engine = LLMEngine.from_artifact(args.model, EngineConfig(max_num_seqs=1, threads=args.threads))
-    prompt: str | list[int]
-    if args.prompt is not None:
-        prompt = args.prompt
-        if args.chat:
-            if engine.tokenizer is None:
-                raise MoeforgeError("--chat needs the artifact's tokenizer")
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                          add_generation_prompt=True)
-    else:
-        if args.chat:
-            raise MoeforgeError("--chat needs a text --prompt")
-        prompt = args.prompt_ids
+    prompt = _prompt_ids(args, engine.tokenizer, args.model)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    printer = _Printer(args, engine.tokenizer)
     final = None
-    printed = ""
     for out in engine.stream(prompt, params):
         final = out
-        if args.stream and not args.json and out.text is not None:
-            print(out.text[len(printed):], end="", flush=True)
-            printed = out.text
+        printer.progress(out.token_ids)
     assert final is not None
     if final.error:
         raise MoeforgeError(final.error)
-    if args.json:
-        print(json.dumps({"token_ids": final.token_ids, "text": final.text}))
-    elif args.stream and final.text is not None:
-        print()
-    else:
-        print(final.text if final.text is not None else ",".join(map(str, final.token_ids)))
+    printer.done(final.token_ids)
     return EXIT_OK
 
 
@@ -179,17 +201,7 @@ def _run_torch(args: argparse.Namespace) -> int:
 
     loaded = load_model(args.model, mla_impl=args.mla_impl)
     tokenizer = loaded.tokenizer
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise MoeforgeError(f"{args.model} ships no tokenizer: pass --prompt-ids instead of --prompt")
-        text = args.prompt
-        if args.chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text)
-    else:
-        if args.chat:
-            raise MoeforgeError("--chat needs a text --prompt")
-        prompt_ids = args.prompt_ids
+    prompt_ids = _prompt_ids(args, tokenizer, args.model)
     stop_ids: tuple[int, ...] = ()
     if not args.ignore_eos:
         stop_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else loaded.config.eos_token_ids
@@ -197,22 +209,12 @@ def _run_torch(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop_token_ids=stop_ids,
     )
+    printer = _Printer(args, tokenizer)
     generated: list[int] = []
-    printed = ""
     for token, _ in generate_stream(loaded.model, prompt_ids, sampling):
         generated.append(token)
-        if args.stream and not args.json and tokenizer is not None:
-            # Decode the whole suffix each time: byte-level BPE pieces only form text together.
-            text_so_far = tokenizer.decode(generated, skip_special_tokens=True)
-            print(text_so_far[len(printed):], end="", flush=True)
-            printed = text_so_far
-    text_out = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else None
-    if args.json:
-        print(json.dumps({"token_ids": generated, "text": text_out}))
-    elif args.stream and tokenizer is not None:
-        print()
-    else:
-        print(text_out if text_out is not None else ",".join(map(str, generated)))
+        printer.progress(generated)
+    printer.done(generated)
     return EXIT_OK
 
 

@@ -6,7 +6,6 @@ and renamed at the end, so a failed or interrupted compile leaves nothing behind
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,8 +30,6 @@ from moeforge.golden import write_golden
 from moeforge.graph_passes.base import PassContext, PassReport
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
 from moeforge.parity import ParityReport, default_prompt, run_parity
-
-log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"

@@ -12,6 +12,7 @@ run a plain decoder graph); ``vocab_size``, ``context_length`` and ``decoder.fil
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from moeforge.artifact import KVCacheSpec
@@ -136,3 +137,30 @@ def genai_config(
         "model": model,
         "search": {"max_length": context_length, "past_present_share_buffer": True, "do_sample": False},
     }
+
+
+def genai_greedy(model: Any, prompts: Sequence[Sequence[int]], new_tokens: int,
+                 min_new_tokens: int = 0) -> list[list[int]]:
+    """Greedy generation by onnxruntime-genai: the new ids per prompt. ``model`` is an artifact
+    directory or an already loaded ``og.Model`` (load once when timing).
+
+    Prompts must have equal lengths (GenAI pads on the right with pad_token_id otherwise). GenAI stops
+    at EOS unless ``min_new_tokens`` forces it on, and leaves a stopping EOS out of the sequence.
+    """
+    import numpy as np
+    import onnxruntime_genai as og
+
+    lengths = {len(p) for p in prompts}
+    if len(lengths) != 1:
+        raise ValueError("genai_greedy takes prompts of one length")
+    prompt_len = lengths.pop()
+    if isinstance(model, (str, Path)):
+        model = og.Model(str(model))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=prompt_len + new_tokens, min_length=prompt_len + min_new_tokens,
+                              batch_size=len(prompts), do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array(prompts, dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [list(generator.get_sequence(i))[prompt_len:] for i in range(len(prompts))]

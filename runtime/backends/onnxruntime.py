@@ -147,9 +147,6 @@ def default_providers() -> list[str]:
     return chosen or ["CPUExecutionProvider"]
 
 
-def default_threads() -> int:
-    return max(1, os.cpu_count() or 1)
-
 
 class OrtBackend:
     """The ``Backend`` of an ONNX Runtime artifact with per-sequence contiguous caches.

@@ -171,37 +171,26 @@ def test_bad_max_seq_len(capsys, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def _engine_greedy_until_eos(path: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    """Our engine's greedy tokens, with a stopping EOS left out as onnxruntime-genai leaves it out."""
+    from moeforge.runtime.engine import LLMEngine
+    from moeforge.runtime.sampler import SamplingParams
+
+    engine = LLMEngine.from_artifact(path)
+    tokens = engine.generate([prompt], SamplingParams(max_tokens=new_tokens))[0].token_ids
+    return tokens[:-1] if tokens and tokens[-1] in engine.eos_token_ids else tokens
+
+
 def test_genai_runs_a_gqa_artifact(artifacts):
-    og = pytest.importorskip("onnxruntime_genai")
-    from moeforge.runtime.backends.onnxruntime import OrtSession
+    pytest.importorskip("onnxruntime_genai")
+    from moeforge.genai_config import genai_greedy
 
     path = artifacts["tiny-llama"]
     prompt = default_prompt(512, 12, seed=3)
-    model = og.Model(str(path))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + 16, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    genai_tokens = list(generator.get_sequence(0))[len(prompt):]
+    ours = _engine_greedy_until_eos(path, prompt, 16)
+    assert len(ours) > 0
+    assert genai_greedy(path, [prompt], 16)[0] == ours
 
-    session = OrtSession(path / "model.onnx")
-    session.allocate(1, len(prompt) + 17)
-    ids, ours = list(prompt), []
-    logits = session.forward(np.array([ids]), np.arange(len(ids))[None], np.ones((1, len(ids)), np.int64))
-    for _ in range(16):
-        ours.append(int(logits[0, -1].argmax()))
-        pos = len(ids)
-        ids.append(ours[-1])
-        logits = session.forward(np.array([[ours[-1]]]), np.array([[pos]]), np.ones((1, pos + 1), np.int64))
-    eos = set(load_model("tiny-llama").config.eos_token_ids)
-    expected = []
-    for token in ours:  # GenAI stops at EOS and leaves it out of the sequence
-        if token in eos:
-            break
-        expected.append(token)
-    assert genai_tokens[: len(expected)] == expected and len(expected) > 0
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])

@@ -3,7 +3,6 @@ and onnxruntime-genai (a C++ runtime) runs the artifact with identical greedy to
 
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 
@@ -13,7 +12,6 @@ from moeforge.export.gguf_loader import find_smollm2_gguf
 from moeforge.export.loader import load_model
 from moeforge.inspect import op_counts
 from moeforge.parity import run_parity
-from moeforge.runtime.backends.onnxruntime import OrtSession
 
 pytestmark = [
     pytest.mark.heavy,
@@ -70,34 +68,21 @@ def test_parity_with_pytorch(smollm2_artifact, reference):
 
 
 def test_genai_runs_the_artifact_with_identical_greedy_tokens(smollm2_artifact, reference):
-    og = pytest.importorskip("onnxruntime_genai")
-    prompt = reference.tokenizer.encode("The capital of France is")
-    new_tokens = 24
-    model = og.Model(str(smollm2_artifact))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    genai_tokens = list(generator.get_sequence(0))[len(prompt):]
+    pytest.importorskip("onnxruntime_genai")
+    from moeforge.genai_config import genai_greedy
+    from moeforge.runtime.engine import LLMEngine
+    from moeforge.runtime.sampler import SamplingParams
 
-    session = OrtSession(smollm2_artifact / "model.onnx")
-    session.allocate(1, len(prompt) + new_tokens + 1)
-    ids, ours = list(prompt), []
-    logits = session.forward(np.array([ids]), np.arange(len(ids))[None], np.ones((1, len(ids)), np.int64))
-    eos = set(reference.config.eos_token_ids)
-    for _ in range(new_tokens):
-        token = int(logits[0, -1].argmax())
-        if token in eos:
-            break  # GenAI stops there too and leaves the EOS out
-        ours.append(token)
-        pos = len(ids)
-        ids.append(token)
-        logits = session.forward(np.array([[token]]), np.array([[pos]]), np.ones((1, pos + 1), np.int64))
+    prompt = reference.tokenizer.encode("The capital of France is")
+    engine = LLMEngine.from_artifact(smollm2_artifact)
+    ours = engine.generate([prompt], SamplingParams(max_tokens=24))[0].token_ids
+    if ours and ours[-1] in engine.eos_token_ids:
+        ours = ours[:-1]  # GenAI stops at EOS too and leaves it out of the sequence
+    genai_tokens = genai_greedy(smollm2_artifact, [prompt], 24)[0]
     assert len(ours) >= 5
     assert genai_tokens == ours
     assert "Paris" in reference.tokenizer.decode(genai_tokens)
+
 
 
 def test_engine_greedy_equals_pytorch_batch_1_and_8(smollm2_artifact, reference):
