@@ -11,6 +11,7 @@ from torch import nn
 
 from moeforge.export.config import ModelConfig
 from moeforge.export.mlp import SwiGLU
+from moeforge.export.moe_op import apply_experts
 from moeforge.export.routing import route_tokens
 
 
@@ -45,16 +46,7 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; expert_ids, weights: [T, K] -> [T, H]
-        out = torch.zeros_like(x)
-        # The loop is over a static expert count; which tokens an expert gets is a tensor op
-        # (exports to NonZero/Gather/ScatterND), so there is no data-dependent Python control flow.
-        for e in range(self.num_experts):
-            token_idx, slot = torch.where(expert_ids == e)  # [n_e], [n_e]
-            xs = x[token_idx]
-            h = F.silu(F.linear(xs, self.gate_proj[e])) * F.linear(xs, self.up_proj[e])
-            y = F.linear(h, self.down_proj[e]) * weights[token_idx, slot, None].to(x.dtype)
-            out = out.index_add(0, token_idx, y)
-        return out
+        return apply_experts(x, expert_ids, weights, self.gate_proj, self.up_proj, self.down_proj)
 
 
 class MoEBlock(nn.Module):

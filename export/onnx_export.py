@@ -2,7 +2,8 @@
 
 Exported with the dynamo exporter at opset 23: SDPA becomes ``Attention``, ``F.rms_norm``
 becomes ``RMSNormalization``; MLA is exported in its absorbed form (so the cache pass can keep only
-the latent); each MoE layer is one ``moeforge.MoE`` node carrying a local function.
+the latent); each MoE layer is a ``moeforge.MoERouter`` node (routing) feeding a ``moeforge.MoEExperts``
+node, both carrying local functions.
 Dynamic axes: batch and sequence. Weights are stored as external data by the artifact writer.
 """
 
@@ -16,11 +17,15 @@ from collections.abc import Iterator
 import numpy as np
 import onnx_ir as ir
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moeforge.export import moe_op
 from moeforge.export.model import CausalLM
 from moeforge.export.moe import MoEBlock
+from moeforge.export.routing import router_attributes
+from moeforge.plugins.moe_router import function as router_function
+from moeforge.plugins.moe_router import torch_op as router_op
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +57,16 @@ class _MoEBoundary(nn.Module):
     def __init__(self, block: MoEBlock) -> None:
         super().__init__()
         self.block = block
-        self.attributes = moe_op.node_attributes(block.gate.moe)
+        self.router = router_attributes(block.gate.moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
         gate = self.block.gate
-        bias = gate.e_score_correction_bias
-        if bias is None:
-            bias = torch.zeros(gate.weight.shape[0], dtype=gate.weight.dtype)
+        logits = F.linear(flat.to(torch.float32), gate.weight.to(torch.float32))  # [T, E]
+        expert_ids, weights = router_op.call(logits, gate.e_score_correction_bias, self.router)  # [T, K] each
         experts = self.block.experts
-        routed = torch.ops.moeforge.moe(flat, gate.weight, bias, experts.gate_proj, experts.up_proj,
-                                        experts.down_proj, **self.attributes)
+        routed = torch.ops.moeforge.moe_experts(flat, expert_ids, weights, experts.gate_proj, experts.up_proj,
+                                                experts.down_proj)
         out = routed.view_as(x)
         if self.block.shared_experts is not None:
             out = out + self.block.shared_experts(x)
@@ -105,12 +109,15 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
             output_names=["logits"] + [LAYER_OUTPUT.format(i) for i in range(model.config.num_hidden_layers)
                                        if mark_layers],
             dynamic_shapes={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}},
-            custom_translation_table={torch.ops.moeforge.moe.default: moe_op.moe_to_onnx},
+            custom_translation_table={torch.ops.moeforge.moe_experts.default: moe_op.moe_experts_to_onnx,
+                                      torch.ops.moeforge.moe_router.default: router_op.onnx_translation},
         )
     onnx_model = program.model
     if model.config.moe is not None:
-        function = moe_op.moe_local_function(model.config.moe, model.config.moe.n_routed_experts, OPSET)
-        fn = ir.serde.deserialize_function(function)
+        # Each MoE layer: MatMul (router logits) -> moeforge.MoERouter -> moeforge.MoEExperts, both with functions.
+        moe = model.config.moe
+        router_function.attach_function(onnx_model, router_attributes(moe), moe.has_correction_bias)
+        fn = ir.serde.deserialize_function(moe_op.experts_local_function(OPSET))
         onnx_model.functions[fn.identifier()] = fn
     if mark_layers:
         _add_layer_markers(onnx_model)

@@ -1,6 +1,7 @@
-"""DeepSeek expert routing as one pure function (the torch reference of the MoE router op).
+"""DeepSeek expert routing for a model's MoEConfig: a thin adapter over the MoERouter op's reference.
 
-Dimension letters: T tokens, E routed experts, G expert groups, K experts per token.
+Dimension letters: T tokens, E routed experts, K experts per token. The semantics (scores, bias on
+the choice only, -inf group mask, tie rule) live in ``moeforge.plugins.moe_router.reference``.
 """
 
 from __future__ import annotations
@@ -8,6 +9,19 @@ from __future__ import annotations
 import torch
 
 from moeforge.export.config import MoEConfig
+from moeforge.plugins.moe_router.reference import route
+from moeforge.plugins.moe_router.schema import RouterAttributes
+
+
+def router_attributes(moe: MoEConfig) -> RouterAttributes:
+    """The MoERouter attributes of a model's MoE config (greedy routing is one group)."""
+    grouped = moe.topk_method != "greedy"
+    return RouterAttributes(
+        scoring=moe.scoring_func, top_k=moe.num_experts_per_tok,
+        n_group=moe.n_group if grouped else 1, topk_group=moe.topk_group if grouped else 1,
+        group_scoring=moe.group_scoring, norm_topk_prob=moe.norm_topk_prob,
+        routed_scaling_factor=float(moe.routed_scaling_factor),
+    )
 
 
 def route_tokens(
@@ -17,31 +31,8 @@ def route_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose experts for each token.
 
-    router_logits: [T, E] float32 -> (expert ids [T, K] int64, weights [T, K] float32).
-
-    Scores are softmax (V2) or sigmoid (V3). With noaux_tc the *choice* uses scores + bias, the
-    *weights* use the unbiased scores. Group-limited routing keeps the best ``topk_group`` groups,
-    scored by their max (V2) or the sum of their top-2 choice scores (V3); other experts are masked
-    with -inf (a 0.0 mask can pick masked experts when biased scores are negative).
+    router_logits: [T, E] float32 -> (expert ids [T, K] int64, weights [T, K] float32); ids are in
+    descending choice-score order, ties to the lower expert id. The bias steers the choice only.
     """
-    logits = router_logits.to(torch.float32)
-    scores = logits.softmax(dim=-1) if moe.scoring_func == "softmax" else logits.sigmoid()
-    choice = scores + correction_bias.to(torch.float32) if correction_bias is not None else scores
-
-    if moe.topk_method != "greedy" and moe.n_group > 1:
-        tokens, experts = choice.shape
-        grouped = choice.view(tokens, moe.n_group, experts // moe.n_group)  # [T, G, E/G]
-        if moe.group_scoring == "top2_sum":
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
-        else:
-            group_scores = grouped.max(dim=-1).values
-        kept_groups = group_scores.topk(moe.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
-        group_mask = torch.zeros_like(group_scores).scatter(1, kept_groups, 1.0).bool()
-        expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, experts // moe.n_group).reshape(tokens, experts)
-        choice = choice.masked_fill(~expert_mask, float("-inf"))
-
-    expert_ids = choice.topk(moe.num_experts_per_tok, dim=-1, sorted=False).indices  # [T, K]
-    weights = scores.gather(1, expert_ids)
-    if moe.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return expert_ids, weights * moe.routed_scaling_factor
+    ids, weights = route(router_logits, correction_bias, router_attributes(moe))
+    return ids.long(), weights

@@ -1,7 +1,7 @@
-"""MoELowering: moeforge.MoE -> standard-op DeepSeek routing + com.microsoft.MoE.
+"""MoELowering: moeforge.MoERouter -> moeforge.MoEExperts -> standard-op DeepSeek routing + com.microsoft.MoE.
 
-Model level: both DeepSeek presets, ORT before (local function) vs after, and vs torch.
-Unit level: one-node graphs per routing variant vs the eager op (torch.ops.moeforge.moe).
+Model level: both DeepSeek presets, ORT before (local functions) vs after, and vs torch.
+Unit level: router + experts graphs per routing variant vs eager torch (router reference + experts).
 """
 
 from __future__ import annotations
@@ -20,10 +20,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from moeforge.export import moe_op
 from moeforge.export.config import MoEConfig
+from moeforge.export.moe_op import apply_experts
 from moeforge.export.presets import get_preset
 from moeforge.export.routing import route_tokens
 from moeforge.graph_passes.base import MS_DOMAIN, PassContext
 from moeforge.graph_passes.moe_lowering import MoELowering
+from moeforge.plugins.moe_router import schema as router_schema
+from moeforge.plugins.moe_router.function import router_function_proto
+from moeforge.plugins.moe_router.reference import route
+from moeforge.plugins.moe_router.schema import RouterAttributes
 
 # Helpers of the shared conftest (pytest's importlib mode registers it under its path-derived name).
 from tests.graph_passes.conftest import random_feeds, run_ort
@@ -66,7 +71,7 @@ def test_lowers_every_moe_layer_and_keeps_logits(fresh_model, name: str) -> None
     # One copy of the expert weights: the stacked tensors are gone, fc1/fc2 hold E*(2IH + HI) floats.
     names = list(model.graph.initializers)
     assert not [k for k in names if k.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj"))]
-    assert not [k for k in names if k.endswith("gate.weight")]
+    assert not [k for k in names if k.endswith("weight_t")]  # the router keeps its own Gemm weight: no copy
     e, i, h = config.moe.n_routed_experts, config.moe.moe_intermediate_size, config.hidden_size
     expert_floats = sum(v.const_value.size for k, v in model.graph.initializers.items() if ".experts." in k)
     assert expert_floats == n_moe * e * 3 * i * h
@@ -98,19 +103,20 @@ class Variant:
     norm_topk_prob: int = 1
     routed_scaling_factor: float = 1.0
     experts: int = 8
-    with_bias: bool = False  # only meaningful for noaux_tc (top2_sum with groups): the eager op drops it otherwise
+    with_bias: bool = False  # a correction_bias input (it steers the choice whatever the grouping)
 
     @property
-    def attributes(self) -> dict[str, object]:
-        return {k: getattr(self, k) for k in moe_op.ATTRIBUTES}
+    def router(self) -> RouterAttributes:
+        return RouterAttributes(self.scoring, self.top_k, self.n_group, self.topk_group, self.group_scoring,  # type: ignore[arg-type]
+                                bool(self.norm_topk_prob), self.routed_scaling_factor)
 
 
 def _weights(v: Variant, hidden: int, inter: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     e = v.experts
     return {
-        "router_weight": (rng.standard_normal((e, hidden)) / np.sqrt(hidden) * 2).astype(np.float32),
-        "correction_bias": (rng.standard_normal(e) * 0.1 * v.with_bias).astype(np.float32),
+        "router_weight_t": (rng.standard_normal((hidden, e)) / np.sqrt(hidden) * 2).astype(np.float32),  # [H, E]
+        "correction_bias": (rng.standard_normal(e) * 0.1).astype(np.float32),
         "gate_proj": (rng.standard_normal((e, inter, hidden)) / np.sqrt(hidden)).astype(np.float32),
         "up_proj": (rng.standard_normal((e, inter, hidden)) / np.sqrt(hidden)).astype(np.float32),
         "down_proj": (rng.standard_normal((e, hidden, inter)) / np.sqrt(inter)).astype(np.float32),
@@ -118,39 +124,54 @@ def _weights(v: Variant, hidden: int, inter: int, seed: int) -> dict[str, np.nda
 
 
 def _single_node_model(v: Variant, weights: dict[str, np.ndarray], as_inputs: bool = False) -> ir.Model:
-    """x [T, H] -> moeforge.MoE -> y, weights as initializers (or graph inputs), with the local function."""
-    hidden = weights["router_weight"].shape[1]
-    names = ("router_weight", "correction_bias", "gate_proj", "up_proj", "down_proj")
+    """x [T, H] -> MatMul -> moeforge.MoERouter -> moeforge.MoEExperts -> y, with both local functions.
+
+    Weights are initializers (or graph inputs: weights computed in the graph take the op path)."""
+    hidden = weights["router_weight_t"].shape[0]
+    names = ["router_weight_t", *(["correction_bias"] if v.with_bias else []), "gate_proj", "up_proj", "down_proj"]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", hidden])]
     if as_inputs:
         inputs += [helper.make_tensor_value_info(k, TensorProto.FLOAT, weights[k].shape) for k in names]
-    node = helper.make_node(moe_op.OP_TYPE, ["x", *names], ["y"], domain=moe_op.DOMAIN, name="moe", **v.attributes)
+    nodes = [
+        helper.make_node("MatMul", ["x", "router_weight_t"], ["logits"], name="router_logits"),
+        helper.make_node(router_schema.OP_TYPE, ["logits", "correction_bias" if v.with_bias else ""],
+                         ["ids", "weights"], domain=router_schema.DOMAIN, name="router", **v.router.node_attributes()),
+        helper.make_node(moe_op.OP_TYPE, ["x", "ids", "weights", "gate_proj", "up_proj", "down_proj"], ["y"],
+                         domain=moe_op.DOMAIN, name="moe"),
+    ]
     graph = helper.make_graph(
-        [node], "moe", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", hidden])],
+        nodes, "moe", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", hidden])],
         [] if as_inputs else [numpy_helper.from_array(weights[k], k) for k in names],
     )
-    cfg = moe_op.moe_config_from_attributes(v.experts, **v.attributes)  # type: ignore[arg-type]
     proto = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(moe_op.DOMAIN, 1)],
-        functions=[moe_op.moe_local_function(cfg, v.experts, OPSET)], ir_version=10,
+        functions=[router_function_proto(v.router, v.with_bias, OPSET), moe_op.experts_local_function(OPSET)],
+        ir_version=10,
     )
     onnx.checker.check_model(proto)
     return ir.serde.deserialize_model(proto)
 
 
 def _eager(v: Variant, x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
+    """Torch: the router reference, then only the chosen experts."""
     t = {k: torch.from_numpy(a) for k, a in w.items()}
+    xt = torch.from_numpy(x)
     with torch.no_grad():
-        y = torch.ops.moeforge.moe(torch.from_numpy(x), t["router_weight"], t["correction_bias"], t["gate_proj"],
-                                   t["up_proj"], t["down_proj"], **v.attributes)
+        ids, weights = route(xt @ t["router_weight_t"], t["correction_bias"] if v.with_bias else None, v.router)
+        y = apply_experts(xt, ids, weights, t["gate_proj"], t["up_proj"], t["down_proj"])
     return y.numpy()
 
 
 def _lowered_output(v: Variant, x: np.ndarray, w: dict[str, np.ndarray], as_inputs: bool = False) -> np.ndarray:
     model = _single_node_model(v, w, as_inputs)
+    np.testing.assert_allclose(run_ort(model, {"x": x, **(w if as_inputs else {})})[0], _eager(v, x, w), atol=1e-5,
+                               rtol=0)  # the local functions, before lowering
     assert MoELowering().apply(model, _ctx()) == 1
     assert not model.functions and len(_moe_nodes(model, MS_DOMAIN)) == 1
+    assert not [n for n in model.graph if n.domain == moe_op.DOMAIN]  # router and experts both lowered
     feeds = {"x": x, **(w if as_inputs else {})}
+    if as_inputs and not v.with_bias:
+        feeds.pop("correction_bias")
     return run_ort(model, feeds)[0]
 
 
@@ -195,7 +216,7 @@ def test_random_shapes_match_eager_op(data, scoring, n_group, per_group, norm, t
     top_k = data.draw(st.integers(1, topk_group * per_group if n_group > 1 else n_group * per_group))
     group_scoring = data.draw(st.sampled_from(["max", "top2_sum"]))
     v = Variant(scoring, top_k, n_group, topk_group, group_scoring, norm, data.draw(st.sampled_from([1.0, 2.5])),
-                experts=n_group * per_group, with_bias=group_scoring == "top2_sum" and n_group > 1)
+                experts=n_group * per_group, with_bias=scoring == "sigmoid")
     weights = _weights(v, hidden, inter, seed)
     x = np.random.default_rng(seed + 1).standard_normal((tokens, hidden)).astype(np.float32)
     np.testing.assert_allclose(_lowered_output(v, x, weights), _eager(v, x, weights), atol=1e-5, rtol=0)
@@ -219,11 +240,10 @@ def test_negative_biased_scores_never_pick_dropped_groups() -> None:
     weights["correction_bias"] = np.full(8, -10.0, np.float32) + weights["correction_bias"]  # sigmoid + bias < -9
     x = np.random.default_rng(6).standard_normal((20, 16)).astype(np.float32)
 
-    moe_cfg = moe_op.moe_config_from_attributes(8, **v.attributes)  # type: ignore[arg-type]
-    logits = torch.from_numpy(x) @ torch.from_numpy(weights["router_weight"]).T
+    logits = torch.from_numpy(x) @ torch.from_numpy(weights["router_weight_t"])
     choice = logits.sigmoid() + torch.from_numpy(weights["correction_bias"])
     kept_group = choice.view(-1, 4, 2).sum(-1).argmax(-1, keepdim=True)  # top-2 sum of a 2-expert group = its sum
-    ids, _ = route_tokens(logits, torch.from_numpy(weights["correction_bias"]), moe_cfg)
+    ids, _ = route(logits, torch.from_numpy(weights["correction_bias"]), v.router)
     assert bool((ids // 2 == kept_group).all())  # the reference stays inside the kept group
     # A 0.0 fill would leave it (so the comparison below can see that bug).
     in_kept = (torch.arange(8) // 2).unsqueeze(0) == kept_group
@@ -236,17 +256,16 @@ def test_negative_biased_scores_never_pick_dropped_groups() -> None:
 def test_correction_bias_applies_with_a_single_group() -> None:
     """noaux_tc with n_group 1 (node contract: the bias input always steers the choice).
 
-    The eager op drops the bias when n_group == 1 (moe_config_from_attributes maps it to greedy), so
-    the reference here is route_tokens with the model's own noaux_tc config.
+    The reference here is route_tokens with the model's own noaux_tc config (export/routing.py).
     """
-    v = Variant("sigmoid", 2, 1, 1, "top2_sum", 1, 2.5)
+    v = Variant("sigmoid", 2, 1, 1, "top2_sum", 1, 2.5, with_bias=True)
     weights = _weights(v, hidden=16, inter=8, seed=7)
     weights["correction_bias"] = np.random.default_rng(8).standard_normal(8).astype(np.float32) * 0.5
     x = np.random.default_rng(9).standard_normal((25, 16)).astype(np.float32)
     cfg = MoEConfig(n_routed_experts=8, n_shared_experts=0, num_experts_per_tok=2, moe_intermediate_size=8,
                     scoring_func="sigmoid", topk_method="noaux_tc", n_group=1, topk_group=1, norm_topk_prob=True,
                     routed_scaling_factor=2.5)
-    logits = torch.from_numpy(x) @ torch.from_numpy(weights["router_weight"]).T
+    logits = torch.from_numpy(x) @ torch.from_numpy(weights["router_weight_t"])
     ids, w = route_tokens(logits, torch.from_numpy(weights["correction_bias"]), cfg)
     unbiased_ids, _ = route_tokens(logits, None, dataclasses.replace(cfg, topk_method="greedy"))
     assert not torch.equal(ids.sort(-1).values, unbiased_ids.sort(-1).values)  # the bias matters here

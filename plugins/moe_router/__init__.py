@@ -1,0 +1,1 @@
+"""``moeforge.MoERouter``: DeepSeek expert routing as one custom op (contract in README.md)."""
