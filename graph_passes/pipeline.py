@@ -8,7 +8,7 @@ Why this order (ONNX Runtime target):
 5. kv_cache       Attention -> GroupQueryAttention with in-place cache I/O; takes q/k after (4) and,
                   for GQA with head size % 16 == 0, folds their RotaryEmbedding into the kernel.
 6. packing        sibling projections (q/k/v, q_a/kv_a, gate/up) -> one MatMul + Split.
-7. moe_lowering   moeforge.MoE -> routing in standard ops + com.microsoft.MoE.
+7. moe_lowering   moeforge.MoERouter -> MoEExperts -> routing in standard ops + com.microsoft.MoE.
 8. cleanup        drops what the rewrites left dead (old masks, cos/sin math, transposes).
 """
 

@@ -96,6 +96,17 @@ def test_fused_graph_of_deepseek(artifacts):
     assert not any(op.startswith("moeforge.") for op in counts)
 
 
+def test_deepseek_router_op_is_lowered_for_onnxruntime(artifacts):
+    """moeforge.MoERouter nodes become standard-op routing feeding com.microsoft.MoE (plugins/moe_router)."""
+    model = onnx.load(str(artifacts["tiny-deepseek-v3"] / "model.onnx"), load_external_data=False)
+    moe_nodes = [n for n in model.graph.node if (n.domain, n.op_type) == ("com.microsoft", "MoE")]
+    assert moe_nodes and not model.functions
+    producers = {out: n for n in model.graph.node for out in n.output}
+    for node in moe_nodes:
+        router_probs = producers[node.input[1]]  # Where(chosen, Log(scores), -inf) from ort_lowering
+        assert router_probs.op_type == "Where" and producers[router_probs.input[1]].op_type == "Log"
+
+
 # ----------------------------------------------------------------------------- CLI and bad input
 
 

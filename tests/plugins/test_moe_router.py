@@ -207,7 +207,8 @@ def test_reference_function_and_lowering_agree(case) -> None:  # type: ignore[no
     attrs, logits, bias = case
     assume(_well_separated(attrs, logits, bias))
     for label, hit in (("T=1", logits.shape[0] == 1), ("top_k=E", attrs.top_k == logits.shape[1]),
-                       ("n_group=1", attrs.n_group == 1), ("topk_group=n_group>1", attrs.topk_group == attrs.n_group > 1),
+                       ("n_group=1", attrs.n_group == 1),
+                       ("topk_group=n_group>1", attrs.topk_group == attrs.n_group > 1),
                        ("bias", bias is not None), ("tied rows", bool((logits == logits[:, :1]).all()))):
         event(f"{label}: {hit}")
     event(f"{attrs.scoring} {attrs.group_scoring} norm={attrs.norm_topk_prob}")
@@ -323,6 +324,7 @@ def test_one_function_per_model_routing_config() -> None:
 
 
 # ------------------------------------------------------------------------------- exported model
+@pytest.mark.heavy  # one tiny-deepseek-v3 export (~20 s)
 def test_exported_deepseek_v3_carries_router_nodes_and_runs_without_custom_ops(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The stateless export: one MoERouter (+ function) per MoE layer; a fresh ORT process runs it = torch."""
     from moeforge.export.loader import load_model
