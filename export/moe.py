@@ -11,8 +11,22 @@ from torch import nn
 
 from moeforge.export.config import ModelConfig
 from moeforge.export.mlp import SwiGLU
-from moeforge.export.moe_op import apply_experts
 from moeforge.export.routing import route_tokens
+
+
+def apply_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, gate_proj: torch.Tensor,
+                  up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """x [T, H], ids/weights [T, K], stacked SwiGLU weights -> [T, H] (only the chosen experts run)."""
+    out = torch.zeros_like(x)
+    # The loop is over a static expert count; which tokens an expert gets is a tensor op
+    # (exports to NonZero/Gather/ScatterND), so there is no data-dependent Python control flow.
+    for e in range(gate_proj.shape[0]):
+        token_idx, slot = torch.where(expert_ids == e)  # [n_e], [n_e]
+        xs = x[token_idx]
+        h = F.silu(F.linear(xs, gate_proj[e])) * F.linear(xs, up_proj[e])
+        y = F.linear(h, down_proj[e]) * expert_weights[token_idx, slot, None].to(x.dtype)
+        out = out.index_add(0, token_idx, y)
+    return out
 
 
 class MoERouter(nn.Module):

@@ -117,6 +117,7 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
         # Each MoE layer: MatMul (router logits) -> moeforge.MoERouter -> moeforge.MoEExperts, both with functions.
         moe = model.config.moe
         router_function.attach_function(onnx_model, router_attributes(moe), moe.has_correction_bias)
+        router_function.check_nodes(onnx_model)
         fn = ir.serde.deserialize_function(moe_op.experts_local_function(OPSET))
         onnx_model.functions[fn.identifier()] = fn
     if mark_layers:

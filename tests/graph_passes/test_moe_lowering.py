@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from moeforge.export import moe_op
 from moeforge.export.config import MoEConfig
-from moeforge.export.moe_op import apply_experts
+from moeforge.export.moe import apply_experts
 from moeforge.export.presets import get_preset
 from moeforge.export.routing import route_tokens
 from moeforge.graph_passes.base import MS_DOMAIN, PassContext

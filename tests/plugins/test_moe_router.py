@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from moeforge.export import moe_op
 from moeforge.export.config import MoEConfig
-from moeforge.export.moe_op import apply_experts
+from moeforge.export.moe import apply_experts
 from moeforge.export.routing import route_tokens, router_attributes
 from moeforge.graph_passes.base import MS_DOMAIN, PassContext
 from moeforge.graph_passes.moe_lowering import MoELowering
