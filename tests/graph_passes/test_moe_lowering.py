@@ -271,3 +271,27 @@ def test_correction_bias_applies_with_a_single_group() -> None:
     assert not torch.equal(ids.sort(-1).values, unbiased_ids.sort(-1).values)  # the bias matters here
     np.testing.assert_allclose(_lowered_output(v, x, weights), _experts_reference(x, weights, ids, w), atol=1e-5,
                                rtol=0)
+
+
+def test_experts_without_a_router_node_are_left_to_their_function() -> None:
+    """Ids/weights from elsewhere (graph inputs here): no kernel routing to build, the node keeps its function."""
+    weights = _weights(VARIANTS["v2_softmax_greedy_norm"], hidden=8, inter=4, seed=10)
+    names = ("gate_proj", "up_proj", "down_proj")
+    node = helper.make_node(moe_op.OP_TYPE, ["x", "ids", "w", *names], ["y"], domain=moe_op.DOMAIN, name="moe")
+    graph = helper.make_graph(
+        [node], "experts", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 8]),
+                            helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", 2]),
+                            helper.make_tensor_value_info("w", TensorProto.FLOAT, ["T", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 8])],
+        [numpy_helper.from_array(weights[k], k) for k in names])
+    model = ir.serde.deserialize_model(helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(moe_op.DOMAIN, 1)],
+        functions=[moe_op.experts_local_function(OPSET)], ir_version=10))
+    assert MoELowering().apply(model, _ctx()) == 0
+    assert len(model.functions) == 1 and moe_op.DOMAIN in model.opset_imports
+    x = np.random.default_rng(11).standard_normal((5, 8)).astype(np.float32)
+    ids = np.array([[0, 3], [1, 2], [7, 0], [4, 5], [6, 1]], np.int32)
+    w = np.random.default_rng(12).random((5, 2)).astype(np.float32)
+    t = {k: torch.from_numpy(weights[k]) for k in names}
+    ref = apply_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), *t.values()).numpy()
+    np.testing.assert_allclose(run_ort(model, {"x": x, "ids": ids, "w": w})[0], ref, atol=1e-5, rtol=0)
