@@ -23,7 +23,7 @@ import onnx_ir as ir
 from moeforge.graph_passes.base import PassContext, ensure_opset
 from moeforge.graph_passes.kv_cache import _is_prefix_slice_of, _replace_bhsd_output, _static
 from moeforge.plugins.paged_attention.function import OPSET, build_function
-from moeforge.plugins.paged_attention.schema import DOMAIN, INPUTS, OP_TYPE, OUTPUTS, PagedAttentionAttrs
+from moeforge.plugins.paged_attention.schema import DOMAIN, INPUTS, OP_TYPE, PagedAttentionAttrs
 
 DEFAULT_BLOCK_SIZE = 16
 TOKENS_AXIS = "num_tokens"
@@ -56,7 +56,7 @@ class PagedKVInsertion:
         mla = ctx.config.mla is not None
         ensure_opset(model, DOMAIN, 1)
         ensure_opset(model, "", OPSET)
-        int32, int64 = ir.TensorType(ir.DataType.INT32), ir.TensorType(ir.DataType.INT64)
+        int32 = ir.TensorType(ir.DataType.INT32)
         step = [ir.Value(name=BLOCK_TABLES, shape=ir.Shape(["num_seqs", "max_blocks"]), type=int32),
                 ir.Value(name=SEQ_LENS, shape=ir.Shape(["num_seqs"]), type=int32),
                 ir.Value(name=QUERY_START_LOC, shape=ir.Shape(["num_seqs_plus_1"]), type=int32)]
@@ -107,7 +107,8 @@ class PagedKVInsertion:
         outs = tape.op_multi_out(OP_TYPE, op_inputs, attributes=attrs.node_attributes(), domain=DOMAIN,
                                  num_outputs=2 if mla else 3)
         out = outs[0]
-        out.name, out.shape, out.type = f"/layers.{layer}/paged_attention/output", ir.Shape([TOKENS_AXIS, hq, dv]), dtype
+        out.name = f"/layers.{layer}/paged_attention/output"
+        out.shape, out.type = ir.Shape([TOKENS_AXIS, hq, dv]), dtype
         for value, name, pool in zip(outs[1:], output_names, pools, strict=True):
             value.name, value.shape, value.type = name, pool.shape, dtype
         bshd = tape.op("Unsqueeze", [out, tape.op("Constant", [], attributes={
@@ -148,3 +149,21 @@ def _to_thd(tape: ir.tape.Tape, value4: ir.Value, heads: int, dim: int) -> ir.Va
         bthd = tape.op("Transpose", [value4], attributes={"perm": [0, 2, 1, 3]})
     shape = tape.op("Constant", [], attributes={"value": ir.tensor(np.array([-1, heads, dim], np.int64))})
     return tape.op("Reshape", [bthd, shape])
+
+
+def paged_kv_cache_spec(config, *, max_seq_len: int, block_size: int, dtype: str = "float32"):  # type: ignore[no-untyped-def]
+    """The manifest's ``KVCacheSpec`` of a paged artifact: pool names, pool shape, bytes per token/block."""
+    from moeforge.artifact import KVCacheSpec, dtype_size  # artifact imports the passes lazily too
+
+    mla = config.mla is not None
+    layers = config.num_hidden_layers
+    names = [pool_names(i, mla) for i in range(layers)]
+    if mla:
+        per_layer, shape = config.mla.latent_dim, [POOL_AXIS, block_size, 1, config.mla.latent_dim]
+    else:
+        per_layer = 2 * config.num_key_value_heads * config.head_dim
+        shape = [POOL_AXIS, block_size, config.num_key_value_heads, config.head_dim]
+    return KVCacheSpec(
+        layout="mla_latent" if mla else "gqa", num_layers=layers, past_input_names=[n[0] for n in names],
+        present_output_names=[n[1] for n in names], shape=shape, dtype=dtype, values_per_token_per_layer=per_layer,
+        bytes_per_token=per_layer * layers * dtype_size(dtype), max_seq_len=max_seq_len, block_size=block_size)

@@ -1,0 +1,131 @@
+"""ONNX Runtime backend for paged artifacts (``moeforge compile --kv-cache paged``).
+
+Per layer one preallocated block pool per buffer, [num_blocks, block_size, Hkv, D] (absorbed MLA: one
+latent pool [num_blocks, block_size, 1, R+Dr]), wrapped as OrtValues without a copy and bound with
+IOBinding as both the pool input and the pool output, so each step writes only its new tokens' slots.
+One engine step is ONE session run: every row's new tokens are packed into T (prefill chunks and decodes
+mixed), with the rows' block tables (from the engine's ``KVCacheManager``: prefix-cache blocks shared
+between sequences are the same pool blocks), seq_lens and query_start_loc; ``logits_indices`` selects
+each row's last token, so the vocabulary projection costs rows x V, not T x V.
+
+The graph's ``moeforge::PagedAttention`` nodes are lowered for ONNX Runtime on load
+(plugins/paged_attention/ort_lowering.py); the artifact itself also runs as is (its local function).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from moeforge.artifact import KVCacheSpec
+from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
+from moeforge.runtime.backends.base import RowInput, StepInput
+from moeforge.runtime.backends.onnxruntime import default_providers
+
+
+class PagedOrtBackend:
+    """The ``Backend`` of a paged artifact: block pools shared by all sequences, one run per step."""
+
+    def __init__(self, model_path: str | Path, kv: KVCacheSpec, num_blocks: int, num_slots: int, vocab_size: int,
+                 *, threads: int | None = None, providers: list[str] | None = None, lower: bool = True) -> None:
+        if kv.block_size is None:
+            raise ValueError("PagedOrtBackend needs a paged artifact (compile with --kv-cache paged)")
+        model_path = Path(model_path)
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        source: str | bytes = str(model_path)
+        if lower:
+            proto = lower_for_ort(onnx.load(str(model_path), load_external_data=False))
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(model_path.parent))
+            source = proto.SerializeToString()
+        self.session = ort.InferenceSession(source, options, providers=providers or default_providers())
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.num_blocks = num_blocks
+        self._num_slots, self._vocab = num_slots, vocab_size
+        shapes = {i.name: i.shape for i in self.session.get_inputs()}
+        self.pools: dict[str, np.ndarray] = {}
+        self._bindings: list[tuple[str, tuple[str, ...], ort.OrtValue]] = []
+        for inputs, outputs in zip(kv.past_input_names, kv.present_output_names, strict=True):
+            for name in inputs:
+                pool = np.zeros((num_blocks, *shapes[name][1:]), np.float32)
+                self.pools[name] = pool
+                aliases = tuple(o for o in outputs if o.split(".")[-1] == name.split(".")[-1])
+                self._bindings.append((name, aliases, ort.OrtValue.ortvalue_from_numpy(pool)))  # zero-copy
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.kv.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes allocated for all pools (all layers)."""
+        return sum(p.nbytes for p in self.pools.values())
+
+    def pool_pointers(self) -> dict[str, int]:
+        """data_ptr of each bound pool OrtValue (unchanged by runs when ORT writes in place)."""
+        return {name: value.data_ptr() for name, _, value in self._bindings}
+
+    def release(self, slot: int) -> None:
+        """Nothing to do: blocks belong to the engine's KVCacheManager."""
+
+    def op_time_shares(self) -> dict[str, float] | None:
+        return None
+
+    def execute(self, step: StepInput) -> np.ndarray:
+        """Run all rows in one packed step; logits [rows, V] of each row's last token."""
+        rows = step.rows
+        for row in rows:
+            self._check(row)
+        counts = [len(r.token_ids) for r in rows]
+        starts = np.zeros(len(rows) + 1, np.int32)
+        starts[1:] = np.cumsum(counts)
+        width = max(len(r.block_table) for r in rows)  # type: ignore[arg-type]
+        tables = np.zeros((len(rows), width), np.int32)  # padding: block 0, never read (masked)
+        for b, row in enumerate(rows):
+            tables[b, :len(row.block_table)] = row.block_table  # type: ignore[arg-type]
+        feeds = {
+            "input_ids": np.fromiter((t for r in rows for t in r.token_ids), np.int64, int(starts[-1])),
+            "position_ids": np.concatenate([np.arange(r.start, r.start + len(r.token_ids)) for r in rows]),
+            "block_tables": tables,
+            "seq_lens": np.array([r.start + len(r.token_ids) for r in rows], np.int32),
+            "query_start_loc": starts,
+            "logits_indices": (starts[1:] - 1).astype(np.int64),
+        }
+        io = self.session.io_binding()
+        for name, array in feeds.items():
+            io.bind_cpu_input(name, np.ascontiguousarray(array))
+        for name, outputs, value in self._bindings:
+            io.bind_ortvalue_input(name, value)
+            for output in outputs:
+                io.bind_ortvalue_output(output, value)  # same buffer: new tokens written in place
+        io.bind_output("logits", "cpu")
+        self.session.run_with_iobinding(io)
+        return io.get_outputs()[-1].numpy()  # binding order: pools first, logits last
+
+    def _check(self, row: RowInput) -> None:
+        if row.block_table is None:
+            raise ValueError(f"slot {row.slot}: a paged backend needs the row's block table")
+        if not row.token_ids:
+            raise ValueError(f"slot {row.slot}: a row needs at least one token")
+        total = row.start + len(row.token_ids)
+        if total > self.max_seq_len:
+            raise ValueError(f"slot {row.slot}: {total} tokens exceed max_seq_len {self.max_seq_len}")
+        if len(row.block_table) * self.block_size < total:
+            raise ValueError(f"slot {row.slot}: {len(row.block_table)} blocks of {self.block_size} cannot hold "
+                             f"{total} tokens")
+        if any(not 0 <= b < self.num_blocks for b in row.block_table):
+            raise ValueError(f"slot {row.slot}: block ids must be in [0, {self.num_blocks})")
