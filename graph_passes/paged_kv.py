@@ -12,7 +12,9 @@ Graph I/O after this pass (before it: input_ids/position_ids [batch, seq] -> log
   GQA: kv_pool.{i}.key / .value [N, Bs, Hkv, D] -> kv_pool_out.{i}.key / .value
   absorbed MLA: kv_pool.{i}.latent [N, Bs, 1, R+Dr] -> kv_pool_out.{i}.latent  (value = first R dims)
   logits [K, V]
-Everything but attention is per token, so the rest of the graph runs unchanged on [1, T, ...].
+Everything but attention is per token, so the rest of the graph runs unchanged with the packed tokens as
+the batch: [T, 1, ...] (batch T, one token each; not [1, T], which would make ONNX Runtime's
+RotaryEmbedding refuse T > its cos/sin cache length, and T is bounded by the step budget, not positions).
 """
 
 from __future__ import annotations
@@ -71,22 +73,22 @@ class PagedKVInsertion:
         return len(attentions)
 
     def _pack_token_inputs(self, graph: ir.Graph) -> None:
-        """input_ids / position_ids [batch, seq] -> [T], unsqueezed to [1, T] for the per-token graph."""
+        """input_ids / position_ids [batch, seq] -> [T], unsqueezed to [T, 1] for the per-token graph."""
         for index, value in enumerate(list(graph.inputs)):
             if value.name not in ("input_ids", "position_ids"):
                 continue
             packed = ir.Value(name=value.name, shape=ir.Shape([TOKENS_AXIS]), type=value.type)
             value.name = value.name + "_2d"
-            axes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([0], np.int64))})
+            axes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([1], np.int64))})
             unsqueeze = ir.node("Unsqueeze", [packed, axes.outputs[0]])
-            unsqueeze.outputs[0].shape, unsqueeze.outputs[0].type = ir.Shape([1, TOKENS_AXIS]), value.type
+            unsqueeze.outputs[0].shape, unsqueeze.outputs[0].type = ir.Shape([TOKENS_AXIS, 1]), value.type
             graph.insert_before(graph.node(0), [axes, unsqueeze])
             ir.convenience.replace_all_uses_with(value, unsqueeze.outputs[0])
             graph.inputs[index] = packed
 
     def _rewrite(self, graph: ir.Graph, node: ir.Node, layer: int, block_size: int, mla: bool,
                  step: list[ir.Value], window: int) -> None:
-        q4, k4, v4 = node.inputs[0], node.inputs[1], node.inputs[2]  # [1, H, T, D]
+        q4, k4, v4 = node.inputs[0], node.inputs[1], node.inputs[2]  # [T, H, 1, D]
         hq, dk, hkv, dv = _static(q4, 1), _static(q4, 3), _static(k4, 1), _static(v4, 3)
         scale = node.attributes["scale"].as_float() if "scale" in node.attributes else dk**-0.5
         if mla and (hkv != 1 or not _is_prefix_slice_of(v4, k4, dv)):
@@ -112,27 +114,27 @@ class PagedKVInsertion:
         for value, name, pool in zip(outs[1:], output_names, pools, strict=True):
             value.name, value.shape, value.type = name, pool.shape, dtype
         bshd = tape.op("Unsqueeze", [out, tape.op("Constant", [], attributes={
-            "value": ir.tensor(np.array([0], np.int64))})])  # [1, T, Hq, Dv]
+            "value": ir.tensor(np.array([1], np.int64))})])  # [T, 1, Hq, Dv]
         graph.insert_before(node, tape.nodes)
         _replace_bhsd_output(graph, node.outputs[0], bshd)
         graph.outputs.extend(outs[1:])
         graph.remove(node, safe=True)  # the old causal mask becomes dead code (cleanup drops it)
 
     def _select_logits(self, graph: ir.Graph) -> None:
-        """logits = lm_head(hidden[:, logits_indices]) [K, V] instead of [1, T, V]."""
+        """logits = lm_head(hidden[logits_indices]) [K, V] instead of [T, 1, V]."""
         logits = next(v for v in graph.outputs if v.name == "logits")
         head = logits.producer()
         if head is None or head.op_type != "MatMul":
             raise ValueError(f"expected logits to come from the lm_head MatMul, found {head and head.op_type}")
         indices = ir.Value(name=LOGITS_INDICES, shape=ir.Shape(["num_logits"]), type=ir.TensorType(ir.DataType.INT64))
         graph.inputs.append(indices)
-        gather = ir.node("Gather", [head.inputs[0], indices], attributes={"axis": 1})  # [1, K, H]
+        gather = ir.node("Gather", [head.inputs[0], indices], attributes={"axis": 0})  # [K, 1, H]
         graph.insert_before(head, gather)
         head.replace_input_with(0, gather.outputs[0])
         vocab = logits.shape[-1] if logits.shape is not None else "vocab_size"
         logits.name = "logits_3d"
         squeeze = ir.node("Squeeze", [logits, ir.node("Constant", [], attributes={
-            "value": ir.tensor(np.array([0], np.int64))}).outputs[0]])
+            "value": ir.tensor(np.array([1], np.int64))}).outputs[0]])
         graph.insert_after(head, [squeeze.inputs[1].producer(), squeeze])
         squeeze.outputs[0].name = "logits"
         squeeze.outputs[0].shape, squeeze.outputs[0].type = ir.Shape(["num_logits", vocab]), logits.type
@@ -140,7 +142,7 @@ class PagedKVInsertion:
 
 
 def _to_thd(tape: ir.tape.Tape, value4: ir.Value, heads: int, dim: int) -> ir.Value:
-    """[1, H, T, D] -> [T, H, D], reusing the [1, T, H, D] tensor when the exporter transposed it."""
+    """[T, H, 1, D] -> [T, H, D], reusing the [T, 1, H, D] tensor when the exporter transposed it."""
     producer = value4.producer()
     if producer is not None and producer.op_type == "Transpose" and list(
             producer.attributes["perm"].as_ints()) == [0, 2, 1, 3]:
