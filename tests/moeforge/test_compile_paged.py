@@ -1,0 +1,57 @@
+"""`moeforge compile --kv-cache paged` for a GQA preset through the CLI: manifest, inspect, engine == PyTorch
+(block size 4: most sequences cross several block boundaries), and bad options refused before any work."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from moeforge.artifact import load_artifact
+from moeforge.cli import main
+from moeforge.export.generate import SamplingConfig, generate
+from moeforge.export.loader import load_model
+from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.sampler import SamplingParams
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_paged_gqa_compile_inspect_and_engine(capsys, tmp_path):
+    out = tmp_path / "llama-paged"
+    code, _, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(out), "--max-seq-len", "128", "--kv-cache",
+                           "paged", "--block-size", "4", "--quiet")
+    assert code == 0, stderr
+    kv = load_artifact(out).manifest.kv_cache
+    assert kv.paged and kv.block_size == 4 and kv.layout == "gqa" and kv.shape == ["num_blocks", 4, 2, 16]
+    assert kv.past_input_names[0] == ["kv_pool.0.key", "kv_pool.0.value"]
+    assert kv.bytes_per_block == kv.bytes_per_token * 4
+    assert not (out / "genai_config.json").exists()  # onnxruntime-genai cannot drive block pools
+    code, stdout, _ = _cli(capsys, "inspect", str(out))
+    assert code == 0 and "PagedAttention" in stdout
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    assert not [n for n in graph.node if n.op_type in ("GroupQueryAttention", "Attention")]
+    assert sum(n.op_type == "RotaryEmbedding" for n in graph.node) == 4  # RoPE before the op, q and k per layer
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(1, 30, 8)]
+    model = load_model("tiny-llama").model
+    expected = [generate(model, p, SamplingConfig(max_new_tokens=8)).token_ids for p in prompts]
+    engine = LLMEngine.from_artifact(out, EngineConfig(max_num_seqs=8, max_num_batched_tokens=40))
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == expected
+    assert engine.kv.config.block_size == 4 and engine.kv.config.enable_prefix_caching
+
+
+def test_bad_paged_options_are_refused(capsys, tmp_path):
+    target = tmp_path / "x"
+    code, _, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(target), "--kv-cache", "paged",
+                           "--block-size", "0", "--quiet")
+    assert code == 2 and "--block-size" in stderr
+    code, _, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(target), "--kv-cache", "paged", "--check",
+                           "--quiet")
+    assert code == 2 and "--check" in stderr
+    assert not Path(target).exists()
