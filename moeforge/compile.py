@@ -151,9 +151,6 @@ def _check_kv_options(options: CompileOptions) -> bool:
         raise MoeforgeError(f"--kv-cache {options.kv_cache!r} is not one of {', '.join(KV_CACHE_KINDS)}")
     if options.block_size < 1:
         raise MoeforgeError(f"--block-size must be >= 1, got {options.block_size}")
-    if options.kv_cache == "paged" and options.check:
-        raise MoeforgeError("--check compares contiguous-cache artifacts with PyTorch; for --kv-cache paged "
-                            "compare engine outputs instead (tests/runtime/test_paged_engine.py)")
     return options.kv_cache == "paged"
 
 

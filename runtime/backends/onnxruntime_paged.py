@@ -129,3 +129,47 @@ class PagedOrtBackend:
                              f"{total} tokens")
         if any(not 0 <= b < self.num_blocks for b in row.block_table):
             raise ValueError(f"slot {row.slot}: block ids must be in [0, {self.num_blocks})")
+
+
+def is_paged_graph(model_path: str | Path) -> bool:
+    """Whether the graph at ``model_path`` is a paged artifact's (it takes block tables)."""
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    return any(i.name == "block_tables" for i in graph.input)
+
+
+class PagedSequenceSession:
+    """One sequence on a paged graph, with the ``OrtSession.forward`` signature (teacher-forced parity):
+    its pools hold ``ceil(max_len / Bs)`` blocks and its block table is all of them, in order."""
+
+    def __init__(self, model_path: str | Path, max_len: int, threads: int | None = None) -> None:
+        model_path = Path(model_path)
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(model_path.parent))
+        proto = lower_for_ort(onnx.load(str(model_path), load_external_data=False))
+        self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=default_providers())
+        pools = [i for i in self.session.get_inputs() if i.name.startswith("kv_pool.")]
+        block_size = int(pools[0].shape[1])
+        num_blocks = -(-max_len // block_size)
+        self.pools = {i.name: np.zeros((num_blocks, *i.shape[1:]), np.float32) for i in pools}
+        self.block_table = np.arange(num_blocks, dtype=np.int32)[None]
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """input_ids/position_ids [1, S] (positions start .. start+S-1) -> logits [1, S, V] of every token."""
+        ids = np.asarray(input_ids, np.int64).reshape(-1)
+        start, count = int(np.asarray(position_ids).reshape(-1)[0]), ids.shape[0]
+        feeds = {"input_ids": ids, "position_ids": np.arange(start, start + count, dtype=np.int64),
+                 "block_tables": self.block_table, "seq_lens": np.array([start + count], np.int32),
+                 "query_start_loc": np.array([0, count], np.int32), "logits_indices": np.arange(count, dtype=np.int64)}
+        io = self.session.io_binding()
+        for name, array in feeds.items():
+            io.bind_cpu_input(name, array)
+        values = {name: ort.OrtValue.ortvalue_from_numpy(pool) for name, pool in self.pools.items()}
+        for name, value in values.items():
+            io.bind_ortvalue_input(name, value)
+            io.bind_ortvalue_output(name.replace("kv_pool.", "kv_pool_out."), value)
+        io.bind_output("logits", "cpu")
+        self.session.run_with_iobinding(io)
+        return io.get_outputs()[-1].numpy()[None]

@@ -5,9 +5,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 
 from moeforge.artifact import load_artifact
 from moeforge.cli import main
+from moeforge.compile import CompileOptions, compile_model
+from moeforge.errors import MoeforgeError
 from moeforge.export.generate import SamplingConfig, generate
 from moeforge.export.loader import load_model
 from moeforge.runtime.engine import EngineConfig, LLMEngine
@@ -22,9 +25,10 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_paged_gqa_compile_inspect_and_engine(capsys, tmp_path):
     out = tmp_path / "llama-paged"
-    code, _, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(out), "--max-seq-len", "128", "--kv-cache",
-                           "paged", "--block-size", "4", "--quiet")
+    code, stdout, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(out), "--max-seq-len", "128",
+                                "--kv-cache", "paged", "--block-size", "4", "--check", "--quiet")
     assert code == 0, stderr
+    assert "PASS" in stdout  # teacher-forced parity vs PyTorch, prefill + decodes, over the block pools
     kv = load_artifact(out).manifest.kv_cache
     assert kv.paged and kv.block_size == 4 and kv.layout == "gqa" and kv.shape == ["num_blocks", 4, 2, 16]
     assert kv.past_input_names[0] == ["kv_pool.0.key", "kv_pool.0.value"]
@@ -51,7 +55,6 @@ def test_bad_paged_options_are_refused(capsys, tmp_path):
     code, _, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(target), "--kv-cache", "paged",
                            "--block-size", "0", "--quiet")
     assert code == 2 and "--block-size" in stderr
-    code, _, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(target), "--kv-cache", "paged", "--check",
-                           "--quiet")
-    assert code == 2 and "--check" in stderr
+    with pytest.raises(MoeforgeError, match="--kv-cache 'pagd'"):
+        compile_model(CompileOptions(model="tiny-llama", output_dir=target, kv_cache="pagd", progress=False))
     assert not Path(target).exists()
