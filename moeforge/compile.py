@@ -126,8 +126,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
 
                 (tmp / "genai_config.json").write_text(json.dumps(genai, indent=2))
             # Golden logits (Polygraphy JSON) for checking another backend, e.g. TensorRT, later.
-            if not paged:  # golden feeds are contiguous-cache feeds
-                write_golden(tmp, tmp / MODEL_FILE, default_prompt(config.vocab_size, 16, seed=1))
+            write_golden(tmp, tmp / MODEL_FILE, default_prompt(config.vocab_size, 16, seed=1))
             if options.check:
                 stage("parity check")
                 report = run_parity(tmp / MODEL_FILE, loaded.model, default_prompt(config.vocab_size, 16),

@@ -161,7 +161,8 @@ class LLMEngine:
         num_blocks = config.kv_blocks or config.max_num_seqs * -(-kv.max_seq_len // kv.block_size)
         backend = PagedOrtBackend(artifact.model_path, kv, num_blocks=num_blocks, num_slots=config.max_num_seqs,
                                   vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads,
-                                  providers=list(config.providers) if config.providers else None)
+                                  providers=list(config.providers) if config.providers else None,
+                                  profile=config.profile)
         tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
         eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
             manifest.model_config.get("eos_token_ids", ()))

@@ -30,13 +30,20 @@ class PagedOrtBackend:
     """The ``Backend`` of a paged artifact: block pools shared by all sequences, one run per step."""
 
     def __init__(self, model_path: str | Path, kv: KVCacheSpec, num_blocks: int, num_slots: int, vocab_size: int,
-                 *, threads: int | None = None, providers: list[str] | None = None, lower: bool = True) -> None:
+                 *, threads: int | None = None, providers: list[str] | None = None, lower: bool = True,
+                 profile: bool = False) -> None:
         if kv.block_size is None:
             raise ValueError("PagedOrtBackend needs a paged artifact (compile with --kv-cache paged)")
         model_path = Path(model_path)
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
+        if profile:
+            import tempfile
+
+            options.enable_profiling = True
+            options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="moeforge-profile-")) / "ort")
+        self._profiling = profile
         source: str | bytes = str(model_path)
         if lower:
             proto = lower_for_ort(onnx.load(str(model_path), load_external_data=False))
@@ -83,7 +90,21 @@ class PagedOrtBackend:
         """Nothing to do: blocks belong to the engine's KVCacheManager."""
 
     def op_time_shares(self) -> dict[str, float] | None:
-        return None
+        """Share of kernel time per op type so far (needs ``profile=True``; ends profiling). The paged
+        attention is lowered, so its index math, ScatterND and Gathers count under their own op types."""
+        if not self._profiling:
+            return None
+        import json
+        from collections import Counter
+
+        path = self.session.end_profiling()
+        self._profiling = False
+        totals: Counter[str] = Counter()
+        for event in json.loads(Path(path).read_text()):
+            if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+                totals[event["args"]["op_name"]] += event["dur"]
+        grand = sum(totals.values()) or 1
+        return {op: duration / grand for op, duration in totals.most_common()}
 
     def execute(self, step: StepInput) -> np.ndarray:
         """Run all rows in one packed step; logits [rows, V] of each row's last token."""
@@ -173,3 +194,19 @@ class PagedSequenceSession:
         io.bind_output("logits", "cpu")
         self.session.run_with_iobinding(io)
         return io.get_outputs()[-1].numpy()[None]
+
+
+def paged_golden_feeds(model_path: str | Path, prompt_ids: list[int]) -> dict[str, np.ndarray]:
+    """Every input of a paged graph for one prefill of ``prompt_ids`` from zeroed pools (blocks 0..n-1 in
+    order), projecting every token: logits [P, V]. The golden-output feeds of paged artifacts."""
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    pools = [i for i in graph.input if i.name.startswith("kv_pool.")]
+    dims = [[d.dim_value for d in p.type.tensor_type.shape.dim] for p in pools]
+    num_blocks = -(-len(prompt_ids) // dims[0][1])
+    count = len(prompt_ids)
+    feeds = {"input_ids": np.array(prompt_ids, np.int64), "position_ids": np.arange(count, dtype=np.int64),
+             "block_tables": np.arange(num_blocks, dtype=np.int32)[None], "seq_lens": np.array([count], np.int32),
+             "query_start_loc": np.array([0, count], np.int32), "logits_indices": np.arange(count, dtype=np.int64)}
+    for pool, shape in zip(pools, dims, strict=True):
+        feeds[pool.name] = np.zeros((num_blocks, *shape[1:]), np.float32)
+    return feeds

@@ -13,6 +13,8 @@ from moeforge.compile import CompileOptions, compile_model
 from moeforge.errors import MoeforgeError
 from moeforge.export.generate import SamplingConfig, generate
 from moeforge.export.loader import load_model
+from moeforge.golden import load_golden
+from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 
@@ -34,6 +36,11 @@ def test_paged_gqa_compile_inspect_and_engine(capsys, tmp_path):
     assert kv.past_input_names[0] == ["kv_pool.0.key", "kv_pool.0.value"]
     assert kv.bytes_per_block == kv.bytes_per_token * 4
     assert not (out / "genai_config.json").exists()  # onnxruntime-genai cannot drive block pools
+    feeds, golden = load_golden(out)  # packed-token golden feeds; logits [P, V] of every prompt token
+    assert golden.shape == (16, 512) and feeds["kv_pool.0.key"].shape == (4, 4, 2, 16)
+    lowered = PagedSequenceSession(out / "model.onnx", 16).forward(feeds["input_ids"][None],
+                                                                   feeds["position_ids"][None], None)
+    np.testing.assert_allclose(lowered[0], golden, atol=1e-5, rtol=0)  # ORT lowering == the shipped function
     code, stdout, _ = _cli(capsys, "inspect", str(out))
     assert code == 0 and "PagedAttention" in stdout
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
