@@ -14,6 +14,7 @@ compared with a run that has a generous pool (same tokens expected).
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +79,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     results = run(args.artifact, args.seed)
-    name = str(results["model"]).replace("/", "_")
+    name = re.sub(r"[^a-z0-9]+", "-", str(results["model"]).lower()).strip("-")
     path = write_result(RESULTS / f"kv_memory_{name}.json", "kv_memory", results)
     print(f"pool {results['pool_bytes']} B for {results['token_bytes']} B of tokens "
           f"({results['pool_over_tokens']}x); wrote {path}")

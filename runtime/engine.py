@@ -82,7 +82,8 @@ class EngineMetrics:
 @dataclass(frozen=True)
 class EngineConfig:
     """Capacity knobs. ``kv_blocks`` of ``block_size`` tokens is the KV memory budget that drives
-    admission and preemption (default: every slot can reach ``max_seq_len``)."""
+    admission and preemption (default: every slot can reach ``max_seq_len``). Paged artifacts: the
+    artifact's block size is used, and ``kv_blocks`` is also the size of the preallocated pools."""
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512

@@ -39,6 +39,13 @@ def deepseek(tmp_path_factory) -> dict[str, Path]:
     return {kind: _compile("tiny-deepseek-v3", root, kind) for kind in ("contiguous", "paged")}
 
 
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    """PyTorch greedy tokens of ``_prompts(8)`` (shared by the tests below)."""
+    model = load_model("tiny-deepseek-v3").model
+    return [generate(model, p, SamplingConfig(max_new_tokens=10)).token_ids for p in _prompts(8)]
+
+
 def _prompts(n: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
     """Mixed lengths 2..60: some within one block, some crossing one or more block boundaries."""
     rng = np.random.default_rng(seed)
@@ -59,16 +66,27 @@ def test_paged_artifact_graph_and_manifest(deepseek):
                                                        "query_start_loc"]
 
 
-def test_paged_equals_contiguous_and_pytorch_8_concurrent(deepseek):
+def test_paged_equals_contiguous_and_pytorch_8_concurrent(deepseek, expected):
     prompts = _prompts(8)
-    model = load_model("tiny-deepseek-v3").model
-    expected = [generate(model, p, SamplingConfig(max_new_tokens=10)).token_ids for p in prompts]
     outputs = {}
     for kind, path in deepseek.items():
         engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
         outputs[kind] = [o.token_ids for o in engine.generate(prompts, GREEDY)]
         assert engine.kv.stats().blocks_in_use == 0
     assert outputs["paged"] == outputs["contiguous"] == expected
+
+
+def test_preemption_with_a_third_of_the_pool(deepseek, expected):
+    """Preempted sequences lose their blocks (reused by others: stale pool contents must stay masked) and
+    come back through the prefix cache; outputs still equal PyTorch's."""
+    prompts = _prompts(8)
+    need = sum(-(-(len(p) + 10) // BLOCK) for p in prompts)
+    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                                      kv_blocks=max(need // 3, 5)))
+    assert engine.backend.num_blocks == engine.kv.config.num_blocks == max(need // 3, 5)
+    outputs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    assert engine.metrics.preemptions > 0 and engine.kv.stats().blocks_in_use == 0
 
 
 def test_pools_are_updated_in_place(deepseek):
