@@ -7,6 +7,8 @@ Why this order (ONNX Runtime target):
 4. rotary         rope arithmetic -> RotaryEmbedding with a cos/sin cache sized by max_seq_len.
 5. kv_cache       Attention -> GroupQueryAttention with in-place cache I/O; takes q/k after (4) and,
                   for GQA with head size % 16 == 0, folds their RotaryEmbedding into the kernel.
+   (paged_kv      with ``kv_cache="paged"`` instead: Attention -> moeforge::PagedAttention over block
+                  pools, packed-token inputs; RoPE stays a RotaryEmbedding node before the op.)
 6. packing        sibling projections (q/k/v, q_a/kv_a, gate/up) -> one MatMul + Split.
 7. moe_lowering   moeforge.MoERouter -> MoEExperts -> routing in standard ops + com.microsoft.MoE.
 8. cleanup        drops what the rewrites left dead (old masks, cos/sin math, transposes).
@@ -24,18 +26,19 @@ from moeforge.graph_passes.cleanup import Cleanup
 from moeforge.graph_passes.kv_cache import KVCacheInsertion
 from moeforge.graph_passes.moe_lowering import MoELowering
 from moeforge.graph_passes.packing import ProjectionPacking
+from moeforge.graph_passes.paged_kv import PagedKVInsertion
 from moeforge.graph_passes.rms_norm import RmsNormFusion, SkipRmsNormFusion
 from moeforge.graph_passes.rotary import RotaryFusion
 
 
-def ort_pipeline() -> list[GraphPass]:
-    """Passes for the ONNX Runtime target, in order."""
+def ort_pipeline(kv_cache: str = "contiguous") -> list[GraphPass]:
+    """Passes for the ONNX Runtime target, in order; ``kv_cache``: "contiguous" or "paged"."""
     return [
         Cleanup(),
         RmsNormFusion(),
         SkipRmsNormFusion(),
         RotaryFusion(),
-        KVCacheInsertion(),
+        PagedKVInsertion() if kv_cache == "paged" else KVCacheInsertion(),
         ProjectionPacking(),
         MoELowering(),
         Cleanup(),

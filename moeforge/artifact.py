@@ -97,6 +97,8 @@ class KVCacheSpec:
     latent buffer, the one bound to its past input. ``values_per_token_per_layer`` counts the scalars one
     token adds to one layer (all buffers together); ``bytes_per_token`` covers all layers. ``max_seq_len``
     is the longest sequence the artifact supports (positions, rotary tables).
+    ``block_size`` set: a paged artifact (``--kv-cache paged``); ``shape`` is then a block pool
+    ``[num_blocks, block_size, Hkv, D]`` and the names are ``kv_pool.{i}.*`` -> ``kv_pool_out.{i}.*``.
     """
 
     layout: KVLayout
@@ -108,6 +110,16 @@ class KVCacheSpec:
     values_per_token_per_layer: int
     bytes_per_token: int
     max_seq_len: int
+    block_size: int | None = None  # paged artifacts only
+
+    @property
+    def paged(self) -> bool:
+        return self.block_size is not None
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one pool block over all layers (paged artifacts)."""
+        return self.bytes_per_token * (self.block_size or 0)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -139,7 +151,7 @@ class KVCacheSpec:
                     )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | ({"bytes_per_block": self.bytes_per_block} if self.paged else {})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheSpec:
@@ -153,6 +165,7 @@ class KVCacheSpec:
             values_per_token_per_layer=int(data["values_per_token_per_layer"]),
             bytes_per_token=int(data["bytes_per_token"]),
             max_seq_len=int(data["max_seq_len"]),
+            block_size=None if data.get("block_size") is None else int(data["block_size"]),
         )
 
 

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--target", default="ort", help="ort (ONNX Runtime, CPU by default)")
     comp.add_argument("--max-seq-len", type=int, default=None,
                       help="longest sequence the artifact serves (default: min(2048, the model's limit))")
+    comp.add_argument("--kv-cache", choices=["contiguous", "paged"], default="contiguous",
+                      help="KV-cache layout: per-sequence buffers, or block pools (paged attention)")
+    comp.add_argument("--block-size", type=int, default=16, help="tokens per KV block (--kv-cache paged)")
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
     comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -225,7 +228,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     options = CompileOptions(model=args.model, output_dir=Path(args.output), target=args.target,
                              max_seq_len=args.max_seq_len, force=args.force, check=args.check,
-                             progress=not args.quiet)
+                             progress=not args.quiet, kv_cache=args.kv_cache, block_size=args.block_size)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:

@@ -28,12 +28,14 @@ from moeforge.export.onnx_export import export_stateless, unmark_layers
 from moeforge.genai_config import genai_config
 from moeforge.golden import write_golden
 from moeforge.graph_passes.base import PassContext, PassReport
+from moeforge.graph_passes.paged_kv import PAGED_BLOCK_SIZE_NOTE, paged_kv_cache_spec
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
 from moeforge.parity import ParityReport, default_prompt, run_parity
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 TARGETS = ("ort",)
+KV_CACHE_KINDS = ("contiguous", "paged")
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
@@ -57,6 +59,8 @@ class CompileOptions:
     check: bool = False
     check_steps: int = 16
     progress: bool = True
+    kv_cache: str = "contiguous"  # "paged": block pools + moeforge::PagedAttention (graph_passes/paged_kv.py)
+    block_size: int = 16  # tokens per pool block (paged only)
 
 
 @dataclass
@@ -72,11 +76,12 @@ def compile_model(options: CompileOptions) -> CompileResult:
         raise MoeforgeError(f"target {options.target!r} is not supported here; targets: {', '.join(TARGETS)}")
     if options.max_seq_len is not None and options.max_seq_len < 2:
         raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
+    paged = _check_kv_options(options)
     # Refuse bad output locations before the expensive stages.
     check_output_dir(options.output_dir, force=options.force)
 
-    bar = tqdm(total=4 + len(ort_pipeline()) + (1 if options.check else 0), desc="compile", unit="stage",
-               disable=not options.progress, leave=False)
+    bar = tqdm(total=4 + len(ort_pipeline(options.kv_cache)) + (1 if options.check else 0), desc="compile",
+               unit="stage", disable=not options.progress, leave=False)
 
     def stage(label: str) -> None:
         bar.set_postfix_str(label)
@@ -96,13 +101,14 @@ def compile_model(options: CompileOptions) -> CompileResult:
         model = export_stateless(loaded.model, mark_layers=True)
         bar.update()
 
-        ctx = PassContext(config=config, max_seq_len=max_seq_len, target="ort")
+        ctx = PassContext(config=config, max_seq_len=max_seq_len, target="ort",
+                          notes={PAGED_BLOCK_SIZE_NOTE: options.block_size} if paged else {})
 
         def pass_done(report: PassReport) -> None:
             stage(f"pass {report.name}: {report.matches}")
             bar.update()
 
-        reports = run_passes(model, ctx, ort_pipeline(), on_pass_done=pass_done)
+        reports = run_passes(model, ctx, ort_pipeline(options.kv_cache), on_pass_done=pass_done)
         layer_outputs = unmark_layers(model)  # names kept in the manifest for parity --per-layer
         manifest = _manifest(model, loaded, options, reports, max_seq_len)
         manifest.layer_outputs = layer_outputs
@@ -113,8 +119,8 @@ def compile_model(options: CompileOptions) -> CompileResult:
             bar.update()
             if loaded.tokenizer is not None:
                 loaded.tokenizer.save(tmp)
-            genai = genai_config(config, manifest.kv_cache, context_length=max_seq_len,
-                                 filename=MODEL_FILE)
+            genai = None if paged else genai_config(config, manifest.kv_cache, context_length=max_seq_len,
+                                                    filename=MODEL_FILE)  # GenAI cannot drive block pools
             if genai is not None:
                 import json
 
@@ -138,6 +144,15 @@ def compile_model(options: CompileOptions) -> CompileResult:
         bar.close()
 
 
+def _check_kv_options(options: CompileOptions) -> bool:
+    """Validate --kv-cache / --block-size; True for a paged compile."""
+    if options.kv_cache not in KV_CACHE_KINDS:
+        raise MoeforgeError(f"--kv-cache {options.kv_cache!r} is not one of {', '.join(KV_CACHE_KINDS)}")
+    if options.block_size < 1:
+        raise MoeforgeError(f"--block-size must be >= 1, got {options.block_size}")
+    return options.kv_cache == "paged"
+
+
 def _tensor_specs(values: list[ir.Value]) -> list[TensorSpec]:
     specs = []
     for value in values:
@@ -152,7 +167,10 @@ def _manifest(
     model: ir.Model, loaded: LoadedModel, options: CompileOptions, reports: list[PassReport], max_seq_len: int
 ) -> Manifest:
     config: ModelConfig = loaded.config
-    kv = kv_cache_spec(config, max_seq_len=max_seq_len, dtype="float32")
+    if options.kv_cache == "paged":
+        kv = paged_kv_cache_spec(config, max_seq_len=max_seq_len, block_size=options.block_size, dtype="float32")
+    else:
+        kv = kv_cache_spec(config, max_seq_len=max_seq_len, dtype="float32")
     return Manifest(
         model_config=config.to_dict(),
         inputs=_tensor_specs(list(model.graph.inputs)),

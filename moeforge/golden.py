@@ -59,8 +59,12 @@ def write_golden(artifact_dir: Path, model_path: Path, prompt_ids: list[int]) ->
     from polygraphy.comparator.struct import IterationResult
     from polygraphy.json import save_json
 
+    from moeforge.runtime.backends.onnxruntime_paged import is_paged_graph, paged_golden_feeds
+
     session = OrtSession(model_path)
-    feeds = golden_feeds(session, prompt_ids)
+    # Paged artifacts (--kv-cache paged): packed-token feeds over zeroed pools; their logits are [P, V].
+    feeds = paged_golden_feeds(model_path, prompt_ids) if is_paged_graph(model_path) else golden_feeds(
+        session, prompt_ids)
     (logits,) = session.session.run(["logits"], feeds)
     out = artifact_dir / GOLDEN_DIR
     out.mkdir(exist_ok=True)

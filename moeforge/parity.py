@@ -111,8 +111,13 @@ def run_parity(
 ) -> ParityReport:
     """Teacher-forced comparison of the graph at ``model_path`` against ``torch_model``."""
     prompt_len = len(prompt_ids)
-    session = OrtSession(model_path, threads=threads)
-    session.allocate(batch=1, max_len=prompt_len + decode_steps + 1)
+    from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession, is_paged_graph
+
+    if is_paged_graph(model_path):  # --kv-cache paged: one sequence over block pools, same comparison
+        session = PagedSequenceSession(model_path, prompt_len + decode_steps + 1, threads=threads)
+    else:
+        session = OrtSession(model_path, threads=threads)
+        session.allocate(batch=1, max_len=prompt_len + decode_steps + 1)
 
     ids = torch.tensor([prompt_ids], dtype=torch.int64)
     out = torch_model(ids, torch.arange(prompt_len)[None])
@@ -195,6 +200,11 @@ def run_layer_parity(
 
     model_path = Path(model_path)
     proto = onnx.load(str(model_path), load_external_data=False)
+    if any(i.name == "block_tables" for i in proto.graph.input):
+        from moeforge.errors import MoeforgeError
+
+        raise MoeforgeError("--per-layer needs a contiguous-cache artifact; this one is paged (--kv-cache paged): "
+                            "run parity without --per-layer, or compile without --kv-cache paged to bisect layers")
     existing = {o.name for o in proto.graph.output}
     for name in layer_outputs:
         if name not in existing:

@@ -82,7 +82,8 @@ class EngineMetrics:
 @dataclass(frozen=True)
 class EngineConfig:
     """Capacity knobs. ``kv_blocks`` of ``block_size`` tokens is the KV memory budget that drives
-    admission and preemption (default: every slot can reach ``max_seq_len``)."""
+    admission and preemption (default: every slot can reach ``max_seq_len``). Paged artifacts: the
+    artifact's block size is used, and ``kv_blocks`` is also the size of the preallocated pools."""
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
@@ -104,10 +105,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.config = config
-        blocks_per_slot = -(-backend.max_seq_len // config.block_size)
-        num_blocks = config.kv_blocks or backend.num_slots * blocks_per_slot
-        # Contiguous-slot artifacts cannot share a cached prefix physically, so prefix caching is off.
-        self.kv = KVCacheManager(KVCacheConfig(num_blocks, config.block_size, enable_prefix_caching=False))
+        # A paged backend (block pools) has its own block size and pool; its blocks ARE the manager's
+        # blocks, so prefix-cache hits are shared physically. Contiguous-slot artifacts cannot share a
+        # cached prefix, so prefix caching is off for them.
+        paged_block_size = getattr(backend, "block_size", None)
+        block_size = paged_block_size or config.block_size
+        blocks_per_slot = -(-backend.max_seq_len // block_size)
+        num_blocks = getattr(backend, "num_blocks", None) or config.kv_blocks or backend.num_slots * blocks_per_slot
+        self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size,
+                                               enable_prefix_caching=paged_block_size is not None))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=min(config.max_num_seqs, backend.num_slots),
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -134,11 +140,30 @@ class LLMEngine:
         config = config or EngineConfig()
         artifact = load_artifact(path)
         manifest = artifact.manifest
+        if manifest.kv_cache.paged:
+            return cls._from_paged_artifact(artifact, config)
         backend = OrtBackend(artifact.model_path, num_slots=config.max_num_seqs,
                              max_seq_len=manifest.kv_cache.max_seq_len,
                              vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads,
                              providers=list(config.providers) if config.providers else None,
                              profile=config.profile)
+        tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
+        eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
+            manifest.model_config.get("eos_token_ids", ()))
+        return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
+
+    @classmethod
+    def _from_paged_artifact(cls, artifact, config: EngineConfig) -> LLMEngine:  # type: ignore[no-untyped-def]
+        from moeforge.export.tokenizer import Tokenizer
+        from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
+
+        manifest = artifact.manifest
+        kv = manifest.kv_cache
+        num_blocks = config.kv_blocks or config.max_num_seqs * -(-kv.max_seq_len // kv.block_size)
+        backend = PagedOrtBackend(artifact.model_path, kv, num_blocks=num_blocks, num_slots=config.max_num_seqs,
+                                  vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads,
+                                  providers=list(config.providers) if config.providers else None,
+                                  profile=config.profile)
         tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
         eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
             manifest.model_config.get("eos_token_ids", ()))
@@ -229,7 +254,8 @@ class LLMEngine:
         for item in plan.scheduled:
             if item.request_id not in self._slots:
                 self._slots[item.request_id] = self._free_slots.pop(0)
-            rows.append(RowInput(self._slots[item.request_id], tuple(item.token_ids), item.start))
+            rows.append(RowInput(self._slots[item.request_id], tuple(item.token_ids), item.start,
+                                 tuple(item.block_table)))
         start = time.perf_counter()
         logits = self.backend.execute(StepInput(tuple(rows)))
         self.metrics.execute_seconds += time.perf_counter() - start

@@ -26,6 +26,7 @@ class RowInput:
     slot: int
     token_ids: tuple[int, ...]
     start: int
+    block_table: tuple[int, ...] | None = None  # paged backends: the sequence's pool blocks, in token order
 
 
 @dataclass(frozen=True)

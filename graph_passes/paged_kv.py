@@ -1,0 +1,171 @@
+"""Paged KV-cache I/O: the graph takes a packed batch of new tokens and reads/writes per-layer block pools
+through ``moeforge::PagedAttention`` (plugins/paged_attention), so one step mixes prefills and decodes.
+
+Letters: T packed new tokens (all sequences), B sequences, M block-table width, N pool blocks,
+Bs block size, K logits rows, Hq/Hkv heads, D head size, R kv_lora_rank, Dr rope dims.
+
+Graph I/O after this pass (before it: input_ids/position_ids [batch, seq] -> logits [batch, seq, V]):
+  input_ids [T] int64, position_ids [T] int64 (RoPE positions; RotaryEmbedding runs before the op)
+  block_tables [B, M] int32, seq_lens [B] int32 (tokens after this step), query_start_loc [B+1] int32
+  logits_indices [K] int64: which of the T tokens are projected to the vocabulary (the last token of each
+    sequence that samples), so a prefill does not pay T x V
+  GQA: kv_pool.{i}.key / .value [N, Bs, Hkv, D] -> kv_pool_out.{i}.key / .value
+  absorbed MLA: kv_pool.{i}.latent [N, Bs, 1, R+Dr] -> kv_pool_out.{i}.latent  (value = first R dims)
+  logits [K, V]
+Everything but attention is per token, so the rest of the graph runs unchanged with the packed tokens as
+the batch: [T, 1, ...] (batch T, one token each; not [1, T], which would make ONNX Runtime's
+RotaryEmbedding refuse T > its cos/sin cache length, and T is bounded by the step budget, not positions).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from moeforge.graph_passes.base import PassContext, ensure_opset
+from moeforge.graph_passes.kv_cache import _is_prefix_slice_of, _replace_bhsd_output, _static
+from moeforge.plugins.paged_attention.function import OPSET, build_function
+from moeforge.plugins.paged_attention.schema import DOMAIN, INPUTS, OP_TYPE, PagedAttentionAttrs
+
+DEFAULT_BLOCK_SIZE = 16
+TOKENS_AXIS = "num_tokens"
+POOL_AXIS = "num_blocks"
+BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC, LOGITS_INDICES = INPUTS[5], INPUTS[6], INPUTS[7], "logits_indices"
+PAGED_BLOCK_SIZE_NOTE = "paged_block_size"  # PassContext.notes key: the block size the compile asked for
+
+
+def pool_names(layer: int, mla: bool) -> tuple[list[str], list[str]]:
+    """(pool inputs, pool outputs) of one layer, in the op's order (key, value) or (latent,)."""
+    kinds = ["latent"] if mla else ["key", "value"]
+    return [f"kv_pool.{layer}.{k}" for k in kinds], [f"kv_pool_out.{layer}.{k}" for k in kinds]
+
+
+class PagedKVInsertion:
+    """Attention -> moeforge::PagedAttention over block pools; packed-token graph inputs; returns the number
+    of layers rewritten. The block size is ``ctx.notes["paged_block_size"]`` (default 16)."""
+
+    name = "paged_kv"
+
+    def apply(self, model: ir.Model, ctx: PassContext) -> int:
+        graph = model.graph
+        attentions = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
+        if not attentions:
+            return 0
+        if len(attentions) != ctx.config.num_hidden_layers:
+            raise ValueError(f"expected one Attention node per layer ({ctx.config.num_hidden_layers}), "
+                             f"found {len(attentions)}")
+        block_size = int(ctx.notes.get(PAGED_BLOCK_SIZE_NOTE, DEFAULT_BLOCK_SIZE))
+        mla = ctx.config.mla is not None
+        ensure_opset(model, DOMAIN, 1)
+        ensure_opset(model, "", OPSET)
+        int32 = ir.TensorType(ir.DataType.INT32)
+        step = [ir.Value(name=BLOCK_TABLES, shape=ir.Shape(["num_seqs", "max_blocks"]), type=int32),
+                ir.Value(name=SEQ_LENS, shape=ir.Shape(["num_seqs"]), type=int32),
+                ir.Value(name=QUERY_START_LOC, shape=ir.Shape(["num_seqs_plus_1"]), type=int32)]
+        self._pack_token_inputs(graph)
+        graph.inputs.extend(step)
+        for layer, node in enumerate(attentions):
+            self._rewrite(graph, node, layer, block_size, mla, step, ctx.config.sliding_window or 0)
+        self._select_logits(graph)
+        opset = model.opset_imports.get("", OPSET)
+        model.functions[(DOMAIN, OP_TYPE, "")] = ir.serde.deserialize_function(
+            build_function(latent=mla, core="matmul", opset=opset))
+        return len(attentions)
+
+    def _pack_token_inputs(self, graph: ir.Graph) -> None:
+        """input_ids / position_ids [batch, seq] -> [T], unsqueezed to [T, 1] for the per-token graph."""
+        for index, value in enumerate(list(graph.inputs)):
+            if value.name not in ("input_ids", "position_ids"):
+                continue
+            packed = ir.Value(name=value.name, shape=ir.Shape([TOKENS_AXIS]), type=value.type)
+            value.name = value.name + "_2d"
+            axes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([1], np.int64))})
+            unsqueeze = ir.node("Unsqueeze", [packed, axes.outputs[0]])
+            unsqueeze.outputs[0].shape, unsqueeze.outputs[0].type = ir.Shape([TOKENS_AXIS, 1]), value.type
+            graph.insert_before(graph.node(0), [axes, unsqueeze])
+            ir.convenience.replace_all_uses_with(value, unsqueeze.outputs[0])
+            graph.inputs[index] = packed
+
+    def _rewrite(self, graph: ir.Graph, node: ir.Node, layer: int, block_size: int, mla: bool,
+                 step: list[ir.Value], window: int) -> None:
+        q4, k4, v4 = node.inputs[0], node.inputs[1], node.inputs[2]  # [T, H, 1, D]
+        hq, dk, hkv, dv = _static(q4, 1), _static(q4, 3), _static(k4, 1), _static(v4, 3)
+        scale = node.attributes["scale"].as_float() if "scale" in node.attributes else dk**-0.5
+        if mla and (hkv != 1 or not _is_prefix_slice_of(v4, k4, dv)):
+            raise ValueError("absorbed MLA attention must be MQA whose value is a prefix slice of the key")
+        attrs = PagedAttentionAttrs(scale=scale, num_heads=hq, num_kv_heads=hkv, block_size=block_size,
+                                    head_size_v=dv, sliding_window=int(window), latent=mla)
+        inputs_names, output_names = pool_names(layer, mla)
+        dtype = ir.TensorType(q4.dtype)
+        pools = [ir.Value(name=inputs_names[0], shape=ir.Shape([POOL_AXIS, block_size, hkv, dk]), type=dtype)]
+        if not mla:
+            pools.append(ir.Value(name=inputs_names[1], shape=ir.Shape([POOL_AXIS, block_size, hkv, dv]), type=dtype))
+        graph.inputs.extend(pools)
+
+        tape = ir.tape.Tape()
+        packed = [_to_thd(tape, v, h, d) for v, h, d in ((q4, hq, dk), (k4, hkv, dk), (v4, hkv, dv))]
+        op_inputs: list[ir.Value | None] = [packed[0], packed[1], None if mla else packed[2], pools[0],
+                                            None if mla else pools[1], *step]
+        outs = tape.op_multi_out(OP_TYPE, op_inputs, attributes=attrs.node_attributes(), domain=DOMAIN,
+                                 num_outputs=2 if mla else 3)
+        out = outs[0]
+        out.name = f"/layers.{layer}/paged_attention/output"
+        out.shape, out.type = ir.Shape([TOKENS_AXIS, hq, dv]), dtype
+        for value, name, pool in zip(outs[1:], output_names, pools, strict=True):
+            value.name, value.shape, value.type = name, pool.shape, dtype
+        bshd = tape.op("Unsqueeze", [out, tape.op("Constant", [], attributes={
+            "value": ir.tensor(np.array([1], np.int64))})])  # [T, 1, Hq, Dv]
+        graph.insert_before(node, tape.nodes)
+        _replace_bhsd_output(graph, node.outputs[0], bshd)
+        graph.outputs.extend(outs[1:])
+        graph.remove(node, safe=True)  # the old causal mask becomes dead code (cleanup drops it)
+
+    def _select_logits(self, graph: ir.Graph) -> None:
+        """logits = lm_head(hidden[logits_indices]) [K, V] instead of [T, 1, V]."""
+        logits = next(v for v in graph.outputs if v.name == "logits")
+        head = logits.producer()
+        if head is None or head.op_type != "MatMul":
+            raise ValueError(f"expected logits to come from the lm_head MatMul, found {head and head.op_type}")
+        indices = ir.Value(name=LOGITS_INDICES, shape=ir.Shape(["num_logits"]), type=ir.TensorType(ir.DataType.INT64))
+        graph.inputs.append(indices)
+        gather = ir.node("Gather", [head.inputs[0], indices], attributes={"axis": 0})  # [K, 1, H]
+        graph.insert_before(head, gather)
+        head.replace_input_with(0, gather.outputs[0])
+        vocab = logits.shape[-1] if logits.shape is not None else "vocab_size"
+        logits.name = "logits_3d"
+        squeeze = ir.node("Squeeze", [logits, ir.node("Constant", [], attributes={
+            "value": ir.tensor(np.array([1], np.int64))}).outputs[0]])
+        graph.insert_after(head, [squeeze.inputs[1].producer(), squeeze])
+        squeeze.outputs[0].name = "logits"
+        squeeze.outputs[0].shape, squeeze.outputs[0].type = ir.Shape(["num_logits", vocab]), logits.type
+        graph.outputs[list(graph.outputs).index(logits)] = squeeze.outputs[0]
+
+
+def _to_thd(tape: ir.tape.Tape, value4: ir.Value, heads: int, dim: int) -> ir.Value:
+    """[T, H, 1, D] -> [T, H, D], reusing the [T, 1, H, D] tensor when the exporter transposed it."""
+    producer = value4.producer()
+    if producer is not None and producer.op_type == "Transpose" and list(
+            producer.attributes["perm"].as_ints()) == [0, 2, 1, 3]:
+        bthd = producer.inputs[0]
+    else:
+        bthd = tape.op("Transpose", [value4], attributes={"perm": [0, 2, 1, 3]})
+    shape = tape.op("Constant", [], attributes={"value": ir.tensor(np.array([-1, heads, dim], np.int64))})
+    return tape.op("Reshape", [bthd, shape])
+
+
+def paged_kv_cache_spec(config, *, max_seq_len: int, block_size: int, dtype: str = "float32"):  # type: ignore[no-untyped-def]
+    """The manifest's ``KVCacheSpec`` of a paged artifact: pool names, pool shape, bytes per token/block."""
+    from moeforge.artifact import KVCacheSpec, dtype_size  # artifact imports the passes lazily too
+
+    mla = config.mla is not None
+    layers = config.num_hidden_layers
+    names = [pool_names(i, mla) for i in range(layers)]
+    if mla:
+        per_layer, shape = config.mla.latent_dim, [POOL_AXIS, block_size, 1, config.mla.latent_dim]
+    else:
+        per_layer = 2 * config.num_key_value_heads * config.head_dim
+        shape = [POOL_AXIS, block_size, config.num_key_value_heads, config.head_dim]
+    return KVCacheSpec(
+        layout="mla_latent" if mla else "gqa", num_layers=layers, past_input_names=[n[0] for n in names],
+        present_output_names=[n[1] for n in names], shape=shape, dtype=dtype, values_per_token_per_layer=per_layer,
+        bytes_per_token=per_layer * layers * dtype_size(dtype), max_seq_len=max_seq_len, block_size=block_size)

@@ -1,0 +1,1 @@
+"""Paged attention (domain ``moeforge``): see README.md for the I/O contract."""
