@@ -49,7 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="compile a model into an ONNX Runtime artifact directory")
     comp.add_argument("model", help="HF folder, .gguf file, or a preset / built-in name")
     comp.add_argument("-o", "--output", required=True, help="artifact directory to create")
-    comp.add_argument("--target", default="ort", help="ort (ONNX Runtime, CPU by default)")
+    comp.add_argument("--target", default="ort", help="ort (ONNX Runtime, CPU by default) or trt (TensorRT engine)")
+    comp.add_argument("--trt-impl", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
+                      help="trt: full TensorRT (builds for the local GPU) or TensorRT-RTX (ahead of time, "
+                      "no GPU needed)")
+    comp.add_argument("--sm", type=int, default=89, help="trt: target compute capability, e.g. 89 (default)")
+    comp.add_argument("--dtype", choices=["fp16", "bf16"], default=None, help="trt: engine precision (default fp16)")
+    comp.add_argument("--max-batch", type=int, default=8, help="trt: largest decode batch of the engine's profile")
     comp.add_argument("--max-seq-len", type=int, default=None,
                       help="longest sequence the artifact serves (default: min(2048, the model's limit))")
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
@@ -225,7 +231,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     options = CompileOptions(model=args.model, output_dir=Path(args.output), target=args.target,
                              max_seq_len=args.max_seq_len, force=args.force, check=args.check,
-                             progress=not args.quiet)
+                             progress=not args.quiet, trt_impl=args.trt_impl, sm=args.sm, dtype=args.dtype,
+                             max_batch=args.max_batch)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:
@@ -236,6 +243,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         print(f"  pass {report['name']:<14} {report['matches']:>5} match(es)  {report['seconds']:.2f}s")
     if result.parity is not None:
         print(result.parity.table().splitlines()[-1])
+    if result.manifest.engine is not None:
+        engine = result.manifest.engine
+        print(f"  engine {engine['plan_file']}: {engine['impl']} {engine['tensorrt_version']}, "
+              f"{engine['compute_capability']}, {engine['plan_bytes'] / 2**20:.1f} MiB, "
+              f"built in {engine['build_seconds']:.1f}s")
     print(f"wrote {result.output_dir}")
     return EXIT_OK
 

@@ -33,7 +33,7 @@ from moeforge.parity import ParityReport, default_prompt, run_parity
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
-TARGETS = ("ort",)
+TARGETS = ("ort", "trt")
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
@@ -57,6 +57,12 @@ class CompileOptions:
     check: bool = False
     check_steps: int = 16
     progress: bool = True
+    # --target trt (moeforge/trt/compile_target.py)
+    trt_impl: str = "auto"
+    sm: int | None = 89
+    dtype: str | None = None  # trt: fp16 (default) | bf16
+    max_batch: int = 8
+    max_prefill_tokens: int = 256
 
 
 @dataclass
@@ -72,6 +78,10 @@ def compile_model(options: CompileOptions) -> CompileResult:
         raise MoeforgeError(f"target {options.target!r} is not supported here; targets: {', '.join(TARGETS)}")
     if options.max_seq_len is not None and options.max_seq_len < 2:
         raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
+    if options.target == "trt":
+        from moeforge.trt.compile_target import compile_trt
+
+        return compile_trt(options)
     # Refuse bad output locations before the expensive stages.
     check_output_dir(options.output_dir, force=options.force)
 
