@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     par.add_argument("--per-layer", action="store_true",
                      help="also compare every decoder layer's output and name the first that diverges")
+    par.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
+                     help="tensorrt: run the artifact's engine (GPU) on its golden inputs and compare")
     par.add_argument("--json", action="store_true")
 
     bench = sub.add_parser("bench", help="prefill/decode tokens/s, TTFT, RSS; compared with PyTorch, "
@@ -266,6 +268,8 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     from moeforge.export.loader import load_model
     from moeforge.parity import default_prompt, run_parity
 
+    if args.backend == "tensorrt":
+        return _golden_parity_tensorrt(args)
     artifact = load_artifact(args.artifact)
     loaded = load_model(args.model or artifact.manifest.source, mla_impl="absorb")
     if args.prompt_len < 1 or args.steps < 0:
@@ -290,6 +294,19 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         layer_text = "\n" + layer_table(rows, first)
         passed = passed and first is None
     print(json.dumps(result, indent=2) if args.json else report.table() + layer_text)
+    return EXIT_OK if passed else EXIT_CHECK_FAILED
+
+
+def _golden_parity_tensorrt(args: argparse.Namespace) -> int:
+    from moeforge.trt.golden import check_engine
+
+    check, tolerance = check_engine(args.artifact)
+    passed = check.max_abs_err <= tolerance
+    result = {"backend": "tensorrt", "max_abs_err": check.max_abs_err, "tolerance": tolerance,
+              "top1_agreement": check.top1_agreement, "passed": passed}
+    print(json.dumps(result, indent=2) if args.json else
+          f"engine vs golden (ONNX Runtime CPU): max_abs_err {check.max_abs_err:.3e} (tolerance {tolerance:.3e}), "
+          f"top1 {check.top1_agreement:.3f} -> {'PASS' if passed else 'FAIL'}")
     return EXIT_OK if passed else EXIT_CHECK_FAILED
 
 

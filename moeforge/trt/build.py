@@ -6,8 +6,8 @@ graph_passes/trt_kv_cache.py).
 Two optimisation profiles cover the engine's work: ``decode`` (S = 1, B up to ``max_batch``) and
 ``prefill`` (S up to ``max_prefill_tokens``, B up to ``max_prefill_batch``). A runtime picks the
 profile by S. The cache length is static (TensorRT's KV-cache update layer needs it), so each
-profile records L but does not vary it. The timing cache is saved beside the plan and reused by the
-next build that is pointed at it.
+profile records L but does not vary it. Full TensorRT's timing cache is saved beside the plan and read
+by the next build pointed at it; TensorRT-RTX tunes at run time and ignores timing caches (noted).
 """
 
 from __future__ import annotations
@@ -44,10 +44,13 @@ class BuildOptions:
     impl: str = "auto"
     sm: int | None = 89
     max_batch: int = 8
-    max_prefill_batch: int = 1
+    # 2, not 1: TensorRT-RTX 1.7's compiler fails ("Graph contains more than one op named ..._iota") on a
+    # profile whose batch is pinned to 1 with at most ~32 tokens; a batch range avoids it.
+    max_prefill_batch: int = 2
     max_prefill_tokens: int = 256
     timing_cache: Path | None = None  # read if it exists, written after the build
     verbose: bool = False
+    optimization_level: int | None = None  # builder optimisation level 0..5 (None: TensorRT's default, 3)
 
     def profiles(self) -> list[ProfileSpec]:
         decode_opt = max(1, self.max_batch // 2)
@@ -160,6 +163,8 @@ def build_engine(onnx_path: Path, plan_path: Path, options: BuildOptions, trt: T
     parsed = ParsedNetwork(trt, onnx_path, options.verbose)
     config = parsed.builder.create_builder_config()
     target = trt.set_target(config, options.sm)
+    if options.optimization_level is not None:
+        config.builder_optimization_level = options.optimization_level
 
     profiles = []
     for spec in options.profiles():
@@ -171,21 +176,41 @@ def build_engine(onnx_path: Path, plan_path: Path, options: BuildOptions, trt: T
         profiles.append({"name": spec.name, "batch": list(spec.batch), "tokens": list(spec.tokens),
                          "shapes": {n: [list(s) for s in triple] for n, triple in shapes.items()}})
 
-    cache_bytes = options.timing_cache.read_bytes() if options.timing_cache and options.timing_cache.is_file() else b""
-    timing_cache = config.create_timing_cache(cache_bytes)
-    config.set_timing_cache(timing_cache, ignore_mismatch=False)
+    notes = []
+    timing_cache = None
+    if trt.aot:  # TensorRT-RTX tunes kernels at run time; its timing-cache calls are documented no-ops
+        notes.append(f"no timing cache: timing-cache operations are no-ops in {trt.impl} {trt.version}")
+    elif options.timing_cache is not None:
+        cache_bytes = options.timing_cache.read_bytes() if options.timing_cache.is_file() else b""
+        timing_cache = config.create_timing_cache(cache_bytes)
+        config.set_timing_cache(timing_cache, ignore_mismatch=False)
 
     plan = parsed.builder.build_serialized_network(parsed.network, config)
     if plan is None:
         raise EngineBuildError(f"TensorRT ({trt.impl} {trt.version}) could not build {onnx_path.name} for {target}; "
                                "rerun with --verbose for the builder log")
     plan_path.write_bytes(memoryview(plan))
-    if options.timing_cache is not None:
+    if timing_cache is not None and options.timing_cache is not None:
         options.timing_cache.write_bytes(memoryview(timing_cache.serialize()))
     inputs, outputs = parsed.io()
     return EngineInfo(
         plan_file=plan_path.name, impl=trt.impl, tensorrt_version=trt.version, compute_capability=target,
         inputs=inputs, outputs=outputs, profiles=profiles, layer_types=parsed.layer_types(),
         plan_bytes=plan_path.stat().st_size, build_seconds=round(time.perf_counter() - start, 3),
-        timing_cache_file=options.timing_cache.name if options.timing_cache else None,
+        timing_cache_file=options.timing_cache.name if timing_cache is not None and options.timing_cache else None,
+        notes=notes,
     )
+
+
+def plan_diagnostics(trt: TensorRT, plan: bytes) -> tuple[str, list[str]]:
+    """Read a plan's header without deserialising the engine (works without a GPU): TensorRT's validity
+    verdict and its diagnostics, e.g. ("INVALID", ["MALFORMED_ENGINE"]). Without a GPU the verdict is
+    INVALID because the local compute capability cannot be read; a well-formed plan of this TensorRT
+    version then has no diagnostic flags (no MALFORMED_ENGINE, no VERSION_MISMATCH)."""
+    module = trt.module
+    runtime = module.Runtime(trt.logger())
+    size = getattr(runtime, "engine_header_size", 64)
+    validity, flags = runtime.get_engine_validity(plan[:size])
+    names = [name for name in dir(module.EngineInvalidityDiagnostics) if name.isupper()
+             and int(flags) & int(getattr(module.EngineInvalidityDiagnostics, name))]
+    return str(validity).split(".")[-1], sorted(names)

@@ -66,8 +66,16 @@ def write_trt_golden(artifact_dir: Path, model_path: Path, prompt_ids: list[int]
     small = golden_inputs(prompt_ids)
     options = ort.SessionOptions()
     options.log_severity_level = 3  # TensorScatter warns that it copies (no shared buffer here)
-    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-    (logits,) = session.run(["logits"], {**small, **cache_feeds(model_path)})
+    caches = cache_feeds(model_path)
+    if any(c.dtype.name == "bfloat16" for c in caches.values()):
+        # ONNX Runtime's CPU kernels have no bf16 arithmetic: run the same graph retyped to fp32
+        # (weights keep their bf16-rounded values).
+        source: str | bytes = _bf16_as_fp32(model_path).SerializeToString()
+        caches = {k: v.astype(np.float32) for k, v in caches.items()}
+    else:
+        source = str(model_path)
+    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    (logits,) = session.run(["logits"], {**small, **caches})
     out = artifact_dir / GOLDEN_DIR
     out.mkdir(exist_ok=True)
     save_json([small], str(out / INPUTS_FILE))
@@ -89,3 +97,30 @@ def check_engine(artifact_dir: str | Path) -> tuple[GoldenCheck, float]:
     check = GoldenCheck(float(diff.max()), float((logits.argmax(-1) == golden.argmax(-1)).mean()))
     tolerance = TOLERANCE.get(artifact.manifest.precision, 5e-2) * max(1.0, float(np.abs(golden).max()))
     return check, tolerance
+
+
+def _bf16_as_fp32(model_path: Path) -> Any:
+    """The graph at ``model_path`` with weights loaded and every bfloat16 type, Cast and tensor made float32."""
+    import onnx
+
+    proto = onnx.load(str(model_path))
+    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+
+    def convert(tensor: Any) -> None:
+        if tensor.data_type == bf16:
+            array = onnx.numpy_helper.to_array(tensor).astype(np.float32)
+            tensor.CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
+
+    graph = proto.graph
+    for info in [*graph.input, *graph.output, *graph.value_info]:
+        if info.type.tensor_type.elem_type == bf16:
+            info.type.tensor_type.elem_type = f32
+    for tensor in graph.initializer:
+        convert(tensor)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.name == "to" and attr.i == bf16:
+                attr.i = f32
+            if attr.type == onnx.AttributeProto.TENSOR:
+                convert(attr.t)
+    return proto
