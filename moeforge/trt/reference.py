@@ -9,6 +9,7 @@ numpy arrays carried from one step's present outputs to the next step's past inp
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def run_steps(model_path: str | Path, ids: np.ndarray, boundaries: Sequence[int]
             caches[value.name] = np.zeros([batch, *value.shape[1:]], dtype)
     names = [o.name for o in session.get_outputs()]
     logits = []
-    for start, stop in zip(boundaries[:-1], boundaries[1:], strict=True):
+    for start, stop in itertools.pairwise(boundaries):
         feeds = {"input_ids": ids[:, start:stop].astype(np.int64),
                  "position_ids": np.tile(np.arange(start, stop, dtype=np.int64), (batch, 1)),
                  "past_lengths": np.full(batch, start, np.int64), **caches}
