@@ -4,7 +4,8 @@ Stages: check TensorRT and the target SM first (cheap, before the export); load;
 graph; run ``trt_pipeline`` (graph_passes/trt_lowering.py); write model.onnx + weights, tokenizer,
 golden logits from ONNX Runtime on that graph (moeforge/trt/golden.py), then build the engine plan
 (moeforge/trt/build.py) beside it (with a timing cache under full TensorRT). The manifest's ``engine``
-field describes the plan (inputs/outputs, profiles, compute capability, TensorRT version, layer types, build time, size).
+field describes the plan (inputs/outputs, profiles, compute capability, TensorRT version, layer types,
+build time, size).
 """
 
 from __future__ import annotations
