@@ -1,0 +1,1 @@
+"""MoE router custom op (moeforge.MoERouter)."""

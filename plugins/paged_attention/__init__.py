@@ -1,0 +1,1 @@
+"""Paged attention custom op (moeforge.PagedAttention)."""
