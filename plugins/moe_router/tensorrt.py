@@ -128,7 +128,7 @@ def plugin_classes(trt: Any) -> tuple[type, type]:
             self.plugin_name, self.plugin_version, self.plugin_namespace = PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE
             self.timing_cache_id = ""
 
-        def get_capability_interface(self, type: Any) -> Any:  # noqa: A002 (TensorRT's argument name)
+        def get_capability_interface(self, type: Any) -> Any:
             return self
 
         def get_output_data_types(self, input_types: Any) -> list[Any]:

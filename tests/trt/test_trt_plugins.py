@@ -168,8 +168,8 @@ def _paged_function() -> onnx.FunctionProto:
 def test_plugin_convention_nodes_build_on_cpu(tmp_path):
     """MoERouter / PagedAttention nodes (op type = plugin name, plugin_version, plugin_namespace) with local
     functions: TensorRT-RTX (no plugin registered) inlines the functions and builds an SM89 plan."""
-    from moeforge.trt.build import BuildOptions, ParsedNetwork, build_engine
     from moeforge.trt.adapter import load_tensorrt
+    from moeforge.trt.build import BuildOptions, ParsedNetwork, build_engine
 
     common = {"domain": "moeforge", "plugin_version": "1", "plugin_namespace": "moeforge"}
     router = helper.make_node("MoERouter", ["logits", "bias"], ["ids", "weights"], scoring="sigmoid", top_k=2,
@@ -183,7 +183,8 @@ def test_plugin_convention_nodes_build_on_cpu(tmp_path):
               helper.make_tensor_value_info("bias", TensorProto.FLOAT, [8])]
     inputs += [helper.make_tensor_value_info(n, f16, ["T", 2, 4]) for n in ("q", "k", "v")]
     inputs += [helper.make_tensor_value_info(n, f16, [6, 4, 2, 4]) for n in ("kc", "vc")]
-    inputs += [helper.make_tensor_value_info("tables", i32, ["B", 3]), helper.make_tensor_value_info("lens", i32, ["B"]),
+    inputs += [helper.make_tensor_value_info("tables", i32, ["B", 3]),
+               helper.make_tensor_value_info("lens", i32, ["B"]),
                helper.make_tensor_value_info("starts", i32, ["B1"])]
     graph = helper.make_graph([router, paged], "plugins", inputs,
                               [helper.make_tensor_value_info("ids", i32, ["T", 2]),
