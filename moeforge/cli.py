@@ -271,6 +271,9 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     if args.backend == "tensorrt":
         return _golden_parity_tensorrt(args)
     artifact = load_artifact(args.artifact)
+    if artifact.manifest.engine is not None:
+        raise MoeforgeError(f"{args.artifact} is a TensorRT artifact: compare its engine with the saved golden "
+                            "logits on a GPU host with --backend tensorrt")
     loaded = load_model(args.model or artifact.manifest.source, mla_impl="absorb")
     if args.prompt_len < 1 or args.steps < 0:
         raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
