@@ -89,3 +89,15 @@ def test_sliding_window_mask(tmp_path):
     ids = np.random.default_rng(2).integers(0, config.vocab_size, size=(1, STEPS[-1]))
     got, want = run_steps(tmp_path / "model.onnx", ids, STEPS), _reference(loaded, ids)
     assert np.abs(got - want).max() < 1e-4
+
+
+def test_nothing_imports_tensorrt_unless_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, moeforge.cli, moeforge.compile, moeforge.inspect, moeforge.runtime.engine, "
+            "moeforge.runtime.backends.tensorrt, moeforge.trt.build, moeforge.trt.compile_target, "
+            "moeforge.plugins.moe_router.tensorrt, moeforge.plugins.paged_attention.tensorrt; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'tensorrt_rtx_bindings')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
