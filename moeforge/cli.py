@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--trt-impl", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
                       help="trt: full TensorRT (builds for the local GPU) or TensorRT-RTX (ahead of time, "
                       "no GPU needed)")
-    comp.add_argument("--sm", type=int, default=89, help="trt: target compute capability, e.g. 89 (default)")
+    comp.add_argument("--sm", type=int, default=None,
+                      help="trt: target compute capability, e.g. 89 (TensorRT-RTX default; "
+                      "full TensorRT: the local GPU)")
     comp.add_argument("--dtype", choices=["fp16", "bf16"], default=None, help="trt: engine precision (default fp16)")
     comp.add_argument("--max-batch", type=int, default=8, help="trt: largest decode batch of the engine's profile")
     comp.add_argument("--max-seq-len", type=int, default=None,

@@ -59,7 +59,7 @@ class CompileOptions:
     progress: bool = True
     # --target trt (moeforge/trt/compile_target.py)
     trt_impl: str = "auto"
-    sm: int | None = 89
+    sm: int | None = None  # trt: TensorRT-RTX target SM (default 89); full TensorRT: the local GPU
     dtype: str | None = None  # trt: fp16 (default) | bf16
     max_batch: int = 8
     max_prefill_tokens: int = 256

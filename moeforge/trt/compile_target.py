@@ -32,6 +32,7 @@ TIMING_CACHE_FILE = "timing.cache"
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_MAX_SEQ_LEN = 2048
 GOLDEN_PROMPT_LEN = 16
+DEFAULT_SM = 89  # Ada (RTX 40xx, L4, L40S): TensorRT-RTX's ahead-of-time default here
 
 
 def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> CompileResult; see moeforge/compile.py)
@@ -45,9 +46,12 @@ def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> Co
         raise MoeforgeError("--check compares with ONNX Runtime artifacts; for --target trt run "
                             "`moeforge parity DIR --backend tensorrt` on a GPU host (golden logits are saved)")
     check_output_dir(options.output_dir, force=options.force)
+    if options.max_batch < 1 or options.max_prefill_tokens < 1:
+        raise MoeforgeError("--max-batch and the prefill token limit must be >= 1")
     trt = load_tensorrt(options.trt_impl)
+    sm = options.sm if options.sm is not None else (DEFAULT_SM if trt.aot else None)
     probe = trt.module.Builder(trt.logger())
-    trt.set_target(probe.create_builder_config(), options.sm)  # unsupported SM: fail before the export
+    trt.set_target(probe.create_builder_config(), sm)  # unsupported SM: fail before the export
     del probe
 
     bar = tqdm(total=4 + len(trt_pipeline(dtype)), desc="compile", unit="stage", disable=not options.progress,
@@ -75,7 +79,7 @@ def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> Co
         manifest.layer_outputs = layer_outputs
         manifest.kv_cache = _kv_spec(config, max_seq_len, DTYPES[dtype])
         manifest.tool_versions[trt.impl] = trt.version
-        build = BuildOptions(impl=trt.impl, sm=options.sm, max_batch=options.max_batch,
+        build = BuildOptions(impl=trt.impl, sm=sm, max_batch=options.max_batch,
                              max_prefill_tokens=min(options.max_prefill_tokens, max_seq_len))
 
         def payload(tmp: Path) -> None:
