@@ -63,6 +63,7 @@ class CompileOptions:
     dtype: str | None = None  # trt: fp16 (default) | bf16
     max_batch: int = 8
     max_prefill_tokens: int = 256
+    trt_optimization_level: int | None = None  # TensorRT builder level 0..5 (None: its default, 3)
 
 
 @dataclass

@@ -80,7 +80,8 @@ def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> Co
         manifest.kv_cache = _kv_spec(config, max_seq_len, DTYPES[dtype])
         manifest.tool_versions[trt.impl] = trt.version
         build = BuildOptions(impl=trt.impl, sm=sm, max_batch=options.max_batch,
-                             max_prefill_tokens=min(options.max_prefill_tokens, max_seq_len))
+                             max_prefill_tokens=min(options.max_prefill_tokens, max_seq_len),
+                             optimization_level=options.trt_optimization_level)
 
         def payload(tmp: Path) -> None:
             ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE)
