@@ -165,6 +165,8 @@ def build_engine(onnx_path: Path, plan_path: Path, options: BuildOptions, trt: T
     target = trt.set_target(config, options.sm)
     if options.optimization_level is not None:
         config.builder_optimization_level = options.optimization_level
+    # Layer types and names in the plan, so EngineInspector (moeforge inspect on a GPU) can list them.
+    config.profiling_verbosity = trt.module.ProfilingVerbosity.DETAILED
 
     profiles = []
     for spec in options.profiles():

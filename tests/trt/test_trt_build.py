@@ -162,3 +162,14 @@ def test_bf16_builds(tmp_path):
     with torch.no_grad():
         ref = loaded.model(torch.tensor(feeds["input_ids"]), torch.tensor(feeds["position_ids"]), None).logits.numpy()
     assert np.abs(golden - ref).max() < 0.1 * np.abs(ref).max()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown on a machine without a GPU")
+def test_running_an_engine_without_gpu_says_so(trt_artifacts, capsys):
+    path = str(trt_artifacts["tiny-llama"])
+    assert main(["parity", path, "--backend", "tensorrt"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["run", path, "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["parity", path]) == 2  # the ONNX Runtime teacher-forced parity is for ORT artifacts
+    assert "--backend tensorrt" in capsys.readouterr().err
