@@ -191,12 +191,18 @@ def plugin_classes(trt: Any) -> tuple[type, type]:
 _REGISTERED: dict[int, Any] = {}
 
 
-def register(trt: Any) -> Any:
+def register(trt: Any, allow_rtx: bool = False) -> Any:
     """Register the creator with ``trt.get_plugin_registry()`` (once per module); return it.
 
     Do not register Python plugins for a TensorRT-RTX 1.7 build: its parser aborts the process when it
     imports a node as a Python plugin (see docs/architecture.md, TensorRT target).
     """
+    if trt.__name__.startswith("tensorrt_rtx") and not allow_rtx:
+        from moeforge.errors import MoeforgeError
+
+        raise MoeforgeError(f"not registering the Python {PLUGIN_NAME} plugin with TensorRT-RTX {trt.__version__}: "
+                            "its ONNX parser aborts the process when it imports a node as a Python plugin (and a "
+                            "registered plugin wins over the node's local function, which RTX otherwise inlines)")
     key = id(trt)
     if key not in _REGISTERED:
         _, creator_cls = plugin_classes(trt)

@@ -236,3 +236,17 @@ def test_router_plugin_runs_in_engine(tmp_path):
         out = runner.infer({"logits": logits, "bias": bias})
     ids, weights = route(torch.tensor(logits), torch.tensor(bias), _attrs(V3))
     assert np.array_equal(out["ids"], ids.numpy()) and np.allclose(out["weights"], weights.numpy(), atol=1e-5)
+
+
+@needs_trt_rtx
+def test_python_plugins_refuse_tensorrt_rtx():
+    """Registering would make the parser import the node as a Python plugin, which aborts RTX 1.7."""
+    import tensorrt_rtx_bindings as trt
+
+    from moeforge.errors import MoeforgeError
+
+    for module in (router_plugin, paged_plugin):
+        with pytest.raises(MoeforgeError, match="aborts the process"):
+            module.register(trt)
+    names = {c.name for c in trt.get_plugin_registry().all_creators}
+    assert not {"MoERouter", "PagedAttention"} & names
