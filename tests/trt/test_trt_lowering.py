@@ -22,7 +22,7 @@ MAX_SEQ_LEN = 64
 STEPS = [0, 6, 7, 9, 10]  # prefill 6, decode 1, a chunk of 2, decode 1
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-deepseek-v3"])
+@pytest.fixture(scope="module", params=["tiny-llama", pytest.param("tiny-deepseek-v3", marks=pytest.mark.heavy)])
 def model(request):
     return request.param, load_model(request.param, mla_impl="absorb")
 
