@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from moeforge.export.config import ModelConfig
 
-Target = Literal["ort"]
+Target = Literal["ort", "trt"]
 
 # Opset import of the ONNX Runtime contrib domain (RotaryEmbedding, GroupQueryAttention, MoE, ...).
 MS_DOMAIN = "com.microsoft"

@@ -227,6 +227,8 @@ class Manifest:
     source: str = ""
     created_utc: str = field(default_factory=_utc_now)
     layer_outputs: list[str] = field(default_factory=list)
+    # TensorRT target: the engine plan beside the ONNX (moeforge/trt/build.py EngineInfo.to_dict()).
+    engine: dict[str, Any] | None = None
 
     def config(self) -> Any:
         """The model config as a ``moeforge.export.config.ModelConfig``."""
@@ -249,6 +251,7 @@ class Manifest:
             "source": self.source,
             "created_utc": self.created_utc,
             "layer_outputs": list(self.layer_outputs),
+            **({"engine": self.engine} if self.engine is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -286,6 +289,7 @@ class Manifest:
                 source=str(data.get("source", "")),
                 created_utc=str(data.get("created_utc", "")),
                 layer_outputs=[str(n) for n in data.get("layer_outputs", [])],
+                engine=dict(data["engine"]) if data.get("engine") is not None else None,
             )
         except KeyError as exc:
             raise ArtifactError(f"manifest is missing the field {exc.args[0]!r}") from None

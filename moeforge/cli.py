@@ -49,12 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="compile a model into an ONNX Runtime artifact directory")
     comp.add_argument("model", help="HF folder, .gguf file, or a preset / built-in name")
     comp.add_argument("-o", "--output", required=True, help="artifact directory to create")
-    comp.add_argument("--target", default="ort", help="ort (ONNX Runtime, CPU by default)")
+    comp.add_argument("--target", default="ort", help="ort (ONNX Runtime, CPU by default) or trt (TensorRT engine)")
+    comp.add_argument("--trt-impl", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
+                      help="trt: full TensorRT (builds for the local GPU) or TensorRT-RTX (ahead of time, "
+                      "no GPU needed)")
+    comp.add_argument("--sm", type=int, default=None,
+                      help="trt: target compute capability, e.g. 89 (TensorRT-RTX default; "
+                      "full TensorRT: the local GPU)")
+    comp.add_argument("--dtype", choices=["fp16", "bf16"], default=None, help="trt: engine precision (default fp16)")
+    comp.add_argument("--max-batch", type=int, default=8, help="trt: largest decode batch of the engine's profile")
     comp.add_argument("--max-seq-len", type=int, default=None,
                       help="longest sequence the artifact serves (default: min(2048, the model's limit))")
     comp.add_argument("--kv-cache", choices=["contiguous", "paged"], default="contiguous",
                       help="KV-cache layout: per-sequence buffers, or block pools (paged attention)")
-    comp.add_argument("--block-size", type=int, default=16, help="tokens per KV block (--kv-cache paged)")
+    comp.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block (--kv-cache paged)")
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
     comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -72,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     par.add_argument("--per-layer", action="store_true",
                      help="also compare every decoder layer's output and name the first that diverges")
+    par.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
+                     help="tensorrt: run the artifact's engine (GPU) on its golden inputs and compare")
     par.add_argument("--json", action="store_true")
 
     bench = sub.add_parser("bench", help="prefill/decode tokens/s, TTFT, RSS; compared with PyTorch, "
@@ -228,7 +238,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     options = CompileOptions(model=args.model, output_dir=Path(args.output), target=args.target,
                              max_seq_len=args.max_seq_len, force=args.force, check=args.check,
-                             progress=not args.quiet, kv_cache=args.kv_cache, block_size=args.block_size)
+                             progress=not args.quiet, kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
+                             trt_impl=args.trt_impl, sm=args.sm, dtype=args.dtype, max_batch=args.max_batch)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:
@@ -239,6 +250,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         print(f"  pass {report['name']:<14} {report['matches']:>5} match(es)  {report['seconds']:.2f}s")
     if result.parity is not None:
         print(result.parity.table().splitlines()[-1])
+    if result.manifest.engine is not None:
+        engine = result.manifest.engine
+        print(f"  engine {engine['plan_file']}: {engine['impl']} {engine['tensorrt_version']}, "
+              f"{engine['compute_capability']}, {engine['plan_bytes'] / 2**20:.1f} MiB, "
+              f"built in {engine['build_seconds']:.1f}s")
     print(f"wrote {result.output_dir}")
     return EXIT_OK
 
@@ -257,7 +273,12 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     from moeforge.export.loader import load_model
     from moeforge.parity import default_prompt, run_parity
 
+    if args.backend == "tensorrt":
+        return _golden_parity_tensorrt(args)
     artifact = load_artifact(args.artifact)
+    if artifact.manifest.engine is not None:
+        raise MoeforgeError(f"{args.artifact} is a TensorRT artifact: compare its engine with the saved golden "
+                            "logits on a GPU host with --backend tensorrt")
     loaded = load_model(args.model or artifact.manifest.source, mla_impl="absorb")
     if args.prompt_len < 1 or args.steps < 0:
         raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
@@ -281,6 +302,19 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         layer_text = "\n" + layer_table(rows, first)
         passed = passed and first is None
     print(json.dumps(result, indent=2) if args.json else report.table() + layer_text)
+    return EXIT_OK if passed else EXIT_CHECK_FAILED
+
+
+def _golden_parity_tensorrt(args: argparse.Namespace) -> int:
+    from moeforge.trt.golden import check_engine
+
+    check, tolerance = check_engine(args.artifact)
+    passed = check.max_abs_err <= tolerance
+    result = {"backend": "tensorrt", "max_abs_err": check.max_abs_err, "tolerance": tolerance,
+              "top1_agreement": check.top1_agreement, "passed": passed}
+    print(json.dumps(result, indent=2) if args.json else
+          f"engine vs golden (ONNX Runtime CPU): max_abs_err {check.max_abs_err:.3e} (tolerance {tolerance:.3e}), "
+          f"top1 {check.top1_agreement:.3f} -> {'PASS' if passed else 'FAIL'}")
     return EXIT_OK if passed else EXIT_CHECK_FAILED
 
 

@@ -34,7 +34,7 @@ from moeforge.parity import ParityReport, default_prompt, run_parity
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
-TARGETS = ("ort",)
+TARGETS = ("ort", "trt")
 KV_CACHE_KINDS = ("contiguous", "paged")
 DEFAULT_MAX_SEQ_LEN = 2048
 
@@ -60,7 +60,14 @@ class CompileOptions:
     check_steps: int = 16
     progress: bool = True
     kv_cache: str = "contiguous"  # "paged": block pools + moeforge::PagedAttention (graph_passes/paged_kv.py)
-    block_size: int = 16  # tokens per pool block (paged only)
+    kv_block_size: int = 16  # tokens per pool block (paged only)
+    # --target trt (moeforge/trt/compile_target.py)
+    trt_impl: str = "auto"
+    sm: int | None = None  # trt: TensorRT-RTX target SM (default 89); full TensorRT: the local GPU
+    dtype: str | None = None  # trt: fp16 (default) | bf16
+    max_batch: int = 8
+    max_prefill_tokens: int = 256
+    trt_optimization_level: int | None = None  # TensorRT builder level 0..5 (None: its default, 3)
 
 
 @dataclass
@@ -77,6 +84,10 @@ def compile_model(options: CompileOptions) -> CompileResult:
     if options.max_seq_len is not None and options.max_seq_len < 2:
         raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
     paged = _check_kv_options(options)
+    if options.target == "trt":
+        from moeforge.trt.compile_target import compile_trt
+
+        return compile_trt(options)
     # Refuse bad output locations before the expensive stages.
     check_output_dir(options.output_dir, force=options.force)
 
@@ -102,7 +113,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
         bar.update()
 
         ctx = PassContext(config=config, max_seq_len=max_seq_len, target="ort",
-                          notes={PAGED_BLOCK_SIZE_NOTE: options.block_size} if paged else {})
+                          notes={PAGED_BLOCK_SIZE_NOTE: options.kv_block_size} if paged else {})
 
         def pass_done(report: PassReport) -> None:
             stage(f"pass {report.name}: {report.matches}")
@@ -145,11 +156,11 @@ def compile_model(options: CompileOptions) -> CompileResult:
 
 
 def _check_kv_options(options: CompileOptions) -> bool:
-    """Validate --kv-cache / --block-size; True for a paged compile."""
+    """Validate --kv-cache / --kv-block-size; True for a paged compile."""
     if options.kv_cache not in KV_CACHE_KINDS:
         raise MoeforgeError(f"--kv-cache {options.kv_cache!r} is not one of {', '.join(KV_CACHE_KINDS)}")
-    if options.block_size < 1:
-        raise MoeforgeError(f"--block-size must be >= 1, got {options.block_size}")
+    if options.kv_block_size < 1:
+        raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv_block_size}")
     return options.kv_cache == "paged"
 
 
@@ -168,7 +179,7 @@ def _manifest(
 ) -> Manifest:
     config: ModelConfig = loaded.config
     if options.kv_cache == "paged":
-        kv = paged_kv_cache_spec(config, max_seq_len=max_seq_len, block_size=options.block_size, dtype="float32")
+        kv = paged_kv_cache_spec(config, max_seq_len=max_seq_len, block_size=options.kv_block_size, dtype="float32")
     else:
         kv = kv_cache_spec(config, max_seq_len=max_seq_len, dtype="float32")
     return Manifest(

@@ -125,6 +125,11 @@ def summarize(artifact: Artifact) -> str:
     except Exception as exc:  # inspect should still show the rest
         lines.append(f"ops        cannot read {MODEL_FILE}: {exc}")
 
+    if m.engine is not None:  # TensorRT target
+        from moeforge.trt.inspect_engine import engine_lines
+
+        lines += engine_lines(artifact)
+
     lines.append("")
     total = sum(int(e["bytes"]) for e in m.files.values())
     lines.append(f"files      {len(m.files)} files, {format_bytes(total)}")

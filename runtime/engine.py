@@ -140,13 +140,18 @@ class LLMEngine:
         config = config or EngineConfig()
         artifact = load_artifact(path)
         manifest = artifact.manifest
-        if manifest.kv_cache.paged:
+        if manifest.engine is not None:  # --target trt: the engine plan on a GPU
+            from moeforge.runtime.backends.tensorrt import TensorRTBackend
+
+            backend = TensorRTBackend.from_artifact(artifact.root, num_slots=config.max_num_seqs)
+        elif manifest.kv_cache.paged:
             return cls._from_paged_artifact(artifact, config)
-        backend = OrtBackend(artifact.model_path, num_slots=config.max_num_seqs,
-                             max_seq_len=manifest.kv_cache.max_seq_len,
-                             vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads,
-                             providers=list(config.providers) if config.providers else None,
-                             profile=config.profile)
+        else:
+            backend = OrtBackend(artifact.model_path, num_slots=config.max_num_seqs,
+                                 max_seq_len=manifest.kv_cache.max_seq_len,
+                                 vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads,
+                                 providers=list(config.providers) if config.providers else None,
+                                 profile=config.profile)
         tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
         eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
             manifest.model_config.get("eos_token_ids", ()))

@@ -28,7 +28,7 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 def test_paged_gqa_compile_inspect_and_engine(capsys, tmp_path):
     out = tmp_path / "llama-paged"
     code, stdout, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(out), "--max-seq-len", "128",
-                                "--kv-cache", "paged", "--block-size", "4", "--check", "--quiet")
+                                "--kv-cache", "paged", "--kv-block-size", "4", "--check", "--quiet")
     assert code == 0, stderr
     assert "PASS" in stdout  # teacher-forced parity vs PyTorch, prefill + decodes, over the block pools
     kv = load_artifact(out).manifest.kv_cache
@@ -60,8 +60,8 @@ def test_paged_gqa_compile_inspect_and_engine(capsys, tmp_path):
 def test_bad_paged_options_are_refused(capsys, tmp_path):
     target = tmp_path / "x"
     code, _, stderr = _cli(capsys, "compile", "tiny-llama", "-o", str(target), "--kv-cache", "paged",
-                           "--block-size", "0", "--quiet")
-    assert code == 2 and "--block-size" in stderr
+                           "--kv-block-size", "0", "--quiet")
+    assert code == 2 and "--kv-block-size" in stderr
     with pytest.raises(MoeforgeError, match="--kv-cache 'pagd'"):
         compile_model(CompileOptions(model="tiny-llama", output_dir=target, kv_cache="pagd", progress=False))
     assert not Path(target).exists()

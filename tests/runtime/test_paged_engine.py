@@ -30,7 +30,7 @@ BLOCK = 16
 def _compile(name: str, root: Path, kv_cache: str, max_seq_len: int = 128) -> Path:
     out = root / f"{name}-{kv_cache}"
     return compile_model(CompileOptions(model=name, output_dir=out, max_seq_len=max_seq_len, progress=False,
-                                        kv_cache=kv_cache, block_size=BLOCK)).output_dir
+                                        kv_cache=kv_cache, kv_block_size=BLOCK)).output_dir
 
 
 @pytest.fixture(scope="module")
