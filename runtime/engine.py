@@ -4,13 +4,17 @@ The scheduler decides which tokens of which requests run (continuous batching, c
 preemption); the backend runs them on its cache slots and returns each row's last logits; the
 sampler picks tokens; the scheduler records them. The engine owns the request <-> cache-slot map,
 stop strings (they need the tokenizer) and metrics. A bad request fails alone: it is rejected with
-a clear error (or finished with one) and the engine keeps serving the others.
+a clear error (or finished with one) and the engine keeps serving the others. A step whose backend
+call (or sampling) raises fails alone too: the requests it scheduled finish with
+``finish_reason="error"`` and the exception's message, the prefix-cache keys it registered are
+dropped, and the next steps serve the other and new requests as usual.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +29,8 @@ from moeforge.runtime.sampler import Sampler, SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from moeforge.runtime.sequence import Sequence as Request
 from moeforge.runtime.sequence import SequenceStatus
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PARAMS = SamplingParams()
 
@@ -76,23 +82,53 @@ class EngineMetrics:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    failed_steps: int = 0  # steps whose backend call or sampling raised (their requests finished with an error)
     execute_seconds: float = 0.0
+
+
+class EngineConfigError(MoeforgeError):
+    """An ``EngineConfig`` that cannot work (with this artifact): the message names the field to change."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Capacity knobs. ``kv_blocks`` of ``block_size`` tokens is the KV memory budget that drives
-    admission and preemption (default: every slot can reach ``max_seq_len``). Paged artifacts: the
-    artifact's block size is used, and ``kv_blocks`` is also the size of the preallocated pools."""
+    """Capacity knobs. ``kv_blocks`` blocks of ``block_size`` tokens is the KV memory budget that drives
+    admission and preemption. Default: ``max_num_seqs * ceil(max_seq_len / block_size)`` blocks, so
+    every slot can reach ``max_seq_len`` at once -- for a paged artifact the same memory as the
+    contiguous layout; set ``kv_blocks`` lower to save memory when typical requests are much shorter
+    than ``max_seq_len`` (requests then wait for blocks or are preempted and recomputed).
+
+    Paged artifacts: ``kv_blocks`` is also the number of blocks preallocated in each pool, and the
+    block size is the artifact's (``--kv-block-size`` at compile time): leave ``block_size`` None or
+    give that value (another one raises). Contiguous artifacts: ``block_size`` (None: 16) is only
+    the accounting unit of the budget."""
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
-    block_size: int = 16
-    kv_blocks: int | None = None
+    block_size: int | None = None  # None: the paged artifact's, else 16
+    kv_blocks: int | None = None  # None: max_num_seqs * ceil(max_seq_len / block_size)
     long_prefill_chunk: int | None = None
     threads: int | None = None
     providers: tuple[str, ...] | None = None  # ONNX Runtime execution providers (default: CPU)
     profile: bool = False  # time kernels (costs a little) so attention_time_share() can answer
+
+    def __post_init__(self) -> None:
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise EngineConfigError(f"EngineConfig(kv_blocks={self.kv_blocks}): give at least 1 block, "
+                                    "or None for the default (every slot can reach max_seq_len)")
+        if self.block_size is not None and self.block_size < 1:
+            raise EngineConfigError(f"EngineConfig(block_size={self.block_size}) must be >= 1 (or None)")
+
+    def num_kv_blocks(self, num_slots: int, max_seq_len: int, block_size: int) -> int:
+        """``kv_blocks``, or the default: ``num_slots`` sequences of ``max_seq_len`` tokens each."""
+        return self.kv_blocks or num_slots * -(-max_seq_len // block_size)
+
+    def check_block_size(self, artifact_block_size: int) -> None:
+        """Refuse a ``block_size`` that differs from a paged artifact's."""
+        if self.block_size is not None and self.block_size != artifact_block_size:
+            raise EngineConfigError(
+                f"EngineConfig(block_size={self.block_size}) differs from the paged artifact's block size "
+                f"{artifact_block_size} (set at compile time with --kv-block-size): leave block_size None")
 
 
 class LLMEngine:
@@ -107,13 +143,18 @@ class LLMEngine:
         self.config = config
         # A paged backend (block pools) has its own block size and pool; its blocks ARE the manager's
         # blocks, so prefix-cache hits are shared physically. Contiguous-slot artifacts cannot share a
-        # cached prefix, so prefix caching is off for them.
-        paged_block_size = getattr(backend, "block_size", None)
-        block_size = paged_block_size or config.block_size
-        blocks_per_slot = -(-backend.max_seq_len // block_size)
-        num_blocks = getattr(backend, "num_blocks", None) or config.kv_blocks or backend.num_slots * blocks_per_slot
-        self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size,
-                                               enable_prefix_caching=paged_block_size is not None))
+        # cached prefix, so prefix caching is off for them. (getattr: ``kv_pool`` is optional.)
+        pool = getattr(backend, "kv_pool", None)
+        if pool is not None:
+            config.check_block_size(pool.block_size)
+            if config.kv_blocks is not None and config.kv_blocks != pool.num_blocks:
+                raise EngineConfigError(f"EngineConfig(kv_blocks={config.kv_blocks}) differs from the backend's "
+                                        f"pool of {pool.num_blocks} blocks")
+            block_size, num_blocks = pool.block_size, pool.num_blocks
+        else:
+            block_size = config.block_size or 16
+            num_blocks = config.num_kv_blocks(backend.num_slots, backend.max_seq_len, block_size)
+        self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size, enable_prefix_caching=pool is not None))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=min(config.max_num_seqs, backend.num_slots),
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -134,44 +175,32 @@ class LLMEngine:
     def from_artifact(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
         """Open an artifact directory (hashes verified) on ONNX Runtime, CPU by default."""
         from moeforge.artifact import load_artifact
-        from moeforge.export.tokenizer import Tokenizer
         from moeforge.runtime.backends.onnxruntime import OrtBackend
 
         config = config or EngineConfig()
         artifact = load_artifact(path)
         manifest = artifact.manifest
+        kv = manifest.kv_cache
+        vocab_size = int(manifest.model_config["vocab_size"])
+        providers = list(config.providers) if config.providers else None
+        backend: Backend
         if manifest.engine is not None:  # --target trt: the engine plan on a GPU
             from moeforge.runtime.backends.tensorrt import TensorRTBackend
 
             backend = TensorRTBackend.from_artifact(artifact.root, num_slots=config.max_num_seqs)
-        elif manifest.kv_cache.paged:
-            return cls._from_paged_artifact(artifact, config)
+        elif kv.paged:
+            from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
+
+            config.check_block_size(kv.block_size)
+            num_blocks = config.num_kv_blocks(config.max_num_seqs, kv.max_seq_len, kv.block_size)
+            backend = PagedOrtBackend(artifact.model_path, kv, num_blocks=num_blocks, num_slots=config.max_num_seqs,
+                                      vocab_size=vocab_size, threads=config.threads, providers=providers,
+                                      profile=config.profile)
         else:
-            backend = OrtBackend(artifact.model_path, num_slots=config.max_num_seqs,
-                                 max_seq_len=manifest.kv_cache.max_seq_len,
-                                 vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads,
-                                 providers=list(config.providers) if config.providers else None,
+            backend = OrtBackend(artifact.model_path, num_slots=config.max_num_seqs, max_seq_len=kv.max_seq_len,
+                                 vocab_size=vocab_size, threads=config.threads, providers=providers,
                                  profile=config.profile)
-        tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
-        eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
-            manifest.model_config.get("eos_token_ids", ()))
-        return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
-
-    @classmethod
-    def _from_paged_artifact(cls, artifact, config: EngineConfig) -> LLMEngine:  # type: ignore[no-untyped-def]
-        from moeforge.export.tokenizer import Tokenizer
-        from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
-
-        manifest = artifact.manifest
-        kv = manifest.kv_cache
-        num_blocks = config.kv_blocks or config.max_num_seqs * -(-kv.max_seq_len // kv.block_size)
-        backend = PagedOrtBackend(artifact.model_path, kv, num_blocks=num_blocks, num_slots=config.max_num_seqs,
-                                  vocab_size=int(manifest.model_config["vocab_size"]), threads=config.threads,
-                                  providers=list(config.providers) if config.providers else None,
-                                  profile=config.profile)
-        tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
-        eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
-            manifest.model_config.get("eos_token_ids", ()))
+        tokenizer, eos = _tokenizer_and_eos(artifact)
         return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
 
     # ------------------------------------------------------------------ requests
@@ -235,8 +264,15 @@ class LLMEngine:
             self.metrics.preemptions += 1
         for request_id in plan.finished:
             self._release_slot(request_id)
-        sampled, logprobs = self._execute(plan) if plan.scheduled else ({}, {})
-        done = self.scheduler.update(plan, sampled)
+        try:
+            sampled, logprobs = self._execute(plan) if plan.scheduled else ({}, {})
+        except Exception as exc:  # any failure of the model step: fail its requests, keep serving
+            log.exception("engine step failed; its %d requests finish with an error", len(plan.scheduled))
+            self.metrics.failed_steps += 1
+            sampled, logprobs = {}, {}
+            done = self.scheduler.fail(plan, f"the model step failed ({type(exc).__name__}: {exc})")
+        else:
+            done = self.scheduler.update(plan, sampled)
         now = time.perf_counter()
         for request_id, logprob in logprobs.items():
             self._logprobs[request_id].append(logprob)
@@ -341,3 +377,13 @@ class LLMEngine:
                     yield out
                     if out.finished:
                         return
+
+
+def _tokenizer_and_eos(artifact):  # type: ignore[no-untyped-def]
+    """The artifact's tokenizer (None without tokenizer.json) and EOS ids (the tokenizer's, else the manifest's)."""
+    from moeforge.export.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
+    eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
+        artifact.manifest.model_config.get("eos_token_ids", ()))
+    return tokenizer, eos

@@ -3,7 +3,7 @@
 Two layouts, one per kind of artifact:
 
 - Paged (``KVCacheManager`` over a ``BlockPool``): per layer the cache is ``num_blocks`` blocks of
-  ``block_size`` token slots, [num_blocks, Hkv, block_size, D]. A sequence owns a *block table*
+  ``block_size`` token slots, [num_blocks, block_size, Hkv, D]. A sequence owns a *block table*
   (block ids in token order); its token at position p lives in slot
   ``table[p // block_size] * block_size + p % block_size`` (the *slot mapping*). Blocks are
   reference counted so sequences can share them. A full block is keyed by a hash chain of its
@@ -13,16 +13,21 @@ Two layouts, one per kind of artifact:
   [num_slots, Hkv, max_len, D] (today's ONNX Runtime artifacts); a sequence gets one row, its
   *slot*, for its whole life.
 
-Block tables, slot mappings and slots are plain lists/ints that the scheduler hands to the backend
-as explicit inputs.
+Block tables and slots are plain lists/ints that the scheduler hands to the backend as explicit
+inputs (a paged backend derives each token's slot from its block table and position).
 
 Lifecycle of a paged sequence (the scheduler calls ``can_*`` first; the other verbs raise
 ``CacheFullError`` rather than over-allocate)::
 
     cached = m.allocate(seq_id, prompt_ids)       # slots for the prompt; cached tokens are skipped
     m.slot_mapping(seq_id, cached, m.num_slots(seq_id))  # where the prefill writes its KV
+    m.commit_step()                               # the step ran: its full blocks' keys are valid
     m.append_slots(seq_id, 1, [sampled_id])       # each decode step: one more token, one more slot
     m.free(seq_id)                                # or m.preempt(seq_id), then allocate again later
+
+Prefix-cache keys of blocks that became full in a step are *pending* until ``commit_step()``: a
+step that fails before writing its KV calls ``rollback_step()`` (after finishing its sequences),
+which drops those keys, so no later request hits a block whose KV was never written.
 
 Letters: B block size (tokens per block), p a token position.
 """
@@ -218,6 +223,18 @@ class BlockPool:
         self._cached[block_hash] = block_id
         return True
 
+    def unregister(self, block_id: int, block_hash: bytes) -> None:
+        """Drop ``block_hash`` from the prefix cache if ``block_id`` holds it; a free block becomes a plain
+        free block (its content is no longer findable)."""
+        block = self.blocks[block_id]
+        if block.block_hash != block_hash or self._cached.get(block_hash) != block_id:
+            return
+        del self._cached[block_hash]
+        block.block_hash = None
+        if block.ref_count == 0:
+            del self._cached_free[block_id]
+            self._free.append(block_id)
+
     def stats(self) -> KVCacheStats:
         return KVCacheStats(hits=self._hits, misses=self._misses, evictions=self._evictions,
                             blocks_in_use=self._in_use, free_blocks=self.num_free_blocks,
@@ -251,6 +268,7 @@ class KVCacheManager:
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks)
         self._seqs: dict[int, _SequenceState] = {}
+        self._pending: list[tuple[int, bytes]] = []  # (block id, key) registered since the last commit_step
 
     # -- new sequences ------------------------------------------------------------------------
 
@@ -340,16 +358,29 @@ class KVCacheManager:
         return _cdiv(state.num_slots + num_new_tokens, self.block_size) - len(state.block_ids)
 
     def _register_full_blocks(self, state: _SequenceState) -> None:
-        """Key the blocks that became full. Slots are given just before the step that computes
-        them, and in one step every cache write lands before any attention read, so a sequence
-        scheduled in the same step may already reuse these blocks."""
+        """Key the blocks that became full, as pending (see ``commit_step``). Slots are given just
+        before the step that computes them, and in one step every cache write lands before any
+        attention read, so a sequence scheduled in the same step may already reuse these blocks."""
         if not self.config.enable_prefix_caching:
             return
         for index in range(len(state.block_hashes), state.num_slots // self.block_size):
             tokens = state.token_ids[index * self.block_size:(index + 1) * self.block_size]
             block_hash = hash_block_tokens(state.block_hashes[-1] if state.block_hashes else None, tokens)
             state.block_hashes.append(block_hash)
-            self.pool.register(state.block_ids[index], block_hash)
+            if self.pool.register(state.block_ids[index], block_hash):
+                self._pending.append((state.block_ids[index], block_hash))
+
+    def commit_step(self) -> None:
+        """The step that computed the slots given since the last call ran: keep their blocks' keys."""
+        self._pending.clear()
+
+    def rollback_step(self) -> None:
+        """The step that should have computed the slots given since the last ``commit_step`` failed:
+        drop the prefix-cache keys registered for it, so no later lookup finds blocks without KV.
+        The caller finishes (frees) that step's sequences too: their states still name the keys."""
+        for block_id, block_hash in reversed(self._pending):
+            self.pool.unregister(block_id, block_hash)
+        self._pending.clear()
 
     # -- sharing and releasing ----------------------------------------------------------------
 

@@ -2,13 +2,14 @@
 
 Each ``schedule()`` builds one step under a token budget (``max_num_batched_tokens``): a decode
 costs 1 token, a prefill chunk its length. Sequences join (``add``) and leave (finish, ``abort``)
-between steps. The step is described by a ``SchedulerOutput`` -- token ids, positions, block
-tables and slot mappings as plain lists -- which the engine turns into backend inputs; the engine
-then samples and hands the new tokens back through ``update()``. So one engine step is::
+between steps. The step is described by a ``SchedulerOutput`` -- token ids, positions and block
+tables as plain lists -- which the engine turns into backend inputs; the engine then samples and
+hands the new tokens back through ``update()``. So one engine step is::
 
     output = scheduler.schedule()
     sampled = run_model_and_sample(output)      # {request_id: token} for completes_prompt rows
     finished = scheduler.update(output, sampled)
+    # or, when the model step raised: finished = scheduler.fail(output, "why")
 
 Policy (vLLM v1 style, first come first served by arrival order):
 
@@ -59,8 +60,9 @@ class SchedulerConfig:
 class ScheduledSequence:
     """One sequence's share of a step. n = len(token_ids), B = the cache's block size.
 
-    The backend computes positions [start, start + n): it writes their KV to ``slot_mapping`` and
-    attends over positions [0, start + n), which it finds through ``block_table``.
+    The backend computes positions [start, start + n): it writes their KV to slot
+    ``block_table[p // B] * B + p % B`` of each position p and attends over positions [0, start + n),
+    which it finds through ``block_table``.
     """
 
     request_id: int
@@ -69,7 +71,6 @@ class ScheduledSequence:
     is_prefill_chunk: bool  # computes prompt tokens (or recomputes after preemption); False: a decode
     completes_prompt: bool  # reaches the last known token: its logits are sampled (every decode, last chunk)
     block_table: list[int]  # [ceil((start + n) / B)] block ids in token order
-    slot_mapping: list[int]  # [n] cache slot of each fed token: block_table[p // B] * B + p % B
 
     @property
     def num_tokens(self) -> int:
@@ -162,7 +163,8 @@ class Scheduler:
 
     def _too_big_for_cache(self) -> str:
         return (f"does not fit in the KV cache ({self.kv.config.num_blocks} blocks of "
-                f"{self.kv.block_size} tokens)")
+                f"{self.kv.block_size} tokens); give the engine more blocks (EngineConfig(kv_blocks=...)) "
+                f"or shorten the prompt / lower max_tokens")
 
     def abort(self, request_id: int) -> bool:
         """Finish an unfinished request with FINISHED_ABORTED and free its blocks; False if unknown
@@ -266,6 +268,7 @@ class Scheduler:
             if item.completes_prompt and item.request_id not in sampled:
                 raise ValueError(f"request {item.request_id} completed its prompt but has no sampled token")
         self._in_flight = None
+        self.kv.commit_step()  # the step's KV is written: its full blocks' prefix-cache keys are valid
         finished: list[Sequence] = []
         for item, seq in live:
             seq.num_computed_tokens += item.num_tokens
@@ -280,6 +283,23 @@ class Scheduler:
             else:
                 continue
             finished.append(seq)
+        return finished
+
+    def fail(self, output: SchedulerOutput, error: str) -> list[Sequence]:
+        """The model step of ``output`` (the latest ``schedule()``) raised: finish every sequence it
+        scheduled with FINISHED_ERROR and ``error`` (their KV is in an unknown state), drop the
+        prefix-cache keys the step registered (their blocks may hold no KV), and accept a new
+        ``schedule()``. Other sequences are untouched. Returns the sequences finished."""
+        if output.scheduled and output is not self._in_flight:
+            raise ValueError("fail() takes the output of the latest schedule(), once")
+        self._in_flight = None
+        finished = []
+        for item in output.scheduled:
+            seq = self._seqs.get(item.request_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                self._finish(seq, SequenceStatus.FINISHED_ERROR, f"request {seq.request_id}: {error}")
+                finished.append(seq)
+        self.kv.rollback_step()  # after the frees: the blocks become plain free blocks
         return finished
 
     # -- helpers --------------------------------------------------------------------------
@@ -302,7 +322,6 @@ class Scheduler:
             is_prefill_chunk=is_prefill,
             completes_prompt=end == seq.num_tokens,
             block_table=self.kv.block_table(seq.request_id),
-            slot_mapping=self.kv.slot_mapping(seq.request_id, start, end),
         )
 
     def _preempt(self, seq: Sequence) -> None:

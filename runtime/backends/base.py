@@ -2,6 +2,9 @@
 
 Dimension letters: S tokens of one row this step, V vocabulary.
 
+If ``execute`` raises, the engine finishes that step's requests with an error and keeps serving: a
+backend must stay usable after a failed step (the failed rows' slots are released, their blocks freed).
+
 A backend owns the KV-cache memory of one artifact. The engine gives it, per step, the rows to run:
 each row names its cache slot, the tokens to feed and the position of the first one; the backend
 returns, per row, the logits of the row's last token. Everything a step needs is in ``StepInput``:
@@ -30,6 +33,14 @@ class RowInput:
 
 
 @dataclass(frozen=True)
+class PoolInfo:
+    """A paged backend's KV block pools: ``num_blocks`` blocks of ``block_size`` tokens per layer buffer."""
+
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
 class StepInput:
     """All rows of one engine step (prefill chunks and decodes mixed)."""
 
@@ -51,6 +62,13 @@ class Backend(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def kv_pool(self) -> PoolInfo | None:
+        """The block pools of a paged backend, whose blocks are the engine's ``KVCacheManager`` blocks
+        (rows then carry ``block_table``); None for per-slot contiguous caches. Optional: the engine
+        treats a backend without this property as contiguous."""
+        ...
 
     def execute(self, step: StepInput) -> np.ndarray:
         """Run one step; return logits [len(step.rows), V] float32 of each row's last token."""

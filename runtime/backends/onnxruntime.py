@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from moeforge.runtime.backends.base import RowInput, StepInput
+from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
 
 PAST_PREFIX = "past_key_values."
 
@@ -177,6 +177,11 @@ class OrtBackend:
     @property
     def vocab_size(self) -> int:
         return self._vocab
+
+    @property
+    def kv_pool(self) -> PoolInfo | None:
+        """None: per-slot contiguous caches, no block pools."""
+        return None
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0

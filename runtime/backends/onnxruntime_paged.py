@@ -8,12 +8,18 @@ mixed), with the rows' block tables (from the engine's ``KVCacheManager``: prefi
 between sequences are the same pool blocks), seq_lens and query_start_loc; ``logits_indices`` selects
 each row's last token, so the vocabulary projection costs rows x V, not T x V.
 
+Pools have the dtype of the session's pool inputs (float32 or float16). Before a step writes the first
+slot of a block, the backend zeroes that block: a freed block may hold anything (even NaN/inf from an
+earlier request), and the attention core multiplies masked-out slots by probability 0, which keeps a NaN.
+Block tables are padded with each row's own last block for the same reason.
+
 The graph's ``moeforge::PagedAttention`` nodes are lowered for ONNX Runtime on load
 (plugins/paged_attention/ort_lowering.py); the artifact itself also runs as is (its local function).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +28,110 @@ import onnxruntime as ort
 
 from moeforge.artifact import KVCacheSpec
 from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
-from moeforge.runtime.backends.base import RowInput, StepInput
+from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
 from moeforge.runtime.backends.onnxruntime import default_providers
+
+POOL_PREFIX, POOL_OUT_PREFIX = "kv_pool.", "kv_pool_out."
+
+# ONNX Runtime input type -> numpy dtype of a pool (bfloat16 has no numpy dtype to wrap zero-copy).
+_POOL_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def pool_dtype(ort_type: str, name: str = "pool") -> type[np.floating]:
+    """numpy dtype of a pool input whose ONNX Runtime type is ``ort_type`` (e.g. ``tensor(float16)``)."""
+    dtype = _POOL_DTYPES.get(ort_type)
+    if dtype is None:
+        raise ValueError(f"{name}: pools of type {ort_type} are not supported by the ONNX Runtime paged backend "
+                         f"(supported: {sorted(_POOL_DTYPES)})")
+    return dtype
+
+
+class BlockPools:
+    """Zeroed block pools [num_blocks, Bs, Hkv, D] for a session's pool inputs, in the session's dtype,
+    wrapped as OrtValues without a copy. ``aliases`` maps each pool input to the outputs bound to the same
+    buffer (written in place)."""
+
+    def __init__(self, session: ort.InferenceSession, aliases: dict[str, tuple[str, ...]], num_blocks: int) -> None:
+        inputs = {i.name: i for i in session.get_inputs()}
+        self.arrays: dict[str, np.ndarray] = {}
+        self._values: list[tuple[str, tuple[str, ...], ort.OrtValue]] = []
+        for name, outputs in aliases.items():
+            spec = inputs[name]
+            array = np.zeros((num_blocks, *spec.shape[1:]), pool_dtype(spec.type, name))
+            self.arrays[name] = array
+            self._values.append((name, outputs, ort.OrtValue.ortvalue_from_numpy(array)))  # zero-copy
+
+    def bind(self, io: ort.IOBinding) -> None:
+        for name, outputs, value in self._values:
+            io.bind_ortvalue_input(name, value)
+            for output in outputs:
+                io.bind_ortvalue_output(output, value)  # same buffer: new tokens written in place
+
+    def zero_blocks(self, block_ids: Sequence[int]) -> None:
+        """Clear whole blocks in every pool (writes into the bound buffers)."""
+        if block_ids:
+            index = np.asarray(block_ids, np.int64)
+            for array in self.arrays.values():
+                array[index] = 0
+
+    def pointers(self) -> dict[str, int]:
+        return {name: value.data_ptr() for name, _, value in self._values}
+
+
+def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[str, np.ndarray]:
+    """The non-pool inputs of a paged graph for ``rows`` (each with its ``block_table``): their tokens packed
+    into T, block tables [B, M] (a short table is padded with its own last block: masked, and never another
+    sequence's data), seq_lens, query_start_loc, and ``logits_indices`` = each row's last token (or every
+    token with ``all_logits``)."""
+    counts = [len(r.token_ids) for r in rows]
+    starts = np.zeros(len(rows) + 1, np.int32)
+    starts[1:] = np.cumsum(counts)
+    width = max(len(r.block_table) for r in rows)  # type: ignore[arg-type]
+    tables = np.empty((len(rows), width), np.int32)
+    for b, row in enumerate(rows):
+        table = row.block_table or ()
+        tables[b, :len(table)] = table
+        tables[b, len(table):] = table[-1]
+    total = int(starts[-1])
+    return {
+        "input_ids": np.fromiter((t for r in rows for t in r.token_ids), np.int64, total),
+        "position_ids": np.concatenate([np.arange(r.start, r.start + len(r.token_ids), dtype=np.int64) for r in rows]),
+        "block_tables": tables,
+        "seq_lens": np.array([r.start + len(r.token_ids) for r in rows], np.int32),
+        "query_start_loc": starts,
+        "logits_indices": np.arange(total, dtype=np.int64) if all_logits else (starts[1:] - 1).astype(np.int64),
+    }
+
+
+def _session(model_path: Path, *, threads: int | None, providers: list[str] | None, lower: bool = True,
+             profile: bool = False) -> ort.InferenceSession:
+    """A session of a paged graph, its PagedAttention nodes lowered for ONNX Runtime unless ``lower`` is False."""
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    if profile:
+        import tempfile
+
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="moeforge-profile-")) / "ort")
+    source: str | bytes = str(model_path)
+    if lower:
+        proto = lower_for_ort(onnx.load(str(model_path), load_external_data=False))
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(model_path.parent))
+        source = proto.SerializeToString()
+    return ort.InferenceSession(source, options, providers=providers or default_providers())
+
+
+def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray], pools: BlockPools) -> np.ndarray:
+    """One run with ``pools`` bound in place; the logits."""
+    io = session.io_binding()
+    for name, array in feeds.items():
+        io.bind_cpu_input(name, np.ascontiguousarray(array))
+    pools.bind(io)
+    io.bind_output("logits", "cpu")
+    session.run_with_iobinding(io)
+    return io.get_outputs()[-1].numpy()  # binding order: pools first, logits last
 
 
 class PagedOrtBackend:
@@ -34,36 +142,17 @@ class PagedOrtBackend:
                  profile: bool = False) -> None:
         if kv.block_size is None:
             raise ValueError("PagedOrtBackend needs a paged artifact (compile with --kv-cache paged)")
-        model_path = Path(model_path)
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        if profile:
-            import tempfile
-
-            options.enable_profiling = True
-            options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="moeforge-profile-")) / "ort")
+        self.session = _session(Path(model_path), threads=threads, providers=providers, lower=lower, profile=profile)
         self._profiling = profile
-        source: str | bytes = str(model_path)
-        if lower:
-            proto = lower_for_ort(onnx.load(str(model_path), load_external_data=False))
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                             str(model_path.parent))
-            source = proto.SerializeToString()
-        self.session = ort.InferenceSession(source, options, providers=providers or default_providers())
         self.kv = kv
         self.block_size = kv.block_size
         self.num_blocks = num_blocks
         self._num_slots, self._vocab = num_slots, vocab_size
-        shapes = {i.name: i.shape for i in self.session.get_inputs()}
-        self.pools: dict[str, np.ndarray] = {}
-        self._bindings: list[tuple[str, tuple[str, ...], ort.OrtValue]] = []
-        for inputs, outputs in zip(kv.past_input_names, kv.present_output_names, strict=True):
-            for name in inputs:
-                pool = np.zeros((num_blocks, *shapes[name][1:]), np.float32)
-                self.pools[name] = pool
-                aliases = tuple(o for o in outputs if o.split(".")[-1] == name.split(".")[-1])
-                self._bindings.append((name, aliases, ort.OrtValue.ortvalue_from_numpy(pool)))  # zero-copy
+        aliases = {name: tuple(o for o in outputs if o.split(".")[-1] == name.split(".")[-1])
+                   for inputs, outputs in zip(kv.past_input_names, kv.present_output_names, strict=True)
+                   for name in inputs}
+        self._pools = BlockPools(self.session, aliases, num_blocks)
+        self.pools = self._pools.arrays
 
     @property
     def num_slots(self) -> int:
@@ -78,13 +167,17 @@ class PagedOrtBackend:
         return self._vocab
 
     @property
+    def kv_pool(self) -> PoolInfo:
+        return PoolInfo(num_blocks=self.num_blocks, block_size=self.block_size)
+
+    @property
     def pool_bytes(self) -> int:
         """Bytes allocated for all pools (all layers)."""
         return sum(p.nbytes for p in self.pools.values())
 
     def pool_pointers(self) -> dict[str, int]:
         """data_ptr of each bound pool OrtValue (unchanged by runs when ORT writes in place)."""
-        return {name: value.data_ptr() for name, _, value in self._bindings}
+        return self._pools.pointers()
 
     def release(self, slot: int) -> None:
         """Nothing to do: blocks belong to the engine's KVCacheManager."""
@@ -108,34 +201,16 @@ class PagedOrtBackend:
 
     def execute(self, step: StepInput) -> np.ndarray:
         """Run all rows in one packed step; logits [rows, V] of each row's last token."""
-        rows = step.rows
-        for row in rows:
+        for row in step.rows:
             self._check(row)
-        counts = [len(r.token_ids) for r in rows]
-        starts = np.zeros(len(rows) + 1, np.int32)
-        starts[1:] = np.cumsum(counts)
-        width = max(len(r.block_table) for r in rows)  # type: ignore[arg-type]
-        tables = np.zeros((len(rows), width), np.int32)  # padding: block 0, never read (masked)
-        for b, row in enumerate(rows):
-            tables[b, :len(row.block_table)] = row.block_table  # type: ignore[arg-type]
-        feeds = {
-            "input_ids": np.fromiter((t for r in rows for t in r.token_ids), np.int64, int(starts[-1])),
-            "position_ids": np.concatenate([np.arange(r.start, r.start + len(r.token_ids)) for r in rows]),
-            "block_tables": tables,
-            "seq_lens": np.array([r.start + len(r.token_ids) for r in rows], np.int32),
-            "query_start_loc": starts,
-            "logits_indices": (starts[1:] - 1).astype(np.int64),
-        }
-        io = self.session.io_binding()
-        for name, array in feeds.items():
-            io.bind_cpu_input(name, np.ascontiguousarray(array))
-        for name, outputs, value in self._bindings:
-            io.bind_ortvalue_input(name, value)
-            for output in outputs:
-                io.bind_ortvalue_output(output, value)  # same buffer: new tokens written in place
-        io.bind_output("logits", "cpu")
-        self.session.run_with_iobinding(io)
-        return io.get_outputs()[-1].numpy()  # binding order: pools first, logits last
+        self._pools.zero_blocks(self._first_written_blocks(step.rows))
+        return _run(self.session, packed_feeds(step.rows), self._pools)
+
+    def _first_written_blocks(self, rows: Sequence[RowInput]) -> list[int]:
+        """Blocks whose slot 0 a row writes this step: new to their sequence, so their old content is stale."""
+        size = self.block_size
+        return [row.block_table[k] for row in rows  # type: ignore[index]
+                for k in range(-(-row.start // size), (row.start + len(row.token_ids) - 1) // size + 1)]
 
     def _check(self, row: RowInput) -> None:
         if row.block_table is None:
@@ -163,50 +238,32 @@ class PagedSequenceSession:
     its pools hold ``ceil(max_len / Bs)`` blocks and its block table is all of them, in order."""
 
     def __init__(self, model_path: str | Path, max_len: int, threads: int | None = None) -> None:
-        model_path = Path(model_path)
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                         str(model_path.parent))
-        proto = lower_for_ort(onnx.load(str(model_path), load_external_data=False))
-        self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=default_providers())
-        pools = [i for i in self.session.get_inputs() if i.name.startswith("kv_pool.")]
-        block_size = int(pools[0].shape[1])
-        num_blocks = -(-max_len // block_size)
-        self.pools = {i.name: np.zeros((num_blocks, *i.shape[1:]), np.float32) for i in pools}
-        self.block_table = np.arange(num_blocks, dtype=np.int32)[None]
+        self.session = _session(Path(model_path), threads=threads, providers=None)
+        pools = [i for i in self.session.get_inputs() if i.name.startswith(POOL_PREFIX)]
+        num_blocks = -(-max_len // int(pools[0].shape[1]))  # shape [N, Bs, Hkv, D]
+        self._pools = BlockPools(self.session, {i.name: (i.name.replace(POOL_PREFIX, POOL_OUT_PREFIX),)
+                                                for i in pools}, num_blocks)
+        self.pools = self._pools.arrays
+        self.block_table = tuple(range(num_blocks))
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """input_ids/position_ids [1, S] (positions start .. start+S-1) -> logits [1, S, V] of every token."""
-        ids = np.asarray(input_ids, np.int64).reshape(-1)
-        start, count = int(np.asarray(position_ids).reshape(-1)[0]), ids.shape[0]
-        feeds = {"input_ids": ids, "position_ids": np.arange(start, start + count, dtype=np.int64),
-                 "block_tables": self.block_table, "seq_lens": np.array([start + count], np.int32),
-                 "query_start_loc": np.array([0, count], np.int32), "logits_indices": np.arange(count, dtype=np.int64)}
-        io = self.session.io_binding()
-        for name, array in feeds.items():
-            io.bind_cpu_input(name, array)
-        values = {name: ort.OrtValue.ortvalue_from_numpy(pool) for name, pool in self.pools.items()}
-        for name, value in values.items():
-            io.bind_ortvalue_input(name, value)
-            io.bind_ortvalue_output(name.replace("kv_pool.", "kv_pool_out."), value)
-        io.bind_output("logits", "cpu")
-        self.session.run_with_iobinding(io)
-        return io.get_outputs()[-1].numpy()[None]
+        ids = tuple(int(t) for t in np.asarray(input_ids).reshape(-1))
+        row = RowInput(0, ids, int(np.asarray(position_ids).reshape(-1)[0]), self.block_table)
+        return _run(self.session, packed_feeds([row], all_logits=True), self._pools)[None]
 
 
 def paged_golden_feeds(model_path: str | Path, prompt_ids: list[int]) -> dict[str, np.ndarray]:
     """Every input of a paged graph for one prefill of ``prompt_ids`` from zeroed pools (blocks 0..n-1 in
     order), projecting every token: logits [P, V]. The golden-output feeds of paged artifacts."""
     graph = onnx.load(str(model_path), load_external_data=False).graph
-    pools = [i for i in graph.input if i.name.startswith("kv_pool.")]
+    pools = [i for i in graph.input if i.name.startswith(POOL_PREFIX)]
     dims = [[d.dim_value for d in p.type.tensor_type.shape.dim] for p in pools]
     num_blocks = -(-len(prompt_ids) // dims[0][1])
-    count = len(prompt_ids)
-    feeds = {"input_ids": np.array(prompt_ids, np.int64), "position_ids": np.arange(count, dtype=np.int64),
-             "block_tables": np.arange(num_blocks, dtype=np.int32)[None], "seq_lens": np.array([count], np.int32),
-             "query_start_loc": np.array([0, count], np.int32), "logits_indices": np.arange(count, dtype=np.int64)}
+    feeds = packed_feeds([RowInput(0, tuple(prompt_ids), 0, tuple(range(num_blocks)))], all_logits=True)
     for pool, shape in zip(pools, dims, strict=True):
-        feeds[pool.name] = np.zeros((num_blocks, *shape[1:]), np.float32)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(pool.type.tensor_type.elem_type)
+        if dtype not in _POOL_DTYPES.values():
+            raise ValueError(f"{pool.name}: pools of type {dtype} are not supported (float32, float16)")
+        feeds[pool.name] = np.zeros((num_blocks, *shape[1:]), dtype)
     return feeds

@@ -178,3 +178,73 @@ def test_smollm2_paged_equals_contiguous_8_concurrent(tmp_path_factory):
         engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=8, max_num_batched_tokens=128))
         outputs[kind] = [o.token_ids for o in engine.generate(prompts, GREEDY)]
     assert outputs["paged"] == outputs["contiguous"]
+
+
+def test_a_failed_step_on_a_paged_artifact(deepseek, expected, monkeypatch):
+    """The backend raises once, on the step that prefills two requests: they finish with the error, the
+    waiting one and the same prompts sent again give PyTorch's tokens, with no hit on the failed step's
+    (never written) blocks and no block left in use."""
+    prompts = [p for p in _prompts(8) if len(p) > BLOCK][:3]  # 51, 38 and 31 tokens: full blocks to key
+    want = [expected[_prompts(8).index(p)] for p in prompts]
+    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=2, max_num_batched_tokens=256))
+    real_execute, calls = engine.backend.execute, []
+
+    def execute_failing_once(step: StepInput) -> np.ndarray:
+        calls.append(len(step.rows))
+        if len(calls) == 1:
+            raise RuntimeError("simulated backend failure")
+        return real_execute(step)
+
+    monkeypatch.setattr(engine.backend, "execute", execute_failing_once)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    failed = engine.step()
+    assert calls == [2] and [o.request_id for o in failed] == ids[:2]
+    assert all(o.finish_reason == "error" and "simulated backend failure" in o.error for o in failed)
+    assert engine.kv.stats().cached_blocks == 0
+    results = {}
+    while engine.has_unfinished():
+        results.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert results[ids[2]] == want[2]
+    hits = engine.kv.stats().hits
+    assert [o.token_ids for o in engine.generate(prompts[:2], GREEDY)] == want[:2]
+    assert engine.kv.stats().hits == hits and engine.kv.stats().blocks_in_use == 0
+
+
+def test_a_request_too_big_for_a_small_pool_fails_alone(deepseek, expected):
+    """4 blocks (64 tokens): a 70-token prompt can never fit, one of 50 + 20 tokens outgrows the pool while
+    decoding; both end with an error naming EngineConfig(kv_blocks=...), the others give PyTorch's tokens."""
+    small = [(p, e) for p, e in zip(_prompts(8), expected, strict=True) if len(p) + 10 <= 2 * BLOCK][:2]
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 256, 70).tolist(), small[0][0], rng.integers(0, 256, 50).tolist(), small[1][0]]
+    params = [GREEDY, GREEDY, SamplingParams(max_tokens=20, ignore_eos=True), GREEDY]
+    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=4, kv_blocks=4))
+    outputs = engine.generate(prompts, params)
+    for out in (outputs[0], outputs[2]):
+        assert out.finish_reason == "error" and "EngineConfig(kv_blocks=...)" in out.error
+    assert [outputs[1].token_ids, outputs[3].token_ids] == [small[0][1], small[1][1]]
+    assert engine.kv.stats().blocks_in_use == 0
+
+
+def test_stale_non_finite_pool_contents_are_never_read(deepseek):
+    """Freed blocks may hold NaN (an earlier request's): the backend zeroes a block before its first write,
+    and pads short block tables with the row's own block, so NaN in unowned blocks changes nothing."""
+    path = deepseek["paged"]
+    rows = (RowInput(0, tuple(range(5, 25)), 0, (2, 3)), RowInput(1, (11, 12), 0, (1,)))
+    clean = PagedOrtBackend(path / "model.onnx", _kv(path), num_blocks=4, num_slots=2, vocab_size=512)
+    want = clean.execute(StepInput(rows))
+    dirty = PagedOrtBackend(path / "model.onnx", _kv(path), num_blocks=4, num_slots=2, vocab_size=512)
+    for pool in dirty.pools.values():
+        pool[:] = np.nan
+    got = dirty.execute(StepInput(rows))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert np.isnan(next(iter(dirty.pools.values()))[0]).all()  # block 0: nobody's, left as it was
+
+
+def test_engine_config_block_size_must_match_the_paged_artifact(deepseek):
+    from moeforge.runtime.engine import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="--kv-block-size"):
+        LLMEngine.from_artifact(deepseek["paged"], EngineConfig(block_size=BLOCK * 2))
+    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=2, block_size=BLOCK))
+    assert engine.kv.config.num_blocks == 2 * -(-128 // BLOCK)  # default: every slot can reach max_seq_len

@@ -56,9 +56,10 @@ class FakeModel:
         # In scheduling order: a sequence may hit a block that an earlier entry fills this step.
         for s in out.scheduled:
             table = s.block_table
-            assert s.slot_mapping == [table[p // B] * B + p % B for p in s.positions]
+            assert len(table) == -(-(s.start + s.num_tokens) // B)
+            slots = [table[p // B] * B + p % B for p in s.positions]  # what a paged backend derives
             kv = _ROOT if s.start == 0 else self.memory[table[(s.start - 1) // B] * B + (s.start - 1) % B]
-            for token, slot in zip(s.token_ids, s.slot_mapping, strict=True):
+            for token, slot in zip(s.token_ids, slots, strict=True):
                 kv = mix(kv, token)
                 self.memory[slot] = kv
             if s.completes_prompt:
