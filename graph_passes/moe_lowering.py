@@ -44,6 +44,7 @@ from moeforge.export import moe_op
 from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset
 from moeforge.graph_passes.node_builder import NodeBuilder, const_array
 from moeforge.plugins.moe_router import schema as router_schema
+from moeforge.plugins.moe_router.function import check_nodes
 from moeforge.plugins.moe_router.ort_lowering import lower_router
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class MoELowering:
     name = "moe_lowering"
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
+        # Lowering reads each node's attributes, its local function runs one specialised config: refuse
+        # nodes that disagree with the function (the artifact would route differently before and after).
+        check_nodes(model, require_function=False)
         graph = model.graph
         pairs = []
         for node in graph:

@@ -104,17 +104,24 @@ def router_function_proto(attrs: RouterAttributes, has_bias: bool, opset: int = 
     return proto
 
 
-def check_nodes(model: ir.Model) -> None:
-    """Every MoERouter node of the main graph matches the routing config its function is specialised to."""
+def check_nodes(model: ir.Model, *, require_function: bool = True) -> None:
+    """Every MoERouter node of the main graph matches the routing config its function is specialised to.
+
+    The function body is built for one config (it ignores node attributes), so a node whose attributes
+    or bias differ would run another routing than it declares. ``require_function=False``: a model
+    without the function passes (a pass that replaces the nodes does not need it)."""
     function = model.functions.get((DOMAIN, OP_TYPE, ""))
     nodes = [n for n in model.graph.all_nodes() if (n.domain, n.op_type) == (DOMAIN, OP_TYPE)]
-    if nodes and function is None:
+    if nodes and function is None and require_function:
         raise RouterOpError("MoERouter nodes without their local function: call attach_function")
     for node in nodes:
         attrs = RouterAttributes.from_mapping({k: a.value for k, a in node.attributes.items()})
         has_bias = len(node.inputs) > 1 and node.inputs[1] is not None
         if function is not None and function.metadata_props.get(_CONFIG_KEY) != _config_key(attrs, has_bias):
-            raise RouterOpError(f"{node.name}: its attributes / bias differ from the MoERouter function's config")
+            raise RouterOpError(
+                f"{node.name}: its attributes / bias {_config_key(attrs, has_bias)} differ from the MoERouter "
+                f"function's config {function.metadata_props.get(_CONFIG_KEY)}: the function body is specialised "
+                "to one routing config per model, so every MoERouter node must carry it (re-export the model)")
 
 
 def attach_function(model: ir.Model, attrs: RouterAttributes, has_bias: bool) -> None:

@@ -323,6 +323,24 @@ def test_one_function_per_model_routing_config() -> None:
     check_nodes(model)
 
 
+def test_lowering_refuses_a_router_node_that_differs_from_its_function() -> None:
+    """The function body is specialised to one config and ignores node attributes: a node declaring another
+    routing would run differently before (function) and after (lowering from its attributes) the pass."""
+    function_attrs = RouterAttributes("sigmoid", 2, 4, 2, "top2_sum", True, 2.5)
+    node_attrs = RouterAttributes("sigmoid", 2, 4, 1, "top2_sum", True, 2.5)  # topk_group differs
+    experts = _experts(8, hidden=8, inter=4, seed=0)
+    inputs = [*_io(node_attrs, 8, True), helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 8])]
+    experts_node = helper.make_node(moe_op.OP_TYPE, ["x", "ids", "weights", "gate_proj", "up_proj", "down_proj"],
+                                    ["y"], domain=moe_op.DOMAIN, name="moe")
+    proto = _model([_router_node(node_attrs, True), experts_node], inputs,
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 8])], function_attrs, True,
+                   [numpy_helper.from_array(a, k) for k, a in experts.items()])
+    with pytest.raises(RouterOpError, match=r"router: its attributes .* differ from the MoERouter function"):
+        MoELowering().apply(ir.serde.deserialize_model(proto), PassContext(config=None, max_seq_len=1))  # type: ignore[arg-type]
+    with pytest.raises(RouterOpError, match="re-export"):
+        check_nodes(ir.serde.deserialize_model(proto))
+
+
 # ------------------------------------------------------------------------------- exported model
 @pytest.mark.heavy  # one tiny-deepseek-v3 export (~20 s)
 def test_exported_deepseek_v3_carries_router_nodes_and_runs_without_custom_ops(tmp_path) -> None:  # type: ignore[no-untyped-def]
