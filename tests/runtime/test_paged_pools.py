@@ -1,0 +1,57 @@
+"""Paged-backend pool helpers: pools take the dtype of the session's pool inputs (fp16 binds as fp16), packed
+feeds pad short block tables with the row's own block."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from moeforge.runtime.backends.base import RowInput
+from moeforge.runtime.backends.onnxruntime_paged import BlockPools, packed_feeds, pool_dtype
+
+
+def _pool_session(elem_type: int) -> ort.InferenceSession:
+    """pool [N, 4, 1, 8] -> the same pool (aliased output) and logits = Cast(pool, float32)."""
+    pool = helper.make_tensor_value_info("kv_pool.0.key", elem_type, ["N", 4, 1, 8])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["kv_pool.0.key"], ["kv_pool_out.0.key"]),
+         helper.make_node("Cast", ["kv_pool.0.key"], ["logits"], to=TensorProto.FLOAT)],
+        "pools", [pool], [helper.make_tensor_value_info("kv_pool_out.0.key", elem_type, ["N", 4, 1, 8]),
+                          helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 4, 1, 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize(("elem_type", "dtype"), [(TensorProto.FLOAT16, np.float16), (TensorProto.FLOAT, np.float32)])
+def test_pools_take_the_session_dtype_and_bind(elem_type, dtype):
+    session = _pool_session(elem_type)
+    pools = BlockPools(session, {"kv_pool.0.key": ("kv_pool_out.0.key",)}, num_blocks=3)
+    array = pools.arrays["kv_pool.0.key"]
+    assert array.dtype == dtype and array.shape == (3, 4, 1, 8)
+    array[1] = 2.0
+    io = session.io_binding()
+    pools.bind(io)  # a float32 buffer on a float16 input would be refused here or at run
+    io.bind_output("logits", "cpu")
+    session.run_with_iobinding(io)
+    logits = io.get_outputs()[-1].numpy()
+    assert logits[1].min() == logits[1].max() == 2.0 and not logits[[0, 2]].any()
+    pools.zero_blocks([1])
+    assert not array.any()
+
+
+def test_unsupported_pool_types_are_refused():
+    assert pool_dtype("tensor(float16)") is np.float16
+    with pytest.raises(ValueError, match="bfloat16"):
+        pool_dtype("tensor(bfloat16)", "kv_pool.0.key")
+
+
+def test_packed_feeds_pad_with_the_rows_own_block():
+    rows = [RowInput(0, (1, 2, 3), 14, (5, 6)), RowInput(1, (7,), 2, (9,))]
+    feeds = packed_feeds(rows)
+    assert feeds["block_tables"].tolist() == [[5, 6], [9, 9]]
+    assert feeds["input_ids"].tolist() == [1, 2, 3, 7] and feeds["position_ids"].tolist() == [14, 15, 16, 2]
+    assert feeds["seq_lens"].tolist() == [17, 3] and feeds["query_start_loc"].tolist() == [0, 3, 4]
+    assert feeds["logits_indices"].tolist() == [2, 3]
+    assert packed_feeds(rows, all_logits=True)["logits_indices"].tolist() == [0, 1, 2, 3]
