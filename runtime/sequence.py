@@ -30,7 +30,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()  # sampled one of ``params.stop_token_ids``
     FINISHED_LENGTH = enum.auto()  # reached ``params.max_tokens``
     FINISHED_ABORTED = enum.auto()  # the caller gave up on it
-    FINISHED_ERROR = enum.auto()  # can never run (see ``Sequence.error``)
+    FINISHED_ERROR = enum.auto()  # can never run, or its model step raised (see ``Sequence.error``)
 
     @property
     def is_finished(self) -> bool:
@@ -59,7 +59,7 @@ class Sequence:
     num_computed_tokens: int = 0  # leading known tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, found in the prefix cache at the latest admission
     arrival: int = -1  # order of ``Scheduler.add`` calls: FCFS priority, lower is older
-    error: str | None = None  # why a FINISHED_ERROR sequence could not run
+    error: str | None = None  # why a FINISHED_ERROR sequence could not run or failed
 
     @property
     def num_prompt_tokens(self) -> int:
