@@ -416,3 +416,27 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None, derandomize=True)
+
+
+@pytest.mark.parametrize("free_first", [True, False])
+def test_rollback_step_drops_only_the_keys_of_the_failed_step(free_first):
+    """Keys of blocks filled since the last commit_step are pending: a rollback removes them from the prefix
+    cache (the blocks become plain free blocks), keys committed earlier stay findable."""
+    m = make_manager()
+    prompt = list(range(2 * B + 3))
+    m.allocate(0, prompt)  # 2 full blocks keyed
+    m.commit_step()
+    m.allocate(1, list(range(100, 100 + 3 * B)))  # 3 full blocks keyed, pending
+    assert m.stats().cached_blocks == 5
+    if free_first:
+        m.free(1)
+        m.rollback_step()
+    else:
+        m.rollback_step()
+        m.free(1)
+    assert m.stats().cached_blocks == 2 and m.num_free_blocks == 11 - 3
+    assert m.pool.lookup(full_block_hashes(list(range(100, 100 + 3 * B)), B)) == []
+    assert len(m.pool.lookup(full_block_hashes(prompt, B))) == 2
+    m.free(0)
+    m.allocate(2, list(range(100, 100 + 3 * B)))
+    assert m.num_cached_tokens(2) == 0 and m.stats().evictions == 0  # nothing stale to hit or evict
