@@ -143,8 +143,8 @@ class LLMEngine:
         self.config = config
         # A paged backend (block pools) has its own block size and pool; its blocks ARE the manager's
         # blocks, so prefix-cache hits are shared physically. Contiguous-slot artifacts cannot share a
-        # cached prefix, so prefix caching is off for them. (getattr: ``kv_pool`` is optional.)
-        pool = getattr(backend, "kv_pool", None)
+        # cached prefix, so prefix caching is off for them.
+        pool = backend.kv_pool
         if pool is not None:
             config.check_block_size(pool.block_size)
             if config.kv_blocks is not None and config.kv_blocks != pool.num_blocks:

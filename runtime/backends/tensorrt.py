@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from moeforge.errors import MoeforgeError
-from moeforge.runtime.backends.base import RowInput, StepInput
+from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
 
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 DECODE_PROFILE, PREFILL_PROFILE = 0, 1
@@ -184,6 +184,11 @@ class TensorRTBackend:
     @property
     def vocab_size(self) -> int:
         return self._vocab
+
+    @property
+    def kv_pool(self) -> PoolInfo | None:
+        """None: per-slot caches of static length, no block pools."""
+        return None
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
