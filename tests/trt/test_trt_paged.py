@@ -154,3 +154,48 @@ def test_lowered_graph_decodes_over_pools_like_pytorch(paged_artifact):
             ref = loaded.model(torch.tensor([seqs[b]]), torch.arange(len(seqs[b]))[None], None).logits[0].numpy()
         expect = ref[[len(seqs[b]) - 3, len(seqs[b]) - 2, len(seqs[b]) - 1]]  # the last prefill token, 2 decodes
         assert np.abs(np.stack(got[b]) - expect).max() < 2e-2 * np.abs(expect).max()
+
+
+def test_latent_node_parses_only_with_bound_empty_inputs(tmp_path):
+    """RTX 1.7 rejects a local-function node with an unset optional input (latent mode's value/value_cache);
+    bound to empty tensors by ``paged_inputs`` it parses (and still computes the reference on ORT)."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from moeforge.graph_passes.trt_paged import TrtPagedInputs
+    from moeforge.plugins.paged_attention.function import single_op_model
+    from moeforge.plugins.paged_attention.reference import paged_attention
+    from moeforge.plugins.paged_attention.schema import PagedAttentionAttrs
+    from moeforge.trt.adapter import load_tensorrt
+    from moeforge.trt.build import EngineBuildError, ParsedNetwork
+
+    attrs = PagedAttentionAttrs(scale=0.2, num_heads=4, num_kv_heads=1, block_size=4, head_size_v=8, latent=True)
+    proto = single_op_model(attrs)
+    dims = {v.name: v.type.tensor_type.shape.dim for v in proto.graph.input}
+    for dim in (dims["query"][2], dims["key"][2], dims["key_cache"][3]):
+        dim.dim_value = 12  # Dk = R + Dr static, as in an exported graph
+    trt = load_tensorrt("tensorrt-rtx")
+    onnx.save(proto, tmp_path / "unset.onnx")
+    with pytest.raises(EngineBuildError, match="Invalid Node"):
+        ParsedNetwork(trt, tmp_path / "unset.onnx")
+    model = ir.serde.deserialize_model(proto)
+    assert TrtPagedInputs().apply(model, None) == 1
+    ir.save(model, tmp_path / "bound.onnx")
+    kinds = ParsedNetwork(trt, tmp_path / "bound.onnx").layer_types()
+    assert kinds["SCATTER"] == 1 and kinds["SOFTMAX"] == 1
+
+    rng = np.random.default_rng(0)
+    lens, new = np.array([6, 3], np.int32), np.array([2, 3], np.int32)  # seq 0 decodes 2 after 4; seq 1 prefills
+    t = int(new.sum())
+    feeds = {"query": rng.standard_normal((t, 4, 12), np.float32), "key": rng.standard_normal((t, 1, 12), np.float32),
+             "key_cache": rng.standard_normal((5, 4, 1, 12), np.float32),
+             "block_tables": np.array([[1, 3], [4, 0]], np.int32), "seq_lens": lens,
+             "query_start_loc": np.array([0, 2, 5], np.int32)}
+    session = ort.InferenceSession(str(tmp_path / "bound.onnx"), providers=["CPUExecutionProvider"])
+    out, pool = session.run(None, feeds)
+    torch_in = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    ref_out, ref_pool, _ = paged_attention(torch_in["query"], torch_in["key"], None, torch_in["key_cache"], None,
+                                           torch_in["block_tables"], torch_in["seq_lens"],
+                                           torch_in["query_start_loc"], attrs)
+    np.testing.assert_allclose(out, ref_out.numpy(), atol=1e-5)
+    np.testing.assert_array_equal(pool, ref_pool.numpy())
