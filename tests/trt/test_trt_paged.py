@@ -199,3 +199,11 @@ def test_latent_node_parses_only_with_bound_empty_inputs(tmp_path):
                                            torch_in["query_start_loc"], attrs)
     np.testing.assert_allclose(out, ref_out.numpy(), atol=1e-5)
     np.testing.assert_array_equal(pool, ref_pool.numpy())
+
+
+def test_contiguous_engine_runner_refuses_paged_engines(paged_artifact):
+    from moeforge.errors import MoeforgeError
+    from moeforge.runtime.backends.tensorrt import TrtEngine
+
+    with pytest.raises(MoeforgeError, match="paged TensorRT engine"):
+        TrtEngine.from_artifact(paged_artifact)
