@@ -7,6 +7,9 @@ Why this order (TensorRT target; the ORT pipeline's reasons for cleanup and rota
 3. onnx_rotary     -> ONNX RotaryEmbedding (opset 23): the parser maps it to a ROTARY_EMBEDDING layer.
 4. trt_kv_cache    Attention -> TensorScatter (KV_CACHE_UPDATE) + masked Attention (ATTENTION) on a
                    static-length cache (graph_passes/trt_kv_cache.py).
+   (paged_kv       with ``kv_cache="paged"`` instead: the ORT paged pass, moeforge::PagedAttention over block
+                   pools with its local function; ``trt_paged_inputs`` after precision binds latent mode's
+                   unset inputs to empty tensors, see graph_passes/trt_paged.py.)
 5. packing         q/k/v and gate/up projections -> one MatMul + Split (shared pass).
 6. cleanup         drops the dead mask/angle arithmetic before precision sees it.
 7. precision       fp16/bf16 with fp32 norms, softmax and MoE (graph_passes/precision.py); last, so
@@ -23,9 +26,11 @@ import onnx_ir as ir
 from moeforge.graph_passes.base import MS_DOMAIN, GraphPass, PassContext, ensure_opset
 from moeforge.graph_passes.cleanup import Cleanup
 from moeforge.graph_passes.packing import ProjectionPacking
+from moeforge.graph_passes.paged_kv import PagedKVInsertion
 from moeforge.graph_passes.precision import HalfPrecision
 from moeforge.graph_passes.rotary import RotaryFusion
 from moeforge.graph_passes.trt_kv_cache import TrtKVCache
+from moeforge.graph_passes.trt_paged import TrtPagedInputs
 
 ROTARY_OPSET = 23
 
@@ -58,16 +63,20 @@ class OnnxRotary:
         return len(nodes)
 
 
-def trt_pipeline(dtype: str = "fp16") -> list[GraphPass]:
-    """Passes for the TensorRT target, in order; ``dtype`` fp16 | bf16 (fp32 skips the precision pass)."""
+def trt_pipeline(dtype: str = "fp16", kv_cache: str = "contiguous") -> list[GraphPass]:
+    """Passes for the TensorRT target, in order; ``dtype`` fp16 | bf16 (fp32 skips the precision pass);
+    ``kv_cache`` "paged": the paged pass (block pools + moeforge::PagedAttention) instead of trt_kv_cache."""
+    paged = kv_cache == "paged"
     passes: list[GraphPass] = [
         Cleanup(),
         RotaryFusion(),
         OnnxRotary(),
-        TrtKVCache(),
+        PagedKVInsertion() if paged else TrtKVCache(),
         ProjectionPacking(),
         Cleanup(),
     ]
     if dtype != "fp32":
         passes.append(HalfPrecision(dtype))
+    if paged:
+        passes.append(TrtPagedInputs())
     return passes

@@ -37,6 +37,9 @@ class ProfileSpec:
     name: str
     batch: tuple[int, int, int]
     tokens: tuple[int, int, int]
+    # Paged graphs (moeforge/trt/paged_profiles.py): (min, opt, max) per symbolic ONNX dimension name
+    # (num_tokens, num_seqs, max_blocks, num_blocks, ...); empty: axis 0 batch, axis 1 tokens.
+    dims: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,14 @@ class BuildOptions:
     timing_cache: Path | None = None  # read if it exists, written after the build
     verbose: bool = False
     optimization_level: int | None = None  # builder optimisation level 0..5 (None: TensorRT's default, 3)
+    paged_block_size: int | None = None  # paged graph (--kv-cache paged): profiles by dimension name
+    max_seq_len: int | None = None  # paged: the longest sequence (block-table width = ceil(max_seq_len / Bs))
 
     def profiles(self) -> list[ProfileSpec]:
+        if self.paged_block_size:
+            from moeforge.trt.paged_profiles import paged_profiles
+
+            return paged_profiles(self)
         decode_opt = max(1, self.max_batch // 2)
         prefill_opt = max(1, self.max_prefill_tokens // 2)
         return [ProfileSpec("decode", (1, decode_opt, self.max_batch), (1, 1, 1)),
@@ -133,18 +142,35 @@ def _op_of(text: str) -> str | None:
     return None
 
 
-def _profile_shapes(network: Any, spec: ProfileSpec) -> dict[str, list[tuple[int, ...]]]:
-    """min/opt/max shape of every input: axis 0 is the batch, a dynamic axis 1 the new tokens."""
+def _dim_names(onnx_path: Path) -> dict[str, list[str]]:
+    """Symbolic dimension names of every graph input ("" for a fixed dimension), without the weights."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    return {v.name: [d.dim_param for d in v.type.tensor_type.shape.dim] for v in graph.input}
+
+
+def _profile_shapes(network: Any, spec: ProfileSpec, dim_names: dict[str, list[str]] | None = None
+                    ) -> dict[str, list[tuple[int, ...]]]:
+    """min/opt/max shape of every input: by dimension name when ``spec.dims`` is set (paged graphs), else
+    axis 0 is the batch, a dynamic axis 1 the new tokens."""
     shapes = {}
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
         dims = list(tensor.shape)
+        names = (dim_names or {}).get(tensor.name, [])
         triple = []
         for k in range(3):
             shape = []
             for axis, dim in enumerate(dims):
                 if dim != -1:
                     shape.append(dim)
+                elif spec.dims:
+                    name = names[axis] if axis < len(names) else ""
+                    if name not in spec.dims:
+                        raise EngineBuildError(f"input {tensor.name} axis {axis} ({name or 'unnamed'}) has no range "
+                                               f"in profile {spec.name}: {sorted(spec.dims)}")
+                    shape.append(spec.dims[name][k])
                 elif axis == 0:
                     shape.append(spec.batch[k])
                 elif axis == 1:
@@ -169,13 +195,16 @@ def build_engine(onnx_path: Path, plan_path: Path, options: BuildOptions, trt: T
     config.profiling_verbosity = trt.module.ProfilingVerbosity.DETAILED
 
     profiles = []
-    for spec in options.profiles():
+    specs = options.profiles()
+    dim_names = _dim_names(onnx_path) if any(spec.dims for spec in specs) else None
+    for spec in specs:
         profile = parsed.builder.create_optimization_profile()
-        shapes = _profile_shapes(parsed.network, spec)
+        shapes = _profile_shapes(parsed.network, spec, dim_names)
         for name, (lo, opt, hi) in shapes.items():
             profile.set_shape(name, lo, opt, hi)
         config.add_optimization_profile(profile)
         profiles.append({"name": spec.name, "batch": list(spec.batch), "tokens": list(spec.tokens),
+                         **({"dims": {n: list(r) for n, r in spec.dims.items()}} if spec.dims else {}),
                          "shapes": {n: [list(s) for s in triple] for n, triple in shapes.items()}})
 
     notes = []

@@ -20,12 +20,14 @@ from moeforge.errors import MoeforgeError
 from moeforge.export.loader import load_model
 from moeforge.export.onnx_export import export_stateless, unmark_layers
 from moeforge.graph_passes.base import PassContext, PassReport
+from moeforge.graph_passes.paged_kv import PAGED_BLOCK_SIZE_NOTE, paged_kv_cache_spec
 from moeforge.graph_passes.pipeline import run_passes
 from moeforge.graph_passes.trt_lowering import trt_pipeline
 from moeforge.parity import default_prompt
 from moeforge.trt.adapter import load_tensorrt
 from moeforge.trt.build import BuildOptions, build_engine
 from moeforge.trt.golden import write_trt_golden
+from moeforge.trt.paged_golden import write_trt_paged_golden
 
 PLAN_FILE = "model.plan"
 TIMING_CACHE_FILE = "timing.cache"
@@ -45,9 +47,7 @@ def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> Co
     if options.check:
         raise MoeforgeError("--check compares with ONNX Runtime artifacts; for --target trt run "
                             "`moeforge parity DIR --backend tensorrt` on a GPU host (golden logits are saved)")
-    if options.kv_cache != "contiguous":
-        raise MoeforgeError("--kv-cache paged is not available for --target trt yet; "
-                            "use --kv-cache contiguous (the default)")
+    paged = options.kv_cache == "paged"  # block pools + moeforge::PagedAttention (moeforge/trt/paged_profiles.py)
     check_output_dir(options.output_dir, force=options.force)
     if options.max_batch < 1 or options.max_prefill_tokens < 1:
         raise MoeforgeError("--max-batch and the prefill token limit must be >= 1")
@@ -57,8 +57,8 @@ def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> Co
     trt.set_target(probe.create_builder_config(), sm)  # unsupported SM: fail before the export
     del probe
 
-    bar = tqdm(total=4 + len(trt_pipeline(dtype)), desc="compile", unit="stage", disable=not options.progress,
-               leave=False)
+    bar = tqdm(total=4 + len(trt_pipeline(dtype, options.kv_cache)), desc="compile", unit="stage",
+               disable=not options.progress, leave=False)
     try:
         loaded = load_model(options.model, mla_impl="absorb")
         config = loaded.config
@@ -69,28 +69,35 @@ def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> Co
         bar.update()
         model = export_stateless(loaded.model, mark_layers=True)
         bar.update()
-        ctx = PassContext(config=config, max_seq_len=max_seq_len, target="trt")
+        ctx = PassContext(config=config, max_seq_len=max_seq_len, target="trt",
+                          notes={PAGED_BLOCK_SIZE_NOTE: options.kv_block_size} if paged else {})
 
         def pass_done(report: PassReport) -> None:
             bar.set_postfix_str(f"pass {report.name}: {report.matches}")
             bar.update()
 
-        reports = run_passes(model, ctx, trt_pipeline(dtype), on_pass_done=pass_done)
+        reports = run_passes(model, ctx, trt_pipeline(dtype, options.kv_cache), on_pass_done=pass_done)
         layer_outputs = unmark_layers(model)
         manifest = _manifest(model, loaded, options, reports, max_seq_len)
         manifest.precision = dtype
         manifest.layer_outputs = layer_outputs
-        manifest.kv_cache = _kv_spec(config, max_seq_len, DTYPES[dtype])
+        if paged:
+            manifest.kv_cache = paged_kv_cache_spec(config, max_seq_len=max_seq_len, block_size=options.kv_block_size,
+                                                    dtype=DTYPES[dtype])
+        else:
+            manifest.kv_cache = _kv_spec(config, max_seq_len, DTYPES[dtype])
         manifest.tool_versions[trt.impl] = trt.version
         build = BuildOptions(impl=trt.impl, sm=sm, max_batch=options.max_batch,
                              max_prefill_tokens=min(options.max_prefill_tokens, max_seq_len),
-                             optimization_level=options.trt_optimization_level)
+                             optimization_level=options.trt_optimization_level,
+                             paged_block_size=options.kv_block_size if paged else None, max_seq_len=max_seq_len)
 
         def payload(tmp: Path) -> None:
             ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE)
             if loaded.tokenizer is not None:
                 loaded.tokenizer.save(tmp)
-            write_trt_golden(tmp, tmp / MODEL_FILE, default_prompt(config.vocab_size, GOLDEN_PROMPT_LEN, seed=1))
+            golden = write_trt_paged_golden if paged else write_trt_golden
+            golden(tmp, tmp / MODEL_FILE, default_prompt(config.vocab_size, GOLDEN_PROMPT_LEN, seed=1))
             bar.set_postfix_str("build engine")
             info = build_engine(tmp / MODEL_FILE, tmp / PLAN_FILE,
                                 BuildOptions(**{**build.__dict__, "timing_cache": tmp / TIMING_CACHE_FILE}), trt)

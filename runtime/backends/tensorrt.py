@@ -79,6 +79,9 @@ class TrtEngine:
     def from_artifact(cls, artifact: Any, num_slots: int = 1, cuda_graphs: bool = False) -> TrtEngine:
         if artifact.manifest.engine is None:
             raise MoeforgeError(f"{artifact.root} has no engine plan; compile it with --target trt")
+        if artifact.manifest.kv_cache.paged:  # --kv-cache paged: pools + block tables, not slot caches
+            raise MoeforgeError(f"{artifact.root} is a paged TensorRT engine (block pools); this backend runs "
+                                "contiguous-cache engines only: compile without --kv-cache paged to serve it here")
         return cls(artifact.root / artifact.manifest.engine["plan_file"], artifact.manifest.engine, num_slots,
                    cuda_graphs)
 
