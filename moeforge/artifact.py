@@ -214,6 +214,7 @@ class Manifest:
     source: str = ""
     created_utc: str = field(default_factory=_utc_now)
     layer_outputs: list[str] = field(default_factory=list)
+    quantization: dict[str, Any] | None = None  # moeforge/quantize.py summary: scheme, block, per-weight choices
 
     def config(self) -> Any:
         """The model config as a ``moeforge.export.config.ModelConfig``."""
@@ -236,6 +237,7 @@ class Manifest:
             "source": self.source,
             "created_utc": self.created_utc,
             "layer_outputs": list(self.layer_outputs),
+            "quantization": self.quantization,
         }
 
     def to_json(self) -> str:
@@ -273,6 +275,7 @@ class Manifest:
                 source=str(data.get("source", "")),
                 created_utc=str(data.get("created_utc", "")),
                 layer_outputs=[str(n) for n in data.get("layer_outputs", [])],
+                quantization=data.get("quantization"),
             )
         except KeyError as exc:
             raise ArtifactError(f"manifest is missing the field {exc.args[0]!r}") from None

@@ -30,6 +30,8 @@ from moeforge.golden import write_golden
 from moeforge.graph_passes.base import PassContext, PassReport
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
 from moeforge.parity import ParityReport, default_prompt, run_parity
+from moeforge.quantize import QuantOptions, checkpoint_is_fp8, quantize_model
+from moeforge.quantize import validate as validate_quant
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -57,6 +59,11 @@ class CompileOptions:
     check: bool = False
     check_steps: int = 16
     progress: bool = True
+    quant: str | None = None  # int8 | int4 | int4-awq | fp8 (moeforge/quantize.py); None = fp32
+    block_size: int | None = None
+    calib: Path | None = None
+    kv_quant: str | None = None
+    keep_fp: float = 0.0
 
 
 @dataclass
@@ -72,6 +79,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
         raise MoeforgeError(f"target {options.target!r} is not supported here; targets: {', '.join(TARGETS)}")
     if options.max_seq_len is not None and options.max_seq_len < 2:
         raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
+    quant = _quant_options(options)
     # Refuse bad output locations before the expensive stages.
     check_output_dir(options.output_dir, force=options.force)
 
@@ -103,8 +111,16 @@ def compile_model(options: CompileOptions) -> CompileResult:
             bar.update()
 
         reports = run_passes(model, ctx, ort_pipeline(), on_pass_done=pass_done)
+        quantized = None
+        if quant is not None:
+            stage(f"quantise {quant.scheme}")
+            quantized = quantize_model(model, ctx, quant, loaded.tokenizer,
+                                       fp8_source=checkpoint_is_fp8(loaded.source.location))
+            reports += quantized.reports
         layer_outputs = unmark_layers(model)  # names kept in the manifest for parity --per-layer
         manifest = _manifest(model, loaded, options, reports, max_seq_len)
+        if quantized is not None:
+            manifest.precision, manifest.quantization = quantized.precision, quantized.summary
         manifest.layer_outputs = layer_outputs
         stage("write artifact")
 
@@ -124,7 +140,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
             if options.check:
                 stage("parity check")
                 report = run_parity(tmp / MODEL_FILE, loaded.model, default_prompt(config.vocab_size, 16),
-                                    decode_steps=options.check_steps)
+                                    decode_steps=options.check_steps, precision=manifest.precision)
                 result_holder.append(report)
                 bar.update()
                 if not report.passed:
@@ -136,6 +152,18 @@ def compile_model(options: CompileOptions) -> CompileResult:
         return CompileResult(out, manifest, result_holder[0] if result_holder else None)
     finally:
         bar.close()
+
+
+def _quant_options(options: CompileOptions) -> QuantOptions | None:
+    if options.quant is None:
+        for flag, value in (("--block-size", options.block_size), ("--calib", options.calib),
+                            ("--kv-quant", options.kv_quant), ("--keep-fp", options.keep_fp or None)):
+            if value is not None:
+                raise MoeforgeError(f"{flag} needs --quant (int8, int4, int4-awq or fp8)")
+        return None
+    quant = QuantOptions(options.quant, options.block_size, options.calib, options.kv_quant, options.keep_fp)
+    validate_quant(quant)
+    return quant
 
 
 def _tensor_specs(values: list[ir.Value]) -> list[TensorSpec]:
