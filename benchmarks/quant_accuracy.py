@@ -37,7 +37,8 @@ SCHEMES = [  # (label, options)
     ("int4", QuantOptions("int4")),
     ("int4-awq", QuantOptions("int4-awq", calib=CALIB)),
     ("fp8-block64", QuantOptions("fp8", block_size=64)),
-    ("int4-acc0", QuantOptions("int4", accuracy_level=0)),
+    ("int8-keep-fp-0.1", QuantOptions("int8", calib=CALIB, keep_fp=0.1)),
+    ("int4-awq-keep-fp-0.1", QuantOptions("int4-awq", calib=CALIB, keep_fp=0.1)),
 ]
 BARS = {"int8": 0.99, "int4": 0.93, "fp8-block64": 0.97}
 

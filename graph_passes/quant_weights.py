@@ -47,6 +47,10 @@ class QuantTarget:
         return self.node.op_type == "MoE"
 
     @property
+    def is_lm_head(self) -> bool:
+        return any(o.name == "logits" for o in self.node.outputs)
+
+    @property
     def in_features(self) -> int:
         return self.shape[-1] if self.is_moe else self.shape[0]
 
@@ -60,6 +64,7 @@ class QuantConfig:
     keep: frozenset[str] = frozenset()  # weight names left in fp32 (mixed precision)
     awq_scales: dict[str, np.ndarray] = field(default_factory=dict)  # weight name -> s [K]
     exact_fp8: bool = False  # FP8-checkpoint source: recover each block's stored FP8 codes exactly
+    head_kind: str | None = None  # the LM head's kind (None: ``kind``), same block size
 
 
 def fold_transposed_weights(model: ir.Model) -> int:
@@ -124,9 +129,10 @@ class WeightQuantization:
         weight = target.node.inputs[target.index]
         array = _const(weight)
         assert array is not None
+        kind = (cfg.head_kind or cfg.kind) if target.is_lm_head else cfg.kind
         if target.is_moe:
             # [E, N, K]: quantise each expert as a [K, N] matrix, store codes back as [E, N, K].
-            parts = [self._q(array[e].T) for e in range(array.shape[0])]
+            parts = [self._q(array[e].T, cfg.kind) for e in range(array.shape[0])]
             codes = np.stack([p.values.T for p in parts])
             if cfg.block_size is None:
                 scale = np.stack([p.scale[:, None] for p in parts])  # [E, N, 1]: one block of K
@@ -138,13 +144,13 @@ class WeightQuantization:
         else:
             s = cfg.awq_scales.get(target.name)
             source = array * s[:, None] if s is not None else array
-            q = self._q(source)
+            q = self._q(source, kind)
             codes, scale = q.values, q.scale
             attributes = {"axis": 1} if cfg.block_size is None else {"axis": 0, "block_size": cfg.block_size}
             if s is not None:
                 self._scale_activation(model, target, (1.0 / s).astype(np.float32))
         stem = target.name
-        codes_value = _initializer(graph, f"{stem}.q", _typed(codes, cfg.kind))
+        codes_value = _initializer(graph, f"{stem}.q", _typed(codes, kind))
         scale_value = _initializer(graph, f"{stem}.scale", ir.tensor(scale.astype(np.float32)))
         dq = ir.node("DequantizeLinear", [codes_value, scale_value], attributes=attributes)
         dq.outputs[0].name = f"{stem}.dq"
@@ -154,10 +160,10 @@ class WeightQuantization:
         if not weight.uses() and weight.name in graph.initializers:
             graph.initializers.pop(weight.name)
 
-    def _q(self, weight: np.ndarray) -> QuantizedWeight:
-        if self.config.exact_fp8:
+    def _q(self, weight: np.ndarray, kind: str) -> QuantizedWeight:
+        if self.config.exact_fp8 and kind == "fp8":
             return quantize_fp8_exact(weight, self.config.block_size)
-        return quantize(weight, self.config.kind, self.config.block_size)
+        return quantize(weight, kind, self.config.block_size)
 
     @staticmethod
     def _scale_activation(model: ir.Model, target: QuantTarget, inverse: np.ndarray) -> None:

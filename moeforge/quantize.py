@@ -72,8 +72,10 @@ def validate(options: QuantOptions) -> None:
     if block is not None and (block < 16 or block > 256 or block & (block - 1)):
         raise QuantError(f"--block-size {block} must be a power of two from 16 to 256 (e.g. 32, 64, 128)")
     if options.kv_quant is not None:
-        raise QuantError(f"--kv-quant {options.kv_quant}: ONNX Runtime's CPU GroupQueryAttention kernel does not "
-                         "read a quantised KV cache (see docs/architecture.md, Quantisation); leave --kv-quant off")
+        reason = ("ONNX Runtime 1.32's CPU GroupQueryAttention has no float8 KV kernel" if options.kv_quant == "fp8"
+                  else "the CPU GroupQueryAttention kernel can read an int8 cache (k_scale/v_scale, "
+                       "kv_cache_bit_width 8) but moeforge does not wire it yet (fp32 runtime buffers and cache pass)")
+        raise QuantError(f"--kv-quant {options.kv_quant} is not available: {reason}; leave --kv-quant off")
     if not 0.0 <= options.keep_fp < 1.0:
         raise QuantError(f"--keep-fp {options.keep_fp} must be a fraction in [0, 1)")
     needs_calib = options.scheme == "int4-awq" or options.keep_fp > 0
@@ -105,6 +107,7 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
 
     kind, block = options.kind, options.block
     targets = quant_targets(model)
+    heads = {t.name for t in targets if t.is_lm_head}  # before lowering renames the nodes' outputs
     if block is not None:
         bad = [t for t in targets if t.in_features % block]
         if bad:
@@ -139,18 +142,21 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
         start = time.perf_counter()
         awq, alphas = _awq_scales(model, prompts, kind, block, keep_names)
         reports.append(PassReport("quant_awq", len(awq), time.perf_counter() - start))
+    # int4 schemes keep the LM head at int8 (same blocks), as llama.cpp keeps output.weight at 6-8 bits:
+    # on SmolLM2 an int4 head alone costs more top-1 agreement than all int4 decoder layers together.
+    head_kind = "int8" if kind == "int4" else kind
     config = QuantConfig(kind=kind, block_size=block, keep=keep_names, awq_scales=awq,
-                         exact_fp8=fp8_source and kind == "fp8")
+                         exact_fp8=fp8_source and kind == "fp8", head_kind=head_kind)
     for graph_pass in (WeightQuantization(config), QuantLowering(options.accuracy_level)):
         start = time.perf_counter()
         matches = graph_pass.apply(model, ctx)
         reports.append(PassReport(graph_pass.name, matches, time.perf_counter() - start))
     layers = [{"name": t.name, "label": t.label, "shape": list(t.shape),
-               "precision": "fp32" if t.name in keep_names else options.scheme,
+               "precision": "fp32" if t.name in keep_names else (head_kind if t.name in heads else options.scheme),
                **({"awq_alpha": alphas[t.name]} if t.name in alphas else {})} for t in targets]
     summary = {
         "scheme": options.scheme, "weights": kind, "block_size": block, "symmetric": True,
-        "accuracy_level": options.accuracy_level, "keep_fp": options.keep_fp,
+        "accuracy_level": options.accuracy_level, "keep_fp": options.keep_fp, "lm_head": head_kind,
         "calibration_prompts": len(prompts), "always_fp32": ["norms", "softmax", "router", "embedding lookup"],
         "sensitivity": kept, "layers": layers,
     }
@@ -163,7 +169,8 @@ def _awq_scales(model: ir.Model, prompts: list[list[int]], kind: str, block: int
     from moeforge.calibration import GraphRunner
     from moeforge.graph_passes.quant_math import awq_search
 
-    targets = [t for t in quant_targets(model) if not t.is_moe and t.name not in skip]
+    # MoE experts stay RTN; the LM head is int8 under int4 schemes, which needs no AWQ.
+    targets = [t for t in quant_targets(model) if not t.is_moe and not t.is_lm_head and t.name not in skip]
     inputs = tuple(dict.fromkeys(t.node.inputs[0].name for t in targets))
     runner = GraphRunner(model, extra_outputs=inputs)
     rows: dict[str, list[np.ndarray]] = {name: [] for name in inputs}

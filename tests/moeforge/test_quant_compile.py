@@ -47,8 +47,15 @@ def test_check_passes_per_precision(tmp_path, model, quant, block):
     assert manifest.precision == quant
     q = manifest.quantization
     assert q["scheme"] == quant and q["symmetric"] and "router" in q["always_fp32"]
-    assert all(layer["precision"] == quant for layer in q["layers"])
+    head = "int8" if quant == "int4" else quant  # int4 schemes keep the LM head at int8
+    assert q["lm_head"] == head
+    assert [layer["precision"] for layer in q["layers"]] == [quant] * (len(q["layers"]) - 1) + [head]
     counts = op_counts(result.output_dir / "model.onnx")
+    graph = onnx.load(str(result.output_dir / "model.onnx"), load_external_data=False).graph
+    head_node = next(n for n in graph.node if "logits" in n.output)
+    if quant != "fp8":
+        bits = next(a.i for a in head_node.attribute if a.name == "bits")
+        assert head_node.op_type == "MatMulNBits" and bits == 8 if head == "int8" else 4
     if quant == "fp8":
         assert counts.get("DequantizeLinear") == len(q["layers"])
     else:
@@ -67,7 +74,7 @@ def test_awq_and_keep_fp_through_the_cli(tmp_path, capsys):
     kept = [layer for layer in q["layers"] if layer["precision"] == "fp32"]
     assert len(kept) == 2  # ceil(0.2 * 9)
     ranked = [row["name"] for row in q["sensitivity"]]
-    assert [layer["name"] for layer in kept] == [n for n in ranked[:2] if n in {k["name"] for k in kept}]
+    assert {layer["name"] for layer in kept} == set(ranked[:2])  # the two most sensitive
     assert q["calibration_prompts"] == 10
     assert any("awq_alpha" in layer for layer in q["layers"])
     counts = op_counts(out / "model.onnx")
@@ -86,7 +93,8 @@ def test_help_documents_the_calibration_file():
     ({"quant": "int4-awq"}, "needs calibration prompts"),
     ({"quant": "int4", "keep_fp": 0.1}, "needs calibration prompts"),
     ({"quant": "int4", "keep_fp": 1.5, "calib": CALIB}, "fraction"),
-    ({"quant": "int8", "kv_quant": "int8"}, "GroupQueryAttention"),
+    ({"quant": "int8", "kv_quant": "int8"}, "not wire it yet"),
+    ({"quant": "int8", "kv_quant": "fp8"}, "no float8 KV kernel"),
     ({"quant": "w8a8"}, "not built"),
     ({"block_size": 32}, "--block-size needs --quant"),
     ({"quant": "int5"}, "unknown"),
