@@ -30,7 +30,7 @@ from moeforge.golden import write_golden
 from moeforge.graph_passes.base import PassContext, PassReport
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
 from moeforge.parity import ParityReport, default_prompt, run_parity
-from moeforge.quantize import QuantOptions, checkpoint_is_fp8, quantize_model
+from moeforge.quantize import QuantOptions, check_block_size, checkpoint_is_fp8, in_features, quantize_model
 from moeforge.quantize import validate as validate_quant
 
 MODEL_FILE = "model.onnx"
@@ -93,6 +93,8 @@ def compile_model(options: CompileOptions) -> CompileResult:
         stage("load checkpoint")
         loaded = load_model(options.model, mla_impl="absorb")
         config = loaded.config
+        if quant is not None:  # before the export: a block size that does not fit fails fast
+            check_block_size(quant, in_features(config), config.name or options.model)
         max_seq_len = options.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
         if max_seq_len > config.max_position_embeddings:
             raise MoeforgeError(

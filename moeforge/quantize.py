@@ -88,6 +88,31 @@ def validate(options: QuantOptions) -> None:
         read_prompts(options.calib)  # missing / empty file -> CalibrationError now, not after the export
 
 
+def in_features(config) -> list[int]:  # type: ignore[no-untyped-def]
+    """Input dimensions (K) of the model's quantised weights, from its config (checked before export)."""
+    dims = {config.hidden_size, config.intermediate_size}
+    if config.moe is not None:
+        dims.add(config.moe.moe_intermediate_size)
+    if config.mla is not None:
+        dims |= {config.mla.kv_lora_rank, config.num_attention_heads * config.mla.v_head_dim}
+        if config.mla.q_lora_rank:
+            dims.add(config.mla.q_lora_rank)
+    else:
+        dims.add(config.num_attention_heads * config.head_dim)
+    return sorted(dims)
+
+
+def check_block_size(options: QuantOptions, dims: list[int], where: str) -> None:
+    """Refuse a block size that does not divide every input dimension, suggesting one that does."""
+    block = options.block
+    bad = [d for d in dims if block is not None and d % block]
+    if bad:
+        fits = [b for b in (256, 128, 64, 32, 16) if all(d % b == 0 for d in dims)]
+        hint = f"use --block-size {fits[0]}" if fits else "no block size from 16 to 256 divides them all"
+        raise QuantError(f"--block-size {block} does not divide the input dimension {bad[0]} of {where} "
+                         f"(input dimensions: {dims}); {hint}")
+
+
 def checkpoint_is_fp8(source_location: str) -> bool:
     """True when the source is an HF folder whose config.json declares FP8 weights."""
     config = Path(source_location) / "config.json"
@@ -108,14 +133,7 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
     kind, block = options.kind, options.block
     targets = quant_targets(model)
     heads = {t.name for t in targets if t.is_lm_head}  # before lowering renames the nodes' outputs
-    if block is not None:
-        bad = [t for t in targets if t.in_features % block]
-        if bad:
-            dims = sorted({t.in_features for t in targets})
-            fits = [b for b in (256, 128, 64, 32, 16) if all(d % b == 0 for d in dims)]
-            hint = f"use --block-size {fits[0]}" if fits else "no block size from 16 to 256 divides them all"
-            raise QuantError(f"--block-size {block} does not divide the input dimension {bad[0].in_features} of "
-                             f"{bad[0].label} (input dimensions: {dims}); {hint}")
+    check_block_size(options, sorted({t.in_features for t in targets}), "a weight")
     if fp8_source and kind != "fp8":
         log.warning("the checkpoint stores FP8 weights: they were dequantised to fp32 and are requantised to %s "
                     "(a second rounding); --quant fp8 keeps the checkpoint's FP8 values exactly", kind)

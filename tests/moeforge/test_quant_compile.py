@@ -36,7 +36,7 @@ def _compile(tmp_path: Path, model: str, **kw) -> Path:  # type: ignore[no-untyp
 @pytest.mark.heavy
 @pytest.mark.parametrize(("model", "quant", "block"), [
     ("tiny-llama", "int8", None), ("tiny-llama", "int4", None), ("tiny-llama", "fp8", 32),
-    ("tiny-deepseek-v3", "int4", None), ("tiny-deepseek-v2", "int8", None),
+    ("tiny-deepseek-v3", "int4", None),
 ])
 def test_check_passes_per_precision(tmp_path, model, quant, block):
     result = compile_model(CompileOptions(model=model, output_dir=tmp_path / "a", max_seq_len=128, progress=False,
