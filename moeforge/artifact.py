@@ -229,6 +229,7 @@ class Manifest:
     layer_outputs: list[str] = field(default_factory=list)
     # TensorRT target: the engine plan beside the ONNX (moeforge/trt/build.py EngineInfo.to_dict()).
     engine: dict[str, Any] | None = None
+    quantization: dict[str, Any] | None = None  # moeforge/quantize.py summary: scheme, block, per-weight choices
 
     def config(self) -> Any:
         """The model config as a ``moeforge.export.config.ModelConfig``."""
@@ -252,6 +253,7 @@ class Manifest:
             "created_utc": self.created_utc,
             "layer_outputs": list(self.layer_outputs),
             **({"engine": self.engine} if self.engine is not None else {}),
+            "quantization": self.quantization,
         }
 
     def to_json(self) -> str:
@@ -290,6 +292,7 @@ class Manifest:
                 created_utc=str(data.get("created_utc", "")),
                 layer_outputs=[str(n) for n in data.get("layer_outputs", [])],
                 engine=dict(data["engine"]) if data.get("engine") is not None else None,
+                quantization=data.get("quantization"),
             )
         except KeyError as exc:
             raise ArtifactError(f"manifest is missing the field {exc.args[0]!r}") from None

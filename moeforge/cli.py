@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from moeforge import __version__
 from moeforge.errors import MoeforgeError
@@ -66,6 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
     comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
+    comp.add_argument("--quant", choices=["int8", "int4", "int4-awq", "fp8", "w8a8"], default=None,
+                      help="weight quantisation: int8 per channel, int4 blocks (round-to-nearest or AWQ), "
+                           "fp8 e4m3 blocks (w8a8 is not built yet); default fp32")
+    comp.add_argument("--block-size", type=int, default=None,
+                      help="quantisation block along the input dimension, a power of two 16..256 that divides "
+                           "it (default: int4 32, fp8 128, int8 per channel)")
+    comp.add_argument("--calib", type=Path, default=None,
+                      help="calibration text file, one prompt per line (UTF-8), tokenised with the model's "
+                           "tokenizer; needed by int4-awq and --keep-fp")
+    comp.add_argument("--kv-quant", choices=["int8", "fp8"], default=None,
+                      help="quantised KV cache (not available: ONNX Runtime's CPU attention cannot read one)")
+    comp.add_argument("--keep-fp", type=float, default=0.0, metavar="FRACTION",
+                      help="keep this fraction of weights, the most quantisation-sensitive on --calib, in fp32")
 
     insp = sub.add_parser("inspect", help="print an artifact's manifest, op counts and KV bytes per token")
     insp.add_argument("artifact", help="artifact directory")
@@ -239,7 +253,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     options = CompileOptions(model=args.model, output_dir=Path(args.output), target=args.target,
                              max_seq_len=args.max_seq_len, force=args.force, check=args.check,
                              progress=not args.quiet, kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
-                             trt_impl=args.trt_impl, sm=args.sm, dtype=args.dtype, max_batch=args.max_batch)
+                             trt_impl=args.trt_impl, sm=args.sm, dtype=args.dtype, max_batch=args.max_batch,
+                             quant=args.quant, block_size=args.block_size, calib=args.calib,
+                             kv_quant=args.kv_quant, keep_fp=args.keep_fp)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:

@@ -31,6 +31,8 @@ from moeforge.graph_passes.base import PassContext, PassReport
 from moeforge.graph_passes.paged_kv import PAGED_BLOCK_SIZE_NOTE, paged_kv_cache_spec
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
 from moeforge.parity import ParityReport, default_prompt, run_parity
+from moeforge.quantize import QuantOptions, check_block_size, checkpoint_is_fp8, in_features, quantize_model
+from moeforge.quantize import validate as validate_quant
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -68,6 +70,11 @@ class CompileOptions:
     max_batch: int = 8
     max_prefill_tokens: int = 256
     trt_optimization_level: int | None = None  # TensorRT builder level 0..5 (None: its default, 3)
+    quant: str | None = None  # int8 | int4 | int4-awq | fp8 (moeforge/quantize.py); None = fp32
+    block_size: int | None = None
+    calib: Path | None = None
+    kv_quant: str | None = None
+    keep_fp: float = 0.0
 
 
 @dataclass
@@ -84,7 +91,11 @@ def compile_model(options: CompileOptions) -> CompileResult:
     if options.max_seq_len is not None and options.max_seq_len < 2:
         raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
     paged = _check_kv_options(options)
+    quant = _quant_options(options)
     if options.target == "trt":
+        if quant is not None:
+            raise MoeforgeError("--quant with --target trt is not wired yet: the quantised Q/DQ graph is built for "
+                                "ONNX Runtime (--target ort); drop --quant for a TensorRT engine")
         from moeforge.trt.compile_target import compile_trt
 
         return compile_trt(options)
@@ -101,6 +112,8 @@ def compile_model(options: CompileOptions) -> CompileResult:
         stage("load checkpoint")
         loaded = load_model(options.model, mla_impl="absorb")
         config = loaded.config
+        if quant is not None:  # before the export: a block size that does not fit fails fast
+            check_block_size(quant, in_features(config), config.name or options.model)
         max_seq_len = options.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
         if max_seq_len > config.max_position_embeddings:
             raise MoeforgeError(
@@ -120,8 +133,16 @@ def compile_model(options: CompileOptions) -> CompileResult:
             bar.update()
 
         reports = run_passes(model, ctx, ort_pipeline(options.kv_cache), on_pass_done=pass_done)
+        quantized = None
+        if quant is not None:
+            stage(f"quantise {quant.scheme}")
+            quantized = quantize_model(model, ctx, quant, loaded.tokenizer,
+                                       fp8_source=checkpoint_is_fp8(loaded.source.location))
+            reports += quantized.reports
         layer_outputs = unmark_layers(model)  # names kept in the manifest for parity --per-layer
         manifest = _manifest(model, loaded, options, reports, max_seq_len)
+        if quantized is not None:
+            manifest.precision, manifest.quantization = quantized.precision, quantized.summary
         manifest.layer_outputs = layer_outputs
         stage("write artifact")
 
@@ -141,7 +162,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
             if options.check:
                 stage("parity check")
                 report = run_parity(tmp / MODEL_FILE, loaded.model, default_prompt(config.vocab_size, 16),
-                                    decode_steps=options.check_steps)
+                                    decode_steps=options.check_steps, precision=manifest.precision)
                 result_holder.append(report)
                 bar.update()
                 if not report.passed:
@@ -162,6 +183,18 @@ def _check_kv_options(options: CompileOptions) -> bool:
     if options.kv_block_size < 1:
         raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv_block_size}")
     return options.kv_cache == "paged"
+
+
+def _quant_options(options: CompileOptions) -> QuantOptions | None:
+    if options.quant is None:
+        for flag, value in (("--block-size", options.block_size), ("--calib", options.calib),
+                            ("--kv-quant", options.kv_quant), ("--keep-fp", options.keep_fp or None)):
+            if value is not None:
+                raise MoeforgeError(f"{flag} needs --quant (int8, int4, int4-awq or fp8)")
+        return None
+    quant = QuantOptions(options.quant, options.block_size, options.calib, options.kv_quant, options.keep_fp)
+    validate_quant(quant)
+    return quant
 
 
 def _tensor_specs(values: list[ir.Value]) -> list[TensorSpec]:

@@ -1,0 +1,94 @@
+"""Accuracy of quantised SmolLM2-135M against the fp32 PyTorch model, teacher-forced.
+
+`python benchmarks/quant_accuracy.py` exports SmolLM2 once, runs the ONNX Runtime
+pass pipeline, then for each scheme quantises a copy of the graph, feeds the English text of
+tests/data/quant_eval_en.txt (322 tokens, written for the tests) in one prefill, and compares every
+position's logits with PyTorch fp32: top-1 agreement and mean KL(PyTorch || artifact). AWQ calibrates
+on tests/data/quant_calib_en.txt (different text). Writes benchmarks/results/quant_accuracy_smollm2.json.
+SmolLM2's hidden size 576 is not a multiple of 128, so fp8 uses 64-element blocks here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from moeforge.bench import write_result
+from moeforge.calibration import mean_kl
+from moeforge.export.loader import load_model
+from moeforge.export.onnx_export import export_stateless, unmark_layers
+from moeforge.graph_passes.base import PassContext
+from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
+from moeforge.quantize import QuantOptions, quantize_model
+from moeforge.runtime.backends.onnxruntime import OrtSession
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT / "tests" / "data" / "quant_eval_en.txt"
+CALIB = ROOT / "tests" / "data" / "quant_calib_en.txt"
+RESULTS = ROOT / "benchmarks" / "results" / "quant_accuracy_smollm2.json"
+SCHEMES = [  # (label, options)
+    ("int8", QuantOptions("int8")),
+    ("int4", QuantOptions("int4")),
+    ("int4-awq", QuantOptions("int4-awq", calib=CALIB)),
+    ("fp8-block64", QuantOptions("fp8", block_size=64)),
+    ("int8-keep-fp-0.1", QuantOptions("int8", calib=CALIB, keep_fp=0.1)),
+    ("int4-awq-keep-fp-0.1", QuantOptions("int4-awq", calib=CALIB, keep_fp=0.1)),
+]
+BARS = {"int8": 0.99, "int4": 0.93, "fp8-block64": 0.97}
+
+
+def artifact_logits(model: ir.Model, ids: list[int], folder: Path) -> np.ndarray:
+    path = folder / "model.onnx"
+    ir.save(model, path, external_data="model.onnx.data")
+    session = OrtSession(path)
+    session.allocate(batch=1, max_len=len(ids) + 1)
+    n = len(ids)
+    return session.forward(np.array([ids]), np.arange(n)[None], np.ones((1, n), np.int64))[0]
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    loaded = load_model("smollm2-135m")
+    ids = loaded.tokenizer.encode(TEXT.read_text())
+    with torch.inference_mode():
+        reference = loaded.model(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0].numpy()
+    model = export_stateless(loaded.model, mark_layers=True)
+    ctx = PassContext(config=loaded.config, max_seq_len=512, target="ort")
+    run_passes(model, ctx, ort_pipeline())
+    unmark_layers(model)
+    proto = ir.serde.serialize_model(model)
+    rows: dict[str, dict[str, object]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, options in [("fp32", None), *SCHEMES]:
+            copy = ir.serde.deserialize_model(proto)
+            start = time.perf_counter()
+            summary = {}
+            if options is not None:
+                result = quantize_model(copy, ctx, options, loaded.tokenizer)
+                summary = {k: result.summary[k] for k in ("scheme", "weights", "block_size", "accuracy_level")}
+            seconds = time.perf_counter() - start
+            folder = Path(tmp) / label
+            folder.mkdir()
+            ours = artifact_logits(copy, ids, folder)
+            size = sum(f.stat().st_size for f in folder.iterdir())
+            top1 = float((ours.argmax(-1) == reference.argmax(-1)).mean())
+            rows[label] = {**summary, "top1_agreement": top1, "mean_kl": mean_kl(reference, ours),
+                           "bar": BARS.get(label), "passes_bar": top1 >= BARS[label] if label in BARS else None,
+                           "model_bytes": size, "quantize_seconds": round(seconds, 2)}
+            print(label, rows[label], flush=True)
+    rows["int4-awq"]["better_than_int4_rtn"] = (rows["int4-awq"]["top1_agreement"] >= rows["int4"]["top1_agreement"]
+                                               and rows["int4-awq"]["mean_kl"] < rows["int4"]["mean_kl"])
+    write_result(RESULTS, "quant_accuracy", {
+        "model": "smollm2-135m", "reference": "PyTorch fp32", "text": str(TEXT.relative_to(ROOT)),
+        "tokens": len(ids), "calibration": str(CALIB.relative_to(ROOT)), "results": rows,
+    })
+
+
+if __name__ == "__main__":
+    main()

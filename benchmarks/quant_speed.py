@@ -1,0 +1,46 @@
+"""Decode speed of a quantised artifact against its fp32 artifact, batch 1, measured alternately.
+
+`python benchmarks/quant_speed.py FP32_DIR QUANT_DIR [--repeats 3]` runs `moeforge bench` (engine only)
+on the two artifacts in turn, `--repeats` times each, and writes
+benchmarks/results/bench_smollm2_<precision>_b1.json with every run, the 1-minute load average before
+each run (the machine is shared: other processes slow some runs), and the best-of ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from moeforge.artifact import load_artifact
+from moeforge.bench import bench_engine, write_result
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("fp32")
+    parser.add_argument("quant")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    precision = load_artifact(args.quant).manifest.precision
+    runs: dict[str, list[dict[str, float]]] = {"fp32": [], precision: []}
+    for _ in range(args.repeats):
+        for label, folder in (("fp32", args.fp32), (precision, args.quant)):
+            load = os.getloadavg()[0]
+            row = bench_engine(folder, 1, args.prompt_len, args.new_tokens, None)
+            runs[label].append({"load_avg_1min_before": round(load, 2), **row})
+            print(label, round(row["decode_tokens_per_s"], 1), "tok/s, load", round(load, 2), flush=True)
+    best = {label: max(r["decode_tokens_per_s"] for r in rows) for label, rows in runs.items()}
+    write_result(RESULTS / f"bench_smollm2_{precision}_b1.json", "quant_speed", {
+        "model": "smollm2-135m", "batch": 1, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "runs": runs, "best_decode_tokens_per_s": best,
+        "best_decode_speedup_vs_fp32": best[precision] / best["fp32"],
+    })
+
+
+if __name__ == "__main__":
+    main()

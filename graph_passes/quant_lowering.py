@@ -1,0 +1,159 @@
+"""Lowering of the portable Q/DQ weights to ONNX Runtime CPU's integer kernels.
+
+- ``DequantizeLinear(int4|int8 const) -> MatMul``  ->  ``com.microsoft.MatMulNBits`` (bits 4/8).
+  Per-channel int8 is block-wise int8 with every block of a column sharing its scale (exact), with
+  the largest power-of-two block <= 256 that divides K. Codes are stored unsigned with MatMulNBits'
+  default zero point 2^(bits-1), which is the same symmetric value.
+- ``com.microsoft.MoE`` whose expert weights come from int4/int8 DequantizeLinear  ->
+  ``com.microsoft.QMoE`` (same inputs and attributes; router_weights, if any, kept in its slot).
+- float8 DequantizeLinear stays (ONNX Runtime CPU has no fp8 GEMM): fp8 artifacts are 4x smaller on
+  disk and compute in fp32.
+
+``accuracy_level`` 4 lets the kernels quantise activations to int8 on the fly (much faster on CPU,
+~0.5% relative error per GEMM); 0 keeps fp32 activations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset
+from moeforge.graph_passes.quant_math import pack_nbits, pack_rows
+
+QMOE_ROUTER_WEIGHTS = 14  # QMoE input index of router_weights (after fc1..fc3 zero points)
+
+
+class QuantLowering:
+    """Rewrite DQ + MatMul / MoE into MatMulNBits / QMoE; returns the number of nodes rewritten."""
+
+    name = "quant_lowering"
+
+    def __init__(self, accuracy_level: int = 4) -> None:
+        self.accuracy_level = accuracy_level
+
+    def apply(self, model: ir.Model, ctx: PassContext) -> int:
+        count = 0
+        for node in list(model.graph):
+            if node.op_type == "MatMul" and node.domain == "":
+                count += self._matmul(model, node)
+            elif node.op_type == "MoE" and node.domain == MS_DOMAIN:
+                count += self._moe(model, node)
+        if count:
+            ensure_opset(model, MS_DOMAIN, 1)
+            _drop_dead(model.graph)
+        return count
+
+    def _matmul(self, model: ir.Model, node: ir.Node) -> int:
+        dq = _int_dq(node.inputs[1])
+        if dq is None:
+            return 0
+        codes, scale, bits, block, axis = dq
+        k, n = codes.shape
+        if axis == 1:  # per channel: blocks of one column share its scale
+            block = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), None)
+            if block is None:
+                return 0
+            scale = np.broadcast_to(scale[None, :], (k // block, n))
+        elif block < 16 or block & (block - 1) or k % block:
+            return 0
+        graph = model.graph
+        stem = node.inputs[1].name or "w"
+        packed = _initializer(graph, f"{stem}.nbits", pack_nbits(codes.T, bits, block))
+        scales = _initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32))  # [N, K/bs]
+        new = ir.node("MatMulNBits", [node.inputs[0], packed, scales], domain=MS_DOMAIN,
+                      attributes={"K": k, "N": n, "bits": bits, "block_size": block,
+                                  "accuracy_level": self.accuracy_level})
+        _swap(graph, node, new)
+        return 1
+
+    def _moe(self, model: ir.Model, node: ir.Node) -> int:
+        found = {i: _int_dq(node.inputs[i]) for i in (2, 4, 6) if i < len(node.inputs) and node.inputs[i] is not None}
+        if not found or any(v is None for v in found.values()):
+            return 0
+        bits = {v[2] for v in found.values() if v is not None}
+        blocks = {(v[3], v[0].shape[2]) for v in found.values() if v is not None}
+        if len(bits) != 1:
+            return 0
+        per_channel = all(block == k for block, k in blocks)
+        block_sizes = {block for block, _ in blocks}
+        if not per_channel and (len(block_sizes) != 1 or min(block_sizes) < 16):
+            return 0
+        graph = model.graph
+        inputs: list[ir.Value | None] = [node.inputs[0], node.inputs[1]]
+        for i in (2, 4, 6):
+            entry = found.get(i)
+            if entry is None:
+                inputs += [None, None, node.inputs[i + 1] if i + 1 < len(node.inputs) else None]
+                continue
+            codes, scale, b, _, _ = entry  # codes [E, N, K], scale [E, N, K/bs]
+            stem = node.inputs[i].name or f"fc{i}"
+            scale = scale[..., 0] if per_channel else scale
+            inputs += [_initializer(graph, f"{stem}.qmoe", pack_rows(codes, b)),
+                       _initializer(graph, f"{stem}.qmoe_scale", np.ascontiguousarray(scale, np.float32)),
+                       node.inputs[i + 1] if i + 1 < len(node.inputs) else None]
+        inputs += [None, None, None]  # fc1..fc3 zero points: defaults (symmetric)
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        attributes = {a.name: a for a in node.attributes.values()}
+        new_attrs: dict[str, object] = {name: attr.value for name, attr in attributes.items()}
+        new_attrs.update({"expert_weight_bits": bits.pop(), "accuracy_level": self.accuracy_level})
+        if not per_channel:
+            new_attrs["block_size"] = block_sizes.pop()
+        new = ir.node("QMoE", inputs, domain=MS_DOMAIN, attributes=new_attrs)
+        _swap(graph, node, new)
+        return 1
+
+
+def _int_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, int, int, int] | None:
+    """(codes, scale, bits, block_size, axis) of a constant int4/int8 symmetric DequantizeLinear, else None."""
+    producer = value.producer() if value is not None else None
+    if producer is None or producer.op_type != "DequantizeLinear" or producer.domain != "":
+        return None
+    codes_v, scale_v = producer.inputs[0], producer.inputs[1]
+    if codes_v is None or scale_v is None or codes_v.const_value is None or scale_v.const_value is None:
+        return None
+    if len(producer.inputs) > 2 and producer.inputs[2] is not None:
+        zp = producer.inputs[2].const_value
+        if zp is None or np.any(zp.numpy().astype(np.int32) != 0):
+            return None
+    bits = {ir.DataType.INT4: 4, ir.DataType.INT8: 8}.get(codes_v.dtype)
+    if bits is None:
+        return None
+    axis_attr = producer.attributes.get("axis")
+    block_attr = producer.attributes.get("block_size")
+    codes = codes_v.const_value.numpy().astype(np.int8)
+    axis = (axis_attr.as_int() if axis_attr is not None else 1) % codes.ndim
+    block = block_attr.as_int() if block_attr is not None else 0
+    if codes.ndim == 2 and not ((axis == 1 and block == 0) or (axis == 0 and block > 0)):
+        return None
+    if codes.ndim == 3 and not (axis == 2 and block > 0):
+        return None
+    return codes, scale_v.const_value.numpy(), bits, block, axis
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    tensor = ir.tensor(array)
+    value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+def _swap(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
+    for out_old, out_new in zip(old.outputs, new.outputs, strict=False):
+        out_new.shape, out_new.type, name = out_old.shape, out_old.type, out_old.name
+        out_old.replace_all_uses_with(out_new, replace_graph_outputs=True)
+        out_old.name = None
+        out_new.name = name
+    graph.insert_before(old, new)
+    graph.remove(old, safe=True)
+
+
+def _drop_dead(graph: ir.Graph) -> None:
+    """Remove DequantizeLinear nodes and initializers nothing reads any more."""
+    for node in list(graph):
+        if node.op_type == "DequantizeLinear" and not any(o.uses() for o in node.outputs):
+            graph.remove(node, safe=True)
+    for name, value in list(graph.initializers.items()):
+        if not value.uses() and value not in graph.outputs:
+            graph.initializers.pop(name)

@@ -1,0 +1,207 @@
+"""Weight quantisation as standard ONNX Q/DQ: the portable form (TensorRT consumes it as is).
+
+Each quantised weight becomes an initializer of codes plus a scale, and a ``DequantizeLinear`` feeds
+the op that used the weight:
+
+| weights | codes | scale | DequantizeLinear |
+|---|---|---|---|
+| MatMul W [K, N], int8 per channel | int8 [K, N] | [N] | axis=1 |
+| MatMul W [K, N], int4/int8/fp8 blocks along K | int4/int8/float8e4m3fn [K, N] | [K/bs, N] | axis=0, block_size=bs |
+| com.microsoft.MoE fc1/fc2/fc3 [E, N, K] | same kinds, [E, N, K] | [E, N, K/bs] (per channel: bs=K) | axis=2 |
+
+All zero points are 0 (symmetric). Not quantised: the embedding Gather (a table lookup), the MoE
+router (its MatMul picks experts: kept fp32 like norms and softmax, which have no weights here), and
+every weight named in ``QuantConfig.keep`` (mixed precision). AWQ scales ``s`` [K] multiply the
+weight rows before quantising; a ``Mul(x, 1/s)`` on the activation keeps the product unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext
+from moeforge.graph_passes.quant_math import QuantizedWeight, quantize, quantize_fp8_exact
+
+# The MoE router's weight (HF ``mlp.gate.weight``; not ``gate_proj``): experts are chosen from its logits.
+ROUTER_WEIGHT = re.compile(r"(^|\.)gate\.weight")
+MOE_WEIGHT_INPUTS = (2, 4, 6)  # com.microsoft.MoE: fc1_experts_weights, fc2_..., fc3_...
+
+
+@dataclass(frozen=True)
+class QuantTarget:
+    """One quantisable weight: ``node.inputs[index]`` is the constant ``weight``."""
+
+    name: str  # the initializer's name (unique in the graph)
+    label: str  # readable: the PyTorch module path where the exporter recorded one
+    node: ir.Node
+    index: int
+    shape: tuple[int, ...]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.node.op_type == "MoE"
+
+    @property
+    def is_lm_head(self) -> bool:
+        return any(o.name == "logits" for o in self.node.outputs)
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1] if self.is_moe else self.shape[0]
+
+
+@dataclass
+class QuantConfig:
+    """What to quantise and how. ``kind`` int8 | int4 | fp8; ``block_size`` None = per output channel."""
+
+    kind: str
+    block_size: int | None
+    keep: frozenset[str] = frozenset()  # weight names left in fp32 (mixed precision)
+    awq_scales: dict[str, np.ndarray] = field(default_factory=dict)  # weight name -> s [K]
+    exact_fp8: bool = False  # FP8-checkpoint source: recover each block's stored FP8 codes exactly
+    head_kind: str | None = None  # the LM head's kind (None: ``kind``), same block size
+
+
+def fold_transposed_weights(model: ir.Model) -> int:
+    """MatMul(x, Transpose(W const)) -> MatMul(x, W^T const): a tied LM head reads the embedding table
+    transposed at run time; its own constant can be quantised while the Gather keeps the fp32 table."""
+    count = 0
+    for node in model.graph:
+        if node.op_type != "MatMul" or node.domain != "":
+            continue
+        producer = node.inputs[1].producer() if node.inputs[1] is not None else None
+        if producer is None or producer.op_type != "Transpose" or _const(producer.inputs[0]) is None:
+            continue
+        perm = producer.attributes.get("perm")
+        if len(producer.inputs[0].shape or ()) != 2 or (perm is not None and list(perm.as_ints()) != [1, 0]):
+            continue
+        table = producer.inputs[0]
+        value = _initializer(model.graph, f"{table.name}.T", ir.tensor(np.ascontiguousarray(_const(table).T)))
+        node.replace_input_with(1, value)
+        if not any(o.uses() for o in producer.outputs):
+            model.graph.remove(producer, safe=True)
+        count += 1
+    return count
+
+
+def quant_targets(model: ir.Model) -> list[QuantTarget]:
+    """The weights the pass quantises, in graph order (router weights excluded)."""
+    fold_transposed_weights(model)
+    targets = []
+    for node in model.graph:
+        if node.op_type == "MatMul" and node.domain == "":
+            weight = node.inputs[1]
+            if _const(weight) is None or len(weight.shape or ()) != 2 or ROUTER_WEIGHT.search(weight.name or ""):
+                continue
+            targets.append(QuantTarget(weight.name, _label(node, weight), node, 1, tuple(weight.shape)))
+        elif node.op_type == "MoE" and node.domain == MS_DOMAIN:
+            for index in MOE_WEIGHT_INPUTS:
+                if index < len(node.inputs) and _const(node.inputs[index]) is not None:
+                    weight = node.inputs[index]
+                    targets.append(QuantTarget(weight.name, weight.name, node, index, tuple(weight.shape)))
+    return targets
+
+
+class WeightQuantization:
+    """Insert DequantizeLinear on every quantisable weight; returns the number of weights quantised."""
+
+    name = "quant_weights"
+
+    def __init__(self, config: QuantConfig) -> None:
+        self.config = config
+
+    def apply(self, model: ir.Model, ctx: PassContext) -> int:
+        count = 0
+        for target in quant_targets(model):
+            if target.name in self.config.keep:
+                continue
+            self._quantize(model, target)
+            count += 1
+        return count
+
+    def _quantize(self, model: ir.Model, target: QuantTarget) -> None:
+        graph, cfg = model.graph, self.config
+        weight = target.node.inputs[target.index]
+        array = _const(weight)
+        assert array is not None
+        kind = (cfg.head_kind or cfg.kind) if target.is_lm_head else cfg.kind
+        if target.is_moe:
+            # [E, N, K]: quantise each expert as a [K, N] matrix, store codes back as [E, N, K].
+            parts = [self._q(array[e].T, cfg.kind) for e in range(array.shape[0])]
+            codes = np.stack([p.values.T for p in parts])
+            if cfg.block_size is None:
+                scale = np.stack([p.scale[:, None] for p in parts])  # [E, N, 1]: one block of K
+                block = array.shape[2]
+            else:
+                scale = np.stack([p.scale.T for p in parts])  # [E, N, K/bs]
+                block = cfg.block_size
+            attributes = {"axis": 2, "block_size": block}
+        else:
+            s = cfg.awq_scales.get(target.name)
+            source = array * s[:, None] if s is not None else array
+            q = self._q(source, kind)
+            codes, scale = q.values, q.scale
+            attributes = {"axis": 1} if cfg.block_size is None else {"axis": 0, "block_size": cfg.block_size}
+            if s is not None:
+                self._scale_activation(model, target, (1.0 / s).astype(np.float32))
+        stem = target.name
+        codes_value = _initializer(graph, f"{stem}.q", _typed(codes, kind))
+        scale_value = _initializer(graph, f"{stem}.scale", ir.tensor(scale.astype(np.float32)))
+        dq = ir.node("DequantizeLinear", [codes_value, scale_value], attributes=attributes)
+        dq.outputs[0].name = f"{stem}.dq"
+        dq.outputs[0].shape, dq.outputs[0].type = weight.shape, ir.TensorType(ir.DataType.FLOAT)
+        graph.insert_before(target.node, dq)
+        target.node.replace_input_with(target.index, dq.outputs[0])
+        if not weight.uses() and weight.name in graph.initializers:
+            graph.initializers.pop(weight.name)
+
+    def _q(self, weight: np.ndarray, kind: str) -> QuantizedWeight:
+        if self.config.exact_fp8 and kind == "fp8":
+            return quantize_fp8_exact(weight, self.config.block_size)
+        return quantize(weight, kind, self.config.block_size)
+
+    @staticmethod
+    def _scale_activation(model: ir.Model, target: QuantTarget, inverse: np.ndarray) -> None:
+        graph = model.graph
+        x = target.node.inputs[0]
+        inv = _initializer(graph, f"{target.name}.awq_inv_scale", ir.tensor(inverse))
+        mul = ir.node("Mul", [x, inv])
+        mul.outputs[0].name = f"{target.name}.awq_input"
+        mul.outputs[0].shape, mul.outputs[0].type = x.shape, x.type
+        graph.insert_before(target.node, mul)
+        target.node.replace_input_with(0, mul.outputs[0])
+
+
+def _typed(codes: np.ndarray, kind: str) -> ir.Tensor:
+    if kind == "int4":
+        return ir.tensor(codes.astype(ml_dtypes.int4))
+    if kind == "fp8":
+        return ir.tensor(codes.astype(ml_dtypes.float8_e4m3fn))
+    return ir.tensor(codes.astype(np.int8))
+
+
+def _initializer(graph: ir.Graph, name: str, tensor: ir.Tensor) -> ir.Value:
+    value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+def _const(value: ir.Value | None) -> np.ndarray | None:
+    if value is None or value.const_value is None or value.dtype != ir.DataType.FLOAT:
+        return None
+    return value.const_value.numpy()
+
+
+def _label(node: ir.Node, weight: ir.Value) -> str:
+    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes", "")
+    found = re.findall(r"'([^']+)'", scopes)
+    modules = [s for s in found if s.startswith("model.")]
+    if modules:
+        return modules[-1]
+    param = re.search(r"%p_model_(\w+?)_weight", node.metadata_props.get("pkg.torch.onnx.fx_node", ""))
+    return param.group(1) if param else (weight.name or "")

@@ -1,0 +1,208 @@
+"""``compile --quant``: options, checks, and the quantisation stages run after the ONNX Runtime pipeline.
+
+Order: (calibration: AWQ activation statistics, per-weight sensitivity for ``--keep-fp``) on the fp32
+graph -> ``quant_weights`` (portable Q/DQ) -> ``quant_lowering`` (MatMulNBits / QMoE). The manifest
+records the precision and, per weight, what it became.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from moeforge.errors import MoeforgeError
+from moeforge.graph_passes.base import PassContext, PassReport
+from moeforge.graph_passes.quant_lowering import QuantLowering
+from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
+
+log = logging.getLogger(__name__)
+
+# scheme -> (weight kind, default block size; None = per output channel)
+SCHEMES: dict[str, tuple[str, int | None]] = {
+    "int8": ("int8", None), "int4": ("int4", 32), "int4-awq": ("int4", 32), "fp8": ("fp8", 128),
+}
+NOT_BUILT = {"w8a8": "static int8 activation scales are not built yet (weights-only schemes: int8, int4, int4-awq, "
+                     "fp8)"}
+CALIB_MAX_TOKENS = 256  # per prompt
+AWQ_SAMPLE_ROWS = 512  # activation rows kept per MatMul for the AWQ scale search
+
+
+class QuantError(MoeforgeError):
+    """Bad ``--quant`` / ``--block-size`` / ``--calib`` / ``--keep-fp`` / ``--kv-quant`` input."""
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    scheme: str
+    block_size: int | None = None
+    calib: Path | None = None
+    kv_quant: str | None = None
+    keep_fp: float = 0.0
+    accuracy_level: int = 4  # MatMulNBits/QMoE: 4 = int8 activations inside the kernel (fast), 0 = fp32
+
+    @property
+    def kind(self) -> str:
+        return SCHEMES[self.scheme][0]
+
+    @property
+    def block(self) -> int | None:
+        return self.block_size if self.block_size is not None else SCHEMES[self.scheme][1]
+
+
+@dataclass
+class QuantResult:
+    precision: str
+    reports: list[PassReport]
+    summary: dict[str, Any] = field(default_factory=dict)  # manifest "quantization"
+
+
+def validate(options: QuantOptions) -> None:
+    """Checks that need no model (run before the expensive stages)."""
+    if options.scheme in NOT_BUILT:
+        raise QuantError(f"--quant {options.scheme}: {NOT_BUILT[options.scheme]}")
+    if options.scheme not in SCHEMES:
+        raise QuantError(f"--quant {options.scheme!r} is unknown; choose one of {', '.join(SCHEMES)}")
+    block = options.block_size
+    if block is not None and (block < 16 or block > 256 or block & (block - 1)):
+        raise QuantError(f"--block-size {block} must be a power of two from 16 to 256 (e.g. 32, 64, 128)")
+    if options.kv_quant is not None:
+        reason = ("ONNX Runtime 1.32's CPU GroupQueryAttention has no float8 KV kernel" if options.kv_quant == "fp8"
+                  else "the CPU GroupQueryAttention kernel can read an int8 cache (k_scale/v_scale, "
+                       "kv_cache_bit_width 8) but moeforge does not wire it yet (fp32 runtime buffers and cache pass)")
+        raise QuantError(f"--kv-quant {options.kv_quant} is not available: {reason}; leave --kv-quant off")
+    if not 0.0 <= options.keep_fp < 1.0:
+        raise QuantError(f"--keep-fp {options.keep_fp} must be a fraction in [0, 1)")
+    needs_calib = options.scheme == "int4-awq" or options.keep_fp > 0
+    if needs_calib and options.calib is None:
+        what = "int4-awq" if options.scheme == "int4-awq" else "--keep-fp"
+        raise QuantError(f"{what} needs calibration prompts: pass --calib FILE (one prompt per line)")
+    if options.calib is not None:
+        from moeforge.calibration import read_prompts
+
+        read_prompts(options.calib)  # missing / empty file -> CalibrationError now, not after the export
+
+
+def in_features(config) -> list[int]:  # type: ignore[no-untyped-def]
+    """Input dimensions (K) of the model's quantised weights, from its config (checked before export)."""
+    dims = {config.hidden_size, config.intermediate_size}
+    if config.moe is not None:
+        dims.add(config.moe.moe_intermediate_size)
+    if config.mla is not None:
+        dims |= {config.mla.kv_lora_rank, config.num_attention_heads * config.mla.v_head_dim}
+        if config.mla.q_lora_rank:
+            dims.add(config.mla.q_lora_rank)
+    else:
+        dims.add(config.num_attention_heads * config.head_dim)
+    return sorted(dims)
+
+
+def check_block_size(options: QuantOptions, dims: list[int], where: str) -> None:
+    """Refuse a block size that does not divide every input dimension, suggesting one that does."""
+    block = options.block
+    bad = [d for d in dims if block is not None and d % block]
+    if bad:
+        fits = [b for b in (256, 128, 64, 32, 16) if all(d % b == 0 for d in dims)]
+        hint = f"use --block-size {fits[0]}" if fits else "no block size from 16 to 256 divides them all"
+        raise QuantError(f"--block-size {block} does not divide the input dimension {bad[0]} of {where} "
+                         f"(input dimensions: {dims}); {hint}")
+
+
+def checkpoint_is_fp8(source_location: str) -> bool:
+    """True when the source is an HF folder whose config.json declares FP8 weights."""
+    config = Path(source_location) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        quant = json.loads(config.read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return False
+    return str(quant.get("quant_method", "")).lower() == "fp8"
+
+
+def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tokenizer=None,  # type: ignore[no-untyped-def]
+                   fp8_source: bool = False) -> QuantResult:
+    """Quantise the ORT-pipeline graph in place; returns the pass reports and the manifest summary."""
+    import time
+
+    kind, block = options.kind, options.block
+    targets = quant_targets(model)
+    heads = {t.name for t in targets if t.is_lm_head}  # before lowering renames the nodes' outputs
+    check_block_size(options, sorted({t.in_features for t in targets}), "a weight")
+    if fp8_source and kind != "fp8":
+        log.warning("the checkpoint stores FP8 weights: they were dequantised to fp32 and are requantised to %s "
+                    "(a second rounding); --quant fp8 keeps the checkpoint's FP8 values exactly", kind)
+    reports: list[PassReport] = []
+    prompts: list[list[int]] = []
+    if options.calib is not None:
+        from moeforge.calibration import read_prompts, tokenize_prompts
+
+        prompts = tokenize_prompts(read_prompts(options.calib), tokenizer, min(CALIB_MAX_TOKENS, ctx.max_seq_len))
+    start = time.perf_counter()
+    kept: list[dict[str, Any]] = []
+    keep_names: frozenset[str] = frozenset()
+    if options.keep_fp > 0:
+        from moeforge.sensitivity import choose_kept, measure
+
+        rows = measure(model, prompts, kind, block)
+        chosen = choose_kept(rows, options.keep_fp)
+        keep_names = frozenset(r.name for r in chosen)
+        kept = [{"name": r.name, "label": r.label, "kl": r.kl} for r in rows]
+        reports.append(PassReport("quant_sensitivity", len(rows), time.perf_counter() - start))
+    awq: dict[str, np.ndarray] = {}
+    alphas: dict[str, float] = {}
+    if options.scheme == "int4-awq":
+        start = time.perf_counter()
+        awq, alphas = _awq_scales(model, prompts, kind, block, keep_names)
+        reports.append(PassReport("quant_awq", len(awq), time.perf_counter() - start))
+    # int4 schemes keep the LM head at int8 (same blocks), as llama.cpp keeps output.weight at 6-8 bits:
+    # on SmolLM2 an int4 head alone costs more top-1 agreement than all int4 decoder layers together.
+    head_kind = "int8" if kind == "int4" else kind
+    config = QuantConfig(kind=kind, block_size=block, keep=keep_names, awq_scales=awq,
+                         exact_fp8=fp8_source and kind == "fp8", head_kind=head_kind)
+    for graph_pass in (WeightQuantization(config), QuantLowering(options.accuracy_level)):
+        start = time.perf_counter()
+        matches = graph_pass.apply(model, ctx)
+        reports.append(PassReport(graph_pass.name, matches, time.perf_counter() - start))
+    layers = [{"name": t.name, "label": t.label, "shape": list(t.shape),
+               "precision": "fp32" if t.name in keep_names else (head_kind if t.name in heads else options.scheme),
+               **({"awq_alpha": alphas[t.name]} if t.name in alphas else {})} for t in targets]
+    summary = {
+        "scheme": options.scheme, "weights": kind, "block_size": block, "symmetric": True,
+        "accuracy_level": options.accuracy_level, "keep_fp": options.keep_fp, "lm_head": head_kind,
+        "calibration_prompts": len(prompts), "always_fp32": ["norms", "softmax", "router", "embedding lookup"],
+        "sensitivity": kept, "layers": layers,
+    }
+    return QuantResult(options.scheme, reports, summary)
+
+
+def _awq_scales(model: ir.Model, prompts: list[list[int]], kind: str, block: int | None,
+                skip: frozenset[str]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """AWQ per-input-channel scales for every 2D MatMul weight (MoE experts stay RTN)."""
+    from moeforge.calibration import GraphRunner
+    from moeforge.graph_passes.quant_math import awq_search
+
+    # MoE experts stay RTN; the LM head is int8 under int4 schemes, which needs no AWQ.
+    targets = [t for t in quant_targets(model) if not t.is_moe and not t.is_lm_head and t.name not in skip]
+    inputs = tuple(dict.fromkeys(t.node.inputs[0].name for t in targets))
+    runner = GraphRunner(model, extra_outputs=inputs)
+    rows: dict[str, list[np.ndarray]] = {name: [] for name in inputs}
+    for ids in prompts:
+        for name, value in zip(inputs, runner.run(ids)[1:], strict=True):
+            rows[name].append(value.reshape(-1, value.shape[-1]))
+    rng = np.random.default_rng(0)
+    scales, alphas = {}, {}
+    for target in targets:
+        x = np.concatenate(rows[target.node.inputs[0].name])
+        sample = x[rng.permutation(len(x))[:AWQ_SAMPLE_ROWS]]
+        weight = target.node.inputs[1].const_value.numpy()
+        s, alpha = awq_search(weight, sample, np.abs(x).mean(0), kind, block)
+        if alpha > 0:
+            scales[target.name] = s
+        alphas[target.name] = alpha
+    return scales, alphas

@@ -1,0 +1,184 @@
+"""Weight quantisation passes: the numpy quantisers, the portable Q/DQ graph against ONNX Runtime's own
+DequantizeLinear, the MatMulNBits / QMoE lowering against the portable graph, AWQ, exact FP8 recovery,
+and mixed precision choosing a planted outlier layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeforge.export.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
+from moeforge.graph_passes.base import PassContext
+from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
+from moeforge.graph_passes.quant_lowering import QuantLowering
+from moeforge.graph_passes.quant_math import awq_search, fake_quantize, quantize, quantize_fp8_exact
+from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
+from moeforge.sensitivity import choose_kept, measure
+
+from .conftest import run_ort
+
+CALIB_TEXT = ["The lighthouse keeper wrote the weather in his logbook every night.",
+              "Bread needs flour, water, salt and yeast.", "The train left the station late."]
+
+
+@pytest.fixture(scope="module")
+def ort_graphs(stateless_models) -> dict[str, tuple[object, ir.Model]]:
+    """name -> (LoadedModel, graph after the ONNX Runtime pipeline: GQA cache I/O, packing, MoE)."""
+    out = {}
+    for name in ("tiny-llama", "tiny-deepseek-v3"):
+        loaded, model = stateless_models[name]
+        copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        run_passes(copy, PassContext(config=loaded.config, max_seq_len=256), ort_pipeline())
+        out[name] = (loaded, copy)
+    return out
+
+
+def _copy(model: ir.Model) -> ir.Model:
+    return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+
+
+def _feeds(model: ir.Model, vocab: int, seq: int = 9) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    feeds = {"input_ids": rng.integers(0, vocab, (1, seq)), "position_ids": np.arange(seq)[None],
+             "attention_mask": np.ones((1, seq), np.int64)}
+    for value in model.graph.inputs:
+        if value.name.startswith("past_key_values."):
+            _, heads, _, dim = value.shape
+            feeds[value.name] = np.zeros((1, heads, seq, dim), np.float32)
+    return feeds
+
+
+def _logits(model: ir.Model, feeds, optimize: bool = False) -> np.ndarray:
+    names = [v.name for v in model.graph.outputs]
+    return run_ort(model, feeds, optimize=optimize)[names.index("logits")]
+
+
+# ---------------------------------------------------------------------------------------- quantisers
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["int8", "int4"]), st.sampled_from([None, 16, 32]), st.integers(0, 2**31 - 1))
+def test_rounding_error_is_at_most_half_a_step(kind, block, seed):
+    w = np.random.default_rng(seed).standard_normal((64, 24)).astype(np.float32) * 3
+    q = quantize(w, kind, block)
+    step = q.scale[None, :] if block is None else np.repeat(q.scale, block, axis=0)
+    assert np.all(np.abs(q.dequantize() - w) <= step / 2 * (1 + 1e-5))
+    low, high = (-8, 7) if kind == "int4" else (-127, 127)
+    assert q.values.min() >= low and q.values.max() <= high
+
+
+def test_block_must_divide_k():
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize(np.ones((48, 4), np.float32), "int4", 32)
+
+
+def test_fp8_recovers_checkpoint_blocks_exactly():
+    # A DeepSeek-style FP8 weight [out, in] with 128 x 128 block scales (export/fp8.py, an independent
+    # implementation), dequantised as the loader does, comes back bit-exact; plain RTN does not.
+    torch.manual_seed(0)
+    w = torch.randn(320, 256) * torch.rand(320, 1) * 3
+    q, scale_inv = quantize_fp8_blockwise(w, 128)
+    weight = dequantize_fp8_blockwise(q, scale_inv, 128).numpy().T.copy()  # ours: [K=in, N=out]
+    assert np.array_equal(quantize_fp8_exact(weight, 128).dequantize(), weight)
+    assert not np.array_equal(fake_quantize(weight, "fp8", 128), weight)
+
+
+def test_awq_beats_rtn_on_activation_outliers():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 128)).astype(np.float32)
+    x[:, :4] *= 30  # a few salient input channels, as in real LLM activations
+    w = rng.standard_normal((128, 64)).astype(np.float32) * 0.05
+    s, alpha = awq_search(w, x, np.abs(x).mean(0), "int4", 32)
+    rtn = np.square(x @ fake_quantize(w, "int4", 32) - x @ w).mean()
+    awq = np.square((x / s) @ fake_quantize(w * s[:, None], "int4", 32) - x @ w).mean()
+    assert alpha > 0 and awq < 0.8 * rtn
+
+
+# ---------------------------------------------------------------------------------------- graph passes
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
+@pytest.mark.parametrize(("kind", "block"), [("int8", None), ("int4", 32), ("fp8", 32), ("int8", 16)])
+def test_qdq_graph_equals_fake_quantised_weights(ort_graphs, name, kind, block):
+    loaded, base = ort_graphs[name]
+    feeds = _feeds(base, loaded.config.vocab_size)
+    # Reference: the fp32 graph with every weight replaced by dequantise(quantise(W)) in numpy.
+    reference = _copy(base)
+    targets = quant_targets(reference)
+    for target in targets:
+        w = target.node.inputs[target.index].const_value.numpy()
+        fq = (np.stack([fake_quantize(w[e].T, kind, block).T for e in range(w.shape[0])]) if target.is_moe
+              else fake_quantize(w, kind, block))
+        target.node.inputs[target.index].const_value = ir.tensor(fq.astype(np.float32), name=target.name)
+    expected = _logits(reference, feeds)
+    portable = _copy(base)
+    count = WeightQuantization(QuantConfig(kind, block)).apply(portable, None)
+    assert count == len(targets) > 0
+    ops = [n.op_type for n in portable.graph]
+    assert ops.count("DequantizeLinear") == count
+    # ONNX Runtime's DequantizeLinear kernel (optimisations off) computes exactly our dequantised weights.
+    np.testing.assert_allclose(_logits(portable, feeds), expected, atol=2e-5, rtol=1e-5)
+    # Zero points are absent (symmetric), as TensorRT requires.
+    assert all(len(n.inputs) == 2 for n in portable.graph if n.op_type == "DequantizeLinear")
+    # Lowered with fp32 activations (accuracy_level 0) the integer kernels give the same logits.
+    lowered = _copy(portable)
+    rewritten = QuantLowering(accuracy_level=0).apply(lowered, None)
+    lowered_ops = [n.op_type for n in lowered.graph]
+    if kind == "fp8":
+        assert rewritten == 0  # no fp8 GEMM on ORT CPU: DQ + MatMul stay
+        return
+    assert lowered_ops.count("DequantizeLinear") == 0
+    assert lowered_ops.count("MatMulNBits") + 3 * lowered_ops.count("QMoE") >= count - 1
+    if name == "tiny-deepseek-v3":
+        assert lowered_ops.count("QMoE") == 2 and "MoE" not in lowered_ops
+        assert lowered_ops.count("MatMul") == 2  # the routers stay fp32
+    # Block-wise 8-bit QMoE always quantises activations to int8 (ORT's documented behaviour): looser.
+    atol = 0.1 if (name == "tiny-deepseek-v3" and kind == "int8" and block) else 2e-4
+    np.testing.assert_allclose(_logits(lowered, feeds, optimize=True), expected, atol=atol)
+
+
+def test_router_and_embedding_stay_fp32(ort_graphs):
+    _, base = ort_graphs["tiny-deepseek-v3"]
+    model = _copy(base)
+    WeightQuantization(QuantConfig("int4", 32)).apply(model, None)
+    for node in model.graph:
+        if node.op_type == "Gather" and node.inputs[0].const_value is not None:
+            assert node.inputs[0].dtype == ir.DataType.FLOAT
+        if node.op_type == "MatMul" and "gate.weight" in (node.inputs[1].name or ""):
+            assert node.inputs[1].producer() is None and node.inputs[1].dtype == ir.DataType.FLOAT
+
+
+def test_awq_graph_matches_its_reference(ort_graphs):
+    # AWQ: W * s quantised, activation * (1/s): the graph must equal x/s @ fq(W*s) computed in numpy.
+    loaded, base = ort_graphs["tiny-llama"]
+    feeds = _feeds(base, loaded.config.vocab_size)
+    model, reference = _copy(base), _copy(base)
+    rng = np.random.default_rng(1)
+    scales = {}
+    for target, ref_target in zip(quant_targets(model), quant_targets(reference), strict=True):
+        s = rng.uniform(0.5, 2.0, target.shape[0]).astype(np.float32)
+        scales[target.name] = s
+        w = ref_target.node.inputs[1].const_value.numpy()
+        fq = fake_quantize(w * s[:, None], "int4", 32) / s[:, None]
+        ref_target.node.inputs[1].const_value = ir.tensor(fq.astype(np.float32), name=ref_target.name)
+    WeightQuantization(QuantConfig("int4", 32, awq_scales=scales)).apply(model, None)
+    assert sum(n.op_type == "Mul" and (n.outputs[0].name or "").endswith("awq_input") for n in model.graph) == 9
+    np.testing.assert_allclose(_logits(model, feeds), _logits(reference, feeds), atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_precision_keeps_the_planted_outlier_layer(ort_graphs):
+    loaded, base = ort_graphs["tiny-llama"]
+    model = _copy(base)
+    targets = quant_targets(model)
+    planted = targets[4]  # layer 1's packed q/k/v projection
+    w = planted.node.inputs[1].const_value.numpy().copy()
+    rng = np.random.default_rng(0)
+    rows = np.arange(0, w.shape[0], 32) + rng.integers(0, 32, w.shape[0] // 32)
+    w[rows, :] = 25 * np.abs(w).max() * np.sign(rng.standard_normal((len(rows), w.shape[1])))  # one per block
+    planted.node.inputs[1].const_value = ir.tensor(w, name=planted.name)
+    prompts = [loaded.tokenizer.encode(t) for t in CALIB_TEXT]
+    rows_kl = measure(model, prompts, "int4", 32)
+    assert len(rows_kl) == len(targets)
+    kept = choose_kept(rows_kl, 1 / len(targets))
+    assert [r.name for r in kept] == [planted.name], [(r.label, r.kl) for r in rows_kl]
+    assert rows_kl[0].kl > 1.5 * rows_kl[1].kl
