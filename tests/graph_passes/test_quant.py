@@ -131,7 +131,7 @@ def test_qdq_graph_equals_fake_quantised_weights(ort_graphs, name, kind, block):
     assert lowered_ops.count("MatMulNBits") + 3 * lowered_ops.count("QMoE") >= count - 1
     if name == "tiny-deepseek-v3":
         assert lowered_ops.count("QMoE") == 2 and "MoE" not in lowered_ops
-        assert lowered_ops.count("MatMul") == 2  # the routers stay fp32
+        assert lowered_ops.count("Gemm") == 2  # the routers (router logits = Gemm) stay fp32
     # Block-wise 8-bit QMoE always quantises activations to int8 (ORT's documented behaviour): looser.
     atol = 0.1 if (name == "tiny-deepseek-v3" and kind == "int8" and block) else 2e-4
     np.testing.assert_allclose(_logits(lowered, feeds, optimize=True), expected, atol=atol)
@@ -141,11 +141,14 @@ def test_router_and_embedding_stay_fp32(ort_graphs):
     _, base = ort_graphs["tiny-deepseek-v3"]
     model = _copy(base)
     WeightQuantization(QuantConfig("int4", 32)).apply(model, None)
+    routers = 0
     for node in model.graph:
         if node.op_type == "Gather" and node.inputs[0].const_value is not None:
             assert node.inputs[0].dtype == ir.DataType.FLOAT
-        if node.op_type == "MatMul" and "gate.weight" in (node.inputs[1].name or ""):
+        if node.op_type in ("Gemm", "MatMul") and "gate.weight" in (node.inputs[1].name or ""):
+            routers += 1
             assert node.inputs[1].producer() is None and node.inputs[1].dtype == ir.DataType.FLOAT
+    assert routers == 2  # both MoE layers' router logits were found (and left fp32)
 
 
 def test_awq_graph_matches_its_reference(ort_graphs):
