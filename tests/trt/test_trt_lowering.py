@@ -91,7 +91,7 @@ def test_sliding_window_mask(tmp_path):
     assert np.abs(got - want).max() < 1e-4
 
 
-def test_nothing_imports_tensorrt_unless_used():
+def test_nothing_imports_tensorrt_unless_used(tmp_path):
     import subprocess
     import sys
 
@@ -99,5 +99,8 @@ def test_nothing_imports_tensorrt_unless_used():
             "moeforge.runtime.backends.tensorrt, moeforge.trt.build, moeforge.trt.compile_target, "
             "moeforge.plugins.moe_router.tensorrt, moeforge.plugins.paged_attention.tensorrt; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'tensorrt_rtx_bindings')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    # cwd outside the checkout: `python -c` puts the cwd first on sys.path, where the source folder `moeforge/`
+    # would shadow the installed package (whose subpackages map to the top-level folders).
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=tmp_path).stdout
     assert out.strip() == "[]"
