@@ -6,11 +6,13 @@ tests/data/quant_eval_en.txt (322 tokens, written for the tests) in one prefill,
 position's logits with PyTorch fp32: top-1 agreement and mean KL(PyTorch || artifact). AWQ calibrates
 on tests/data/quant_calib_en.txt (different text). Writes benchmarks/results/quant_accuracy_smollm2.json.
 SmolLM2's hidden size 576 is not a multiple of 128, so fp8 uses 64-element blocks here.
+`--only int4 int4-asym` runs those schemes (and fp32) and merges them into the existing results file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -35,12 +37,22 @@ RESULTS = ROOT / "benchmarks" / "results" / "quant_accuracy_smollm2.json"
 SCHEMES = [  # (label, options)
     ("int8", QuantOptions("int8")),
     ("int4", QuantOptions("int4")),
+    ("int4-asym", QuantOptions("int4-asym")),
+    ("int4-asym-acc0", QuantOptions("int4-asym", accuracy_level=0)),  # fp32 activations in the kernel
     ("int4-awq", QuantOptions("int4-awq", calib=CALIB)),
     ("fp8-block64", QuantOptions("fp8", block_size=64)),
     ("int8-keep-fp-0.1", QuantOptions("int8", calib=CALIB, keep_fp=0.1)),
     ("int4-awq-keep-fp-0.1", QuantOptions("int4-awq", calib=CALIB, keep_fp=0.1)),
 ]
-BARS = {"int8": 0.99, "int4": 0.93, "fp8-block64": 0.97}
+BARS = {"int8": 0.99, "int4": 0.93, "int4-asym": 0.93, "fp8-block64": 0.97}
+NOTES = {"int4-asym": "min-max asymmetric int4 blocks of 32 with float zero points (ONNX Runtime's default weight-only "
+                      "scheme), LM head int8 symmetric. Lossless-looking on SmolLM2 because the checkpoint itself "
+                      "stores its layer weights as GGUF Q4_1 (asymmetric 4-bit, blocks of 32): this scheme recovers "
+                      "those weights exactly; it is not evidence about a model trained/stored in fp16. "
+                      "Its LM head (the tied embedding, GGUF Q8_0) is int8 symmetric blocks of 32, which also "
+                      "matches Q8_0's grid; the rest of the gap comes from accuracy_level 4 (int8 activations "
+                      "inside MatMulNBits): compare int4-asym-acc0."}
+NOTES["int4-asym-acc0"] = "int4-asym with accuracy_level 0 (fp32 activations inside MatMulNBits; slower on CPU)."
 
 
 def artifact_logits(model: ir.Model, ids: list[int], folder: Path) -> np.ndarray:
@@ -53,7 +65,11 @@ def artifact_logits(model: ir.Model, ids: list[int], folder: Path) -> np.ndarray
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", nargs="+", choices=[label for label, _ in SCHEMES], default=None,
+                        help="run only these schemes (plus fp32) and merge them into the existing results file")
+    args = parser.parse_args()
+    schemes = [(label, o) for label, o in SCHEMES if args.only is None or label in args.only]
     loaded = load_model("smollm2-135m")
     ids = loaded.tokenizer.encode(TEXT.read_text())
     with torch.inference_mode():
@@ -65,7 +81,7 @@ def main() -> None:
     proto = ir.serde.serialize_model(model)
     rows: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, options in [("fp32", None), *SCHEMES]:
+        for label, options in [("fp32", None), *schemes]:
             copy = ir.serde.deserialize_model(proto)
             start = time.perf_counter()
             summary = {}
@@ -80,10 +96,14 @@ def main() -> None:
             top1 = float((ours.argmax(-1) == reference.argmax(-1)).mean())
             rows[label] = {**summary, "top1_agreement": top1, "mean_kl": mean_kl(reference, ours),
                            "bar": BARS.get(label), "passes_bar": top1 >= BARS[label] if label in BARS else None,
-                           "model_bytes": size, "quantize_seconds": round(seconds, 2)}
+                           "model_bytes": size, "quantize_seconds": round(seconds, 2),
+                           **({"note": NOTES[label]} if label in NOTES else {})}
             print(label, rows[label], flush=True)
-    rows["int4-awq"]["better_than_int4_rtn"] = (rows["int4-awq"]["top1_agreement"] >= rows["int4"]["top1_agreement"]
-                                               and rows["int4-awq"]["mean_kl"] < rows["int4"]["mean_kl"])
+    if args.only is not None and RESULTS.is_file():  # keep the other schemes' earlier rows
+        rows = {**json.loads(RESULTS.read_text())["results"]["results"], **rows}
+    if "int4-awq" in rows and "int4" in rows:
+        rows["int4-awq"]["better_than_int4_rtn"] = (rows["int4-awq"]["top1_agreement"] >= rows["int4"]["top1_agreement"]
+                                                   and rows["int4-awq"]["mean_kl"] < rows["int4"]["mean_kl"])
     write_result(RESULTS, "quant_accuracy", {
         "model": "smollm2-135m", "reference": "PyTorch fp32", "text": str(TEXT.relative_to(ROOT)),
         "tokens": len(ids), "calibration": str(CALIB.relative_to(ROOT)), "results": rows,

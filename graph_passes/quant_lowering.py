@@ -4,6 +4,9 @@
   Per-channel int8 is block-wise int8 with every block of a column sharing its scale (exact), with
   the largest power-of-two block <= 256 that divides K. Codes are stored unsigned with MatMulNBits'
   default zero point 2^(bits-1), which is the same symmetric value.
+- ``DequantizeLinear(uint4 const) -> Reshape -> Add(offset const) -> Reshape -> MatMul`` (``--quant
+  int4-asym``)  ->  MatMulNBits with float ``zero_points`` = -offset / scale (ORT 1.32 CPU takes float
+  zero points for bits=4 only).
 - ``com.microsoft.MoE`` whose expert weights come from int4/int8 DequantizeLinear  ->
   ``com.microsoft.QMoE`` (same inputs and attributes; router_weights, if any, kept in its slot).
 - float8 DequantizeLinear stays (ONNX Runtime CPU has no fp8 GEMM): fp8 artifacts are 4x smaller on
@@ -45,6 +48,9 @@ class QuantLowering:
         return count
 
     def _matmul(self, model: ir.Model, node: ir.Node) -> int:
+        asym = _asym_dq(node.inputs[1])
+        if asym is not None:
+            return self._matmul_asym(model, node, *asym)
         dq = _int_dq(node.inputs[1])
         if dq is None:
             return 0
@@ -63,6 +69,25 @@ class QuantLowering:
         scales = _initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32))  # [N, K/bs]
         new = ir.node("MatMulNBits", [node.inputs[0], packed, scales], domain=MS_DOMAIN,
                       attributes={"K": k, "N": n, "bits": bits, "block_size": block,
+                                  "accuracy_level": self.accuracy_level})
+        _swap(graph, node, new)
+        return 1
+
+    def _matmul_asym(self, model: ir.Model, node: ir.Node, codes: np.ndarray, scale: np.ndarray,
+                     offset: np.ndarray, block: int) -> int:
+        k, n = codes.shape  # codes uint8 0..15 [K, N]; scale, offset [K/bs, N]
+        if block < 16 or block & (block - 1) or k % block:
+            return 0
+        graph = model.graph
+        stem = node.inputs[1].name or "w"
+        unsigned = codes.T  # [N, K]
+        packed = (unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)).reshape(n, k // block, block // 2)
+        zero_point = np.ascontiguousarray((-offset / scale).T, np.float32)  # [N, K/bs]
+        inputs = [node.inputs[0], _initializer(graph, f"{stem}.nbits", packed),
+                  _initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32)),
+                  _initializer(graph, f"{stem}.nbits_zero_point", zero_point)]
+        new = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN,
+                      attributes={"K": k, "N": n, "bits": 4, "block_size": block,
                                   "accuracy_level": self.accuracy_level})
         _swap(graph, node, new)
         return 1
@@ -132,6 +157,34 @@ def _int_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, int, int, i
     return codes, scale_v.const_value.numpy(), bits, block, axis
 
 
+def _asym_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """(codes [K, N], scale [K/bs, N], offset [K/bs, N], bs) of the int4-asym chain DQ(uint4) -> Reshape ->
+    Add(offset) -> Reshape (see quant_weights), else None."""
+    chain = []
+    for op in ("Reshape", "Add", "Reshape", "DequantizeLinear"):
+        node = value.producer() if value is not None else None
+        if node is None or node.op_type != op or node.domain != "":
+            return None
+        chain.append(node)
+        value = node.inputs[0]
+    _, add, _, dq = chain
+    offset = add.inputs[1].const_value if add.inputs[1] is not None else None
+    codes_v, scale_v = dq.inputs[0], dq.inputs[1]
+    if offset is None or codes_v is None or scale_v is None or codes_v.dtype != ir.DataType.UINT4:
+        return None
+    if codes_v.const_value is None or scale_v.const_value is None or (len(dq.inputs) > 2 and dq.inputs[2] is not None):
+        return None
+    block_attr, axis_attr = dq.attributes.get("block_size"), dq.attributes.get("axis")
+    if block_attr is None or axis_attr is None or axis_attr.as_int() != 0:
+        return None
+    codes = codes_v.const_value.numpy().astype(np.uint8)
+    scale = scale_v.const_value.numpy()
+    off = offset.numpy()
+    if codes.ndim != 2 or off.shape != (scale.shape[0], 1, scale.shape[1]):
+        return None
+    return codes, scale, off[:, 0, :], block_attr.as_int()
+
+
 def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     tensor = ir.tensor(array)
     value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
@@ -150,9 +203,12 @@ def _swap(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
 
 
 def _drop_dead(graph: ir.Graph) -> None:
-    """Remove DequantizeLinear nodes and initializers nothing reads any more."""
-    for node in list(graph):
-        if node.op_type == "DequantizeLinear" and not any(o.uses() for o in node.outputs):
+    """Remove DequantizeLinear nodes (and int4-asym offset chains) and initializers nothing reads any more."""
+    for node in reversed(list(graph)):  # consumers first: Reshape -> Add -> Reshape -> DequantizeLinear
+        dead = not any(o.uses() or o in graph.outputs for o in node.outputs)
+        chain = node.op_type in ("Reshape", "Add") and (node.outputs[0].name or "").endswith(
+            (".dq_asym", ".blocks_offset", ".blocks"))
+        if dead and (node.op_type == "DequantizeLinear" or chain):
             graph.remove(node, safe=True)
     for name, value in list(graph.initializers.items()):
         if not value.uses() and value not in graph.outputs:

@@ -60,6 +60,40 @@ def quantize(weight: np.ndarray, kind: str, block_size: int | None) -> Quantized
     return QuantizedWeight(kind, values, scale[:, 0, :] if block_size else scale[0, 0, :], block_size)
 
 
+@dataclass(frozen=True)
+class AsymWeight:
+    """Asymmetric min-max int4 blocks along K: ``codes`` uint8 [K, N] in 0..15, ``scale`` and ``offset``
+    (the block minimum) [K / block, N]; w ~= codes * scale + offset. ONNX Runtime's MatMulNBits takes it
+    as a float zero point ``-offset / scale`` (``zero_point()``)."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray
+    block_size: int
+
+    def dequantize(self) -> np.ndarray:
+        rep = lambda a: np.repeat(a, self.block_size, axis=0)  # noqa: E731
+        return self.codes.astype(np.float32) * rep(self.scale) + rep(self.offset)
+
+    def zero_point(self) -> np.ndarray:
+        return (-self.offset / self.scale).astype(np.float32)
+
+
+def quantize_asym(weight: np.ndarray, block_size: int) -> AsymWeight:
+    """Min-max asymmetric int4 (ONNX Runtime's default weight-only scheme, llama.cpp's Q4_1): per block
+    scale = (max - min) / 15, codes = round((w - min) / scale); a weight dequantised from Q4_1 blocks of the
+    same size comes back exactly (up to fp32 rounding)."""
+    w = np.asarray(weight, np.float32)
+    k, n = w.shape
+    if k % block_size:
+        raise ValueError(f"block size {block_size} does not divide K={k}")
+    blocks = w.reshape(k // block_size, block_size, n)
+    low, high = blocks.min(axis=1, keepdims=True), blocks.max(axis=1, keepdims=True)
+    scale = np.where(high > low, (high - low) / 15.0, 1.0).astype(np.float32)  # constant block: codes 0
+    codes = np.clip(np.rint((blocks - low) / scale), 0, 15).astype(np.uint8)
+    return AsymWeight(codes.reshape(k, n), scale[:, 0, :], low[:, 0, :].astype(np.float32), block_size)
+
+
 def _nonzero(scale: np.ndarray) -> np.ndarray:
     return np.where(scale == 0, 1.0, scale)
 

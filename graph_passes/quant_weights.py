@@ -9,7 +9,15 @@ the op that used the weight:
 | MatMul W [K, N], int4/int8/fp8 blocks along K | int4/int8/float8e4m3fn [K, N] | [K/bs, N] | axis=0, block_size=bs |
 | com.microsoft.MoE fc1/fc2/fc3 [E, N, K] | same kinds, [E, N, K] | [E, N, K/bs] (per channel: bs=K) | axis=2 |
 
-All zero points are 0 (symmetric). Not quantised: the embedding Gather (a table lookup), the MoE
+All zero points are 0 (symmetric), except with ``QuantConfig.asymmetric`` (``--quant int4-asym``, ONNX
+Runtime only): each int4 MatMul weight (not MoE experts, not an int8 LM head) becomes min-max blocks with
+a float offset, which ``DequantizeLinear``'s integer zero point cannot carry, so the portable form is
+
+    DequantizeLinear(uint4 codes [K, N], scale [K/bs, N], axis=0, block_size=bs) -> Reshape [K/bs, bs, N]
+    -> Add(offset [K/bs, 1, N]) -> Reshape [K, N] -> MatMul
+
+(standard ONNX; ``quant_lowering`` turns it into MatMulNBits with float zero points).
+Not quantised: the embedding Gather (a table lookup), the MoE
 router (its MatMul picks experts: kept fp32 like norms and softmax, which have no weights here), and
 every weight named in ``QuantConfig.keep`` (mixed precision). AWQ scales ``s`` [K] multiply the
 weight rows before quantising; a ``Mul(x, 1/s)`` on the activation keeps the product unchanged.
@@ -25,7 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.graph_passes.base import MS_DOMAIN, PassContext
-from moeforge.graph_passes.quant_math import QuantizedWeight, quantize, quantize_fp8_exact
+from moeforge.graph_passes.quant_math import QuantizedWeight, quantize, quantize_asym, quantize_fp8_exact
 
 # The MoE router's weight (HF ``mlp.gate.weight``; not ``gate_proj``): experts are chosen from its logits.
 ROUTER_WEIGHT = re.compile(r"(^|\.)gate\.weight")
@@ -65,6 +73,7 @@ class QuantConfig:
     awq_scales: dict[str, np.ndarray] = field(default_factory=dict)  # weight name -> s [K]
     exact_fp8: bool = False  # FP8-checkpoint source: recover each block's stored FP8 codes exactly
     head_kind: str | None = None  # the LM head's kind (None: ``kind``), same block size
+    asymmetric: bool = False  # int4 MatMul weights: min-max blocks with float offsets (ORT only, see above)
 
 
 def fold_transposed_weights(model: ir.Model) -> int:
@@ -144,6 +153,11 @@ class WeightQuantization:
         else:
             s = cfg.awq_scales.get(target.name)
             source = array * s[:, None] if s is not None else array
+            if cfg.asymmetric and kind == "int4" and cfg.block_size is not None:
+                if s is not None:
+                    self._scale_activation(model, target, (1.0 / s).astype(np.float32))
+                self._quantize_asym(model, target, source)
+                return
             q = self._q(source, kind)
             codes, scale = q.values, q.scale
             attributes = {"axis": 1} if cfg.block_size is None else {"axis": 0, "block_size": cfg.block_size}
@@ -157,6 +171,31 @@ class WeightQuantization:
         dq.outputs[0].shape, dq.outputs[0].type = weight.shape, ir.TensorType(ir.DataType.FLOAT)
         graph.insert_before(target.node, dq)
         target.node.replace_input_with(target.index, dq.outputs[0])
+        if not weight.uses() and weight.name in graph.initializers:
+            graph.initializers.pop(weight.name)
+
+    def _quantize_asym(self, model: ir.Model, target: QuantTarget, array: np.ndarray) -> None:
+        graph, bs = model.graph, self.config.block_size
+        assert bs is not None
+        weight = target.node.inputs[target.index]
+        q = quantize_asym(array, bs)
+        k, n = array.shape
+        stem = target.name
+        codes = _initializer(graph, f"{stem}.q", ir.tensor(q.codes.astype(ml_dtypes.uint4)))
+        scale = _initializer(graph, f"{stem}.scale", ir.tensor(q.scale))
+        offset = _initializer(graph, f"{stem}.offset", ir.tensor(q.offset[:, None, :]))  # [K/bs, 1, N]
+        blocked = _initializer(graph, f"{stem}.blocked_shape", ir.tensor(np.array([k // bs, bs, n], np.int64)))
+        flat = _initializer(graph, f"{stem}.shape", ir.tensor(np.array([k, n], np.int64)))
+        dq = ir.node("DequantizeLinear", [codes, scale], attributes={"axis": 0, "block_size": bs})
+        split = ir.node("Reshape", [dq.outputs[0], blocked])
+        add = ir.node("Add", [split.outputs[0], offset])
+        merge = ir.node("Reshape", [add.outputs[0], flat])
+        for node, suffix, shape in ((dq, "dq", (k, n)), (split, "blocks", (k // bs, bs, n)),
+                                    (add, "blocks_offset", (k // bs, bs, n)), (merge, "dq_asym", (k, n))):
+            node.outputs[0].name = f"{stem}.{suffix}"
+            node.outputs[0].shape, node.outputs[0].type = ir.Shape(shape), ir.TensorType(ir.DataType.FLOAT)
+            graph.insert_before(target.node, node)
+        target.node.replace_input_with(target.index, merge.outputs[0])
         if not weight.uses() and weight.name in graph.initializers:
             graph.initializers.pop(weight.name)
 

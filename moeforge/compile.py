@@ -190,7 +190,7 @@ def _quant_options(options: CompileOptions) -> QuantOptions | None:
         for flag, value in (("--block-size", options.block_size), ("--calib", options.calib),
                             ("--kv-quant", options.kv_quant), ("--keep-fp", options.keep_fp or None)):
             if value is not None:
-                raise MoeforgeError(f"{flag} needs --quant (int8, int4, int4-awq or fp8)")
+                raise MoeforgeError(f"{flag} needs --quant (int8, int4, int4-asym, int4-awq or fp8)")
         return None
     quant = QuantOptions(options.quant, options.block_size, options.calib, options.kv_quant, options.keep_fp)
     validate_quant(quant)

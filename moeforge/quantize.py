@@ -25,10 +25,11 @@ log = logging.getLogger(__name__)
 
 # scheme -> (weight kind, default block size; None = per output channel)
 SCHEMES: dict[str, tuple[str, int | None]] = {
-    "int8": ("int8", None), "int4": ("int4", 32), "int4-awq": ("int4", 32), "fp8": ("fp8", 128),
+    "int8": ("int8", None), "int4": ("int4", 32), "int4-asym": ("int4", 32), "int4-awq": ("int4", 32),
+    "fp8": ("fp8", 128),
 }
-NOT_BUILT = {"w8a8": "static int8 activation scales are not built yet (weights-only schemes: int8, int4, int4-awq, "
-                     "fp8)"}
+NOT_BUILT = {"w8a8": "static int8 activation scales are not built yet (weights-only schemes: int8, int4, int4-asym, "
+                     "int4-awq, fp8)"}
 CALIB_MAX_TOKENS = 256  # per prompt
 AWQ_SAMPLE_ROWS = 512  # activation rows kept per MatMul for the AWQ scale search
 
@@ -49,6 +50,11 @@ class QuantOptions:
     @property
     def kind(self) -> str:
         return SCHEMES[self.scheme][0]
+
+    @property
+    def asymmetric(self) -> bool:
+        """int4-asym: min-max blocks with float zero points (ONNX Runtime MatMulNBits only, not TensorRT)."""
+        return self.scheme == "int4-asym"
 
     @property
     def block(self) -> int | None:
@@ -164,7 +170,8 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
     # on SmolLM2 an int4 head alone costs more top-1 agreement than all int4 decoder layers together.
     head_kind = "int8" if kind == "int4" else kind
     config = QuantConfig(kind=kind, block_size=block, keep=keep_names, awq_scales=awq,
-                         exact_fp8=fp8_source and kind == "fp8", head_kind=head_kind)
+                         exact_fp8=fp8_source and kind == "fp8", head_kind=head_kind,
+                         asymmetric=options.asymmetric)
     for graph_pass in (WeightQuantization(config), QuantLowering(options.accuracy_level)):
         start = time.perf_counter()
         matches = graph_pass.apply(model, ctx)
@@ -173,7 +180,7 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
                "precision": "fp32" if t.name in keep_names else (head_kind if t.name in heads else options.scheme),
                **({"awq_alpha": alphas[t.name]} if t.name in alphas else {})} for t in targets]
     summary = {
-        "scheme": options.scheme, "weights": kind, "block_size": block, "symmetric": True,
+        "scheme": options.scheme, "weights": kind, "block_size": block, "symmetric": not options.asymmetric,
         "accuracy_level": options.accuracy_level, "keep_fp": options.keep_fp, "lm_head": head_kind,
         "calibration_prompts": len(prompts), "always_fp32": ["norms", "softmax", "router", "embedding lookup"],
         "sensitivity": kept, "layers": layers,

@@ -15,7 +15,7 @@ from moeforge.export.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
 from moeforge.graph_passes.base import PassContext
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
 from moeforge.graph_passes.quant_lowering import QuantLowering
-from moeforge.graph_passes.quant_math import awq_search, fake_quantize, quantize, quantize_fp8_exact
+from moeforge.graph_passes.quant_math import awq_search, fake_quantize, quantize, quantize_asym, quantize_fp8_exact
 from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
 from moeforge.sensitivity import choose_kept, measure
 
@@ -85,6 +85,27 @@ def test_fp8_recovers_checkpoint_blocks_exactly():
     assert not np.array_equal(fake_quantize(weight, "fp8", 128), weight)
 
 
+def test_asym_recovers_q4_1_blocks():
+    # llama.cpp Q4_1 (SmolLM2's GGUF layer weights): per 32-block w = d * q + m, q in 0..15, written here
+    # independently (blocks along K of our [K, N] layout). Min-max asymmetric int4 brings them back up to fp32
+    # rounding; symmetric int4 cannot (its grid is centred on 0).
+    rng = np.random.default_rng(0)
+    k, n = 128, 24
+    d = rng.uniform(0.001, 0.05, (k // 32, 1, n)).astype(np.float32)
+    m = rng.uniform(-0.4, 0.0, (k // 32, 1, n)).astype(np.float32)
+    q = rng.integers(0, 16, (k // 32, 32, n))
+    q[:, 0], q[:, 1] = 0, 15  # each block reaches both ends, as Q4_1's min/max rounding makes it
+    w = (d * q + m).reshape(k, n).astype(np.float32)
+    a = quantize_asym(w, 32)
+    assert a.codes.dtype == np.uint8 and a.codes.max() <= 15
+    np.testing.assert_allclose(a.dequantize(), w, atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(a.codes, q.reshape(k, n))
+    np.testing.assert_allclose(a.zero_point() * a.scale, -m[:, 0], rtol=1e-5, atol=1e-7)
+    assert np.abs(fake_quantize(w, "int4", 32) - w).max() > 100 * np.abs(a.dequantize() - w).max()
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize_asym(np.ones((48, 4), np.float32), 32)
+
+
 def test_awq_beats_rtn_on_activation_outliers():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 128)).astype(np.float32)
@@ -135,6 +156,42 @@ def test_qdq_graph_equals_fake_quantised_weights(ort_graphs, name, kind, block):
     # Block-wise 8-bit QMoE always quantises activations to int8 (ORT's documented behaviour): looser.
     atol = 0.1 if (name == "tiny-deepseek-v3" and kind == "int8" and block) else 2e-4
     np.testing.assert_allclose(_logits(lowered, feeds, optimize=True), expected, atol=atol)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
+def test_asym_graph_and_float_zero_point_lowering(ort_graphs, name):
+    # int4-asym: every 2D MatMul weight is min-max int4 with a float offset (numpy quantize_asym); MoE experts
+    # stay symmetric int4 (QMoE's zero points are not wired for float offsets here).
+    loaded, base = ort_graphs[name]
+    feeds = _feeds(base, loaded.config.vocab_size)
+    reference = _copy(base)
+    targets = quant_targets(reference)
+    for target in targets:
+        w = target.node.inputs[target.index].const_value.numpy()
+        fq = (np.stack([fake_quantize(w[e].T, "int4", 32).T for e in range(w.shape[0])]) if target.is_moe
+              else quantize_asym(w, 32).dequantize())
+        target.node.inputs[target.index].const_value = ir.tensor(fq.astype(np.float32), name=target.name)
+    expected = _logits(reference, feeds)
+    portable = _copy(base)
+    count = WeightQuantization(QuantConfig("int4", 32, asymmetric=True)).apply(portable, None)
+    dense = sum(not t.is_moe for t in targets)
+    assert count == len(targets) and dense > 0
+    offsets = [n for n in portable.graph if n.op_type == "Add" and (n.outputs[0].name or "").endswith(".blocks_offset")]
+    assert len(offsets) == dense
+    dqs = [n for n in portable.graph if n.op_type == "DequantizeLinear"]
+    assert sum(n.inputs[0].dtype == ir.DataType.UINT4 for n in dqs) == dense
+    # Standard ONNX ops only (DequantizeLinear, Reshape, Add), run by ONNX Runtime with optimisations off.
+    np.testing.assert_allclose(_logits(portable, feeds), expected, atol=2e-5, rtol=1e-5)
+    lowered = _copy(portable)
+    QuantLowering(accuracy_level=0).apply(lowered, None)
+    nbits = [n for n in lowered.graph if n.op_type == "MatMulNBits"]
+    assert len(nbits) == dense and all(n.inputs[3].dtype == ir.DataType.FLOAT for n in nbits)  # float zero points
+    ops = [n.op_type for n in lowered.graph]
+    assert "DequantizeLinear" not in ops and not any(n.op_type == "Add" and (n.outputs[0].name or "").endswith(
+        ".blocks_offset") for n in lowered.graph)
+    if name == "tiny-deepseek-v3":
+        assert ops.count("QMoE") == 2 and "MoE" not in ops
+    np.testing.assert_allclose(_logits(lowered, feeds, optimize=True), expected, atol=2e-4)
 
 
 def test_router_and_embedding_stay_fp32(ort_graphs):

@@ -65,6 +65,24 @@ def test_check_passes_per_precision(tmp_path, model, quant, block):
 
 
 @pytest.mark.heavy
+@pytest.mark.heavy
+def test_int4_asym_check_passes(tmp_path):
+    # int4-asym: ONNX Runtime's MatMulNBits with float zero points on every layer weight, LM head int8.
+    result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=128,
+                                          progress=False, check=True, quant="int4-asym"))
+    assert result.parity is not None and result.parity.passed, result.parity.table()
+    assert result.parity.precision == "int4-asym" and result.parity.mean_kl > 0
+    q = load_artifact(result.output_dir).manifest.quantization
+    assert q["scheme"] == "int4-asym" and q["symmetric"] is False and q["lm_head"] == "int8"
+    graph = onnx.load(str(result.output_dir / "model.onnx"), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    inits = {i.name: i for i in graph.initializer}
+    with_zp = [n for n in nbits if len(n.input) > 3 and n.input[3]]
+    assert len(with_zp) == len(q["layers"]) - 1 == len(nbits) - 1  # all but the int8 head
+    assert all(inits[n.input[3]].data_type == onnx.TensorProto.FLOAT for n in with_zp)
+    assert not any(n.op_type == "DequantizeLinear" for n in graph.node)
+
+
 def test_awq_and_keep_fp_through_the_cli(tmp_path, capsys):
     out = tmp_path / "awq"
     code = main(["compile", "tiny-llama", "-o", str(out), "--quiet", "--max-seq-len", "128", "--check",
@@ -90,6 +108,7 @@ def test_help_documents_the_calibration_file():
 @pytest.mark.parametrize(("kw", "match"), [
     ({"quant": "int4", "block_size": 64}, r"--block-size 64 does not divide the input dimension 160.*--block-size 32"),
     ({"quant": "int4", "block_size": 48}, "power of two"),
+    ({"quant": "int4-asym", "block_size": 64}, r"--block-size 64 does not divide the input dimension 160"),
     ({"quant": "int4-awq"}, "needs calibration prompts"),
     ({"quant": "int4", "keep_fp": 0.1}, "needs calibration prompts"),
     ({"quant": "int4", "keep_fp": 1.5, "calib": CALIB}, "fraction"),
