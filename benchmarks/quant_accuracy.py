@@ -45,8 +45,9 @@ SCHEMES = [  # (label, options)
     ("int4-awq-keep-fp-0.1", QuantOptions("int4-awq", calib=CALIB, keep_fp=0.1)),
 ]
 BARS = {"int8": 0.99, "int4": 0.93, "int4-asym": 0.93, "fp8-block64": 0.97}
-NOTES = {"int4-asym": "min-max asymmetric int4 blocks of 32 with float zero points (ONNX Runtime's default weight-only "
-                      "scheme), LM head int8 symmetric. Lossless-looking on SmolLM2 because the checkpoint itself "
+NOTES = {"int4-asym": "min-max asymmetric int4 blocks of 32 (ONNX Runtime's default weight-only scheme; run as "
+                      "MatMulNBits + the block offsets' share, exact like float zero points), LM head int8 symmetric. "
+                      "Lossless-looking on SmolLM2 because the checkpoint itself "
                       "stores its layer weights as GGUF Q4_1 (asymmetric 4-bit, blocks of 32): this scheme recovers "
                       "those weights exactly; it is not evidence about a model trained/stored in fp16. "
                       "Its LM head (the tied embedding, GGUF Q8_0) is int8 symmetric blocks of 32, which also "

@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--quant", choices=["int8", "int4", "int4-asym", "int4-awq", "fp8", "w8a8"],
                       default=None,
                       help="weight quantisation: int8 per channel, int4 blocks (symmetric round-to-nearest or AWQ), "
-                           "int4-asym (min-max blocks with float zero points, ONNX Runtime MatMulNBits only, "
-                           "accurate but slow on ORT 1.32 CPU; MoE experts stay symmetric), fp8 e4m3 blocks "
+                           "int4-asym (min-max blocks with float offsets, ONNX Runtime only; MoE experts stay "
+                           "symmetric), fp8 e4m3 blocks "
                            "(w8a8 is not built yet); default fp32")
     comp.add_argument("--block-size", type=int, default=None,
                       help="quantisation block along the input dimension, a power of two 16..256 that divides "

@@ -159,7 +159,7 @@ def test_qdq_graph_equals_fake_quantised_weights(ort_graphs, name, kind, block):
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
-def test_asym_graph_and_float_zero_point_lowering(ort_graphs, name):
+def test_asym_graph_and_exact_fast_lowering(ort_graphs, name):
     # int4-asym: every 2D MatMul weight is min-max int4 with a float offset (numpy quantize_asym); MoE experts
     # stay symmetric int4 (QMoE's zero points are not wired for float offsets here).
     loaded, base = ort_graphs[name]
@@ -185,7 +185,12 @@ def test_asym_graph_and_float_zero_point_lowering(ort_graphs, name):
     lowered = _copy(portable)
     QuantLowering(accuracy_level=0).apply(lowered, None)
     nbits = [n for n in lowered.graph if n.op_type == "MatMulNBits"]
-    assert len(nbits) == dense and all(n.inputs[3].dtype == ir.DataType.FLOAT for n in nbits)  # float zero points
+    # Fast exact form: MatMulNBits on its default zero point (no zero_points input) + the block offsets'
+    # share as (x @ block indicator) @ offsets.
+    assert len(nbits) == dense and all(len(n.inputs) == 3 for n in nbits)
+    offset_matmuls = [n for n in lowered.graph if n.op_type == "MatMul" and (n.inputs[1].name or "").endswith(
+        ".block_offset")]
+    assert len(offset_matmuls) == dense
     ops = [n.op_type for n in lowered.graph]
     assert "DequantizeLinear" not in ops and not any(n.op_type == "Add" and (n.outputs[0].name or "").endswith(
         ".blocks_offset") for n in lowered.graph)

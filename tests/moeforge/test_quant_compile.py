@@ -67,7 +67,7 @@ def test_check_passes_per_precision(tmp_path, model, quant, block):
 @pytest.mark.heavy
 @pytest.mark.heavy
 def test_int4_asym_check_passes(tmp_path):
-    # int4-asym: ONNX Runtime's MatMulNBits with float zero points on every layer weight, LM head int8.
+    # int4-asym: every layer weight runs as MatMulNBits + its block offsets' share (exact), LM head int8.
     result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=128,
                                           progress=False, check=True, quant="int4-asym"))
     assert result.parity is not None and result.parity.passed, result.parity.table()
@@ -76,10 +76,9 @@ def test_int4_asym_check_passes(tmp_path):
     assert q["scheme"] == "int4-asym" and q["symmetric"] is False and q["lm_head"] == "int8"
     graph = onnx.load(str(result.output_dir / "model.onnx"), load_external_data=False).graph
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
-    inits = {i.name: i for i in graph.initializer}
-    with_zp = [n for n in nbits if len(n.input) > 3 and n.input[3]]
-    assert len(with_zp) == len(q["layers"]) - 1 == len(nbits) - 1  # all but the int8 head
-    assert all(inits[n.input[3]].data_type == onnx.TensorProto.FLOAT for n in with_zp)
+    offsets = [n for n in graph.node if n.op_type == "MatMul" and n.input[1].endswith(".block_offset")]
+    assert len(offsets) == len(q["layers"]) - 1 == len(nbits) - 1  # all but the int8 head
+    assert not any(len(n.input) > 3 and n.input[3] for n in nbits)  # no float zero points (slow on ORT CPU)
     assert not any(n.op_type == "DequantizeLinear" for n in graph.node)
 
 
