@@ -51,6 +51,15 @@ def cache_names(layer: int, mla: bool) -> CacheNames:
     )
 
 
+def layer_attentions(graph: ir.Graph, num_layers: int) -> list[ir.Node]:
+    """The exported graph's ONNX Attention nodes, one per layer (empty if already rewritten); a different
+    count means the export is not what the KV-cache passes expect."""
+    attentions = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
+    if attentions and len(attentions) != num_layers:
+        raise ValueError(f"expected one Attention node per layer ({num_layers}), found {len(attentions)}")
+    return attentions
+
+
 class KVCacheInsertion:
     """Attention -> GroupQueryAttention with in-place cache I/O; returns the number of layers rewritten."""
 
@@ -58,13 +67,9 @@ class KVCacheInsertion:
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         graph = model.graph
-        attentions = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
+        attentions = layer_attentions(graph, ctx.config.num_hidden_layers)
         if not attentions:
             return 0
-        if len(attentions) != ctx.config.num_hidden_layers:
-            raise ValueError(
-                f"expected one Attention node per layer ({ctx.config.num_hidden_layers}), found {len(attentions)}"
-            )
         ensure_opset(model, MS_DOMAIN, 1)
         batch = _batch_dim(graph)
         mask = ir.Value(name=ATTENTION_MASK, shape=ir.Shape([batch, "total_sequence_length"]),

@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.graph_passes.base import PassContext, ensure_opset
-from moeforge.graph_passes.kv_cache import _is_prefix_slice_of, _replace_bhsd_output, _static
+from moeforge.graph_passes.kv_cache import _is_prefix_slice_of, _replace_bhsd_output, _static, layer_attentions
 from moeforge.plugins.paged_attention.function import OPSET, build_function
 from moeforge.plugins.paged_attention.schema import DOMAIN, INPUTS, OP_TYPE, PagedAttentionAttrs
 
@@ -48,12 +48,9 @@ class PagedKVInsertion:
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         graph = model.graph
-        attentions = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
+        attentions = layer_attentions(graph, ctx.config.num_hidden_layers)
         if not attentions:
             return 0
-        if len(attentions) != ctx.config.num_hidden_layers:
-            raise ValueError(f"expected one Attention node per layer ({ctx.config.num_hidden_layers}), "
-                             f"found {len(attentions)}")
         block_size = int(ctx.notes.get(PAGED_BLOCK_SIZE_NOTE, DEFAULT_BLOCK_SIZE))
         mla = ctx.config.mla is not None
         ensure_opset(model, DOMAIN, 1)

@@ -34,7 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.graph_passes.base import PassContext, ensure_opset
-from moeforge.graph_passes.kv_cache import _batch_dim, _const, _static, cache_names
+from moeforge.graph_passes.kv_cache import _batch_dim, _const, _static, cache_names, layer_attentions
 
 PAST_LENGTHS = "past_lengths"
 TENSOR_SCATTER_OPSET = 24
@@ -47,13 +47,9 @@ class TrtKVCache:
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         graph = model.graph
-        attentions = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
+        attentions = layer_attentions(graph, ctx.config.num_hidden_layers)
         if not attentions:
             return 0
-        if len(attentions) != ctx.config.num_hidden_layers:
-            raise ValueError(
-                f"expected one Attention node per layer ({ctx.config.num_hidden_layers}), found {len(attentions)}"
-            )
         ensure_opset(model, "", TENSOR_SCATTER_OPSET)
         batch = _batch_dim(graph)
         past_lengths = ir.Value(name=PAST_LENGTHS, shape=ir.Shape([batch]), type=ir.TensorType(ir.DataType.INT64))

@@ -190,17 +190,9 @@ class OrtBackend:
         """Share of kernel time per op type so far (needs ``profile=True``; ends profiling)."""
         if not self._profiling:
             return None
-        import json
-        from collections import Counter
-
         path = self._session.session.end_profiling()
         self._profiling = False
-        totals: Counter[str] = Counter()
-        for event in json.loads(Path(path).read_text()):
-            if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
-                totals[event["args"]["op_name"]] += event["dur"]
-        grand = sum(totals.values()) or 1
-        return {op: duration / grand for op, duration in totals.most_common()}
+        return kernel_time_shares(path)
 
     def execute(self, step: StepInput) -> np.ndarray:
         """Run prefill chunks one by one and all decodes together; logits [rows, V] of each last token."""
@@ -252,3 +244,16 @@ class OrtBackend:
             mask[b, :total] = 1
         values = self._session.views(lo, hi)
         return self._session.forward_on(values, ids, positions, mask)
+
+
+def kernel_time_shares(profile_path: str | Path) -> dict[str, float]:
+    """Share of kernel time per op type in an ONNX Runtime profile (JSON trace), largest first."""
+    import json
+    from collections import Counter
+
+    totals: Counter[str] = Counter()
+    for event in json.loads(Path(profile_path).read_text()):
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            totals[event["args"]["op_name"]] += event["dur"]
+    grand = sum(totals.values()) or 1
+    return {op: duration / grand for op, duration in totals.most_common()}

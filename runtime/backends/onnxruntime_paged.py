@@ -187,17 +187,11 @@ class PagedOrtBackend:
         attention is lowered, so its index math, ScatterND and Gathers count under their own op types."""
         if not self._profiling:
             return None
-        import json
-        from collections import Counter
+        from moeforge.runtime.backends.onnxruntime import kernel_time_shares
 
         path = self.session.end_profiling()
         self._profiling = False
-        totals: Counter[str] = Counter()
-        for event in json.loads(Path(path).read_text()):
-            if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
-                totals[event["args"]["op_name"]] += event["dur"]
-        grand = sum(totals.values()) or 1
-        return {op: duration / grand for op, duration in totals.most_common()}
+        return kernel_time_shares(path)
 
     def execute(self, step: StepInput) -> np.ndarray:
         """Run all rows in one packed step; logits [rows, V] of each row's last token."""
