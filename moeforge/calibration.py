@@ -83,7 +83,7 @@ class GraphRunner:
         for name, arg in self.inputs.items():
             if name.startswith(PAST_PREFIX):
                 _, heads, _, dim = arg.shape
-                feeds[name] = np.zeros((1, heads, s, dim), np.float32)
+                feeds[name] = np.zeros((1, heads, s, dim), np.int8 if arg.type == "tensor(int8)" else np.float32)
         feeds.update(weights or {})
         outputs = self.session.run(["logits", *self.extra_outputs], feeds)
         return [outputs[0][0], *outputs[1:]]

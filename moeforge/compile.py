@@ -92,6 +92,10 @@ def compile_model(options: CompileOptions) -> CompileResult:
         raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
     paged = _check_kv_options(options)
     quant = _quant_options(options)
+    if options.kv_quant is not None:
+        from moeforge.kv_quant import check_kv_quant
+
+        check_kv_quant(options.kv_quant, calib=options.calib, paged=paged, target=options.target)
     if options.target == "trt":
         if quant is not None:
             raise MoeforgeError("--quant with --target trt is not wired yet: the quantised Q/DQ graph is built for "
@@ -139,10 +143,22 @@ def compile_model(options: CompileOptions) -> CompileResult:
             quantized = quantize_model(model, ctx, quant, loaded.tokenizer,
                                        fp8_source=checkpoint_is_fp8(loaded.source.location))
             reports += quantized.reports
+        kv_summary = None
+        if options.kv_quant is not None:
+            stage(f"quantise KV cache {options.kv_quant}")
+            kv_report, kv_summary = _quantize_kv(model, ctx, options, loaded)
+            reports.append(kv_report)
         layer_outputs = unmark_layers(model)  # names kept in the manifest for parity --per-layer
         manifest = _manifest(model, loaded, options, reports, max_seq_len)
         if quantized is not None:
             manifest.precision, manifest.quantization = quantized.precision, quantized.summary
+        if kv_summary is not None:
+            from moeforge.parity import KV_INT8_SUFFIX
+
+            manifest.precision += KV_INT8_SUFFIX
+            manifest.quantization = {**(manifest.quantization or {"scheme": None, "weights": "fp32"}),
+                                     "kv_cache": kv_summary}
+            manifest.kv_cache = kv_cache_spec(config, max_seq_len=max_seq_len, dtype="int8")
         manifest.layer_outputs = layer_outputs
         stage("write artifact")
 
@@ -151,8 +167,9 @@ def compile_model(options: CompileOptions) -> CompileResult:
             bar.update()
             if loaded.tokenizer is not None:
                 loaded.tokenizer.save(tmp)
-            genai = None if paged else genai_config(config, manifest.kv_cache, context_length=max_seq_len,
-                                                    filename=MODEL_FILE)  # GenAI cannot drive block pools
+            # onnxruntime-genai allocates fp32/fp16 caches: it cannot drive block pools or an int8 cache.
+            genai = None if paged or kv_summary is not None else genai_config(
+                config, manifest.kv_cache, context_length=max_seq_len, filename=MODEL_FILE)
             if genai is not None:
                 import json
 
@@ -187,14 +204,27 @@ def _check_kv_options(options: CompileOptions) -> bool:
 
 def _quant_options(options: CompileOptions) -> QuantOptions | None:
     if options.quant is None:
-        for flag, value in (("--block-size", options.block_size), ("--calib", options.calib),
-                            ("--kv-quant", options.kv_quant), ("--keep-fp", options.keep_fp or None)):
+        # --kv-quant alone (fp32 weights, int8 cache) is fine; it brings its own --calib.
+        calib = None if options.kv_quant is not None else options.calib
+        for flag, value in (("--block-size", options.block_size), ("--calib", calib),
+                            ("--keep-fp", options.keep_fp or None)):
             if value is not None:
                 raise MoeforgeError(f"{flag} needs --quant (int8, int4, int4-asym, int4-awq or fp8)")
         return None
-    quant = QuantOptions(options.quant, options.block_size, options.calib, options.kv_quant, options.keep_fp)
+    quant = QuantOptions(options.quant, options.block_size, options.calib, None, options.keep_fp)
     validate_quant(quant)
     return quant
+
+
+def _quantize_kv(model: ir.Model, ctx: PassContext, options: CompileOptions, loaded: LoadedModel):  # type: ignore[no-untyped-def]
+    """Calibrate per-head scales on --calib and make the GroupQueryAttention caches int8."""
+    from moeforge.calibration import read_prompts, tokenize_prompts
+    from moeforge.kv_quant import quantize_kv_cache
+    from moeforge.quantize import CALIB_MAX_TOKENS
+
+    assert options.calib is not None  # check_kv_quant refused it otherwise
+    prompts = tokenize_prompts(read_prompts(options.calib), loaded.tokenizer, min(CALIB_MAX_TOKENS, ctx.max_seq_len))
+    return quantize_kv_cache(model, ctx, prompts)
 
 
 def _tensor_specs(values: list[ir.Value]) -> list[TensorSpec]:

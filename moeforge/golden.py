@@ -49,7 +49,7 @@ def golden_feeds(
         "attention_mask": np.ones_like(ids),
     }
     for binding in session.bindings:
-        feeds[binding.input_name] = np.zeros((1, binding.heads, cache_len, binding.head_dim), np.float32)
+        feeds[binding.input_name] = np.zeros((1, binding.heads, cache_len, binding.head_dim), binding.dtype)
     return feeds
 
 

@@ -53,6 +53,18 @@ THRESHOLDS: dict[str, Thresholds] = {
 }
 
 
+KV_INT8_SUFFIX = "+kv-int8"  # --kv-quant int8: e.g. "int4+kv-int8", "fp32+kv-int8"
+
+
+def thresholds_for(precision: str) -> Thresholds:
+    """Limits for a manifest precision. An int8 KV cache rounds every cached key/value, so fp32 weights
+    with an int8 cache are judged like int8 weights; quantised weights keep their own (looser) limits."""
+    weights, kv_int8 = precision.removesuffix(KV_INT8_SUFFIX), precision.endswith(KV_INT8_SUFFIX)
+    if weights not in THRESHOLDS:
+        raise ValueError(f"no parity thresholds for precision {precision!r}; known: {', '.join(THRESHOLDS)}")
+    return THRESHOLDS["int8"] if kv_int8 and weights == "fp32" else THRESHOLDS[weights]
+
+
 @dataclass
 class StepReport:
     """One step: ``kind`` prefill (all prompt positions) or decode (one position)."""
@@ -152,7 +164,7 @@ def run_parity(
         ours.append(session.forward(np.array([[tokens[step]]], np.int64), np.array([[pos]], np.int64),
                                     np.ones((1, pos + 1), np.int64))[0])
 
-    limits = THRESHOLDS[precision]
+    limits = thresholds_for(precision)
     steps = [_compare(i, "prefill" if i == 0 else "decode", o, r, limits)
              for i, (o, r) in enumerate(zip(ours, ref_logits, strict=True))]
     ours_tokens = [int(o[-1].argmax()) for o in ours]

@@ -77,11 +77,6 @@ def validate(options: QuantOptions) -> None:
     block = options.block_size
     if block is not None and (block < 16 or block > 256 or block & (block - 1)):
         raise QuantError(f"--block-size {block} must be a power of two from 16 to 256 (e.g. 32, 64, 128)")
-    if options.kv_quant is not None:
-        reason = ("ONNX Runtime 1.32's CPU GroupQueryAttention has no float8 KV kernel" if options.kv_quant == "fp8"
-                  else "the CPU GroupQueryAttention kernel can read an int8 cache (k_scale/v_scale, "
-                       "kv_cache_bit_width 8) but moeforge does not wire it yet (fp32 runtime buffers and cache pass)")
-        raise QuantError(f"--kv-quant {options.kv_quant} is not available: {reason}; leave --kv-quant off")
     if not 0.0 <= options.keep_fp < 1.0:
         raise QuantError(f"--keep-fp {options.keep_fp} must be a fraction in [0, 1)")
     needs_calib = options.scheme == "int4-awq" or options.keep_fp > 0

@@ -31,6 +31,7 @@ class CacheBinding:
     output_names: tuple[str, ...]
     heads: int
     head_dim: int
+    dtype: str = "float32"  # numpy name; "int8" for a quantised cache (--kv-quant int8)
 
 
 def read_cache_bindings(model_path: str | Path) -> list[CacheBinding]:
@@ -45,7 +46,8 @@ def read_cache_bindings(model_path: str | Path) -> list[CacheBinding]:
         dims = value.type.tensor_type.shape.dim
         stem = f"present.{layer}.{kind}"
         aliases = tuple(o for o in outputs if o == stem or o.startswith(stem + "_"))
-        bindings.append(CacheBinding(value.name, aliases, dims[1].dim_value, dims[3].dim_value))
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+        bindings.append(CacheBinding(value.name, aliases, dims[1].dim_value, dims[3].dim_value, np.dtype(dtype).name))
     return bindings
 
 
@@ -79,13 +81,12 @@ class OrtSession:
         self.session = ort.InferenceSession(source, options, providers=providers or default_providers())
         self.bindings = read_cache_bindings(model_path)
         self.input_names = {i.name for i in self.session.get_inputs()}
-        self.dtype = np.float32
         self.buffers: list[np.ndarray] = []
         self._ort_values: list[ort.OrtValue] = []
 
     def allocate(self, batch: int, max_len: int) -> None:
         """(Re)allocate zeroed cache buffers [B, H, L, D] for ``batch`` rows of up to ``max_len`` tokens."""
-        self.buffers = [np.zeros((batch, b.heads, max_len, b.head_dim), self.dtype) for b in self.bindings]
+        self.buffers = [np.zeros((batch, b.heads, max_len, b.head_dim), b.dtype) for b in self.bindings]
         self._ort_values = [ort.OrtValue.ortvalue_from_numpy(buf) for buf in self.buffers]  # zero-copy on CPU
 
     @property

@@ -111,8 +111,6 @@ def test_help_documents_the_calibration_file():
     ({"quant": "int4-awq"}, "needs calibration prompts"),
     ({"quant": "int4", "keep_fp": 0.1}, "needs calibration prompts"),
     ({"quant": "int4", "keep_fp": 1.5, "calib": CALIB}, "fraction"),
-    ({"quant": "int8", "kv_quant": "int8"}, "not wire it yet"),
-    ({"quant": "int8", "kv_quant": "fp8"}, "no float8 KV kernel"),
     ({"quant": "w8a8"}, "not built"),
     ({"block_size": 32}, "--block-size needs --quant"),
     ({"quant": "int5"}, "unknown"),

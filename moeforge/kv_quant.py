@@ -1,0 +1,91 @@
+"""``compile --kv-quant int8``: calibrate per-head KV scales on ``--calib`` prompts, then quantise the cache.
+
+The scales come from the cache contents themselves: the graph (already carrying its final weights,
+quantised or not) is run on each calibration prompt and every layer's ``present`` output -- exactly the
+keys/values (after rotary) the cache would hold -- is reduced to max |x| per head and channel.
+``graph_passes/kv_quant.py`` then makes the caches int8. Not available: fp8 caches (ONNX Runtime 1.32's CPU
+GroupQueryAttention has no float8e4m3fn kernel; its CUDA kernel does) and paged artifacts (the paged
+attention op reads fp32 pools).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from moeforge.errors import MoeforgeError
+from moeforge.graph_passes.base import PassContext, PassReport
+from moeforge.graph_passes.kv_cache import cache_names
+from moeforge.graph_passes.kv_quant import KVCacheQuantization, KVScales, scales_from_amax
+
+KV_QUANT_KINDS = ("int8", "fp8")
+
+
+class KVQuantError(MoeforgeError):
+    """Bad ``--kv-quant`` input."""
+
+
+def check_kv_quant(kind: str, *, calib: object, paged: bool, target: str) -> None:
+    """Refuse what cannot be built, naming why and what to do instead."""
+    if kind not in KV_QUANT_KINDS:
+        raise KVQuantError(f"--kv-quant {kind!r} is unknown; choose int8")
+    if kind == "fp8":
+        raise KVQuantError("--kv-quant fp8 is not available: ONNX Runtime 1.32's CPU GroupQueryAttention has no "
+                           "float8e4m3fn cache kernel (only its CUDA kernel has one); use --kv-quant int8")
+    if paged:
+        raise KVQuantError("--kv-quant int8 needs --kv-cache contiguous: the paged attention op reads fp32 pools")
+    if target != "ort":
+        raise KVQuantError("--kv-quant is built for --target ort (ONNX Runtime GroupQueryAttention int8 caches)")
+    if calib is None:
+        raise KVQuantError("--kv-quant int8 needs calibration prompts for its per-head scales: pass --calib FILE "
+                           "(one prompt per line)")
+    from moeforge.calibration import read_prompts
+
+    read_prompts(calib)  # type: ignore[arg-type]  # missing / empty file -> CalibrationError before the export
+
+
+# Per head (the MLA latent is one head): see graph_passes/kv_quant.py for why not per channel.
+DEFAULT_GRANULARITY = "head"
+
+
+def calibrate_kv_amax(model: ir.Model, ctx: PassContext, prompts: list[list[int]]) -> list[tuple[np.ndarray, ...]]:
+    """Per layer, max |x| [H, D] of each cache buffer's contents over the prompts: (key, value) or (latent,)."""
+    from moeforge.calibration import GraphRunner
+
+    mla = ctx.config.mla is not None
+    layers = [cache_names(i, mla) for i in range(ctx.config.num_hidden_layers)]
+    outputs = tuple(name for names in layers for name in names.present[: 1 if mla else 2])
+    runner = GraphRunner(model, extra_outputs=outputs)
+    amax: list[np.ndarray] | None = None
+    for ids in prompts:
+        caches = runner.run(ids)[1:]  # each [1, H, S, D]
+        step = [np.abs(c).max(axis=(0, 2)) for c in caches]
+        amax = step if amax is None else [np.maximum(a, b) for a, b in zip(amax, step, strict=True)]
+    assert amax is not None, "tokenize_prompts returns at least one prompt"
+    per = 1 if mla else 2
+    return [tuple(amax[i * per:(i + 1) * per]) for i in range(len(layers))]
+
+
+def quantize_kv_cache(model: ir.Model, ctx: PassContext, prompts: list[list[int]],
+                      granularity: str | None = None) -> tuple[PassReport, dict[str, Any]]:
+    """Calibrate and apply int8 KV quantisation in place; returns the pass report and the manifest summary."""
+    start = time.perf_counter()
+    granularity = granularity or DEFAULT_GRANULARITY
+    amax = calibrate_kv_amax(model, ctx, prompts)
+    scales = []
+    for layer in amax:
+        key = scales_from_amax(layer[0], granularity)
+        value = key if len(layer) == 1 else scales_from_amax(layer[1], granularity)
+        scales.append(KVScales(key, value))
+    matches = KVCacheQuantization(scales).apply(model, ctx)
+    every = np.concatenate([np.concatenate([s.key.ravel(), s.value.ravel()]) for s in scales])
+    summary = {
+        "dtype": "int8", "granularity": granularity, "symmetric": True, "calibration_prompts": len(prompts),
+        "method": "max |x| of the cache contents (after rotary) per " + granularity + " / 127",
+        "scale_range": [float(every.min()), float(every.max())],
+        "per_layer_max_scale": [{"key": float(s.key.max()), "value": float(s.value.max())} for s in scales],
+    }
+    return PassReport("kv_quant", matches, time.perf_counter() - start), summary
