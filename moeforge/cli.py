@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="int8: KV cache stored as int8 with per-head scales calibrated on --calib, read and "
                            "written by GroupQueryAttention (4x smaller than fp32; works with or without --quant). "
                            "fp8: refused on ONNX Runtime CPU (no float8 cache kernel)")
+    comp.add_argument("--lm-head", choices=["int8", "int4", "fp8", "fp32"], default=None,
+                      help="precision of the LM head under --quant (default: int8 for int4 schemes, which costs "
+                           "decode speed but keeps top-1 agreement; otherwise the scheme's own)")
     comp.add_argument("--keep-fp", type=float, default=0.0, metavar="FRACTION",
                       help="keep this fraction of weights, the most quantisation-sensitive on --calib, in fp32")
 
@@ -260,7 +263,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                              progress=not args.quiet, kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
                              trt_impl=args.trt_impl, sm=args.sm, dtype=args.dtype, max_batch=args.max_batch,
                              quant=args.quant, block_size=args.block_size, calib=args.calib,
-                             kv_quant=args.kv_quant, keep_fp=args.keep_fp)
+                             kv_quant=args.kv_quant, keep_fp=args.keep_fp, lm_head=args.lm_head)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:

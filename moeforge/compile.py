@@ -75,6 +75,7 @@ class CompileOptions:
     calib: Path | None = None
     kv_quant: str | None = None
     keep_fp: float = 0.0
+    lm_head: str | None = None  # --lm-head: the LM head's precision under --quant (moeforge/quantize.py)
 
 
 @dataclass
@@ -207,11 +208,12 @@ def _quant_options(options: CompileOptions) -> QuantOptions | None:
         # --kv-quant alone (fp32 weights, int8 cache) is fine; it brings its own --calib.
         calib = None if options.kv_quant is not None else options.calib
         for flag, value in (("--block-size", options.block_size), ("--calib", calib),
-                            ("--keep-fp", options.keep_fp or None)):
+                            ("--keep-fp", options.keep_fp or None), ("--lm-head", options.lm_head)):
             if value is not None:
                 raise MoeforgeError(f"{flag} needs --quant (int8, int4, int4-asym, int4-awq or fp8)")
         return None
-    quant = QuantOptions(options.quant, options.block_size, options.calib, None, options.keep_fp)
+    quant = QuantOptions(options.quant, options.block_size, options.calib, None, options.keep_fp,
+                         lm_head=options.lm_head)
     validate_quant(quant)
     return quant
 

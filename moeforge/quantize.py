@@ -30,6 +30,7 @@ SCHEMES: dict[str, tuple[str, int | None]] = {
 }
 NOT_BUILT = {"w8a8": "static int8 activation scales are not built yet (weights-only schemes: int8, int4, int4-asym, "
                      "int4-awq, fp8)"}
+LM_HEAD_KINDS = ("int8", "int4", "fp8", "fp32")
 CALIB_MAX_TOKENS = 256  # per prompt
 AWQ_SAMPLE_ROWS = 512  # activation rows kept per MatMul for the AWQ scale search
 
@@ -46,6 +47,7 @@ class QuantOptions:
     kv_quant: str | None = None
     keep_fp: float = 0.0
     accuracy_level: int = 4  # MatMulNBits/QMoE: 4 = int8 activations inside the kernel (fast), 0 = fp32
+    lm_head: str | None = None  # int8 | int4 | fp8 | fp32; None: int8 under int4 schemes, else the scheme's kind
 
     @property
     def kind(self) -> str:
@@ -77,6 +79,12 @@ def validate(options: QuantOptions) -> None:
     block = options.block_size
     if block is not None and (block < 16 or block > 256 or block & (block - 1)):
         raise QuantError(f"--block-size {block} must be a power of two from 16 to 256 (e.g. 32, 64, 128)")
+    if options.lm_head is not None:
+        if options.lm_head not in LM_HEAD_KINDS:
+            raise QuantError(f"--lm-head {options.lm_head!r} is unknown; choose one of {', '.join(LM_HEAD_KINDS)}")
+        if options.lm_head == "int4" and options.block is None:
+            raise QuantError(f"--lm-head int4 needs blocks but --quant {options.scheme} is per channel: "
+                             "add --block-size 32 (or 64, 128)")
     if not 0.0 <= options.keep_fp < 1.0:
         raise QuantError(f"--keep-fp {options.keep_fp} must be a fraction in [0, 1)")
     needs_calib = options.scheme == "int4-awq" or options.keep_fp > 0
@@ -163,7 +171,11 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
         reports.append(PassReport("quant_awq", len(awq), time.perf_counter() - start))
     # int4 schemes keep the LM head at int8 (same blocks), as llama.cpp keeps output.weight at 6-8 bits:
     # on SmolLM2 an int4 head alone costs more top-1 agreement than all int4 decoder layers together.
-    head_kind = "int8" if kind == "int4" else kind
+    # --lm-head int4 trades that for speed (the head is ~20% of SmolLM2's weights).
+    head_kind = options.lm_head or ("int8" if kind == "int4" else kind)
+    if head_kind == "fp32":
+        keep_names = keep_names | heads
+    head_label = "int4-asym" if options.asymmetric and head_kind == "int4" else head_kind
     config = QuantConfig(kind=kind, block_size=block, keep=keep_names, awq_scales=awq,
                          exact_fp8=fp8_source and kind == "fp8", head_kind=head_kind,
                          asymmetric=options.asymmetric)
@@ -172,11 +184,11 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
         matches = graph_pass.apply(model, ctx)
         reports.append(PassReport(graph_pass.name, matches, time.perf_counter() - start))
     layers = [{"name": t.name, "label": t.label, "shape": list(t.shape),
-               "precision": "fp32" if t.name in keep_names else (head_kind if t.name in heads else options.scheme),
+               "precision": "fp32" if t.name in keep_names else (head_label if t.name in heads else options.scheme),
                **({"awq_alpha": alphas[t.name]} if t.name in alphas else {})} for t in targets]
     summary = {
         "scheme": options.scheme, "weights": kind, "block_size": block, "symmetric": not options.asymmetric,
-        "accuracy_level": options.accuracy_level, "keep_fp": options.keep_fp, "lm_head": head_kind,
+        "accuracy_level": options.accuracy_level, "keep_fp": options.keep_fp, "lm_head": head_label,
         "calibration_prompts": len(prompts), "always_fp32": ["norms", "softmax", "router", "embedding lookup"],
         "sensitivity": kept, "layers": layers,
     }

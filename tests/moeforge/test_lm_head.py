@@ -1,0 +1,44 @@
+"""`compile --quant ... --lm-head`: the LM head's precision is what was asked, in the graph and the manifest."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+from moeforge.artifact import load_artifact
+from moeforge.compile import CompileOptions, compile_model
+from moeforge.errors import MoeforgeError
+from moeforge.quantize import QuantError
+
+
+def _head(path):  # type: ignore[no-untyped-def]
+    graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
+    node = next(n for n in graph.node if "logits" in n.output)
+    bits = next((a.i for a in node.attribute if a.name == "bits"), None)
+    return node.op_type, bits
+
+
+@pytest.mark.parametrize(("quant", "lm_head", "op", "bits", "label"), [
+    ("int4", None, "MatMulNBits", 8, "int8"),  # the default keeps an int4 model's head at int8
+    ("int4", "int4", "MatMulNBits", 4, "int4"),
+    ("int4-asym", "int4", "Add", None, "int4-asym"),  # MatMulNBits + the block offsets' share
+    ("int4", "fp32", "MatMul", None, "fp32"),
+])
+def test_lm_head_precision(tmp_path, quant, lm_head, op, bits, label):
+    out = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=64, progress=False,
+                                       quant=quant, lm_head=lm_head)).output_dir
+    assert _head(out) == (op, bits)
+    q = load_artifact(out).manifest.quantization
+    assert q["lm_head"] == label
+    assert q["layers"][-1]["label"] == "lm_head" and q["layers"][-1]["precision"] == label
+    assert all(layer["precision"] == quant for layer in q["layers"][:-1])
+
+
+@pytest.mark.parametrize(("kw", "error", "match"), [
+    ({"quant": "int8", "lm_head": "int4"}, QuantError, "needs blocks.*--block-size 32"),
+    ({"lm_head": "int4"}, MoeforgeError, "--lm-head needs --quant"),
+])
+def test_bad_lm_head_options(tmp_path, kw, error, match):
+    with pytest.raises(error, match=match):
+        compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", progress=False, **kw))
+    assert not any(tmp_path.iterdir())
