@@ -36,15 +36,19 @@ CALIB = ROOT / "tests" / "data" / "quant_calib_en.txt"
 RESULTS = ROOT / "benchmarks" / "results" / "quant_accuracy_smollm2.json"
 SCHEMES = [  # (label, options)
     ("int8", QuantOptions("int8")),
+    ("int8-asym", QuantOptions("int8-asym")),
+    ("int8-asym-acc0", QuantOptions("int8-asym", accuracy_level=0)),
     ("int4", QuantOptions("int4")),
     ("int4-asym", QuantOptions("int4-asym")),
     ("int4-asym-acc0", QuantOptions("int4-asym", accuracy_level=0)),  # fp32 activations in the kernel
+    ("int4-lm-head-int4", QuantOptions("int4", lm_head="int4")),  # the speed/accuracy trade of an int4 head
+    ("int4-asym-lm-head-int4", QuantOptions("int4-asym", lm_head="int4")),
     ("int4-awq", QuantOptions("int4-awq", calib=CALIB)),
     ("fp8-block64", QuantOptions("fp8", block_size=64)),
     ("int8-keep-fp-0.1", QuantOptions("int8", calib=CALIB, keep_fp=0.1)),
     ("int4-awq-keep-fp-0.1", QuantOptions("int4-awq", calib=CALIB, keep_fp=0.1)),
 ]
-BARS = {"int8": 0.99, "int4": 0.93, "int4-asym": 0.93, "fp8-block64": 0.97}
+BARS = {"int8": 0.99, "int8-asym": 0.99, "int8-asym-acc0": 0.99, "int4": 0.93, "int4-asym": 0.93, "fp8-block64": 0.97}
 NOTES = {"int4-asym": "min-max asymmetric int4 blocks of 32 (ONNX Runtime's default weight-only scheme; run as "
                       "MatMulNBits + the block offsets' share, exact like float zero points), LM head int8 symmetric. "
                       "Lossless-looking on SmolLM2 because the checkpoint itself "
@@ -53,6 +57,10 @@ NOTES = {"int4-asym": "min-max asymmetric int4 blocks of 32 (ONNX Runtime's defa
                       "Its LM head (the tied embedding, GGUF Q8_0) is int8 symmetric blocks of 32, which also "
                       "matches Q8_0's grid; the rest of the gap comes from accuracy_level 4 (int8 activations "
                       "inside MatMulNBits): compare int4-asym-acc0."}
+NOTES["int8-asym"] = ("min-max asymmetric int8 blocks of 32 with float offsets, LM head included, run as MatMulNBits "
+                      "(8 bits, default zero point 128) + the offsets' share. On SmolLM2 it reproduces the Q4_1 layers "
+                      "exactly (255 = 15 * 17: every Q4_1 level is an 8-bit code); see int4-asym's note.")
+NOTES["int8-asym-acc0"] = "int8-asym with accuracy_level 0 (fp32 activations inside MatMulNBits)."
 NOTES["int4-asym-acc0"] = "int4-asym with accuracy_level 0 (fp32 activations inside MatMulNBits; slower on CPU)."
 
 

@@ -4,10 +4,10 @@
   Per-channel int8 is block-wise int8 with every block of a column sharing its scale (exact), with
   the largest power-of-two block <= 256 that divides K. Codes are stored unsigned with MatMulNBits'
   default zero point 2^(bits-1), which is the same symmetric value.
-- ``DequantizeLinear(uint4 const) -> Reshape -> Add(offset const) -> Reshape -> MatMul`` (``--quant
-  int4-asym``)  ->  MatMulNBits (default zero point 8) + (x @ block indicator) @ (offset + 8 * scale), which is
-  exact like float ``zero_points`` = -offset / scale but keeps the fast integer kernel (ORT 1.32 CPU takes float
-  zero points for bits=4 only).
+- ``DequantizeLinear(uint4|uint8 const) -> Reshape -> Add(offset const) -> Reshape -> MatMul`` (``--quant
+  int4-asym`` / ``int8-asym``)  ->  MatMulNBits (default zero point z = 8 / 128) + (x @ block indicator) @
+  (offset + z * scale), which is exact like float ``zero_points`` = -offset / scale but keeps the fast integer
+  kernel (ORT 1.32 CPU takes float zero points for bits=4 only, on a slow path).
 - ``com.microsoft.MoE`` whose expert weights come from int4/int8 DequantizeLinear  ->
   ``com.microsoft.QMoE`` (same inputs and attributes; router_weights, if any, kept in its slot).
 - float8 DequantizeLinear stays (ONNX Runtime CPU has no fp8 GEMM): fp8 artifacts are 4x smaller on
@@ -75,26 +75,26 @@ class QuantLowering:
         return 1
 
     def _matmul_asym(self, model: ir.Model, node: ir.Node, codes: np.ndarray, scale: np.ndarray,
-                     offset: np.ndarray, block: int) -> int:
-        """W = scale * codes + offset per block, run as MatMulNBits(codes, scale; default zero point 8) plus
-        the offsets' share: y = MatMulNBits(x) + (x @ E) @ (offset + 8 * scale), E [K, K/bs] the block
-        indicator. Exact like float zero points, but ORT 1.32 CPU runs float zero points on a slow path
-        (7 vs 81 tok/s on SmolLM2), while this keeps MatMulNBits on its fast integer kernel."""
-        k, n = codes.shape  # codes uint8 0..15 [K, N]; scale, offset [K/bs, N]
+                     offset: np.ndarray, block: int, bits: int) -> int:
+        """W = scale * codes + offset per block, run as MatMulNBits(codes, scale; default zero point
+        z = 2^(bits-1)) plus the offsets' share: y = MatMulNBits(x) + (x @ E) @ (offset + z * scale), E [K, K/bs]
+        the block indicator. Exact like float zero points, but ORT 1.32 CPU runs float zero points on a slow
+        path (7 vs 81 tok/s on SmolLM2; 8 bits refuses them), while this keeps the fast integer kernel."""
+        k, n = codes.shape  # codes uint8 0..2^bits-1 [K, N]; scale, offset [K/bs, N]
         if block < 16 or block & (block - 1) or k % block:
             return 0
         graph = model.graph
         stem = node.inputs[1].name or "w"
-        unsigned = codes.T  # [N, K]
-        packed = (unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)).reshape(n, k // block, block // 2)
+        zero = 1 << (bits - 1)
+        packed = pack_nbits(codes.T.astype(np.int16) - zero, bits, block)  # unsigned codes back, packed [N, K/bs, *]
         inputs = [node.inputs[0], _initializer(graph, f"{stem}.nbits", packed),
                   _initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32))]
         nbits = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN,
-                        attributes={"K": k, "N": n, "bits": 4, "block_size": block,
+                        attributes={"K": k, "N": n, "bits": bits, "block_size": block,
                                     "accuracy_level": self.accuracy_level})
         indicator = np.repeat(np.eye(k // block, dtype=np.float32), block, axis=0)  # [K, K/bs]
         block_sums = ir.node("MatMul", [node.inputs[0], _initializer(graph, f"{stem}.block_indicator", indicator)])
-        shifted = (offset + 8.0 * scale).astype(np.float32)  # [K/bs, N]: the offsets with zero point 8 folded in
+        shifted = (offset + zero * scale).astype(np.float32)  # [K/bs, N]: the offsets with the zero point folded in
         correction = ir.node("MatMul", [block_sums.outputs[0],
                                         _initializer(graph, f"{stem}.block_offset", shifted)])
         total = ir.node("Add", [nbits.outputs[0], correction.outputs[0]])
@@ -168,9 +168,9 @@ def _int_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, int, int, i
     return codes, scale_v.const_value.numpy(), bits, block, axis
 
 
-def _asym_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
-    """(codes [K, N], scale [K/bs, N], offset [K/bs, N], bs) of the int4-asym chain DQ(uint4) -> Reshape ->
-    Add(offset) -> Reshape (see quant_weights), else None."""
+def _asym_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int] | None:
+    """(codes [K, N], scale [K/bs, N], offset [K/bs, N], bs, bits) of the asymmetric chain DQ(uint4|uint8) ->
+    Reshape -> Add(offset) -> Reshape (see quant_weights), else None."""
     chain = []
     for op in ("Reshape", "Add", "Reshape", "DequantizeLinear"):
         node = value.producer() if value is not None else None
@@ -181,7 +181,8 @@ def _asym_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, np.ndarray
     _, add, _, dq = chain
     offset = add.inputs[1].const_value if add.inputs[1] is not None else None
     codes_v, scale_v = dq.inputs[0], dq.inputs[1]
-    if offset is None or codes_v is None or scale_v is None or codes_v.dtype != ir.DataType.UINT4:
+    bits = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}.get(codes_v.dtype) if codes_v is not None else None
+    if offset is None or codes_v is None or scale_v is None or bits is None:
         return None
     if codes_v.const_value is None or scale_v.const_value is None or (len(dq.inputs) > 2 and dq.inputs[2] is not None):
         return None
@@ -193,7 +194,7 @@ def _asym_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, np.ndarray
     off = offset.numpy()
     if codes.ndim != 2 or off.shape != (scale.shape[0], 1, scale.shape[1]):
         return None
-    return codes, scale, off[:, 0, :], block_attr.as_int()
+    return codes, scale, off[:, 0, :], block_attr.as_int(), bits
 
 
 def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:

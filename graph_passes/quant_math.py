@@ -62,7 +62,7 @@ def quantize(weight: np.ndarray, kind: str, block_size: int | None) -> Quantized
 
 @dataclass(frozen=True)
 class AsymWeight:
-    """Asymmetric min-max int4 blocks along K: ``codes`` uint8 [K, N] in 0..15, ``scale`` and ``offset``
+    """Asymmetric min-max blocks along K: ``codes`` uint8 [K, N] in 0..2^bits-1, ``scale`` and ``offset``
     (the block minimum) [K / block, N]; w ~= codes * scale + offset. ONNX Runtime's MatMulNBits takes it
     as a float zero point ``-offset / scale`` (``zero_point()``)."""
 
@@ -79,18 +79,22 @@ class AsymWeight:
         return (-self.offset / self.scale).astype(np.float32)
 
 
-def quantize_asym(weight: np.ndarray, block_size: int) -> AsymWeight:
-    """Min-max asymmetric int4 (ONNX Runtime's default weight-only scheme, llama.cpp's Q4_1): per block
-    scale = (max - min) / 15, codes = round((w - min) / scale); a weight dequantised from Q4_1 blocks of the
-    same size comes back exactly (up to fp32 rounding)."""
+def quantize_asym(weight: np.ndarray, block_size: int, bits: int = 4) -> AsymWeight:
+    """Min-max asymmetric blocks (ONNX Runtime's default weight-only scheme; at 4 bits llama.cpp's Q4_1): per
+    block scale = (max - min) / (2^bits - 1), codes = round((w - min) / scale). A weight dequantised from Q4_1
+    blocks of the same size comes back exactly (up to fp32 rounding) at 4 bits and at 8 (255 = 15 * 17: each
+    Q4_1 level lands on every 17th 8-bit code)."""
+    if bits not in (4, 8):
+        raise ValueError(f"asymmetric blocks are 4 or 8 bits, not {bits}")
+    levels = float((1 << bits) - 1)
     w = np.asarray(weight, np.float32)
     k, n = w.shape
     if k % block_size:
         raise ValueError(f"block size {block_size} does not divide K={k}")
     blocks = w.reshape(k // block_size, block_size, n)
     low, high = blocks.min(axis=1, keepdims=True), blocks.max(axis=1, keepdims=True)
-    scale = np.where(high > low, (high - low) / 15.0, 1.0).astype(np.float32)  # constant block: codes 0
-    codes = np.clip(np.rint((blocks - low) / scale), 0, 15).astype(np.uint8)
+    scale = np.where(high > low, (high - low) / levels, 1.0).astype(np.float32)  # constant block: codes 0
+    codes = np.clip(np.rint((blocks - low) / scale), 0, levels).astype(np.uint8)
     return AsymWeight(codes.reshape(k, n), scale[:, 0, :], low[:, 0, :].astype(np.float32), block_size)
 
 

@@ -9,11 +9,12 @@ the op that used the weight:
 | MatMul W [K, N], int4/int8/fp8 blocks along K | int4/int8/float8e4m3fn [K, N] | [K/bs, N] | axis=0, block_size=bs |
 | com.microsoft.MoE fc1/fc2/fc3 [E, N, K] | same kinds, [E, N, K] | [E, N, K/bs] (per channel: bs=K) | axis=2 |
 
-All zero points are 0 (symmetric), except with ``QuantConfig.asymmetric`` (``--quant int4-asym``, ONNX
-Runtime only): each int4 MatMul weight (not MoE experts, not an int8 LM head) becomes min-max blocks with
-a float offset, which ``DequantizeLinear``'s integer zero point cannot carry, so the portable form is
+All zero points are 0 (symmetric), except with ``QuantConfig.asymmetric`` (``--quant int4-asym`` /
+``int8-asym``, ONNX Runtime only): each MatMul weight of the scheme's kind (not MoE experts; the LM head only
+with ``head_asymmetric``) becomes min-max blocks with a float offset, which ``DequantizeLinear``'s integer
+zero point cannot carry, so the portable form is
 
-    DequantizeLinear(uint4 codes [K, N], scale [K/bs, N], axis=0, block_size=bs) -> Reshape [K/bs, bs, N]
+    DequantizeLinear(uint4|uint8 codes [K, N], scale [K/bs, N], axis=0, block_size=bs) -> Reshape [K/bs, bs, N]
     -> Add(offset [K/bs, 1, N]) -> Reshape [K, N] -> MatMul
 
 (standard ONNX; ``quant_lowering`` turns it into MatMulNBits with float zero points).
@@ -73,7 +74,8 @@ class QuantConfig:
     awq_scales: dict[str, np.ndarray] = field(default_factory=dict)  # weight name -> s [K]
     exact_fp8: bool = False  # FP8-checkpoint source: recover each block's stored FP8 codes exactly
     head_kind: str | None = None  # the LM head's kind (None: ``kind``), same block size
-    asymmetric: bool = False  # int4 MatMul weights: min-max blocks with float offsets (ORT only, see above)
+    asymmetric: bool = False  # MatMul weights of ``kind``: min-max blocks with float offsets (ORT only, see above)
+    head_asymmetric: bool = False  # the LM head too (when it has ``kind``); else it is symmetric
 
 
 def fold_transposed_weights(model: ir.Model) -> int:
@@ -153,10 +155,11 @@ class WeightQuantization:
         else:
             s = cfg.awq_scales.get(target.name)
             source = array * s[:, None] if s is not None else array
-            if cfg.asymmetric and kind == "int4" and cfg.block_size is not None:
+            asymmetric = cfg.asymmetric and kind == cfg.kind and (not target.is_lm_head or cfg.head_asymmetric)
+            if asymmetric and cfg.block_size is not None:
                 if s is not None:
                     self._scale_activation(model, target, (1.0 / s).astype(np.float32))
-                self._quantize_asym(model, target, source)
+                self._quantize_asym(model, target, source, 4 if kind == "int4" else 8)
                 return
             q = self._q(source, kind)
             codes, scale = q.values, q.scale
@@ -174,14 +177,14 @@ class WeightQuantization:
         if not weight.uses() and weight.name in graph.initializers:
             graph.initializers.pop(weight.name)
 
-    def _quantize_asym(self, model: ir.Model, target: QuantTarget, array: np.ndarray) -> None:
+    def _quantize_asym(self, model: ir.Model, target: QuantTarget, array: np.ndarray, bits: int) -> None:
         graph, bs = model.graph, self.config.block_size
         assert bs is not None
         weight = target.node.inputs[target.index]
-        q = quantize_asym(array, bs)
+        q = quantize_asym(array, bs, bits)
         k, n = array.shape
         stem = target.name
-        codes = _initializer(graph, f"{stem}.q", ir.tensor(q.codes.astype(ml_dtypes.uint4)))
+        codes = _initializer(graph, f"{stem}.q", ir.tensor(q.codes.astype(ml_dtypes.uint4) if bits == 4 else q.codes))
         scale = _initializer(graph, f"{stem}.scale", ir.tensor(q.scale))
         offset = _initializer(graph, f"{stem}.offset", ir.tensor(q.offset[:, None, :]))  # [K/bs, 1, N]
         blocked = _initializer(graph, f"{stem}.blocked_shape", ir.tensor(np.array([k // bs, bs, n], np.int64)))

@@ -67,11 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
     comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
-    comp.add_argument("--quant", choices=["int8", "int4", "int4-asym", "int4-awq", "fp8", "w8a8"],
+    comp.add_argument("--quant", choices=["int8", "int8-asym", "int4", "int4-asym", "int4-awq", "fp8", "w8a8"],
                       default=None,
                       help="weight quantisation: int8 per channel, int4 blocks (symmetric round-to-nearest or AWQ), "
-                           "int4-asym (min-max blocks with float offsets, ONNX Runtime only; MoE experts stay "
-                           "symmetric), fp8 e4m3 blocks "
+                           "int4-asym / int8-asym (min-max blocks with float offsets, ONNX Runtime only; MoE "
+                           "experts stay symmetric), fp8 e4m3 blocks "
                            "(w8a8 is not built yet); default fp32")
     comp.add_argument("--block-size", type=int, default=None,
                       help="quantisation block along the input dimension, a power of two 16..256 that divides "
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--lm-head", choices=["int8", "int4", "fp8", "fp32"], default=None,
                       help="precision of the LM head under --quant (default: int8 for int4 schemes, which costs "
                            "decode speed but keeps top-1 agreement; otherwise the scheme's own)")
+    comp.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4], default=None,
+                      help="ONNX Runtime MatMulNBits/QMoE compute type: 4 = int8 activations inside the kernel "
+                           "(fastest, the default), 0 = fp32 activations (exact w.r.t. the quantised weights)")
     comp.add_argument("--keep-fp", type=float, default=0.0, metavar="FRACTION",
                       help="keep this fraction of weights, the most quantisation-sensitive on --calib, in fp32")
 
@@ -263,7 +266,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                              progress=not args.quiet, kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
                              trt_impl=args.trt_impl, sm=args.sm, dtype=args.dtype, max_batch=args.max_batch,
                              quant=args.quant, block_size=args.block_size, calib=args.calib,
-                             kv_quant=args.kv_quant, keep_fp=args.keep_fp, lm_head=args.lm_head)
+                             kv_quant=args.kv_quant, keep_fp=args.keep_fp, lm_head=args.lm_head,
+                             accuracy_level=args.accuracy_level)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:

@@ -76,6 +76,7 @@ class CompileOptions:
     kv_quant: str | None = None
     keep_fp: float = 0.0
     lm_head: str | None = None  # --lm-head: the LM head's precision under --quant (moeforge/quantize.py)
+    accuracy_level: int | None = None  # --accuracy-level: MatMulNBits/QMoE compute (None: the scheme's default)
 
 
 @dataclass
@@ -208,12 +209,14 @@ def _quant_options(options: CompileOptions) -> QuantOptions | None:
         # --kv-quant alone (fp32 weights, int8 cache) is fine; it brings its own --calib.
         calib = None if options.kv_quant is not None else options.calib
         for flag, value in (("--block-size", options.block_size), ("--calib", calib),
-                            ("--keep-fp", options.keep_fp or None), ("--lm-head", options.lm_head)):
+                            ("--keep-fp", options.keep_fp or None), ("--lm-head", options.lm_head),
+                            ("--accuracy-level", options.accuracy_level)):
             if value is not None:
-                raise MoeforgeError(f"{flag} needs --quant (int8, int4, int4-asym, int4-awq or fp8)")
+                raise MoeforgeError(f"{flag} needs --quant (int8, int8-asym, int4, int4-asym, int4-awq or fp8)")
         return None
     quant = QuantOptions(options.quant, options.block_size, options.calib, None, options.keep_fp,
-                         lm_head=options.lm_head)
+                         lm_head=options.lm_head, **({} if options.accuracy_level is None
+                                                     else {"accuracy_level": options.accuracy_level}))
     validate_quant(quant)
     return quant
 

@@ -48,6 +48,7 @@ THRESHOLDS: dict[str, Thresholds] = {
     "int8": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.85, greedy_match=False, kl_max=0.01),
     "fp8": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.8, greedy_match=False, kl_max=0.02),
     "int4": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.4, greedy_match=False, kl_max=0.15),
+    "int8-asym": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.85, greedy_match=False, kl_max=0.01),
     "int4-asym": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.4, greedy_match=False, kl_max=0.15),
     "int4-awq": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.4, greedy_match=False, kl_max=0.15),
 }

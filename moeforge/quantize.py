@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 # scheme -> (weight kind, default block size; None = per output channel)
 SCHEMES: dict[str, tuple[str, int | None]] = {
-    "int8": ("int8", None), "int4": ("int4", 32), "int4-asym": ("int4", 32), "int4-awq": ("int4", 32),
+    "int8": ("int8", None), "int8-asym": ("int8", 32), "int4": ("int4", 32), "int4-asym": ("int4", 32),
+    "int4-awq": ("int4", 32),
     "fp8": ("fp8", 128),
 }
 NOT_BUILT = {"w8a8": "static int8 activation scales are not built yet (weights-only schemes: int8, int4, int4-asym, "
@@ -55,8 +56,8 @@ class QuantOptions:
 
     @property
     def asymmetric(self) -> bool:
-        """int4-asym: min-max blocks with float zero points (ONNX Runtime MatMulNBits only, not TensorRT)."""
-        return self.scheme == "int4-asym"
+        """int4-asym / int8-asym: min-max blocks with float offsets (ONNX Runtime only, not TensorRT)."""
+        return self.scheme.endswith("-asym")
 
     @property
     def block(self) -> int | None:
@@ -85,6 +86,9 @@ def validate(options: QuantOptions) -> None:
         if options.lm_head == "int4" and options.block is None:
             raise QuantError(f"--lm-head int4 needs blocks but --quant {options.scheme} is per channel: "
                              "add --block-size 32 (or 64, 128)")
+    if options.accuracy_level not in (0, 1, 2, 3, 4):
+        raise QuantError(f"--accuracy-level {options.accuracy_level} must be 0 (fp32), 1 (fp32), 2 (fp16), 3 (bf16) "
+                         "or 4 (int8): MatMulNBits' compute type for the activations")
     if not 0.0 <= options.keep_fp < 1.0:
         raise QuantError(f"--keep-fp {options.keep_fp} must be a fraction in [0, 1)")
     needs_calib = options.scheme == "int4-awq" or options.keep_fp > 0
@@ -175,10 +179,13 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
     head_kind = options.lm_head or ("int8" if kind == "int4" else kind)
     if head_kind == "fp32":
         keep_names = keep_names | heads
-    head_label = "int4-asym" if options.asymmetric and head_kind == "int4" else head_kind
+    # Asymmetric schemes keep an int8 head symmetric (blocks of 32 reproduce a GGUF Q8_0 tied embedding
+    # exactly; min-max blocks do not); an int4 head is min-max like the layers (symmetric int4 is far worse).
+    head_asym = options.asymmetric and head_kind == kind == "int4"
+    head_label = f"{head_kind}-asym" if head_asym else head_kind
     config = QuantConfig(kind=kind, block_size=block, keep=keep_names, awq_scales=awq,
                          exact_fp8=fp8_source and kind == "fp8", head_kind=head_kind,
-                         asymmetric=options.asymmetric)
+                         asymmetric=options.asymmetric, head_asymmetric=head_asym)
     for graph_pass in (WeightQuantization(config), QuantLowering(options.accuracy_level)):
         start = time.perf_counter()
         matches = graph_pass.apply(model, ctx)
