@@ -1,4 +1,5 @@
-"""`compile --quant ... --lm-head`: the LM head's precision is what was asked, in the graph and the manifest."""
+"""`compile --quant ... --lm-head / --accuracy-level`, and `--quant int8-asym`: what was asked is in the graph and
+the manifest."""
 
 from __future__ import annotations
 
@@ -34,9 +35,25 @@ def test_lm_head_precision(tmp_path, quant, lm_head, op, bits, label):
     assert all(layer["precision"] == quant for layer in q["layers"][:-1])
 
 
+def test_int8_asym_with_fp32_activations(tmp_path):
+    result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=64,
+                                          progress=False, check=True, quant="int8-asym", accuracy_level=0))
+    assert result.parity is not None and result.parity.passed and result.parity.precision == "int8-asym"
+    graph = onnx.load(str(result.output_dir / "model.onnx"), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: a.i for a in n.attribute if a.type == onnx.AttributeProto.INT} for n in nbits]
+    assert nbits and all(a["bits"] == 8 and a["accuracy_level"] == 0 for a in attrs)
+    offsets = [n for n in graph.node if n.op_type == "MatMul" and n.input[1].endswith(".block_offset")]
+    q = load_artifact(result.output_dir).manifest.quantization
+    assert len(offsets) == len(q["layers"]) - 1  # every layer but the symmetric LM head carries offsets
+    assert q["scheme"] == "int8-asym" and not q["symmetric"] and q["lm_head"] == "int8" and q["accuracy_level"] == 0
+
+
 @pytest.mark.parametrize(("kw", "error", "match"), [
     ({"quant": "int8", "lm_head": "int4"}, QuantError, "needs blocks.*--block-size 32"),
     ({"lm_head": "int4"}, MoeforgeError, "--lm-head needs --quant"),
+    ({"quant": "int4", "accuracy_level": 5}, QuantError, "--accuracy-level 5 must be 0"),
+    ({"accuracy_level": 0}, MoeforgeError, "--accuracy-level needs --quant"),
 ])
 def test_bad_lm_head_options(tmp_path, kw, error, match):
     with pytest.raises(error, match=match):
