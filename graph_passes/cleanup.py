@@ -1,4 +1,4 @@
-"""Cleanup: constant folding, common-subexpression elimination, dead-code removal."""
+"""Cleanup: constant folding, common-subexpression elimination, no-op reshape removal, dead-code removal."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from moeforge.graph_passes.base import PassContext
 
 
 class Cleanup:
-    """Fold constants, merge duplicate subexpressions, drop unused nodes/functions/opsets.
+    """Fold constants, merge duplicate subexpressions, bypass reshape round trips, drop unused
+    nodes/functions/opsets.
 
     Reports the number of nodes removed (the graph shrinks; nothing changes numerically).
     """
@@ -21,6 +22,7 @@ class Cleanup:
         before = _count_nodes(model)
         onnxscript.optimizer.fold_constants(model)
         common.CommonSubexpressionEliminationPass()(model)
+        drop_reshape_round_trips(model.graph)
         common.RemoveUnusedNodesPass()(model)
         common.RemoveUnusedFunctionsPass()(model)
         common.RemoveUnusedOpsetsPass()(model)
@@ -29,3 +31,45 @@ class Cleanup:
 
 def _count_nodes(model: ir.Model) -> int:
     return sum(1 for _ in model.graph)
+
+
+def drop_reshape_round_trips(graph: ir.Graph) -> int:
+    """Rewire every Reshape whose output has the same known shape as a tensor it was reshaped from
+    (through a chain of Reshapes) to that tensor: Reshape only relabels row-major data, so equal shapes mean
+    equal tensors. The exporter and the fusions leave such round trips around attention, e.g.
+    q [B, S, H*D] -> [B, S, H, D] -> [B, S, H*D]; at batch 1 decode each costs a kernel launch.
+    Symbolic dims compare by name (one name is one runtime value within a graph). Returns the count."""
+    outputs = set(graph.outputs)
+    count = 0
+    for node in list(graph):
+        if node.op_type != "Reshape" or node.domain != "" or node.outputs[0] in outputs:
+            continue
+        target = _static_shape(node.outputs[0])
+        if target is None:
+            continue
+        source = node.inputs[0]
+        while source is not None:
+            if _static_shape(source) == target:
+                ir.convenience.replace_all_uses_with(node.outputs[0], source)
+                count += 1
+                break
+            producer = source.producer()
+            if producer is None or producer.op_type != "Reshape" or producer.domain != "":
+                break
+            source = producer.inputs[0]
+    return count
+
+
+def _static_shape(value: ir.Value) -> tuple[int | str, ...] | None:
+    """The shape with every dim an int or a named symbol, else None."""
+    if value.shape is None:
+        return None
+    dims: list[int | str] = []
+    for dim in value.shape:
+        if isinstance(dim, int):
+            dims.append(dim)
+        elif isinstance(dim, ir.SymbolicDim) and dim.value is not None:
+            dims.append(dim.value)
+        else:
+            return None
+    return tuple(dims)

@@ -127,6 +127,8 @@ class KVCacheInsertion:
             "GroupQueryAttention", inputs, attributes=attributes, domain=MS_DOMAIN, num_outputs=3,
         )
         out.name = f"/layers.{layer}/attention/output"
+        if q4.shape is not None:  # [B, S, Hq*D]: lets cleanup see the Reshape round trip after it
+            out.shape, out.type = ir.Shape([q4.shape[0], q4.shape[2], hq * dk]), ir.TensorType(q4.dtype)
         present_key.name, present_value.name = names.present
         for value in (present_key, present_value):
             value.shape, value.type = cache_shape, cache_type
