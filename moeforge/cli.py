@@ -67,18 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
     comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
-    comp.add_argument("--quant", choices=["int8", "int4", "int4-asym", "int4-awq", "fp8", "w8a8"],
+    comp.add_argument("--quant", choices=["int8", "int4", "int4-asym", "int4-awq", "fp8", "w8a8", "w8a8-fp8"],
                       default=None,
                       help="weight quantisation: int8 per channel, int4 blocks (symmetric round-to-nearest or AWQ), "
                            "int4-asym (min-max blocks with float offsets, ONNX Runtime only; MoE experts stay "
-                           "symmetric), fp8 e4m3 blocks "
-                           "(w8a8 is not built yet); default fp32")
+                           "symmetric), fp8 e4m3 blocks, w8a8 (int8 weights per channel + static per-tensor int8 "
+                           "activation scales from --calib), w8a8-fp8 (the same in float8 e4m3); default fp32")
     comp.add_argument("--block-size", type=int, default=None,
                       help="quantisation block along the input dimension, a power of two 16..256 that divides "
                            "it (default: int4 32, fp8 128, int8 per channel)")
     comp.add_argument("--calib", type=Path, default=None,
                       help="calibration text file, one prompt per line (UTF-8), tokenised with the model's "
-                           "tokenizer; needed by int4-awq and --keep-fp")
+                           "tokenizer; needed by int4-awq, w8a8 and --keep-fp")
+    comp.add_argument("--calib-method", choices=["minmax", "percentile"], default=None,
+                      help="w8a8: activation range per tensor, max |x| (default) or a percentile of |x|")
+    comp.add_argument("--percentile", type=float, default=None, metavar="P",
+                      help="w8a8 --calib-method percentile: the percentile of |x|, 50 < P <= 100 (default 99.99)")
     comp.add_argument("--kv-quant", choices=["int8", "fp8"], default=None,
                       help="quantised KV cache (not available: ONNX Runtime's CPU attention cannot read one)")
     comp.add_argument("--keep-fp", type=float, default=0.0, metavar="FRACTION",
@@ -258,7 +262,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                              progress=not args.quiet, kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
                              trt_impl=args.trt_impl, sm=args.sm, dtype=args.dtype, max_batch=args.max_batch,
                              quant=args.quant, block_size=args.block_size, calib=args.calib,
-                             kv_quant=args.kv_quant, keep_fp=args.keep_fp)
+                             kv_quant=args.kv_quant, keep_fp=args.keep_fp, calib_method=args.calib_method,
+                             percentile=args.percentile)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:

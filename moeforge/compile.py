@@ -70,11 +70,13 @@ class CompileOptions:
     max_batch: int = 8
     max_prefill_tokens: int = 256
     trt_optimization_level: int | None = None  # TensorRT builder level 0..5 (None: its default, 3)
-    quant: str | None = None  # int8 | int4 | int4-awq | fp8 (moeforge/quantize.py); None = fp32
+    quant: str | None = None  # int8 | int4 | int4-awq | fp8 | w8a8 | w8a8-fp8 (moeforge/quantize.py); None = fp32
     block_size: int | None = None
     calib: Path | None = None
     kv_quant: str | None = None
     keep_fp: float = 0.0
+    calib_method: str | None = None  # w8a8: minmax | percentile
+    percentile: float | None = None
 
 
 @dataclass
@@ -188,11 +190,15 @@ def _check_kv_options(options: CompileOptions) -> bool:
 def _quant_options(options: CompileOptions) -> QuantOptions | None:
     if options.quant is None:
         for flag, value in (("--block-size", options.block_size), ("--calib", options.calib),
-                            ("--kv-quant", options.kv_quant), ("--keep-fp", options.keep_fp or None)):
+                            ("--kv-quant", options.kv_quant), ("--keep-fp", options.keep_fp or None),
+                            ("--calib-method", options.calib_method), ("--percentile", options.percentile)):
             if value is not None:
-                raise MoeforgeError(f"{flag} needs --quant (int8, int4, int4-asym, int4-awq or fp8)")
+                which = "w8a8 or w8a8-fp8" if flag in ("--calib-method", "--percentile") else \
+                    "int8, int4, int4-asym, int4-awq, fp8 or w8a8"
+                raise MoeforgeError(f"{flag} needs --quant ({which})")
         return None
-    quant = QuantOptions(options.quant, options.block_size, options.calib, options.kv_quant, options.keep_fp)
+    quant = QuantOptions(options.quant, options.block_size, options.calib, options.kv_quant, options.keep_fp,
+                         calib_method=options.calib_method, percentile=options.percentile)
     validate_quant(quant)
     return quant
 

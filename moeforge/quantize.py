@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 SCHEMES: dict[str, tuple[str, int | None]] = {
     "int8": ("int8", None), "int4": ("int4", 32), "int4-asym": ("int4", 32), "int4-awq": ("int4", 32),
     "fp8": ("fp8", 128),
+    # static per-tensor activation scales too (moeforge/act_calibration.py): weights per channel
+    "w8a8": ("int8", None), "w8a8-fp8": ("fp8", None),
 }
-NOT_BUILT = {"w8a8": "static int8 activation scales are not built yet (weights-only schemes: int8, int4, int4-asym, "
-                     "int4-awq, fp8)"}
+NOT_BUILT: dict[str, str] = {}
 CALIB_MAX_TOKENS = 256  # per prompt
 AWQ_SAMPLE_ROWS = 512  # activation rows kept per MatMul for the AWQ scale search
 
@@ -46,6 +47,8 @@ class QuantOptions:
     kv_quant: str | None = None
     keep_fp: float = 0.0
     accuracy_level: int = 4  # MatMulNBits/QMoE: 4 = int8 activations inside the kernel (fast), 0 = fp32
+    calib_method: str | None = None  # w8a8: minmax | percentile (moeforge/act_calibration.py)
+    percentile: float | None = None
 
     @property
     def kind(self) -> str:
@@ -74,6 +77,12 @@ def validate(options: QuantOptions) -> None:
         raise QuantError(f"--quant {options.scheme}: {NOT_BUILT[options.scheme]}")
     if options.scheme not in SCHEMES:
         raise QuantError(f"--quant {options.scheme!r} is unknown; choose one of {', '.join(SCHEMES)}")
+    from moeforge.act_calibration import check_options
+
+    activations = check_options(options.scheme, options.calib_method, options.percentile)
+    if activations is not None and options.block_size is not None:
+        raise QuantError(f"--quant {options.scheme} keeps weights per output channel (the static-activation GEMMs, "
+                         "ORT MatMulIntegerToFloat and TensorRT, take per-channel weight scales); drop --block-size")
     block = options.block_size
     if block is not None and (block < 16 or block > 256 or block & (block - 1)):
         raise QuantError(f"--block-size {block} must be a power of two from 16 to 256 (e.g. 32, 64, 128)")
@@ -84,9 +93,9 @@ def validate(options: QuantOptions) -> None:
         raise QuantError(f"--kv-quant {options.kv_quant} is not available: {reason}; leave --kv-quant off")
     if not 0.0 <= options.keep_fp < 1.0:
         raise QuantError(f"--keep-fp {options.keep_fp} must be a fraction in [0, 1)")
-    needs_calib = options.scheme == "int4-awq" or options.keep_fp > 0
+    needs_calib = options.scheme == "int4-awq" or options.keep_fp > 0 or activations is not None
     if needs_calib and options.calib is None:
-        what = "int4-awq" if options.scheme == "int4-awq" else "--keep-fp"
+        what = options.scheme if options.scheme in ("int4-awq", "w8a8", "w8a8-fp8") else "--keep-fp"
         raise QuantError(f"{what} needs calibration prompts: pass --calib FILE (one prompt per line)")
     if options.calib is not None:
         from moeforge.calibration import read_prompts
@@ -169,10 +178,21 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
     # int4 schemes keep the LM head at int8 (same blocks), as llama.cpp keeps output.weight at 6-8 bits:
     # on SmolLM2 an int4 head alone costs more top-1 agreement than all int4 decoder layers together.
     head_kind = "int8" if kind == "int4" else kind
+    act_passes: list = []  # type: ignore[type-arg]
+    act_plan = None
+    if options.scheme in ("w8a8", "w8a8-fp8"):  # static activation ranges, on the fp32 graph
+        from moeforge.act_calibration import ActivationPlan, check_options
+
+        start = time.perf_counter()
+        spec = check_options(options.scheme, options.calib_method, options.percentile)
+        assert spec is not None
+        act_plan = ActivationPlan.calibrate(model, spec, prompts, keep_names)
+        act_passes = act_plan.passes()
+        reports.append(PassReport("quant_act_calibration", len(act_plan.amax), time.perf_counter() - start))
     config = QuantConfig(kind=kind, block_size=block, keep=keep_names, awq_scales=awq,
                          exact_fp8=fp8_source and kind == "fp8", head_kind=head_kind,
                          asymmetric=options.asymmetric)
-    for graph_pass in (WeightQuantization(config), QuantLowering(options.accuracy_level)):
+    for graph_pass in (WeightQuantization(config), *act_passes, QuantLowering(options.accuracy_level)):
         start = time.perf_counter()
         matches = graph_pass.apply(model, ctx)
         reports.append(PassReport(graph_pass.name, matches, time.perf_counter() - start))
@@ -185,6 +205,11 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
         "calibration_prompts": len(prompts), "always_fp32": ["norms", "softmax", "router", "embedding lookup"],
         "sensitivity": kept, "layers": layers,
     }
+    if act_plan is not None:
+        summary["activations"] = act_plan.summary(next(r.matches for r in reports if r.name == "quant_activations"))
+        for layer, target in zip(layers, targets, strict=True):  # MoE experts stay weight-only
+            if target.is_moe and layer["precision"] == options.scheme:
+                layer["precision"] = kind
     return QuantResult(options.scheme, reports, summary)
 
 
