@@ -113,7 +113,7 @@ def test_help_documents_the_calibration_file():
     ({"quant": "int4", "keep_fp": 1.5, "calib": CALIB}, "fraction"),
     ({"quant": "int8", "kv_quant": "int8"}, "not wire it yet"),
     ({"quant": "int8", "kv_quant": "fp8"}, "no float8 KV kernel"),
-    ({"quant": "w8a8"}, "not built"),
+    ({"quant": "w8a8"}, "needs calibration prompts"),
     ({"block_size": 32}, "--block-size needs --quant"),
     ({"quant": "int5"}, "unknown"),
 ])
