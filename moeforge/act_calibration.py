@@ -8,11 +8,20 @@ tensor, one range ``amax`` of |x| over all prompts, tokens and channels:
 - ``percentile``: the ``P``-th percentile of |x| (default 99.99; values above it are clipped).
 
 Symmetric per-tensor scale: int8 ``amax / 127``, float8 e4m3fn ``amax / 448`` (zero point 0).
+
+SmoothQuant (``--smooth-alpha``, default 0.5; Xiao et al. 2023): per input channel j,
+``s_j = max|x_j|^alpha / max_n |W_jn|^(1 - alpha)`` (normalised so sqrt(max s * min s) = 1); the weight rows
+are multiplied by s before quantising and a ``Mul(x, 1/s)`` feeds the Q/DQ (the AWQ hook of
+``quant_weights``), so channel outliers move from the activation into the per-channel weight scales. The range
+is then taken over x / s. MatMuls whose weight label contains a ``--act-keep-fp32`` pattern (default
+``down_proj``: the MLP output projection, where the "massive activations" of Llama-family models sit -- on
+SmolLM2 max |x| reaches 3034 at the first token while its 99.99th percentile is 12) keep fp32 activations and
+int8 weights (lowered to MatMulNBits like ``--quant int8``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -23,6 +32,8 @@ from moeforge.graph_passes.quant_math import FP8_MAX
 METHODS = ("minmax", "percentile")
 DEFAULT_METHOD = "minmax"
 DEFAULT_PERCENTILE = 99.99
+DEFAULT_ALPHA = 0.5
+DEFAULT_KEEP = ("down_proj",)
 QMAX = {"int8": 127.0, "fp8": FP8_MAX}  # activation dtype -> largest code magnitude
 ACT_DTYPE = {"w8a8": "int8", "w8a8-fp8": "fp8"}  # --quant scheme -> activation dtype
 
@@ -33,21 +44,31 @@ class ActivationCalibrationError(MoeforgeError):
 
 @dataclass(frozen=True)
 class ActivationSpec:
-    """How activations are quantised: ``dtype`` int8 | fp8, ``method`` minmax | percentile."""
+    """How activations are quantised: ``dtype`` int8 | fp8, ``method`` minmax | percentile, SmoothQuant
+    ``alpha`` (None: no smoothing), and the weight-label patterns whose MatMuls keep fp32 activations."""
 
     dtype: str
     method: str = DEFAULT_METHOD
     percentile: float = DEFAULT_PERCENTILE
+    alpha: float | None = None
+    keep: tuple[str, ...] = ()
 
     def scale(self, amax: float) -> float:
         """Symmetric per-tensor scale; an all-zero tensor gets 1 (its codes are 0 either way)."""
         return float(amax) / QMAX[self.dtype] if amax > 0 else 1.0
 
+    def keeps(self, label: str) -> bool:
+        return any(pattern in label for pattern in self.keep)
 
-def check_options(scheme: str, method: str | None, percentile: float | None) -> ActivationSpec | None:
-    """Validate ``--calib-method`` / ``--percentile`` for ``--quant scheme``; the spec for w8a8 schemes."""
+
+def check_options(scheme: str, method: str | None, percentile: float | None, alpha: float | None = None,
+                  keep: str | None = None) -> ActivationSpec | None:
+    """Validate ``--calib-method`` / ``--percentile`` / ``--smooth-alpha`` / ``--act-keep-fp32`` for ``--quant
+    scheme``; the spec for w8a8 schemes (defaults: minmax, SmoothQuant alpha 0.5, down_proj kept fp32)."""
+    flags = (("--calib-method", method), ("--percentile", percentile), ("--smooth-alpha", alpha),
+             ("--act-keep-fp32", keep))
     if scheme not in ACT_DTYPE:
-        for flag, value in (("--calib-method", method), ("--percentile", percentile)):
+        for flag, value in flags:
             if value is not None:
                 raise ActivationCalibrationError(
                     f"{flag} sets static activation scales, which only --quant w8a8 / w8a8-fp8 use "
@@ -61,7 +82,12 @@ def check_options(scheme: str, method: str | None, percentile: float | None) -> 
     p = DEFAULT_PERCENTILE if percentile is None else float(percentile)
     if not 50.0 < p <= 100.0:
         raise ActivationCalibrationError(f"--percentile {p:g} must be in (50, 100], e.g. 99.99 (100 = min-max)")
-    return ActivationSpec(ACT_DTYPE[scheme], method, p)
+    a = DEFAULT_ALPHA if alpha is None else float(alpha)
+    if not 0.0 <= a <= 1.0:
+        raise ActivationCalibrationError(f"--smooth-alpha {a:g} must be in [0, 1] (0 turns SmoothQuant off; "
+                                         f"default {DEFAULT_ALPHA})")
+    patterns = DEFAULT_KEEP if keep is None else tuple(k.strip() for k in keep.split(",") if k.strip())
+    return ActivationSpec(ACT_DTYPE[scheme], method, p, a or None, patterns)
 
 
 def amax_of(values: np.ndarray, method: str, percentile: float = DEFAULT_PERCENTILE) -> float:
@@ -74,28 +100,34 @@ def amax_of(values: np.ndarray, method: str, percentile: float = DEFAULT_PERCENT
     return float(np.percentile(a, percentile))
 
 
-def calibrate(model: ir.Model, names: list[str], prompts: list[list[int]],
-              spec: ActivationSpec) -> dict[str, float]:
-    """Run the fp32 ``model`` on ``prompts``; per-tensor ``amax`` of each value in ``names``."""
+def collect(model: ir.Model, names: list[str], prompts: list[list[int]]) -> dict[str, np.ndarray]:
+    """Run the fp32 ``model`` on ``prompts``: per value in ``names``, all its rows [tokens, K] (float32; ~2 MB per
+    tensor for SmolLM2 on 10 prompts)."""
     from moeforge.calibration import GraphRunner
 
     if not prompts:
         raise ActivationCalibrationError("static activation scales need calibration prompts: pass --calib FILE")
     names = list(dict.fromkeys(names))
     runner = GraphRunner(model, extra_outputs=tuple(names))
-    # Per tensor: all |x| values for a percentile ([prompts x tokens x K] float32: ~2 MB per tensor for
-    # SmolLM2 on 10 prompts), or one running max for min-max.
-    values: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    running = dict.fromkeys(names, 0.0)
+    rows: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for ids in prompts:
         for name, value in zip(names, runner.run(ids)[1:], strict=True):
-            if spec.method == "minmax":
-                running[name] = max(running[name], float(np.abs(value).max()))
-            else:
-                values[name].append(np.abs(value).ravel())
-    if spec.method == "minmax":
-        return running
-    return {name: amax_of(np.concatenate(parts), spec.method, spec.percentile) for name, parts in values.items()}
+            rows[name].append(value.reshape(-1, value.shape[-1]))
+    return {name: np.concatenate(parts) for name, parts in rows.items()}
+
+
+def calibrate(model: ir.Model, names: list[str], prompts: list[list[int]],
+              spec: ActivationSpec) -> dict[str, float]:
+    """Per-tensor ``amax`` of each value in ``names`` over ``prompts`` (no smoothing)."""
+    return {name: amax_of(x, spec.method, spec.percentile) for name, x in collect(model, names, prompts).items()}
+
+
+def smooth_scales(x: np.ndarray, weight: np.ndarray, alpha: float) -> np.ndarray:
+    """SmoothQuant s [K] for activations ``x`` [M, K] and weight [K, N] (see the module docstring)."""
+    cx = np.maximum(np.abs(x).max(0), 1e-5).astype(np.float64)
+    cw = np.maximum(np.abs(weight).max(1), 1e-5).astype(np.float64)
+    s = cx ** alpha / cw ** (1.0 - alpha)
+    return (s / np.sqrt(s.max() * s.min())).astype(np.float32)
 
 
 @dataclass
@@ -103,20 +135,33 @@ class ActivationPlan:
     """Calibrated ranges for one model, the passes that apply them and the manifest summary."""
 
     spec: ActivationSpec
-    amax: dict[str, float]  # activation value name -> calibrated range
+    amax: dict[str, float]  # name of the value QuantizeLinear reads (x, or the smoothed ``<weight>.awq_input``)
+    smoothing: dict[str, np.ndarray] = field(default_factory=dict)  # weight name -> SmoothQuant s [K]
+    kept: list[str] = field(default_factory=list)  # labels of MatMuls whose activations stay fp32
 
     @classmethod
     def calibrate(cls, model: ir.Model, spec: ActivationSpec, prompts: list[list[int]],
                   keep: frozenset[str] = frozenset()) -> ActivationPlan:
-        """Ranges of every MatMul activation that will get Q/DQ (run on the fp32 ``model``, before weights are
-        quantised): MatMul weights that will be quantised, except the LM head, the router and MoE experts."""
+        """Ranges (and SmoothQuant scales) of every MatMul activation that will get Q/DQ, on the fp32 ``model``
+        before weights are quantised: quantised MatMul weights except the LM head, the router, MoE experts,
+        ``keep`` (``--keep-fp``) and labels matching ``spec.keep``."""
         from moeforge.graph_passes.quant_weights import quant_targets
 
-        targets = [t for t in quant_targets(model) if not t.is_moe and not t.is_lm_head and t.name not in keep]
-        names = [t.node.inputs[0].name for t in targets if t.node.inputs[0].name]
-        if not names:
+        candidates = [t for t in quant_targets(model) if not t.is_moe and not t.is_lm_head and t.name not in keep]
+        targets = [t for t in candidates if not spec.keeps(t.label) and t.node.inputs[0].name]
+        if not targets:
             raise ActivationCalibrationError("the model has no MatMul whose activations can be quantised")
-        return cls(spec, calibrate(model, names, prompts, spec))
+        xs = collect(model, [t.node.inputs[0].name for t in targets], prompts)
+        plan = cls(spec, {}, kept=[t.label for t in candidates if spec.keeps(t.label)])
+        for t in targets:
+            x = xs[t.node.inputs[0].name]
+            if spec.alpha is None:
+                plan.amax[t.node.inputs[0].name] = amax_of(x, spec.method, spec.percentile)
+                continue
+            s = smooth_scales(x, t.node.inputs[1].const_value.numpy(), spec.alpha)
+            plan.smoothing[t.name] = s
+            plan.amax[f"{t.name}.awq_input"] = amax_of(x / s, spec.method, spec.percentile)
+        return plan
 
     @property
     def scales(self) -> dict[str, float]:
@@ -134,16 +179,20 @@ class ActivationPlan:
     def summary(self, quantized: int) -> dict[str, object]:
         """The manifest's ``quantization.activations``."""
         scales = self.scales
+        int8 = self.spec.dtype == "int8"
         return {
             "dtype": self.spec.dtype, "granularity": "per-tensor, symmetric (zero point 0)",
             "method": self.spec.method,
             "percentile": self.spec.percentile if self.spec.method == "percentile" else None,
+            "smoothquant_alpha": self.spec.alpha,
             "tensors": quantized, "scale_range": [min(scales.values()), max(scales.values())],
             "scales": scales,
-            "weight_only": ["lm_head (int8 weights: MatMulNBits)" if self.spec.dtype == "int8" else "lm_head",
-                            "moe_experts (com.microsoft.MoE/QMoE take no quantised activations)"],
+            "fp32_activations": {
+                "patterns": list(self.spec.keep), "layers": self.kept,
+                "always": ["lm_head", "router", "moe_experts (com.microsoft.MoE/QMoE take no quantised activations)"],
+                "weights": "int8 per channel (MatMulNBits)" if int8 else "fp8 per channel"},
             "onnxruntime_cpu": ("MatMulIntegerToFloat (uint8 x uint8, zero point 128), fused by ONNX Runtime at "
-                                "session load from the Q/DQ pairs" if self.spec.dtype == "int8" else
+                                "session load from the Q/DQ pairs" if int8 else
                                 "float8e4m3fn QuantizeLinear/DequantizeLinear + fp32 MatMul (fake quantisation: "
                                 "ORT CPU has no fp8 GEMM)"),
         }

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="w8a8: activation range per tensor, max |x| (default) or a percentile of |x|")
     comp.add_argument("--percentile", type=float, default=None, metavar="P",
                       help="w8a8 --calib-method percentile: the percentile of |x|, 50 < P <= 100 (default 99.99)")
+    comp.add_argument("--smooth-alpha", type=float, default=None, metavar="A",
+                      help="w8a8: SmoothQuant migration strength 0..1 (default 0.5; 0 = off)")
+    comp.add_argument("--act-keep-fp32", default=None, metavar="PATTERNS",
+                      help="w8a8: comma-separated weight-name patterns whose MatMul activations stay fp32 "
+                           "(default down_proj, where Llama-style models put massive activations; '' = none)")
     comp.add_argument("--kv-quant", choices=["int8", "fp8"], default=None,
                       help="quantised KV cache (not available: ONNX Runtime's CPU attention cannot read one)")
     comp.add_argument("--keep-fp", type=float, default=0.0, metavar="FRACTION",
@@ -263,7 +268,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                              trt_impl=args.trt_impl, sm=args.sm, dtype=args.dtype, max_batch=args.max_batch,
                              quant=args.quant, block_size=args.block_size, calib=args.calib,
                              kv_quant=args.kv_quant, keep_fp=args.keep_fp, calib_method=args.calib_method,
-                             percentile=args.percentile)
+                             percentile=args.percentile, smooth_alpha=args.smooth_alpha,
+                             act_keep_fp32=args.act_keep_fp32)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:

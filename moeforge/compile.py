@@ -77,6 +77,8 @@ class CompileOptions:
     keep_fp: float = 0.0
     calib_method: str | None = None  # w8a8: minmax | percentile
     percentile: float | None = None
+    smooth_alpha: float | None = None  # w8a8: SmoothQuant alpha
+    act_keep_fp32: str | None = None  # w8a8: weight-label patterns whose activations stay fp32
 
 
 @dataclass
@@ -191,14 +193,17 @@ def _quant_options(options: CompileOptions) -> QuantOptions | None:
     if options.quant is None:
         for flag, value in (("--block-size", options.block_size), ("--calib", options.calib),
                             ("--kv-quant", options.kv_quant), ("--keep-fp", options.keep_fp or None),
-                            ("--calib-method", options.calib_method), ("--percentile", options.percentile)):
+                            ("--calib-method", options.calib_method), ("--percentile", options.percentile),
+                            ("--smooth-alpha", options.smooth_alpha), ("--act-keep-fp32", options.act_keep_fp32)):
             if value is not None:
-                which = "w8a8 or w8a8-fp8" if flag in ("--calib-method", "--percentile") else \
+                which = "w8a8 or w8a8-fp8" if flag in ("--calib-method", "--percentile", "--smooth-alpha",
+                                                       "--act-keep-fp32") else \
                     "int8, int4, int4-asym, int4-awq, fp8 or w8a8"
                 raise MoeforgeError(f"{flag} needs --quant ({which})")
         return None
     quant = QuantOptions(options.quant, options.block_size, options.calib, options.kv_quant, options.keep_fp,
-                         calib_method=options.calib_method, percentile=options.percentile)
+                         calib_method=options.calib_method, percentile=options.percentile,
+                         smooth_alpha=options.smooth_alpha, act_keep_fp32=options.act_keep_fp32)
     validate_quant(quant)
     return quant
 

@@ -49,6 +49,8 @@ class QuantOptions:
     accuracy_level: int = 4  # MatMulNBits/QMoE: 4 = int8 activations inside the kernel (fast), 0 = fp32
     calib_method: str | None = None  # w8a8: minmax | percentile (moeforge/act_calibration.py)
     percentile: float | None = None
+    smooth_alpha: float | None = None  # w8a8: SmoothQuant alpha (None: 0.5; 0: off)
+    act_keep_fp32: str | None = None  # w8a8: comma-separated weight-label patterns (None: "down_proj")
 
     @property
     def kind(self) -> str:
@@ -79,7 +81,8 @@ def validate(options: QuantOptions) -> None:
         raise QuantError(f"--quant {options.scheme!r} is unknown; choose one of {', '.join(SCHEMES)}")
     from moeforge.act_calibration import check_options
 
-    activations = check_options(options.scheme, options.calib_method, options.percentile)
+    activations = check_options(options.scheme, options.calib_method, options.percentile, options.smooth_alpha,
+                                options.act_keep_fp32)
     if activations is not None and options.block_size is not None:
         raise QuantError(f"--quant {options.scheme} keeps weights per output channel (the static-activation GEMMs, "
                          "ORT MatMulIntegerToFloat and TensorRT, take per-channel weight scales); drop --block-size")
@@ -184,10 +187,11 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
         from moeforge.act_calibration import ActivationPlan, check_options
 
         start = time.perf_counter()
-        spec = check_options(options.scheme, options.calib_method, options.percentile)
+        spec = check_options(options.scheme, options.calib_method, options.percentile, options.smooth_alpha,
+                             options.act_keep_fp32)
         assert spec is not None
         act_plan = ActivationPlan.calibrate(model, spec, prompts, keep_names)
-        act_passes = act_plan.passes()
+        act_passes, awq = act_plan.passes(), act_plan.smoothing
         reports.append(PassReport("quant_act_calibration", len(act_plan.amax), time.perf_counter() - start))
     config = QuantConfig(kind=kind, block_size=block, keep=keep_names, awq_scales=awq,
                          exact_fp8=fp8_source and kind == "fp8", head_kind=head_kind,
@@ -207,8 +211,8 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
     }
     if act_plan is not None:
         summary["activations"] = act_plan.summary(next(r.matches for r in reports if r.name == "quant_activations"))
-        for layer, target in zip(layers, targets, strict=True):  # MoE experts stay weight-only
-            if target.is_moe and layer["precision"] == options.scheme:
+        for layer, target in zip(layers, targets, strict=True):  # weight-only: MoE experts, --act-keep-fp32
+            if layer["precision"] == options.scheme and (target.is_moe or target.label in act_plan.kept):
                 layer["precision"] = kind
     return QuantResult(options.scheme, reports, summary)
 

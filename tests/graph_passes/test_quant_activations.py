@@ -22,7 +22,7 @@ from moeforge.graph_passes.quant_activations import (
     fake_quantize_activation,
 )
 from moeforge.graph_passes.quant_math import fake_quantize
-from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization
+from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
 
 V, K, N = 64, 256, 128
 OUTLIER_TOKEN = 7
@@ -109,38 +109,71 @@ def test_quantised_graph_equals_numpy_fake_quant(tmp_path, dtype):
     assert np.abs(h - x @ w1).max() > 1e-2 * np.abs(reference).max()  # really quantised
 
 
-def test_tiny_llama_scales_match_pytorch_activations(stateless_models):
-    """Each quantised MatMul's scale is max|x| / 127 with x its PyTorch nn.Linear input on the same prompts."""
+@pytest.fixture(scope="module")
+def tiny_llama(stateless_models):
+    """(loaded, ORT-pipeline graph, prompts, PyTorch nn.Linear inputs [tokens, K] per module on those prompts)."""
     loaded, exported = stateless_models["tiny-llama"]
     model = ir.serde.deserialize_model(ir.serde.serialize_model(exported))
-    ctx = PassContext(config=loaded.config, max_seq_len=256)
-    run_passes(model, ctx, ort_pipeline())
+    run_passes(model, PassContext(config=loaded.config, max_seq_len=256), ort_pipeline())
     prompts = [np.random.default_rng(s).integers(0, loaded.config.vocab_size, 12 + s).tolist() for s in range(3)]
-    # PyTorch: max |input| per Linear over the same prompts, one prefill each
-    seen: dict[str, float] = {}
+    seen: dict[str, list[np.ndarray]] = {}
     hooks = [module.register_forward_pre_hook(
-        lambda mod, args, name=name: seen.__setitem__(name, max(seen.get(name, 0.0), args[0].abs().max().item())))
+        lambda mod, args, name=name: seen.setdefault(name, []).append(args[0].reshape(-1, args[0].shape[-1]).numpy()))
         for name, module in loaded.model.named_modules() if isinstance(module, torch.nn.Linear)]
     with torch.inference_mode():
-        for ids in prompts:
+        for ids in prompts:  # one prefill each, like the calibration runner
             loaded.model(torch.tensor([ids]), torch.arange(len(ids))[None])
     for hook in hooks:
         hook.remove()
-    spec = ActivationSpec("int8", "minmax")
-    plan = ActivationPlan.calibrate(model, spec, prompts)
+    return loaded, model, prompts, {name: np.concatenate(rows) for name, rows in seen.items()}
+
+
+def _copy(model: ir.Model) -> ir.Model:
+    return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+
+
+def test_tiny_llama_scales_match_pytorch_activations(tiny_llama):
+    """Each quantised MatMul's scale is max|x| / 127 with x its PyTorch nn.Linear input on the same prompts."""
+    loaded, graph, prompts, inputs = tiny_llama
+    model = _copy(graph)
+    ctx = PassContext(config=loaded.config, max_seq_len=256)
+    plan = ActivationPlan.calibrate(model, ActivationSpec("int8", "minmax"), prompts)  # no smoothing, keep none
     # graph order per layer: packed q/k/v (reads q_proj's input), o_proj, packed gate/up, down_proj
-    layers = loaded.config.num_hidden_layers
-    modules = [f"model.layers.{i}.{m}" for i in range(layers)
+    modules = [f"model.layers.{i}.{m}" for i in range(loaded.config.num_hidden_layers)
                for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")]
-    assert len(plan.amax) == len(modules)
-    for (name, amax), module in zip(plan.amax.items(), modules, strict=True):
-        assert amax == pytest.approx(seen[module], rel=1e-4), (name, module)
+    expected = [float(np.abs(inputs[m]).max()) for m in modules]
+    assert list(plan.amax.values()) == pytest.approx(expected, rel=1e-4)
     WeightQuantization(QuantConfig(kind="int8", block_size=None)).apply(model, ctx)
     assert ActivationQuantization(plan.scales, "int8").apply(model, ctx) == len(modules)
     graph_scales = {n.inputs[0].name: float(n.inputs[1].const_value.numpy()) for n in model.graph
                     if n.op_type == "QuantizeLinear"}
-    for name, module in zip(plan.amax, modules, strict=True):
-        assert graph_scales[name] == pytest.approx(seen[module] / 127, rel=1e-4)
+    assert [graph_scales[name] for name in plan.amax] == pytest.approx([e / 127 for e in expected], rel=1e-4)
     head = next(n for n in model.graph if any(o.name == "logits" for o in n.outputs))
     assert head.inputs[0].producer().op_type != "DequantizeLinear"  # the LM head keeps fp32 activations
     assert OrtActivationLowering().apply(model, ctx) == len(modules)
+
+
+def test_smoothquant_scales_and_kept_down_proj_match_pytorch(tiny_llama):
+    """SmoothQuant s_j = max|x_j|^a / max|W_j|^(1-a) (normalised), from PyTorch's o_proj input and weight; the range
+    is taken over x / s; down_proj (default --act-keep-fp32) gets no Q/DQ."""
+    loaded, graph, prompts, inputs = tiny_llama
+    model = _copy(graph)
+    spec = ActivationSpec("int8", "minmax", alpha=0.5, keep=("down_proj",))
+    plan = ActivationPlan.calibrate(model, spec, prompts)
+    assert plan.kept == [f"model_layers_{i}_mlp_down_proj" for i in range(loaded.config.num_hidden_layers)]
+    targets = {t.label: t for t in quant_targets(model)}
+    for i in range(loaded.config.num_hidden_layers):
+        x = inputs[f"model.layers.{i}.self_attn.o_proj"]
+        w = loaded.model.get_submodule(f"model.layers.{i}.self_attn.o_proj").weight.detach().numpy()  # [N, K]
+        s = np.sqrt(np.abs(x).max(0)) / np.sqrt(np.abs(w).max(0))
+        s = s / np.sqrt(s.max() * s.min())
+        name = targets[f"model_layers_{i}_self_attn_o_proj"].name
+        np.testing.assert_allclose(plan.smoothing[name], s, rtol=1e-4)
+        assert plan.amax[f"{name}.awq_input"] == pytest.approx(float(np.abs(x / s).max()), rel=1e-4)
+    ctx = PassContext(config=loaded.config, max_seq_len=256)
+    WeightQuantization(QuantConfig(kind="int8", block_size=None, awq_scales=plan.smoothing)).apply(model, ctx)
+    assert ActivationQuantization(plan.scales, "int8").apply(model, ctx) == 3 * loaded.config.num_hidden_layers
+    for i in range(loaded.config.num_hidden_layers):
+        down = targets[f"model_layers_{i}_mlp_down_proj"].node
+        assert down.inputs[1].producer().op_type == "DequantizeLinear"  # int8 weights ...
+        assert down.inputs[0].producer().op_type != "DequantizeLinear"  # ... fp32 activations

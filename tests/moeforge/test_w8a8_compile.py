@@ -19,7 +19,8 @@ CALIB = Path(__file__).resolve().parents[1] / "data" / "quant_calib_en.txt"
 
 @pytest.mark.parametrize(("model", "quant", "extra"), [
     ("tiny-llama", "w8a8", []),
-    ("tiny-deepseek-v3", "w8a8-fp8", ["--calib-method", "percentile", "--percentile", "99.99"]),
+    ("tiny-deepseek-v3", "w8a8-fp8", ["--calib-method", "percentile", "--percentile", "99.99",
+                                      "--smooth-alpha", "0", "--act-keep-fp32", ""]),
 ])
 def test_compile_check_passes_and_manifest_records_scales(tmp_path, capsys, model, quant, extra):
     out = tmp_path / "a"
@@ -33,6 +34,8 @@ def test_compile_check_passes_and_manifest_records_scales(tmp_path, capsys, mode
     assert act["dtype"] == ("int8" if quant == "w8a8" else "fp8")
     assert act["method"] == ("minmax" if not extra else "percentile")
     assert act["percentile"] == (None if not extra else 99.99)
+    assert act["smoothquant_alpha"] == (0.5 if not extra else None)
+    assert act["fp32_activations"]["patterns"] == (["down_proj"] if not extra else [])
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
     inits = {i.name: i for i in graph.initializer}
     quantize = [n for n in graph.node if n.op_type == "QuantizeLinear"]
@@ -42,6 +45,8 @@ def test_compile_check_passes_and_manifest_records_scales(tmp_path, capsys, mode
         assert float(scale) == pytest.approx(act["scales"][node.input[0]], rel=1e-6)
     layers = manifest.quantization["layers"]
     assert layers[-1]["precision"] == ("int8" if quant == "w8a8" else "fp8")  # LM head: weights only
+    kept = [layer for layer in layers if "down_proj" in layer["label"]]
+    assert kept and all(layer["precision"] == ("int8" if not extra else quant) for layer in kept)
     if model == "tiny-deepseek-v3":  # MoE experts stay weight-only
         experts = [layer for layer in layers if "experts" in layer["name"]]
         assert experts and all(layer["precision"] == "fp8" for layer in experts)
@@ -63,6 +68,8 @@ def test_compile_check_passes_and_manifest_records_scales(tmp_path, capsys, mode
     (["--quant", "w8a8", "--calib", str(CALIB), "--calib-method", "percentile", "--percentile", "100.5"], "100"),
     (["--quant", "w8a8", "--calib", str(CALIB), "--percentile", "99"], "needs --calib-method percentile"),
     (["--quant", "w8a8", "--calib", str(CALIB), "--block-size", "32"], "per output channel"),
+    (["--quant", "w8a8", "--calib", str(CALIB), "--smooth-alpha", "1.5"], r"must be in \[0, 1\]"),
+    (["--quant", "int4", "--act-keep-fp32", "o_proj"], "only --quant w8a8"),
 ])
 def test_bad_w8a8_options_exit_2_and_write_nothing(tmp_path, capsys, args, match):
     out = tmp_path / "never"
