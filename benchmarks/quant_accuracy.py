@@ -46,16 +46,17 @@ SCHEMES = [  # (label, options)
     ("int8-keep-fp-0.1", QuantOptions("int8", calib=CALIB, keep_fp=0.1)),
     ("int4-awq-keep-fp-0.1", QuantOptions("int4-awq", calib=CALIB, keep_fp=0.1)),
     # static per-tensor activation scales (moeforge/act_calibration.py); --results for a separate file
-    # defaults: SmoothQuant alpha 0.5, down_proj activations fp32
+    # defaults: int8 SmoothQuant alpha 0.5 and down_proj activations fp32; fp8 neither
     ("w8a8-minmax", QuantOptions("w8a8", calib=CALIB, calib_method="minmax")),
     ("w8a8-percentile", QuantOptions("w8a8", calib=CALIB, calib_method="percentile")),
-    ("w8a8-fp8-minmax", QuantOptions("w8a8-fp8", calib=CALIB, calib_method="minmax")),
+    ("w8a8-fp8-smooth-keep-down-minmax", QuantOptions("w8a8-fp8", calib=CALIB, smooth_alpha=0.5,
+                                                      act_keep_fp32="down_proj")),
     # every decoder MatMul's activations, no smoothing: plain per-tensor static scales
     ("w8a8-all-minmax", QuantOptions("w8a8", calib=CALIB, smooth_alpha=0, act_keep_fp32="")),
     ("w8a8-all-percentile", QuantOptions("w8a8", calib=CALIB, calib_method="percentile", smooth_alpha=0,
                                          act_keep_fp32="")),
     ("w8a8-all-smooth-minmax", QuantOptions("w8a8", calib=CALIB, act_keep_fp32="")),
-    ("w8a8-fp8-all-minmax", QuantOptions("w8a8-fp8", calib=CALIB, smooth_alpha=0, act_keep_fp32="")),
+    ("w8a8-fp8-minmax", QuantOptions("w8a8-fp8", calib=CALIB)),  # = every MatMul, no smoothing
 ]
 BARS = {"int8": 0.99, "int4": 0.93, "int4-asym": 0.93, "fp8-block64": 0.97}
 NOTES = {"int4-asym": "min-max asymmetric int4 blocks of 32 (ONNX Runtime's default weight-only scheme; run as "

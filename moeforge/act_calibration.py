@@ -9,14 +9,14 @@ tensor, one range ``amax`` of |x| over all prompts, tokens and channels:
 
 Symmetric per-tensor scale: int8 ``amax / 127``, float8 e4m3fn ``amax / 448`` (zero point 0).
 
-SmoothQuant (``--smooth-alpha``, default 0.5; Xiao et al. 2023): per input channel j,
+SmoothQuant (``--smooth-alpha``, int8 default 0.5, fp8 default off; Xiao et al. 2023): per input channel j,
 ``s_j = max|x_j|^alpha / max_n |W_jn|^(1 - alpha)`` (normalised so sqrt(max s * min s) = 1); the weight rows
 are multiplied by s before quantising and a ``Mul(x, 1/s)`` feeds the Q/DQ (the AWQ hook of
 ``quant_weights``), so channel outliers move from the activation into the per-channel weight scales. The range
-is then taken over x / s. MatMuls whose weight label contains a ``--act-keep-fp32`` pattern (default
-``down_proj``: the MLP output projection, where the "massive activations" of Llama-family models sit -- on
-SmolLM2 max |x| reaches 3034 at the first token while its 99.99th percentile is 12) keep fp32 activations and
-int8 weights (lowered to MatMulNBits like ``--quant int8``).
+is then taken over x / s. MatMuls whose weight label contains a ``--act-keep-fp32`` pattern (int8 default
+``down_proj``, the MLP output projection, where the "massive activations" of Llama-family models sit -- on
+SmolLM2 max |x| reaches 3034 at the first token while its 99.99th percentile is 12; fp8 default none) keep
+fp32 activations and their quantised weights (int8: lowered to MatMulNBits like ``--quant int8``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class ActivationSpec:
 def check_options(scheme: str, method: str | None, percentile: float | None, alpha: float | None = None,
                   keep: str | None = None) -> ActivationSpec | None:
     """Validate ``--calib-method`` / ``--percentile`` / ``--smooth-alpha`` / ``--act-keep-fp32`` for ``--quant
-    scheme``; the spec for w8a8 schemes (defaults: minmax, SmoothQuant alpha 0.5, down_proj kept fp32)."""
+    scheme``; the spec for w8a8 schemes (defaults: minmax; int8: SmoothQuant alpha 0.5, down_proj kept fp32;
+    fp8: neither)."""
     flags = (("--calib-method", method), ("--percentile", percentile), ("--smooth-alpha", alpha),
              ("--act-keep-fp32", keep))
     if scheme not in ACT_DTYPE:
@@ -82,12 +83,17 @@ def check_options(scheme: str, method: str | None, percentile: float | None, alp
     p = DEFAULT_PERCENTILE if percentile is None else float(percentile)
     if not 50.0 < p <= 100.0:
         raise ActivationCalibrationError(f"--percentile {p:g} must be in (50, 100], e.g. 99.99 (100 = min-max)")
-    a = DEFAULT_ALPHA if alpha is None else float(alpha)
+    dtype = ACT_DTYPE[scheme]
+    # float8's exponent already spans SmolLM2's outliers: there smoothing and fp32 down_proj measured no better
+    a = (DEFAULT_ALPHA if dtype == "int8" else 0.0) if alpha is None else float(alpha)
     if not 0.0 <= a <= 1.0:
         raise ActivationCalibrationError(f"--smooth-alpha {a:g} must be in [0, 1] (0 turns SmoothQuant off; "
                                          f"default {DEFAULT_ALPHA})")
-    patterns = DEFAULT_KEEP if keep is None else tuple(k.strip() for k in keep.split(",") if k.strip())
-    return ActivationSpec(ACT_DTYPE[scheme], method, p, a or None, patterns)
+    if keep is None:
+        patterns = DEFAULT_KEEP if dtype == "int8" else ()
+    else:
+        patterns = tuple(k.strip() for k in keep.split(",") if k.strip())
+    return ActivationSpec(dtype, method, p, a or None, patterns)
 
 
 def amax_of(values: np.ndarray, method: str, percentile: float = DEFAULT_PERCENTILE) -> float:

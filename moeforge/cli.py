@@ -84,10 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--percentile", type=float, default=None, metavar="P",
                       help="w8a8 --calib-method percentile: the percentile of |x|, 50 < P <= 100 (default 99.99)")
     comp.add_argument("--smooth-alpha", type=float, default=None, metavar="A",
-                      help="w8a8: SmoothQuant migration strength 0..1 (default 0.5; 0 = off)")
+                      help="w8a8: SmoothQuant migration strength 0..1 (default 0.5, w8a8-fp8 0; 0 = off)")
     comp.add_argument("--act-keep-fp32", default=None, metavar="PATTERNS",
                       help="w8a8: comma-separated weight-name patterns whose MatMul activations stay fp32 "
-                           "(default down_proj, where Llama-style models put massive activations; '' = none)")
+                           "(default down_proj, where Llama-style models put massive activations; w8a8-fp8 and "
+                           "'': none)")
     comp.add_argument("--kv-quant", choices=["int8", "fp8"], default=None,
                       help="quantised KV cache (not available: ONNX Runtime's CPU attention cannot read one)")
     comp.add_argument("--keep-fp", type=float, default=0.0, metavar="FRACTION",
