@@ -96,41 +96,77 @@ def check_options(scheme: str, method: str | None, percentile: float | None, alp
     return ActivationSpec(dtype, method, p, a or None, patterns)
 
 
-def amax_of(values: np.ndarray, method: str, percentile: float = DEFAULT_PERCENTILE) -> float:
-    """The range of |values|: the max (``minmax``) or the ``percentile``-th percentile (linear interpolation)."""
-    a = np.abs(np.asarray(values, np.float32)).ravel()
-    if a.size == 0:
-        raise ActivationCalibrationError("no activation values to calibrate on")
-    if method == "minmax" or percentile >= 100.0:
-        return float(a.max())
-    return float(np.percentile(a, percentile))
+class _Activations:
+    """The fp32 ``model`` in an ONNX Runtime session returning the values ``names``; ``rows(prompts)`` yields, per
+    prompt, name -> rows [tokens, K]. Calibration streams over them (memory does not grow with the prompts)."""
+
+    def __init__(self, model: ir.Model, names: list[str], prompts: list[list[int]]) -> None:
+        from moeforge.calibration import GraphRunner
+
+        if not prompts:
+            raise ActivationCalibrationError("static activation scales need calibration prompts: pass --calib FILE")
+        self.names, self.prompts = list(dict.fromkeys(names)), prompts
+        self.runner = GraphRunner(model, extra_outputs=tuple(self.names))
+
+    def rows(self):  # type: ignore[no-untyped-def]
+        for ids in self.prompts:
+            outputs = self.runner.run(ids)[1:]
+            yield {name: v.reshape(-1, v.shape[-1]) for name, v in zip(self.names, outputs, strict=True)}
+
+    def channel_max(self) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """Pass 1: max |x_j| per channel [K] and the number of values, per name."""
+        cmax: dict[str, np.ndarray] = {}
+        count = dict.fromkeys(self.names, 0)
+        for batch in self.rows():
+            for name, x in batch.items():
+                m = np.abs(x).max(0)
+                cmax[name] = np.maximum(cmax[name], m) if name in cmax else m
+                count[name] += x.size
+        return cmax, count
+
+    def percentiles(self, keys: dict[str, tuple[str, np.ndarray | None]], count: dict[str, int],
+                    percentile: float) -> dict[str, float]:
+        """Pass 2: the exact ``percentile`` of |x / divisor| per key (key -> (name, divisor [K] or None)), keeping
+        only each tensor's largest ``(1 - p/100) * n + 2`` values (np.percentile's linear interpolation)."""
+        need = {key: top_count(count[name], percentile) for key, (name, _) in keys.items()}
+        top: dict[str, np.ndarray] = {key: np.empty(0, np.float32) for key in keys}
+        for batch in self.rows():
+            for key, (name, divisor) in keys.items():
+                x = batch[name] if divisor is None else batch[name] / divisor
+                values = np.concatenate([top[key], np.abs(x).ravel()])
+                if len(values) > need[key]:
+                    values = np.partition(values, len(values) - need[key])[len(values) - need[key]:]
+                top[key] = values
+        return {key: percentile_from_top(np.sort(top[key]), count[name], percentile)
+                for key, (name, _) in keys.items()}
 
 
-def collect(model: ir.Model, names: list[str], prompts: list[list[int]]) -> dict[str, np.ndarray]:
-    """Run the fp32 ``model`` on ``prompts``: per value in ``names``, all its rows [tokens, K] (float32; ~2 MB per
-    tensor for SmolLM2 on 10 prompts)."""
-    from moeforge.calibration import GraphRunner
+def top_count(n: int, percentile: float) -> int:
+    return min(n, n - int(np.floor((n - 1) * percentile / 100.0)) + 1)
 
-    if not prompts:
-        raise ActivationCalibrationError("static activation scales need calibration prompts: pass --calib FILE")
-    names = list(dict.fromkeys(names))
-    runner = GraphRunner(model, extra_outputs=tuple(names))
-    rows: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    for ids in prompts:
-        for name, value in zip(names, runner.run(ids)[1:], strict=True):
-            rows[name].append(value.reshape(-1, value.shape[-1]))
-    return {name: np.concatenate(parts) for name, parts in rows.items()}
+
+def percentile_from_top(top: np.ndarray, n: int, percentile: float) -> float:
+    """np.percentile(values, p) from the ascending largest ``len(top)`` of ``n`` values."""
+    h = (n - 1) * percentile / 100.0
+    lo, hi = int(np.floor(h)), int(np.ceil(h))
+    first = n - len(top)  # rank of top[0] among all n values
+    v_lo, v_hi = float(top[lo - first]), float(top[hi - first])
+    return v_lo + (h - lo) * (v_hi - v_lo)
 
 
 def calibrate(model: ir.Model, names: list[str], prompts: list[list[int]],
               spec: ActivationSpec) -> dict[str, float]:
     """Per-tensor ``amax`` of each value in ``names`` over ``prompts`` (no smoothing)."""
-    return {name: amax_of(x, spec.method, spec.percentile) for name, x in collect(model, names, prompts).items()}
+    acts = _Activations(model, names, prompts)
+    cmax, count = acts.channel_max()
+    if spec.method == "minmax" or spec.percentile >= 100.0:
+        return {name: float(cmax[name].max()) for name in acts.names}
+    return acts.percentiles({name: (name, None) for name in acts.names}, count, spec.percentile)
 
 
-def smooth_scales(x: np.ndarray, weight: np.ndarray, alpha: float) -> np.ndarray:
-    """SmoothQuant s [K] for activations ``x`` [M, K] and weight [K, N] (see the module docstring)."""
-    cx = np.maximum(np.abs(x).max(0), 1e-5).astype(np.float64)
+def smooth_scales(channel_max: np.ndarray, weight: np.ndarray, alpha: float) -> np.ndarray:
+    """SmoothQuant s [K] from max |x_j| [K] and the weight [K, N] (see the module docstring)."""
+    cx = np.maximum(channel_max, 1e-5).astype(np.float64)
     cw = np.maximum(np.abs(weight).max(1), 1e-5).astype(np.float64)
     s = cx ** alpha / cw ** (1.0 - alpha)
     return (s / np.sqrt(s.max() * s.min())).astype(np.float32)
@@ -157,16 +193,22 @@ class ActivationPlan:
         targets = [t for t in candidates if not spec.keeps(t.label) and t.node.inputs[0].name]
         if not targets:
             raise ActivationCalibrationError("the model has no MatMul whose activations can be quantised")
-        xs = collect(model, [t.node.inputs[0].name for t in targets], prompts)
+        acts = _Activations(model, [t.node.inputs[0].name for t in targets], prompts)
+        cmax, count = acts.channel_max()
         plan = cls(spec, {}, kept=[t.label for t in candidates if spec.keeps(t.label)])
+        keys: dict[str, tuple[str, np.ndarray | None]] = {}  # Q input name -> (activation, divisor s)
         for t in targets:
-            x = xs[t.node.inputs[0].name]
+            x = t.node.inputs[0].name
             if spec.alpha is None:
-                plan.amax[t.node.inputs[0].name] = amax_of(x, spec.method, spec.percentile)
-                continue
-            s = smooth_scales(x, t.node.inputs[1].const_value.numpy(), spec.alpha)
-            plan.smoothing[t.name] = s
-            plan.amax[f"{t.name}.awq_input"] = amax_of(x / s, spec.method, spec.percentile)
+                keys[x] = (x, None)
+            else:
+                s = smooth_scales(cmax[x], t.node.inputs[1].const_value.numpy(), spec.alpha)
+                plan.smoothing[t.name] = s
+                keys[f"{t.name}.awq_input"] = (x, s)
+        if spec.method == "minmax" or spec.percentile >= 100.0:  # max |x_j / s_j| needs no second pass
+            plan.amax = {key: float((cmax[x] if s is None else cmax[x] / s).max()) for key, (x, s) in keys.items()}
+        else:
+            plan.amax = acts.percentiles(keys, count, spec.percentile)
         return plan
 
     @property

@@ -10,10 +10,12 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, numpy_helper
 from onnx import helper as oh
 
-from moeforge.act_calibration import ActivationPlan, ActivationSpec, amax_of, calibrate
+from moeforge.act_calibration import ActivationPlan, ActivationSpec, calibrate, percentile_from_top, top_count
 from moeforge.graph_passes.base import PassContext
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
 from moeforge.graph_passes.quant_activations import (
@@ -77,7 +79,15 @@ def test_minmax_and_percentile_ranges_on_a_planted_outlier():
     assert pct < 10 < minmax  # the outlier stretches min-max; the percentile ignores it
     assert ActivationSpec("int8").scale(minmax) == pytest.approx(1000.0 / 127)
     assert ActivationSpec("fp8").scale(minmax) == pytest.approx(1000.0 / 448)
-    assert amax_of(np.array([0.5, -2.0, 1.0]), "percentile", 100.0) == 2.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), p=st.floats(50.001, 100.0), seed=st.integers(0, 2**16))
+def test_streamed_percentile_equals_numpy(n, p, seed):
+    """The calibration keeps only each tensor's largest values; the percentile from them is numpy's."""
+    values = np.abs(np.random.default_rng(seed).standard_normal(n)).astype(np.float32)
+    top = np.sort(values)[n - top_count(n, p):]
+    assert percentile_from_top(top, n, p) == pytest.approx(float(np.percentile(values, p)), rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
