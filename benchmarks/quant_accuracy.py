@@ -7,6 +7,8 @@ position's logits with PyTorch fp32: top-1 agreement and mean KL(PyTorch || arti
 on tests/data/quant_calib_en.txt (different text). Writes benchmarks/results/quant_accuracy_smollm2.json.
 SmolLM2's hidden size 576 is not a multiple of 128, so fp8 uses 64-element blocks here.
 `--only int4 int4-asym` runs those schemes (and fp32) and merges them into the existing results file.
+`--only w8a8-minmax w8a8-percentile --results benchmarks/results/quant_accuracy_smollm2_w8a8.json`
+writes a separate file.
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ SCHEMES = [  # (label, options)
     ("fp8-block64", QuantOptions("fp8", block_size=64)),
     ("int8-keep-fp-0.1", QuantOptions("int8", calib=CALIB, keep_fp=0.1)),
     ("int4-awq-keep-fp-0.1", QuantOptions("int4-awq", calib=CALIB, keep_fp=0.1)),
+    # static per-tensor activation scales (moeforge/act_calibration.py); --results for a separate file
+    # defaults: int8 SmoothQuant alpha 0.5 and down_proj activations fp32; fp8 neither
+    ("w8a8-minmax", QuantOptions("w8a8", calib=CALIB, calib_method="minmax")),
+    ("w8a8-percentile", QuantOptions("w8a8", calib=CALIB, calib_method="percentile")),
+    ("w8a8-fp8-smooth-keep-down-minmax", QuantOptions("w8a8-fp8", calib=CALIB, smooth_alpha=0.5,
+                                                      act_keep_fp32="down_proj")),
+    # every decoder MatMul's activations, no smoothing: plain per-tensor static scales
+    ("w8a8-all-minmax", QuantOptions("w8a8", calib=CALIB, smooth_alpha=0, act_keep_fp32="")),
+    ("w8a8-all-percentile", QuantOptions("w8a8", calib=CALIB, calib_method="percentile", smooth_alpha=0,
+                                         act_keep_fp32="")),
+    ("w8a8-all-smooth-minmax", QuantOptions("w8a8", calib=CALIB, act_keep_fp32="")),
+    ("w8a8-fp8-minmax", QuantOptions("w8a8-fp8", calib=CALIB)),  # = every MatMul, no smoothing
 ]
 BARS = {"int8": 0.99, "int8-asym": 0.99, "int8-asym-acc0": 0.99, "int4": 0.93, "int4-asym": 0.93, "fp8-block64": 0.97}
 NOTES = {"int4-asym": "min-max asymmetric int4 blocks of 32 (ONNX Runtime's default weight-only scheme; run as "
@@ -77,6 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", nargs="+", choices=[label for label, _ in SCHEMES], default=None,
                         help="run only these schemes (plus fp32) and merge them into the existing results file")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="results JSON (default: %(default)s)")
     args = parser.parse_args()
     schemes = [(label, o) for label, o in SCHEMES if args.only is None or label in args.only]
     loaded = load_model("smollm2-135m")
@@ -97,6 +112,8 @@ def main() -> None:
             if options is not None:
                 result = quantize_model(copy, ctx, options, loaded.tokenizer)
                 summary = {k: result.summary[k] for k in ("scheme", "weights", "block_size", "accuracy_level")}
+                if "activations" in result.summary:
+                    summary["activations"] = {k: v for k, v in result.summary["activations"].items() if k != "scales"}
             seconds = time.perf_counter() - start
             folder = Path(tmp) / label
             folder.mkdir()
@@ -108,12 +125,12 @@ def main() -> None:
                            "model_bytes": size, "quantize_seconds": round(seconds, 2),
                            **({"note": NOTES[label]} if label in NOTES else {})}
             print(label, rows[label], flush=True)
-    if args.only is not None and RESULTS.is_file():  # keep the other schemes' earlier rows
-        rows = {**json.loads(RESULTS.read_text())["results"]["results"], **rows}
+    if args.only is not None and args.results.is_file():  # keep the other schemes' earlier rows
+        rows = {**json.loads(args.results.read_text())["results"]["results"], **rows}
     if "int4-awq" in rows and "int4" in rows:
         rows["int4-awq"]["better_than_int4_rtn"] = (rows["int4-awq"]["top1_agreement"] >= rows["int4"]["top1_agreement"]
                                                    and rows["int4-awq"]["mean_kl"] < rows["int4"]["mean_kl"])
-    write_result(RESULTS, "quant_accuracy", {
+    write_result(args.results, "quant_accuracy", {
         "model": "smollm2-135m", "reference": "PyTorch fp32", "text": str(TEXT.relative_to(ROOT)),
         "tokens": len(ids), "calibration": str(CALIB.relative_to(ROOT)), "results": rows,
     })

@@ -67,18 +67,30 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
     comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
-    comp.add_argument("--quant", choices=["int8", "int8-asym", "int4", "int4-asym", "int4-awq", "fp8", "w8a8"],
+    comp.add_argument("--quant", choices=["int8", "int8-asym", "int4", "int4-asym", "int4-awq", "fp8", "w8a8",
+                                          "w8a8-fp8"],
                       default=None,
                       help="weight quantisation: int8 per channel, int4 blocks (symmetric round-to-nearest or AWQ), "
                            "int4-asym / int8-asym (min-max blocks with float offsets, ONNX Runtime only; MoE "
-                           "experts stay symmetric), fp8 e4m3 blocks "
-                           "(w8a8 is not built yet); default fp32")
+                           "experts stay symmetric), fp8 e4m3 blocks, w8a8 (int8 weights per channel + static "
+                           "per-tensor int8 activation scales from --calib), w8a8-fp8 (the same in float8 e4m3); "
+                           "default fp32")
     comp.add_argument("--block-size", type=int, default=None,
                       help="quantisation block along the input dimension, a power of two 16..256 that divides "
                            "it (default: int4 32, fp8 128, int8 per channel)")
     comp.add_argument("--calib", type=Path, default=None,
                       help="calibration text file, one prompt per line (UTF-8), tokenised with the model's "
-                           "tokenizer; needed by int4-awq, --keep-fp and --kv-quant")
+                           "tokenizer; needed by int4-awq, w8a8, --keep-fp and --kv-quant")
+    comp.add_argument("--calib-method", choices=["minmax", "percentile"], default=None,
+                      help="w8a8: activation range per tensor, max |x| (default) or a percentile of |x|")
+    comp.add_argument("--percentile", type=float, default=None, metavar="P",
+                      help="w8a8 --calib-method percentile: the percentile of |x|, 50 < P <= 100 (default 99.99)")
+    comp.add_argument("--smooth-alpha", type=float, default=None, metavar="A",
+                      help="w8a8: SmoothQuant migration strength 0..1 (default 0.5, w8a8-fp8 0; 0 = off)")
+    comp.add_argument("--act-keep-fp32", default=None, metavar="PATTERNS",
+                      help="w8a8: comma-separated weight-name patterns whose MatMul activations stay fp32 "
+                           "(default down_proj, where Llama-style models put massive activations; w8a8-fp8 and "
+                           "'': none)")
     comp.add_argument("--kv-quant", choices=["int8", "fp8"], default=None,
                       help="int8: KV cache stored as int8 with per-head scales calibrated on --calib, read and "
                            "written by GroupQueryAttention (4x smaller than fp32; works with or without --quant). "
@@ -267,7 +279,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                              trt_impl=args.trt_impl, sm=args.sm, dtype=args.dtype, max_batch=args.max_batch,
                              quant=args.quant, block_size=args.block_size, calib=args.calib,
                              kv_quant=args.kv_quant, keep_fp=args.keep_fp, lm_head=args.lm_head,
-                             accuracy_level=args.accuracy_level)
+                             accuracy_level=args.accuracy_level, calib_method=args.calib_method,
+                             percentile=args.percentile, smooth_alpha=args.smooth_alpha,
+                             act_keep_fp32=args.act_keep_fp32)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:

@@ -70,13 +70,17 @@ class CompileOptions:
     max_batch: int = 8
     max_prefill_tokens: int = 256
     trt_optimization_level: int | None = None  # TensorRT builder level 0..5 (None: its default, 3)
-    quant: str | None = None  # int8 | int4 | int4-awq | fp8 (moeforge/quantize.py); None = fp32
+    quant: str | None = None  # int8 | int4 | int4-awq | fp8 | w8a8 | w8a8-fp8 (moeforge/quantize.py); None = fp32
     block_size: int | None = None
     calib: Path | None = None
     kv_quant: str | None = None
     keep_fp: float = 0.0
     lm_head: str | None = None  # --lm-head: the LM head's precision under --quant (moeforge/quantize.py)
     accuracy_level: int | None = None  # --accuracy-level: MatMulNBits/QMoE compute (None: the scheme's default)
+    calib_method: str | None = None  # w8a8: minmax | percentile
+    percentile: float | None = None
+    smooth_alpha: float | None = None  # w8a8: SmoothQuant alpha
+    act_keep_fp32: str | None = None  # w8a8: weight-label patterns whose activations stay fp32
 
 
 @dataclass
@@ -210,13 +214,19 @@ def _quant_options(options: CompileOptions) -> QuantOptions | None:
         calib = None if options.kv_quant is not None else options.calib
         for flag, value in (("--block-size", options.block_size), ("--calib", calib),
                             ("--keep-fp", options.keep_fp or None), ("--lm-head", options.lm_head),
-                            ("--accuracy-level", options.accuracy_level)):
+                            ("--accuracy-level", options.accuracy_level),
+                            ("--calib-method", options.calib_method), ("--percentile", options.percentile),
+                            ("--smooth-alpha", options.smooth_alpha), ("--act-keep-fp32", options.act_keep_fp32)):
             if value is not None:
-                raise MoeforgeError(f"{flag} needs --quant (int8, int8-asym, int4, int4-asym, int4-awq or fp8)")
+                which = "w8a8 or w8a8-fp8" if flag in ("--calib-method", "--percentile", "--smooth-alpha",
+                                                       "--act-keep-fp32") else \
+                    "int8, int8-asym, int4, int4-asym, int4-awq, fp8, w8a8 or w8a8-fp8"
+                raise MoeforgeError(f"{flag} needs --quant ({which})")
         return None
-    quant = QuantOptions(options.quant, options.block_size, options.calib, None, options.keep_fp,
-                         lm_head=options.lm_head, **({} if options.accuracy_level is None
-                                                     else {"accuracy_level": options.accuracy_level}))
+    quant = QuantOptions(options.quant, options.block_size, options.calib, keep_fp=options.keep_fp,
+                         lm_head=options.lm_head, calib_method=options.calib_method, percentile=options.percentile,
+                         smooth_alpha=options.smooth_alpha, act_keep_fp32=options.act_keep_fp32,
+                         **({} if options.accuracy_level is None else {"accuracy_level": options.accuracy_level}))
     validate_quant(quant)
     return quant
 

@@ -28,9 +28,10 @@ SCHEMES: dict[str, tuple[str, int | None]] = {
     "int8": ("int8", None), "int8-asym": ("int8", 32), "int4": ("int4", 32), "int4-asym": ("int4", 32),
     "int4-awq": ("int4", 32),
     "fp8": ("fp8", 128),
+    # static per-tensor activation scales too (moeforge/act_calibration.py): weights per channel
+    "w8a8": ("int8", None), "w8a8-fp8": ("fp8", None),
 }
-NOT_BUILT = {"w8a8": "static int8 activation scales are not built yet (weights-only schemes: int8, int4, int4-asym, "
-                     "int4-awq, fp8)"}
+NOT_BUILT: dict[str, str] = {}
 LM_HEAD_KINDS = ("int8", "int4", "fp8", "fp32")
 CALIB_MAX_TOKENS = 256  # per prompt
 AWQ_SAMPLE_ROWS = 512  # activation rows kept per MatMul for the AWQ scale search
@@ -45,10 +46,13 @@ class QuantOptions:
     scheme: str
     block_size: int | None = None
     calib: Path | None = None
-    kv_quant: str | None = None
     keep_fp: float = 0.0
     accuracy_level: int = 4  # MatMulNBits/QMoE: 4 = int8 activations inside the kernel (fast), 0 = fp32
     lm_head: str | None = None  # int8 | int4 | fp8 | fp32; None: int8 under int4 schemes, else the scheme's kind
+    calib_method: str | None = None  # w8a8: minmax | percentile (moeforge/act_calibration.py)
+    percentile: float | None = None
+    smooth_alpha: float | None = None  # w8a8: SmoothQuant alpha (None: 0.5; 0: off)
+    act_keep_fp32: str | None = None  # w8a8: comma-separated weight-label patterns (None: "down_proj")
 
     @property
     def kind(self) -> str:
@@ -77,6 +81,13 @@ def validate(options: QuantOptions) -> None:
         raise QuantError(f"--quant {options.scheme}: {NOT_BUILT[options.scheme]}")
     if options.scheme not in SCHEMES:
         raise QuantError(f"--quant {options.scheme!r} is unknown; choose one of {', '.join(SCHEMES)}")
+    from moeforge.act_calibration import check_options
+
+    activations = check_options(options.scheme, options.calib_method, options.percentile, options.smooth_alpha,
+                                options.act_keep_fp32)
+    if activations is not None and options.block_size is not None:
+        raise QuantError(f"--quant {options.scheme} keeps weights per output channel (the static-activation GEMMs, "
+                         "ORT MatMulIntegerToFloat and TensorRT, take per-channel weight scales); drop --block-size")
     block = options.block_size
     if block is not None and (block < 16 or block > 256 or block & (block - 1)):
         raise QuantError(f"--block-size {block} must be a power of two from 16 to 256 (e.g. 32, 64, 128)")
@@ -91,9 +102,9 @@ def validate(options: QuantOptions) -> None:
                          "or 4 (int8): MatMulNBits' compute type for the activations")
     if not 0.0 <= options.keep_fp < 1.0:
         raise QuantError(f"--keep-fp {options.keep_fp} must be a fraction in [0, 1)")
-    needs_calib = options.scheme == "int4-awq" or options.keep_fp > 0
+    needs_calib = options.scheme == "int4-awq" or options.keep_fp > 0 or activations is not None
     if needs_calib and options.calib is None:
-        what = "int4-awq" if options.scheme == "int4-awq" else "--keep-fp"
+        what = options.scheme if options.scheme in ("int4-awq", "w8a8", "w8a8-fp8") else "--keep-fp"
         raise QuantError(f"{what} needs calibration prompts: pass --calib FILE (one prompt per line)")
     if options.calib is not None:
         from moeforge.calibration import read_prompts
@@ -183,10 +194,22 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
     # exactly; min-max blocks do not); an int4 head is min-max like the layers (symmetric int4 is far worse).
     head_asym = options.asymmetric and head_kind == kind == "int4"
     head_label = f"{head_kind}-asym" if head_asym else head_kind
+    act_passes: list = []  # type: ignore[type-arg]
+    act_plan = None
+    if options.scheme in ("w8a8", "w8a8-fp8"):  # static activation ranges, on the fp32 graph
+        from moeforge.act_calibration import ActivationPlan, check_options
+
+        start = time.perf_counter()
+        spec = check_options(options.scheme, options.calib_method, options.percentile, options.smooth_alpha,
+                             options.act_keep_fp32)
+        assert spec is not None
+        act_plan = ActivationPlan.calibrate(model, spec, prompts, keep_names)
+        act_passes, awq = act_plan.passes(), act_plan.smoothing
+        reports.append(PassReport("quant_act_calibration", len(act_plan.amax), time.perf_counter() - start))
     config = QuantConfig(kind=kind, block_size=block, keep=keep_names, awq_scales=awq,
                          exact_fp8=fp8_source and kind == "fp8", head_kind=head_kind,
                          asymmetric=options.asymmetric, head_asymmetric=head_asym)
-    for graph_pass in (WeightQuantization(config), QuantLowering(options.accuracy_level)):
+    for graph_pass in (WeightQuantization(config), *act_passes, QuantLowering(options.accuracy_level)):
         start = time.perf_counter()
         matches = graph_pass.apply(model, ctx)
         reports.append(PassReport(graph_pass.name, matches, time.perf_counter() - start))
@@ -199,6 +222,11 @@ def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tok
         "calibration_prompts": len(prompts), "always_fp32": ["norms", "softmax", "router", "embedding lookup"],
         "sensitivity": kept, "layers": layers,
     }
+    if act_plan is not None:
+        summary["activations"] = act_plan.summary(next(r.matches for r in reports if r.name == "quant_activations"))
+        for layer, target in zip(layers, targets, strict=True):  # weight-only: MoE experts, --act-keep-fp32
+            if layer["precision"] == options.scheme and (target.is_moe or target.label in act_plan.kept):
+                layer["precision"] = kind
     return QuantResult(options.scheme, reports, summary)
 
 

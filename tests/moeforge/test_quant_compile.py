@@ -111,7 +111,7 @@ def test_help_documents_the_calibration_file():
     ({"quant": "int4-awq"}, "needs calibration prompts"),
     ({"quant": "int4", "keep_fp": 0.1}, "needs calibration prompts"),
     ({"quant": "int4", "keep_fp": 1.5, "calib": CALIB}, "fraction"),
-    ({"quant": "w8a8"}, "not built"),
+    ({"quant": "w8a8"}, "needs calibration prompts"),
     ({"block_size": 32}, "--block-size needs --quant"),
     ({"quant": "int5"}, "unknown"),
 ])
