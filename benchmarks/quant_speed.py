@@ -1,8 +1,8 @@
 """Decode speed of a quantised artifact against its fp32 artifact, batch 1, measured alternately.
 
-`python benchmarks/quant_speed.py FP32_DIR QUANT_DIR [--repeats 3]` runs `moeforge bench` (engine only)
+`python benchmarks/quant_speed.py FP32_DIR QUANT_DIR [--repeats 3] [--label L]` runs `moeforge bench` (engine only)
 on the two artifacts in turn, `--repeats` times each, and writes
-benchmarks/results/bench_smollm2_<precision>_b1.json with every run, the 1-minute load average before
+benchmarks/results/bench_smollm2_<label or precision>_b1.json with every run, the 1-minute load average before
 each run (the machine is shared: other processes slow some runs), and the best-of ratio.
 """
 
@@ -25,8 +25,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--label", default=None,
+                        help="results file label (default: the artifact's precision), e.g. int4-lm-head-int4")
     args = parser.parse_args()
-    precision = load_artifact(args.quant).manifest.precision
+    manifest = load_artifact(args.quant).manifest
+    precision = args.label or manifest.precision
     runs: dict[str, list[dict[str, float]]] = {"fp32": [], precision: []}
     for _ in range(args.repeats):
         for label, folder in (("fp32", args.fp32), (precision, args.quant)):
@@ -37,6 +40,7 @@ def main() -> None:
     best = {label: max(r["decode_tokens_per_s"] for r in rows) for label, rows in runs.items()}
     write_result(RESULTS / f"bench_smollm2_{precision}_b1.json", "quant_speed", {
         "model": "smollm2-135m", "batch": 1, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "quantization": {k: (manifest.quantization or {}).get(k) for k in ("scheme", "lm_head", "accuracy_level")},
         "runs": runs, "best_decode_tokens_per_s": best,
         "best_decode_speedup_vs_fp32": best[precision] / best["fp32"],
     })
