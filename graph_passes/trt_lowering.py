@@ -12,6 +12,7 @@ Why this order (TensorRT target; the ORT pipeline's reasons for cleanup and rota
                    unset inputs to empty tensors, see graph_passes/trt_paged.py.)
 5. packing         q/k/v and gate/up projections -> one MatMul + Split (shared pass).
 6. cleanup         drops the dead mask/angle arithmetic before precision sees it.
+   (quant_weights  with ``--quant int8|int4|fp8``: symmetric weight DequantizeLinear, no zero points.)
 7. precision       fp16/bf16 with fp32 norms, softmax and MoE (graph_passes/precision.py); last, so
                    every pass above matches fp32 patterns.
 RMSNorm stays ONNX RMSNormalization (a NORMALIZATION layer); the ORT-only ops (GroupQueryAttention,
@@ -28,6 +29,7 @@ from moeforge.graph_passes.cleanup import Cleanup
 from moeforge.graph_passes.packing import ProjectionPacking
 from moeforge.graph_passes.paged_kv import PagedKVInsertion
 from moeforge.graph_passes.precision import HalfPrecision
+from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization
 from moeforge.graph_passes.rotary import RotaryFusion
 from moeforge.graph_passes.trt_kv_cache import TrtKVCache
 from moeforge.graph_passes.trt_paged import TrtPagedInputs
@@ -63,9 +65,12 @@ class OnnxRotary:
         return len(nodes)
 
 
-def trt_pipeline(dtype: str = "fp16", kv_cache: str = "contiguous") -> list[GraphPass]:
+def trt_pipeline(dtype: str = "fp16", kv_cache: str = "contiguous",
+                 weights: QuantConfig | None = None) -> list[GraphPass]:
     """Passes for the TensorRT target, in order; ``dtype`` fp16 | bf16 (fp32 skips the precision pass);
-    ``kv_cache`` "paged": the paged pass (block pools + moeforge::PagedAttention) instead of trt_kv_cache."""
+    ``kv_cache`` "paged": the paged pass (block pools + moeforge::PagedAttention) instead of trt_kv_cache;
+    ``weights``: symmetric weight Q/DQ (``--quant int8|int4|fp8``) before the precision pass, which then
+    gives the DequantizeLinear scales the half type (TensorRT's strongly typed weight-only quantisation)."""
     paged = kv_cache == "paged"
     passes: list[GraphPass] = [
         Cleanup(),
@@ -75,6 +80,8 @@ def trt_pipeline(dtype: str = "fp16", kv_cache: str = "contiguous") -> list[Grap
         ProjectionPacking(),
         Cleanup(),
     ]
+    if weights is not None:
+        passes.append(WeightQuantization(weights))
     if dtype != "fp32":
         passes.append(HalfPrecision(dtype))
     if paged:

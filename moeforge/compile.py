@@ -103,12 +103,9 @@ def compile_model(options: CompileOptions) -> CompileResult:
 
         check_kv_quant(options.kv_quant, calib=options.calib, paged=paged, target=options.target)
     if options.target == "trt":
-        if quant is not None:
-            raise MoeforgeError("--quant with --target trt is not wired yet: the quantised Q/DQ graph is built for "
-                                "ONNX Runtime (--target ort); drop --quant for a TensorRT engine")
         from moeforge.trt.compile_target import compile_trt
 
-        return compile_trt(options)
+        return compile_trt(options, quant)
     # Refuse bad output locations before the expensive stages.
     check_output_dir(options.output_dir, force=options.force)
 

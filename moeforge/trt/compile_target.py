@@ -3,7 +3,8 @@
 Stages: check TensorRT and the target SM first (cheap, before the export); load; export the stateless
 graph; run ``trt_pipeline`` (graph_passes/trt_lowering.py); write model.onnx + weights, tokenizer,
 golden logits from ONNX Runtime on that graph (moeforge/trt/golden.py), then build the engine plan
-(moeforge/trt/build.py) beside it (with a timing cache under full TensorRT). The manifest's ``engine``
+(moeforge/trt/build.py) beside it (with a timing cache under full TensorRT). ``--quant int8|int4|fp8`` adds
+symmetric weight DequantizeLinear nodes before the precision pass (``trt_weight_quant``). The manifest's ``engine``
 field describes the plan (inputs/outputs, profiles, compute capability, TensorRT version, layer types,
 build time, size).
 """
@@ -22,8 +23,10 @@ from moeforge.export.onnx_export import export_stateless, unmark_layers
 from moeforge.graph_passes.base import PassContext, PassReport
 from moeforge.graph_passes.paged_kv import PAGED_BLOCK_SIZE_NOTE, paged_kv_cache_spec
 from moeforge.graph_passes.pipeline import run_passes
+from moeforge.graph_passes.quant_weights import QuantConfig
 from moeforge.graph_passes.trt_lowering import trt_pipeline
 from moeforge.parity import default_prompt
+from moeforge.quantize import check_block_size, in_features
 from moeforge.trt.adapter import load_tensorrt
 from moeforge.trt.build import BuildOptions, build_engine
 from moeforge.trt.golden import write_trt_golden
@@ -37,10 +40,11 @@ GOLDEN_PROMPT_LEN = 16
 DEFAULT_SM = 89  # Ada (RTX 40xx, L4, L40S): TensorRT-RTX's ahead-of-time default here
 
 
-def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> CompileResult; see moeforge/compile.py)
+def compile_trt(options, quant=None):  # type: ignore[no-untyped-def]  (CompileOptions, QuantOptions|None)
     """Run every stage for the trt target; raise MoeforgeError on bad input, leaving nothing written."""
     from moeforge.compile import DATA_FILE, MODEL_FILE, CompileResult, _manifest
 
+    weights = trt_weight_quant(quant)
     dtype = options.dtype or "fp16"
     if dtype not in DTYPES:
         raise MoeforgeError(f"--dtype {dtype!r} is not supported for --target trt; choose fp16 or bf16")
@@ -57,7 +61,7 @@ def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> Co
     trt.set_target(probe.create_builder_config(), sm)  # unsupported SM: fail before the export
     del probe
 
-    bar = tqdm(total=4 + len(trt_pipeline(dtype, options.kv_cache)), desc="compile", unit="stage",
+    bar = tqdm(total=4 + len(trt_pipeline(dtype, options.kv_cache, weights)), desc="compile", unit="stage",
                disable=not options.progress, leave=False)
     try:
         loaded = load_model(options.model, mla_impl="absorb")
@@ -66,6 +70,8 @@ def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> Co
         if max_seq_len > config.max_position_embeddings:
             raise MoeforgeError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
                                 f"({config.max_position_embeddings})")
+        if quant is not None:  # before the export: a block size that does not fit fails fast
+            check_block_size(quant, in_features(config), config.name or options.model)
         bar.update()
         model = export_stateless(loaded.model, mark_layers=True)
         bar.update()
@@ -76,10 +82,17 @@ def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> Co
             bar.set_postfix_str(f"pass {report.name}: {report.matches}")
             bar.update()
 
-        reports = run_passes(model, ctx, trt_pipeline(dtype, options.kv_cache), on_pass_done=pass_done)
+        reports = run_passes(model, ctx, trt_pipeline(dtype, options.kv_cache, weights), on_pass_done=pass_done)
         layer_outputs = unmark_layers(model)
         manifest = _manifest(model, loaded, options, reports, max_seq_len)
         manifest.precision = dtype
+        if weights is not None:
+            manifest.quantization = {
+                "scheme": quant.scheme, "weights": weights.kind, "block_size": weights.block_size, "symmetric": True,
+                "lm_head": weights.head_kind, "activations": dtype, "form": "DequantizeLinear on weights (TensorRT)",
+                "quantized_weights": next(r.matches for r in reports if r.name == "quant_weights"),
+                "always_fp32": ["norms", "softmax", "router", "MoE experts", "embedding lookup"],
+            }
         manifest.layer_outputs = layer_outputs
         if paged:
             manifest.kv_cache = paged_kv_cache_spec(config, max_seq_len=max_seq_len, block_size=options.kv_block_size,
@@ -111,6 +124,23 @@ def compile_trt(options):  # type: ignore[no-untyped-def]  (CompileOptions -> Co
         return CompileResult(out, manifest, None)
     finally:
         bar.close()
+
+
+TRT_SCHEMES = ("int8", "int4", "fp8")
+
+
+def trt_weight_quant(quant) -> QuantConfig | None:  # type: ignore[no-untyped-def]
+    """``--quant`` for the TensorRT target: symmetric weight-only Q/DQ (what strongly typed TensorRT takes)."""
+    if quant is None:
+        return None
+    if quant.scheme not in TRT_SCHEMES:
+        raise MoeforgeError(f"--quant {quant.scheme} is built for ONNX Runtime (--target ort); --target trt takes "
+                            f"the symmetric weight-only schemes {', '.join(TRT_SCHEMES)}")
+    if quant.keep_fp or quant.lm_head == "fp32":
+        raise MoeforgeError("--keep-fp / --lm-head fp32 are not wired for --target trt; drop them")
+    kind = quant.kind
+    head = quant.lm_head or ("int8" if kind == "int4" else kind)
+    return QuantConfig(kind=kind, block_size=quant.block, head_kind=head)
 
 
 def _kv_spec(config, max_seq_len: int, dtype: str):  # type: ignore[no-untyped-def]
