@@ -31,6 +31,7 @@ DEFAULT_BLOCK_SIZE = 16
 TOKENS_AXIS = "num_tokens"
 POOL_AXIS = "num_blocks"
 BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC, LOGITS_INDICES = INPUTS[5], INPUTS[6], INPUTS[7], "logits_indices"
+LOGITS_3D = "logits_3d"  # the LM head MatMul's output once a Squeeze produces ``logits`` [P, V]
 PAGED_BLOCK_SIZE_NOTE = "paged_block_size"  # PassContext.notes key: the block size the compile asked for
 
 
@@ -129,7 +130,7 @@ class PagedKVInsertion:
         graph.insert_before(head, gather)
         head.replace_input_with(0, gather.outputs[0])
         vocab = logits.shape[-1] if logits.shape is not None else "vocab_size"
-        logits.name = "logits_3d"
+        logits.name = LOGITS_3D
         squeeze = ir.node("Squeeze", [logits, ir.node("Constant", [], attributes={
             "value": ir.tensor(np.array([1], np.int64))}).outputs[0]])
         graph.insert_after(head, [squeeze.inputs[1].producer(), squeeze])

@@ -27,6 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.graph_passes.base import PassContext
+from moeforge.graph_passes.quant_weights import is_lm_head_node
 
 ZERO_POINT = {"int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
 U8_ZERO = 128  # ORT form: int8 code c becomes uint8 c + 128
@@ -49,7 +50,7 @@ def activation_targets(model: ir.Model, dtype: str) -> list[ActivationTarget]:
     want = {"int8": ir.DataType.INT8, "fp8": ir.DataType.FLOAT8E4M3FN}[dtype]
     found = []
     for node in model.graph:
-        if node.op_type != "MatMul" or node.domain != "" or any(o.name == "logits" for o in node.outputs):
+        if node.op_type != "MatMul" or node.domain != "" or is_lm_head_node(node):
             continue
         dq = node.inputs[1].producer() if node.inputs[1] is not None else None
         if dq is None or dq.op_type != "DequantizeLinear" or dq.domain != "":

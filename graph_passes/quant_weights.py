@@ -34,11 +34,17 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.graph_passes.base import MS_DOMAIN, PassContext
+from moeforge.graph_passes.paged_kv import LOGITS_3D
 from moeforge.graph_passes.quant_math import QuantizedWeight, quantize, quantize_asym, quantize_fp8_exact
 
 # The MoE router's weight (HF ``mlp.gate.weight``; not ``gate_proj``): experts are chosen from its logits.
 ROUTER_WEIGHT = re.compile(r"(^|\.)gate\.weight")
 MOE_WEIGHT_INPUTS = (2, 4, 6)  # com.microsoft.MoE: fc1_experts_weights, fc2_..., fc3_...
+
+
+def is_lm_head_node(node: ir.Node) -> bool:
+    """The LM head MatMul: it produces ``logits`` (paged graphs: ``logits_3d``, squeezed into ``logits``)."""
+    return any(o.name in ("logits", LOGITS_3D) for o in node.outputs)
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ class QuantTarget:
 
     @property
     def is_lm_head(self) -> bool:
-        return any(o.name == "logits" for o in self.node.outputs)
+        return is_lm_head_node(self.node)
 
     @property
     def in_features(self) -> int:

@@ -94,6 +94,9 @@ def validate(options: QuantOptions) -> None:
     if options.lm_head is not None:
         if options.lm_head not in LM_HEAD_KINDS:
             raise QuantError(f"--lm-head {options.lm_head!r} is unknown; choose one of {', '.join(LM_HEAD_KINDS)}")
+        if options.lm_head == "int4" and options.scheme.startswith("w8a8"):
+            raise QuantError(f"--lm-head int4 is not available with --quant {options.scheme} (its weights are per "
+                             "channel); use --lm-head int8 or fp32")
         if options.lm_head == "int4" and options.block is None:
             raise QuantError(f"--lm-head int4 needs blocks but --quant {options.scheme} is per channel: "
                              "add --block-size 32 (or 64, 128)")

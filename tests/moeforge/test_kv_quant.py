@@ -18,7 +18,7 @@ from moeforge.compile import CompileOptions, compile_model
 from moeforge.errors import MoeforgeError
 from moeforge.export.loader import load_model
 from moeforge.kv_quant import KVQuantError
-from moeforge.parity import default_prompt
+from moeforge.parity import THRESHOLDS, default_prompt, thresholds_for
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
@@ -164,6 +164,25 @@ def test_engine_batches_int8_caches_like_solo_runs(kv_artifact):
             for p in prompts]
     engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=4))
     assert [o.token_ids for o in engine.generate(prompts, params)] == solo
+
+
+def test_int4_weights_with_an_int8_cache(tmp_path):
+    result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=MAX_LEN,
+                                          progress=False, check=True, quant="int4", kv_quant="int8", calib=CALIB))
+    assert result.parity is not None and result.parity.passed and result.parity.precision == "int4+kv-int8"
+    manifest = load_artifact(result.output_dir).manifest
+    assert manifest.precision == "int4+kv-int8" and manifest.kv_cache.dtype == "int8"
+    assert manifest.quantization["scheme"] == "int4" and manifest.quantization["kv_cache"]["dtype"] == "int8"
+    ops = {n.op_type for n in onnx.load(str(result.output_dir / "model.onnx"), load_external_data=False).graph.node}
+    assert {"MatMulNBits", "GroupQueryAttention"} <= ops
+
+
+def test_parity_limits_for_an_int8_cache():
+    assert thresholds_for("fp32+kv-int8") == THRESHOLDS["int8"]  # fp32 weights: judged like int8
+    assert thresholds_for("int4+kv-int8") == THRESHOLDS["int4"]  # quantised weights keep their own limits
+    assert thresholds_for("fp32") == THRESHOLDS["fp32"]
+    with pytest.raises(ValueError, match="no parity thresholds"):
+        thresholds_for("int3+kv-int8")
 
 
 # ------------------------------------------------------------------------------------------ bad input

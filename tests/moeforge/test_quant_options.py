@@ -3,6 +3,8 @@ the manifest."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx
 import pytest
 
@@ -11,23 +13,27 @@ from moeforge.compile import CompileOptions, compile_model
 from moeforge.errors import MoeforgeError
 from moeforge.quantize import QuantError
 
+CALIB = Path(__file__).resolve().parents[1] / "data" / "quant_calib_en.txt"
+
 
 def _head(path):  # type: ignore[no-untyped-def]
     graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
-    node = next(n for n in graph.node if "logits" in n.output)
+    # Paged graphs: the head writes logits_3d, which a Squeeze turns into logits.
+    node = next(n for n in graph.node if {"logits", "logits_3d"} & set(n.output) and n.op_type != "Squeeze")
     bits = next((a.i for a in node.attribute if a.name == "bits"), None)
     return node.op_type, bits
 
 
-@pytest.mark.parametrize(("quant", "lm_head", "op", "bits", "label"), [
-    ("int4", None, "MatMulNBits", 8, "int8"),  # the default keeps an int4 model's head at int8
-    ("int4", "int4", "MatMulNBits", 4, "int4"),
-    ("int4-asym", "int4", "Add", None, "int4-asym"),  # MatMulNBits + the block offsets' share
-    ("int4", "fp32", "MatMul", None, "fp32"),
+@pytest.mark.parametrize(("quant", "lm_head", "op", "bits", "label", "kv_cache"), [
+    ("int4", None, "MatMulNBits", 8, "int8", "contiguous"),  # the default keeps an int4 model's head at int8
+    ("int4", None, "MatMulNBits", 8, "int8", "paged"),  # the paged head (logits_3d) is found too
+    ("int4", "int4", "MatMulNBits", 4, "int4", "contiguous"),
+    ("int4-asym", "int4", "Add", None, "int4-asym", "contiguous"),  # MatMulNBits + the block offsets' share
+    ("int4", "fp32", "MatMul", None, "fp32", "contiguous"),
 ])
-def test_lm_head_precision(tmp_path, quant, lm_head, op, bits, label):
+def test_lm_head_precision(tmp_path, quant, lm_head, op, bits, label, kv_cache):
     out = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=64, progress=False,
-                                       quant=quant, lm_head=lm_head)).output_dir
+                                       quant=quant, lm_head=lm_head, kv_cache=kv_cache)).output_dir
     assert _head(out) == (op, bits)
     q = load_artifact(out).manifest.quantization
     assert q["lm_head"] == label
@@ -54,6 +60,9 @@ def test_int8_asym_with_fp32_activations(tmp_path):
     ({"lm_head": "int4"}, MoeforgeError, "--lm-head needs --quant"),
     ({"quant": "int4", "accuracy_level": 5}, QuantError, "--accuracy-level 5 must be 0"),
     ({"accuracy_level": 0}, MoeforgeError, "--accuracy-level needs --quant"),
+    ({"quant": "w8a8", "calib": CALIB, "lm_head": "int4"}, QuantError, "not available with --quant w8a8"),
+    ({"quant": "int4-awq", "calib": CALIB, "kv_cache": "paged"}, QuantError, "use --kv-cache contiguous"),
+    ({"quant": "int8", "calib": CALIB, "keep_fp": 0.1, "kv_cache": "paged"}, QuantError, "--keep-fp calibrates"),
 ])
 def test_bad_lm_head_options(tmp_path, kw, error, match):
     with pytest.raises(error, match=match):

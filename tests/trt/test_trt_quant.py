@@ -23,6 +23,7 @@ pytestmark = needs_trt_rtx
 
 @pytest.mark.parametrize(("quant", "block", "codes"), [
     ("int4", None, onnx.TensorProto.INT4), ("fp8", 32, onnx.TensorProto.FLOAT8E4M3FN),
+    ("int8", None, onnx.TensorProto.INT8),  # per output channel
 ])
 def test_quantised_tiny_llama_engine(tmp_path, quant, block, codes):
     result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / quant, target="trt",
