@@ -9,10 +9,10 @@ past inputs). This pass makes the cache inputs/outputs int8 and gives each node 
 ever holds an fp32 copy of the cache.
 
 Scales are per KV head, shaped [1, Hkv, 1, D] (the kernel's per-channel form; a head's D entries are
-equal). One head's scale is its largest |value| over the calibration prompts / 127; the MLA latent is one
-head. ``granularity="channel"`` (one scale per channel) exists but is not the default: calibrated per
-channel, a channel that a prompt pushes past its calibration maximum saturates (measured on
-tiny-deepseek-v3: channels 1.5x over, mean KL 1e-2), while a per-head scale keeps that headroom (KL 5e-5).
+equal). One head's scale is its largest |value| over the calibration prompts / 127 (``moeforge/kv_quant.py``
+counts rotary key pairs by their norm); the MLA latent is one head. ``granularity="channel"`` (one scale per
+channel) exists but is not the default: it leaves no headroom for a channel that a prompt pushes past its
+calibration maximum, and the kernel saturates it (SmolLM2 top-1 0.966 per channel vs 0.972 per head).
 K and V of an MLA layer are the same latent written twice into one buffer, so they share one scale.
 """
 

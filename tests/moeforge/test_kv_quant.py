@@ -69,8 +69,22 @@ def test_manifest_and_graph_describe_an_int8_cache(kv_artifact):
     assert not (path / "genai_config.json").exists()  # onnxruntime-genai cannot allocate an int8 cache
 
 
+def _rotation_bound(cache: np.ndarray, config, is_key: bool) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """max over positions of |x| per head [H], with each rotary key pair counted by its norm (its largest value
+    at any position). cache [H, S, D]; the rotary channels are the head (GQA) or the latent's last Dr."""
+    x = cache.astype(np.float64)
+    if is_key:
+        rope = x[..., -config.rope_dim:]
+        pairs = (rope[..., 0::2], rope[..., 1::2]) if config.rope.interleaved else np.split(rope, 2, axis=-1)
+        norm = np.sqrt(pairs[0] ** 2 + pairs[1] ** 2)
+        return np.maximum(np.abs(x[..., : x.shape[-1] - config.rope_dim]).max(axis=(1, 2), initial=0.0),
+                          norm.max(axis=(1, 2)))
+    return np.abs(x).max(axis=(1, 2))
+
+
 def test_scales_are_pytorch_cache_max_per_head_over_127(kv_artifact):
-    """Independent calibration: PyTorch's own cache (keys after rotary) over the same prompts."""
+    """Independent calibration: PyTorch's own cache (keys after rotary) over the same prompts; rotary pairs
+    count by their norm, so a later position cannot push a key past its scale."""
     name, path = kv_artifact
     loaded = load_model(name, mla_impl="absorb")
     amax: dict[int, list[np.ndarray]] = {}
@@ -78,7 +92,8 @@ def test_scales_are_pytorch_cache_max_per_head_over_127(kv_artifact):
         with torch.no_grad():
             past = loaded.model(torch.tensor([ids]), torch.arange(len(ids))[None]).past_key_values
         for layer, tensors in enumerate(past):
-            per_head = [np.abs(_torch_cache_layout(t)).max(axis=(1, 2)) for t in tensors]  # [H] each
+            per_head = [_rotation_bound(_torch_cache_layout(t), loaded.config, is_key=j == 0)
+                        for j, t in enumerate(tensors)]  # [H] each
             old = amax.get(layer, per_head)
             amax[layer] = [np.maximum(a, b) for a, b in zip(old, per_head, strict=True)]
     scales = _scales(path)
