@@ -66,9 +66,15 @@ class KVCacheQuantization:
                              "(run the kv_cache pass first; paged artifacts have no GroupQueryAttention)")
         mla = ctx.config.mla is not None
         inputs = {v.name: v for v in graph.inputs}
-        for layer, (node, scales) in enumerate(zip(nodes, self.scales, strict=True)):
-            names = cache_names(layer, mla)
-            for name in names.past:
+        by_past_key = {cache_names(i, mla).past[0]: i for i in range(len(self.scales))}
+        for node in nodes:
+            # The layer is the one whose cache the node reads (past_key, input 3), not the node's position.
+            past_key = node.inputs[3].name if len(node.inputs) > 3 and node.inputs[3] is not None else None
+            if past_key not in by_past_key:
+                raise ValueError(f"GroupQueryAttention {node.name!r} reads {past_key!r}, not a layer cache input")
+            layer = by_past_key[past_key]
+            scales = self.scales[layer]
+            for name in cache_names(layer, mla).past:
                 inputs[name].type = ir.TensorType(ir.DataType.INT8)
             for output in node.outputs[1:3]:
                 output.type = ir.TensorType(ir.DataType.INT8)
