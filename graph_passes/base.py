@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import numpy as np
 import onnx_ir as ir
 
 from moeforge.export.config import ModelConfig
@@ -55,3 +56,11 @@ def ensure_opset(model: ir.Model, domain: str, version: int) -> None:
     """Declare an opset import the rewritten graph now uses."""
     if model.opset_imports.get(domain, 0) < version:
         model.opset_imports[domain] = version
+
+
+def add_initializer(graph: ir.Graph, name: str, data: np.ndarray | ir.TensorProtocol) -> ir.Value:
+    """Register a constant (a numpy array or an onnx-ir tensor) as initializer ``name``; returns its value."""
+    tensor = ir.tensor(data) if isinstance(data, np.ndarray) else data
+    value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext, add_initializer
 from moeforge.graph_passes.kv_cache import cache_names
 
 K_SCALE_INPUT, V_SCALE_INPUT = 12, 13  # GroupQueryAttention input slots (ONNX Runtime >= 1.22)
@@ -78,8 +78,8 @@ class KVCacheQuantization:
                 inputs[name].type = ir.TensorType(ir.DataType.INT8)
             for output in node.outputs[1:3]:
                 output.type = ir.TensorType(ir.DataType.INT8)
-            k_scale = _initializer(graph, f"kv_quant.{layer}.k_scale", scales.key)
-            v_scale = k_scale if mla else _initializer(graph, f"kv_quant.{layer}.v_scale", scales.value)
+            k_scale = add_initializer(graph, f"kv_quant.{layer}.k_scale", _per_head(scales.key))
+            v_scale = k_scale if mla else add_initializer(graph, f"kv_quant.{layer}.v_scale", _per_head(scales.value))
             _set_input(node, K_SCALE_INPUT, k_scale)
             _set_input(node, V_SCALE_INPUT, v_scale)
             for attr in ("k_quant_type", "v_quant_type"):
@@ -88,12 +88,10 @@ class KVCacheQuantization:
         return len(nodes)
 
 
-def _initializer(graph: ir.Graph, name: str, scale: np.ndarray) -> ir.Value:
+def _per_head(scale: np.ndarray) -> np.ndarray:
+    """[H, D] -> [1, H, 1, D] float32, the shape GroupQueryAttention broadcasts over its cache [B, H, L, D]."""
     heads, dim = scale.shape
-    value = ir.Value(name=name, shape=ir.Shape([1, heads, 1, dim]), type=ir.TensorType(ir.DataType.FLOAT),
-                     const_value=ir.tensor(scale.reshape(1, heads, 1, dim).astype(np.float32), name=name))
-    graph.register_initializer(value)
-    return value
+    return scale.reshape(1, heads, 1, dim).astype(np.float32)
 
 
 def _set_input(node: ir.Node, index: int, value: ir.Value) -> None:

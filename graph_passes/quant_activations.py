@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import PassContext
+from moeforge.graph_passes.base import PassContext, add_initializer
 from moeforge.graph_passes.quant_weights import is_lm_head_node
 
 ZERO_POINT = {"int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
@@ -82,8 +82,8 @@ class ActivationQuantization:
         for name, targets in groups.items():
             x = targets[0].x
             stem = f"{name}.act"
-            scale = _initializer(graph, f"{stem}_scale", ir.tensor(np.array(self.scales[name], np.float32)))
-            zero = _initializer(graph, f"{stem}_zero_point", ir.tensor(np.zeros((), ZERO_POINT[self.dtype])))
+            scale = add_initializer(graph, f"{stem}_scale", ir.tensor(np.array(self.scales[name], np.float32)))
+            zero = add_initializer(graph, f"{stem}_zero_point", ir.tensor(np.zeros((), ZERO_POINT[self.dtype])))
             q = ir.node("QuantizeLinear", [x, scale, zero])
             dq = ir.node("DequantizeLinear", [q.outputs[0], scale, zero])
             q.outputs[0].name, q.outputs[0].shape, q.outputs[0].type = f"{stem}_q", x.shape, zero.type
@@ -115,7 +115,7 @@ class OrtActivationLowering:
             weight_dqs = [_int8_weight_dq(use.node) if use.idx == 0 else None for use in consumers]
             if any(w is None for w in weight_dqs):
                 continue  # some reader is not a per-channel int8 MatMul: leave this pair as is
-            u8 = _initializer(graph, f"{zero.name}_u8", ir.tensor(np.full((), U8_ZERO, np.uint8)))
+            u8 = add_initializer(graph, f"{zero.name}_u8", ir.tensor(np.full((), U8_ZERO, np.uint8)))
             for node in (q, *dqs):
                 node.replace_input_with(2, u8)
             q.outputs[0].type = u8.type
@@ -150,8 +150,8 @@ def _to_uint8_weight(graph: ir.Graph, dq: ir.Node) -> None:
     assert codes is not None and codes.const_value is not None
     unsigned = (codes.const_value.numpy().astype(np.int16) + U8_ZERO).astype(np.uint8)  # [K, N]
     stem = codes.name or "w"
-    new_codes = _initializer(graph, f"{stem}_u8", ir.tensor(unsigned))
-    zero = _initializer(graph, f"{stem}_u8_zero_point", ir.tensor(np.full(unsigned.shape[1], U8_ZERO, np.uint8)))
+    new_codes = add_initializer(graph, f"{stem}_u8", ir.tensor(unsigned))
+    zero = add_initializer(graph, f"{stem}_u8_zero_point", ir.tensor(np.full(unsigned.shape[1], U8_ZERO, np.uint8)))
     dq.replace_input_with(0, new_codes)
     if len(dq.inputs) < 3:
         dq.resize_inputs(3)
@@ -166,12 +166,6 @@ def fake_quantize_activation(x: np.ndarray, scale: float, dtype: str) -> np.ndar
     else:
         codes = np.clip(scaled, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     return (codes * np.float32(scale)).astype(np.float32)
-
-
-def _initializer(graph: ir.Graph, name: str, tensor: ir.Tensor) -> ir.Value:
-    value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
-    graph.register_initializer(value)
-    return value
 
 
 def _drop_unused_initializers(graph: ir.Graph) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext, add_initializer, ensure_opset
 from moeforge.graph_passes.quant_math import pack_nbits, pack_rows
 
 QMOE_ROUTER_WEIGHTS = 14  # QMoE input index of router_weights (after fc1..fc3 zero points)
@@ -66,8 +66,8 @@ class QuantLowering:
             return 0
         graph = model.graph
         stem = node.inputs[1].name or "w"
-        packed = _initializer(graph, f"{stem}.nbits", pack_nbits(codes.T, bits, block))
-        scales = _initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32))  # [N, K/bs]
+        packed = add_initializer(graph, f"{stem}.nbits", pack_nbits(codes.T, bits, block))
+        scales = add_initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32))  # [N, K/bs]
         new = ir.node("MatMulNBits", [node.inputs[0], packed, scales], domain=MS_DOMAIN,
                       attributes={"K": k, "N": n, "bits": bits, "block_size": block,
                                   "accuracy_level": self.accuracy_level})
@@ -87,16 +87,16 @@ class QuantLowering:
         stem = node.inputs[1].name or "w"
         zero = 1 << (bits - 1)
         packed = pack_nbits(codes.T.astype(np.int16) - zero, bits, block)  # unsigned codes back, packed [N, K/bs, *]
-        inputs = [node.inputs[0], _initializer(graph, f"{stem}.nbits", packed),
-                  _initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32))]
+        inputs = [node.inputs[0], add_initializer(graph, f"{stem}.nbits", packed),
+                  add_initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32))]
         nbits = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN,
                         attributes={"K": k, "N": n, "bits": bits, "block_size": block,
                                     "accuracy_level": self.accuracy_level})
         indicator = np.repeat(np.eye(k // block, dtype=np.float32), block, axis=0)  # [K, K/bs]
-        block_sums = ir.node("MatMul", [node.inputs[0], _initializer(graph, f"{stem}.block_indicator", indicator)])
+        block_sums = ir.node("MatMul", [node.inputs[0], add_initializer(graph, f"{stem}.block_indicator", indicator)])
         shifted = (offset + zero * scale).astype(np.float32)  # [K/bs, N]: the offsets with the zero point folded in
         correction = ir.node("MatMul", [block_sums.outputs[0],
-                                        _initializer(graph, f"{stem}.block_offset", shifted)])
+                                        add_initializer(graph, f"{stem}.block_offset", shifted)])
         total = ir.node("Add", [nbits.outputs[0], correction.outputs[0]])
         for extra in (nbits, block_sums, correction):
             graph.insert_before(node, extra)
@@ -125,8 +125,8 @@ class QuantLowering:
             codes, scale, b, _, _ = entry  # codes [E, N, K], scale [E, N, K/bs]
             stem = node.inputs[i].name or f"fc{i}"
             scale = scale[..., 0] if per_channel else scale
-            inputs += [_initializer(graph, f"{stem}.qmoe", pack_rows(codes, b)),
-                       _initializer(graph, f"{stem}.qmoe_scale", np.ascontiguousarray(scale, np.float32)),
+            inputs += [add_initializer(graph, f"{stem}.qmoe", pack_rows(codes, b)),
+                       add_initializer(graph, f"{stem}.qmoe_scale", np.ascontiguousarray(scale, np.float32)),
                        node.inputs[i + 1] if i + 1 < len(node.inputs) else None]
         inputs += [None, None, None]  # fc1..fc3 zero points: defaults (symmetric)
         while inputs and inputs[-1] is None:
@@ -195,13 +195,6 @@ def _asym_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, np.ndarray
     if codes.ndim != 2 or off.shape != (scale.shape[0], 1, scale.shape[1]):
         return None
     return codes, scale, off[:, 0, :], block_attr.as_int(), bits
-
-
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    tensor = ir.tensor(array)
-    value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
-    graph.register_initializer(value)
-    return value
 
 
 def _swap(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext, add_initializer
 from moeforge.graph_passes.paged_kv import LOGITS_3D
 from moeforge.graph_passes.quant_math import QuantizedWeight, quantize, quantize_asym, quantize_fp8_exact
 
@@ -98,7 +98,7 @@ def fold_transposed_weights(model: ir.Model) -> int:
         if len(producer.inputs[0].shape or ()) != 2 or (perm is not None and list(perm.as_ints()) != [1, 0]):
             continue
         table = producer.inputs[0]
-        value = _initializer(model.graph, f"{table.name}.T", ir.tensor(np.ascontiguousarray(_const(table).T)))
+        value = add_initializer(model.graph, f"{table.name}.T", ir.tensor(np.ascontiguousarray(_const(table).T)))
         node.replace_input_with(1, value)
         if not any(o.uses() for o in producer.outputs):
             model.graph.remove(producer, safe=True)
@@ -173,8 +173,8 @@ class WeightQuantization:
             if s is not None:
                 self._scale_activation(model, target, (1.0 / s).astype(np.float32))
         stem = target.name
-        codes_value = _initializer(graph, f"{stem}.q", _typed(codes, kind))
-        scale_value = _initializer(graph, f"{stem}.scale", ir.tensor(scale.astype(np.float32)))
+        codes_value = add_initializer(graph, f"{stem}.q", _typed(codes, kind))
+        scale_value = add_initializer(graph, f"{stem}.scale", ir.tensor(scale.astype(np.float32)))
         dq = ir.node("DequantizeLinear", [codes_value, scale_value], attributes=attributes)
         dq.outputs[0].name = f"{stem}.dq"
         dq.outputs[0].shape, dq.outputs[0].type = weight.shape, ir.TensorType(ir.DataType.FLOAT)
@@ -190,11 +190,11 @@ class WeightQuantization:
         q = quantize_asym(array, bs, bits)
         k, n = array.shape
         stem = target.name
-        codes = _initializer(graph, f"{stem}.q", ir.tensor(q.codes.astype(ml_dtypes.uint4) if bits == 4 else q.codes))
-        scale = _initializer(graph, f"{stem}.scale", ir.tensor(q.scale))
-        offset = _initializer(graph, f"{stem}.offset", ir.tensor(q.offset[:, None, :]))  # [K/bs, 1, N]
-        blocked = _initializer(graph, f"{stem}.blocked_shape", ir.tensor(np.array([k // bs, bs, n], np.int64)))
-        flat = _initializer(graph, f"{stem}.shape", ir.tensor(np.array([k, n], np.int64)))
+        codes = add_initializer(graph, f"{stem}.q", q.codes.astype(ml_dtypes.uint4) if bits == 4 else q.codes)
+        scale = add_initializer(graph, f"{stem}.scale", ir.tensor(q.scale))
+        offset = add_initializer(graph, f"{stem}.offset", ir.tensor(q.offset[:, None, :]))  # [K/bs, 1, N]
+        blocked = add_initializer(graph, f"{stem}.blocked_shape", ir.tensor(np.array([k // bs, bs, n], np.int64)))
+        flat = add_initializer(graph, f"{stem}.shape", ir.tensor(np.array([k, n], np.int64)))
         dq = ir.node("DequantizeLinear", [codes, scale], attributes={"axis": 0, "block_size": bs})
         split = ir.node("Reshape", [dq.outputs[0], blocked])
         add = ir.node("Add", [split.outputs[0], offset])
@@ -217,7 +217,7 @@ class WeightQuantization:
     def _scale_activation(model: ir.Model, target: QuantTarget, inverse: np.ndarray) -> None:
         graph = model.graph
         x = target.node.inputs[0]
-        inv = _initializer(graph, f"{target.name}.awq_inv_scale", ir.tensor(inverse))
+        inv = add_initializer(graph, f"{target.name}.awq_inv_scale", ir.tensor(inverse))
         mul = ir.node("Mul", [x, inv])
         mul.outputs[0].name = f"{target.name}.awq_input"
         mul.outputs[0].shape, mul.outputs[0].type = x.shape, x.type
@@ -231,12 +231,6 @@ def _typed(codes: np.ndarray, kind: str) -> ir.Tensor:
     if kind == "fp8":
         return ir.tensor(codes.astype(ml_dtypes.float8_e4m3fn))
     return ir.tensor(codes.astype(np.int8))
-
-
-def _initializer(graph: ir.Graph, name: str, tensor: ir.Tensor) -> ir.Value:
-    value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
-    graph.register_initializer(value)
-    return value
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
