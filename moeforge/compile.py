@@ -39,7 +39,6 @@ DATA_FILE = "model.onnx.data"
 TARGETS = ("ort", "trt")
 KV_CACHE_KINDS = ("contiguous", "paged")
 DEFAULT_MAX_SEQ_LEN = 2048
-CALIBRATED_SCHEMES = ("int4-awq", "w8a8", "w8a8-fp8")  # run the graph on --calib (moeforge/calibration.py)
 
 
 class ParityCheckFailed(MoeforgeError):
@@ -99,10 +98,10 @@ def compile_model(options: CompileOptions) -> CompileResult:
         raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
     paged = _check_kv_options(options)
     quant = _quant_options(options)
-    if paged and quant is not None and (quant.scheme in CALIBRATED_SCHEMES or quant.keep_fp > 0):
+    if paged and quant is not None and quant.calibration_use is not None:
         from moeforge.quantize import QuantError
 
-        what = f"--quant {quant.scheme}" if quant.scheme in CALIBRATED_SCHEMES else "--keep-fp"
+        what = quant.calibration_use if quant.calibration_use == "--keep-fp" else f"--quant {quant.calibration_use}"
         raise QuantError(f"{what} calibrates on the contiguous-cache graph, which a paged artifact does not have; "
                          "use --kv-cache contiguous, or a scheme without calibration (int8, int8-asym, int4, "
                          "int4-asym, fp8)")

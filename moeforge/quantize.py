@@ -33,6 +33,7 @@ SCHEMES: dict[str, tuple[str, int | None]] = {
 }
 NOT_BUILT: dict[str, str] = {}
 LM_HEAD_KINDS = ("int8", "int4", "fp8", "fp32")
+CALIBRATED_SCHEMES = ("int4-awq", "w8a8", "w8a8-fp8")  # run the graph on --calib (moeforge/calibration.py)
 CALIB_MAX_TOKENS = 256  # per prompt
 AWQ_SAMPLE_ROWS = 512  # activation rows kept per MatMul for the AWQ scale search
 
@@ -62,6 +63,13 @@ class QuantOptions:
     def asymmetric(self) -> bool:
         """int4-asym / int8-asym: min-max blocks with float offsets (ONNX Runtime only, not TensorRT)."""
         return self.scheme.endswith("-asym")
+
+    @property
+    def calibration_use(self) -> str | None:
+        """What runs the graph on the --calib prompts: the scheme (int4-awq, w8a8, w8a8-fp8), --keep-fp, or None."""
+        if self.scheme in CALIBRATED_SCHEMES:
+            return self.scheme
+        return "--keep-fp" if self.keep_fp > 0 else None
 
     @property
     def block(self) -> int | None:
@@ -105,9 +113,8 @@ def validate(options: QuantOptions) -> None:
                          "or 4 (int8): MatMulNBits' compute type for the activations")
     if not 0.0 <= options.keep_fp < 1.0:
         raise QuantError(f"--keep-fp {options.keep_fp} must be a fraction in [0, 1)")
-    needs_calib = options.scheme == "int4-awq" or options.keep_fp > 0 or activations is not None
-    if needs_calib and options.calib is None:
-        what = options.scheme if options.scheme in ("int4-awq", "w8a8", "w8a8-fp8") else "--keep-fp"
+    what = options.calibration_use
+    if what is not None and options.calib is None:
         raise QuantError(f"{what} needs calibration prompts: pass --calib FILE (one prompt per line)")
     if options.calib is not None:
         from moeforge.calibration import read_prompts
