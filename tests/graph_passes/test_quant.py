@@ -122,20 +122,28 @@ def test_awq_beats_rtn_on_activation_outliers():
 
 
 # ---------------------------------------------------------------------------------------- graph passes
+def _fake_quantised_logits(base, feeds, kind, block, dense=None):  # type: ignore[no-untyped-def]
+    """Reference: logits of the fp32 graph with every weight replaced by dequantise(quantise(W)) in numpy
+    (MoE experts symmetric ``kind``/``block`` per expert; 2D weights by ``dense``, default the same);
+    returns (logits, quant targets)."""
+    reference = _copy(base)
+    targets = quant_targets(reference)
+    for target in targets:
+        w = target.node.inputs[target.index].const_value.numpy()
+        if target.is_moe:
+            fq = np.stack([fake_quantize(w[e].T, kind, block).T for e in range(w.shape[0])])
+        else:
+            fq = dense(w) if dense is not None else fake_quantize(w, kind, block)
+        target.node.inputs[target.index].const_value = ir.tensor(fq.astype(np.float32), name=target.name)
+    return _logits(reference, feeds), targets
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
 @pytest.mark.parametrize(("kind", "block"), [("int8", None), ("int4", 32), ("fp8", 32), ("int8", 16)])
 def test_qdq_graph_equals_fake_quantised_weights(ort_graphs, name, kind, block):
     loaded, base = ort_graphs[name]
     feeds = _feeds(base, loaded.config.vocab_size)
-    # Reference: the fp32 graph with every weight replaced by dequantise(quantise(W)) in numpy.
-    reference = _copy(base)
-    targets = quant_targets(reference)
-    for target in targets:
-        w = target.node.inputs[target.index].const_value.numpy()
-        fq = (np.stack([fake_quantize(w[e].T, kind, block).T for e in range(w.shape[0])]) if target.is_moe
-              else fake_quantize(w, kind, block))
-        target.node.inputs[target.index].const_value = ir.tensor(fq.astype(np.float32), name=target.name)
-    expected = _logits(reference, feeds)
+    expected, targets = _fake_quantised_logits(base, feeds, kind, block)
     portable = _copy(base)
     count = WeightQuantization(QuantConfig(kind, block)).apply(portable, None)
     assert count == len(targets) > 0
@@ -170,14 +178,8 @@ def test_asym_graph_and_exact_fast_lowering(ort_graphs, name, bits):
     kind = f"int{bits}"
     loaded, base = ort_graphs[name]
     feeds = _feeds(base, loaded.config.vocab_size)
-    reference = _copy(base)
-    targets = quant_targets(reference)
-    for target in targets:
-        w = target.node.inputs[target.index].const_value.numpy()
-        fq = (np.stack([fake_quantize(w[e].T, kind, 32).T for e in range(w.shape[0])]) if target.is_moe
-              else quantize_asym(w, 32, bits).dequantize())
-        target.node.inputs[target.index].const_value = ir.tensor(fq.astype(np.float32), name=target.name)
-    expected = _logits(reference, feeds)
+    expected, targets = _fake_quantised_logits(base, feeds, kind, 32,
+                                               dense=lambda w: quantize_asym(w, 32, bits).dequantize())
     portable = _copy(base)
     count = WeightQuantization(QuantConfig(kind, 32, asymmetric=True, head_asymmetric=True)).apply(portable, None)
     dense = sum(not t.is_moe for t in targets)
