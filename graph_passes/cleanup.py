@@ -24,7 +24,7 @@ class Cleanup:
         common.CommonSubexpressionEliminationPass()(model)
         drop_reshape_round_trips(model.graph)
         common.RemoveUnusedNodesPass()(model)
-        common.RemoveUnusedFunctionsPass()(model)
+        common.RemoveUnusedFunctionsPass()(model)  # type: ignore[no-untyped-call]  # onnx-ir: unannotated __init__
         common.RemoveUnusedOpsetsPass()(model)
         return max(before - _count_nodes(model), 0)
 

@@ -22,41 +22,24 @@ attention_mask inside the graph, as the onnxruntime-genai builder does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset, required
+from moeforge.kv_layout import MAX_SEQ_AXIS, cache_names
 
 ATTENTION_MASK = "attention_mask"
-CACHE_AXIS = "max_sequence_length"
 
 
-@dataclass(frozen=True)
-class CacheNames:
-    """Graph input/output names of one layer's cache."""
-
-    past: tuple[str, ...]
-    present: tuple[str, ...]
-
-
-def cache_names(layer: int, mla: bool) -> CacheNames:
-    if mla:
-        latent = f"present.{layer}.latent"
-        return CacheNames((f"past_key_values.{layer}.latent",), (latent, latent + "_v"))
-    return CacheNames(
-        (f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"),
-        (f"present.{layer}.key", f"present.{layer}.value"),
-    )
-
-
-def layer_attentions(graph: ir.Graph, num_layers: int) -> list[ir.Node]:
-    """The exported graph's ONNX Attention nodes, one per layer (empty if already rewritten); a different
-    count means the export is not what the KV-cache passes expect."""
-    attentions = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
+def layer_attentions(model: ir.Model, num_layers: int, opsets: dict[str, int]) -> list[ir.Node]:
+    """The exported graph's ONNX Attention nodes, one per layer (empty if already rewritten; a different count
+    means the export is not what the KV-cache passes expect). When there are some, declares ``opsets`` (domain ->
+    version), which the cache rewrite about to replace them uses."""
+    attentions = [n for n in model.graph if n.op_type == "Attention" and n.domain == ""]
     if attentions and len(attentions) != num_layers:
         raise ValueError(f"expected one Attention node per layer ({num_layers}), found {len(attentions)}")
+    for domain, version in opsets.items() if attentions else ():
+        ensure_opset(model, domain, version)
     return attentions
 
 
@@ -67,10 +50,9 @@ class KVCacheInsertion:
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         graph = model.graph
-        attentions = layer_attentions(graph, ctx.config.num_hidden_layers)
+        attentions = layer_attentions(model, ctx.config.num_hidden_layers, {MS_DOMAIN: 1})
         if not attentions:
             return 0
-        ensure_opset(model, MS_DOMAIN, 1)
         batch = _batch_dim(graph)
         mask = ir.Value(name=ATTENTION_MASK, shape=ir.Shape([batch, "total_sequence_length"]),
                         type=ir.TensorType(ir.DataType.INT64))
@@ -90,9 +72,10 @@ class KVCacheInsertion:
             self._rewrite(model, node, layer, ctx, batch, seqlens, total)
         return len(attentions)
 
-    def _rewrite(self, model: ir.Model, node: ir.Node, layer: int, ctx: PassContext, batch, seqlens, total) -> None:
+    def _rewrite(self, model: ir.Model, node: ir.Node, layer: int, ctx: PassContext, batch: int | ir.SymbolicDim,
+                 seqlens: ir.Value, total: ir.Value) -> None:
         graph = model.graph
-        q4, k4, v4 = node.inputs[0], node.inputs[1], node.inputs[2]
+        q4, k4, v4 = attention_qkv(node)
         hq, dk = _static(q4, 1), _static(q4, 3)
         hkv, dv = _static(k4, 1), _static(v4, 3)
         scale = node.attributes["scale"].as_float() if "scale" in node.attributes else dk**-0.5
@@ -102,8 +85,9 @@ class KVCacheInsertion:
         if not mla and dv != dk:
             raise ValueError(f"GQA needs equal key and value head sizes, got {dk} and {dv}")
         names = cache_names(layer, mla)
-        cache_shape = ir.Shape([batch, hkv, CACHE_AXIS, dk])
-        cache_type = ir.TensorType(q4.dtype)
+        cache_shape = ir.Shape([batch, hkv, MAX_SEQ_AXIS, dk])
+        dtype = required(q4.dtype, f"{q4.name}: dtype")
+        cache_type = ir.TensorType(dtype)
         past = [ir.Value(name=n, shape=cache_shape, type=cache_type) for n in names.past]
         graph.inputs.extend(past)
         past_key, past_value = (past[0], past[0]) if mla else (past[0], past[1])
@@ -128,7 +112,7 @@ class KVCacheInsertion:
         )
         out.name = f"/layers.{layer}/attention/output"
         if q4.shape is not None:  # [B, S, Hq*D]: lets cleanup see the Reshape round trip after it
-            out.shape, out.type = ir.Shape([q4.shape[0], q4.shape[2], hq * dk]), ir.TensorType(q4.dtype)
+            out.shape, out.type = ir.Shape([q4.shape[0], q4.shape[2], hq * dk]), ir.TensorType(dtype)
         present_key.name, present_value.name = names.present
         for value in (present_key, present_value):
             value.shape, value.type = cache_shape, cache_type
@@ -143,7 +127,11 @@ class KVCacheInsertion:
         graph.remove(node, safe=True)  # detaches its inputs, so what fed only it becomes dead code
 
 
-def _foldable_rotary(q3: ir.Value, k3: ir.Value, head_dim: int):  # type: ignore[no-untyped-def]
+# What _foldable_rotary finds: ((q_in, k_in), position_ids, cos_cache, sin_cache, interleaved).
+_FoldableRotary = tuple[tuple[ir.Value | None, ir.Value | None], ir.Value | None, ir.Value | None, ir.Value | None, int]
+
+
+def _foldable_rotary(q3: ir.Value, k3: ir.Value, head_dim: int) -> _FoldableRotary | None:
     """If q and k [B, S, H*D] come straight out of RotaryEmbedding nodes that share position_ids and
     cos/sin caches, return ((q_in, k_in), position_ids, cos, sin, interleaved); else None.
 
@@ -151,10 +139,12 @@ def _foldable_rotary(q3: ir.Value, k3: ir.Value, head_dim: int):  # type: ignore
     """
     if head_dim % 16:
         return None
-    nodes = [v.producer() for v in (q3, k3)]
-    if any(n is None or n.op_type != "RotaryEmbedding" or n.domain != MS_DOMAIN for n in nodes):
+    q_node, k_node = q3.producer(), k3.producer()
+    if q_node is None or k_node is None:
         return None
-    q_node, k_node = nodes
+    nodes = [q_node, k_node]
+    if any(n.op_type != "RotaryEmbedding" or n.domain != MS_DOMAIN for n in nodes):
+        return None
     if any(len(n.inputs) < 4 for n in nodes) or q_node.inputs[1:4] != k_node.inputs[1:4]:
         return None
     interleaved = {n.attributes.get_int("interleaved", 0) for n in nodes}
@@ -165,9 +155,16 @@ def _foldable_rotary(q3: ir.Value, k3: ir.Value, head_dim: int):  # type: ignore
     return (q_node.inputs[0], k_node.inputs[0]), position_ids, cos, sin, interleaved.pop()
 
 
-def _batch_dim(graph: ir.Graph):  # type: ignore[no-untyped-def]
+def _batch_dim(graph: ir.Graph) -> int | ir.SymbolicDim:
     ids = next(v for v in graph.inputs if v.name == "input_ids")
-    return ids.shape[0]
+    return required(ids.shape, "input_ids: shape")[0]
+
+
+def attention_qkv(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """The query, key and value inputs of an ONNX Attention node (each required)."""
+    return (required(node.inputs[0], f"{node.name}: Attention query input"),
+            required(node.inputs[1], f"{node.name}: Attention key input"),
+            required(node.inputs[2], f"{node.name}: Attention value input"))
 
 
 def _static(value: ir.Value, axis: int) -> int:
@@ -185,7 +182,7 @@ def _to_bsd(tape: ir.tape.Tape, value4: ir.Value, width: int) -> ir.Value:
     """[B, H, S, D] -> [B, S, H*D], reusing the [B, S, H, D] tensor when the exporter transposed it."""
     producer = value4.producer()
     if producer is not None and producer.op_type == "Transpose" and _perm(producer) == (0, 2, 1, 3):
-        bshd = producer.inputs[0]
+        bshd = required(producer.inputs[0], f"{producer.name}: Transpose input")
     else:
         bshd = tape.op("Transpose", [value4], attributes={"perm": [0, 2, 1, 3]})
     # [B, S, H*D] -> Reshape -> [B, S, H, D] (e.g. around RotaryEmbedding): take the 3D tensor as is.
@@ -220,5 +217,5 @@ def _replace_bhsd_output(graph: ir.Graph, old: ir.Value, bshd: ir.Value) -> None
             continue
         if transpose_back is None:
             transpose_back = ir.node("Transpose", [bshd], attributes={"perm": [0, 2, 1, 3]})
-            graph.insert_after(bshd.producer(), transpose_back)
+            graph.insert_after(required(bshd.producer(), f"{bshd.name}: producer"), transpose_back)
         user.replace_input_with(use.idx, transpose_back.outputs[0])

@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.graph_passes.base import MS_DOMAIN, PassContext, add_initializer
-from moeforge.graph_passes.kv_cache import cache_names
+from moeforge.kv_layout import cache_names
 
 K_SCALE_INPUT, V_SCALE_INPUT = 12, 13  # GroupQueryAttention input slots (ONNX Runtime >= 1.22)
 INT8_MAX = 127.0
@@ -47,7 +47,8 @@ def scales_from_amax(amax: np.ndarray, granularity: str) -> np.ndarray:
     if granularity == "head":
         amax = np.broadcast_to(amax.max(axis=1, keepdims=True), amax.shape)
     # A channel that never moved (all zeros) gets a harmless scale instead of 0 (division by zero).
-    return (np.maximum(amax, 1e-6) / INT8_MAX).astype(np.float32)
+    scales: np.ndarray = (np.maximum(amax, 1e-6) / INT8_MAX).astype(np.float32)
+    return scales
 
 
 class KVCacheQuantization:

@@ -28,7 +28,6 @@ Glossary of dimension letters:
     E  routed experts (n_routed_experts)
     K  experts per token (top_k = num_experts_per_tok)
 
-Facts the pass writes for later passes: ``ctx.notes["moe_lowering"] = {"lowered": n}``.
 Only nodes of the main graph are lowered (the exporter never puts a MoE node in a subgraph).
 """
 
@@ -41,7 +40,7 @@ import onnx_ir as ir
 from onnx_ir import convenience
 
 from moeforge.export import moe_op
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset, required
 from moeforge.graph_passes.node_builder import NodeBuilder, const_array
 from moeforge.plugins.moe_router import schema as router_schema
 from moeforge.plugins.moe_router.function import check_nodes
@@ -90,7 +89,6 @@ class MoELowering:
         if pairs:
             ensure_opset(model, MS_DOMAIN, 1)
         _drop_unused_moe_functions(model)
-        ctx.notes[self.name] = {"lowered": len(pairs)}
         return len(pairs)
 
 
@@ -110,7 +108,7 @@ def _router_of(node: ir.Node) -> ir.Node | None:
 # --------------------------------------------------------------------------------------- lowering
 def _lower(graph: ir.Graph, router: ir.Node, node: ir.Node, prefix: str) -> None:
     x, gate, up, down = (node.inputs[i] for i in (_X, _GATE, _UP, _DOWN))
-    if any(v is None for v in (x, gate, up, down)):
+    if x is None or gate is None or up is None or down is None:
         raise ValueError(f"{node.name}: moeforge.MoEExperts needs all six inputs")
     num_experts = _num_experts(node, router, gate)
 
@@ -134,7 +132,7 @@ def _lower(graph: ir.Graph, router: ir.Node, node: ir.Node, prefix: str) -> None
         y = b.op("Cast", [y], {"to": x_dtype}, "routed_cast")
 
     old_out = node.outputs[0]
-    y.dtype = old_out.dtype
+    y.dtype = required(old_out.dtype, f"{old_out.name}: dtype")
     y.shape = old_out.shape
     graph.insert_before(node, b.nodes)
     convenience.replace_all_uses_with(old_out, y, replace_graph_outputs=True)
@@ -202,7 +200,8 @@ def _derived_name(value: ir.Value, suffix: str, strip: str = "") -> str:
 
 def _drop_if_unused_initializer(graph: ir.Graph, value: ir.Value) -> None:
     # Removing the replaced stacked tensors keeps one copy of the expert weights in the artifact.
-    if value.is_initializer() and not value.uses() and not value.is_graph_output() and value.name in graph.initializers:
+    if (value.is_initializer() and not value.uses() and not value.is_graph_output()
+            and value.name is not None and value.name in graph.initializers):
         graph.initializers.pop(value.name)
 
 

@@ -6,6 +6,8 @@ same routing nodes. New value names are ``<prefix>/<stem>`` (names must stay uni
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx_ir as ir
 from onnx_ir import convenience
@@ -23,11 +25,11 @@ class NodeBuilder:
     def _name(self, stem: str) -> str:
         return f"{self.prefix}/{stem}" if self.prefix else stem
 
-    def op(self, op_type: str, inputs: list[ir.Value | None], attributes: dict | None, out: str,
+    def op(self, op_type: str, inputs: list[ir.Value | None], attributes: dict[str, Any] | None, out: str,
            domain: str = "") -> ir.Value:
         return self.op_multi(op_type, inputs, attributes, (out,), domain=domain)[0]
 
-    def op_multi(self, op_type: str, inputs: list[ir.Value | None], attributes: dict | None,
+    def op_multi(self, op_type: str, inputs: list[ir.Value | None], attributes: dict[str, Any] | None,
                  outs: tuple[str, ...], domain: str = "") -> list[ir.Value]:
         attrs = convenience.convert_attributes(attributes or {})
         node = ir.Node(domain, op_type, inputs, attributes=attrs, num_outputs=len(outs),

@@ -14,7 +14,7 @@ from collections import defaultdict
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import PassContext
+from moeforge.graph_passes.base import PassContext, required
 
 
 class ProjectionPacking:
@@ -31,7 +31,7 @@ class ProjectionPacking:
         for nodes in groups.values():
             if len(nodes) < 2:
                 continue
-            weights = [_const_2d(n.inputs[1]) for n in nodes]
+            weights = [required(_const_2d(n.inputs[1]), f"{n.name}: constant weight") for n in nodes]
             if len({w.shape[0] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
                 continue
             self._pack(model, nodes, weights)
@@ -44,7 +44,7 @@ class ProjectionPacking:
         first = min(nodes, key=lambda n: list(graph).index(n))
         stem = nodes[0].outputs[0].name or "packed"
         packed_weight = ir.Value(name=f"{stem}.packed_weight", shape=ir.Shape([weights[0].shape[0], sum(sizes)]),
-                                 type=ir.TensorType(nodes[0].inputs[1].dtype),
+                                 type=ir.TensorType(_weight_dtype(nodes[0])),
                                  const_value=ir.tensor(np.concatenate(weights, axis=1)))
         graph.register_initializer(packed_weight)
         matmul = ir.node("MatMul", [nodes[0].inputs[0], packed_weight])
@@ -59,8 +59,14 @@ class ProjectionPacking:
             ir.convenience.replace_all_uses_with(node.outputs[0], out)
             old_weight = node.inputs[1]
             graph.remove(node, safe=True)
-            if old_weight is not None and not old_weight.uses() and old_weight.name in graph.initializers:
+            if (old_weight is not None and not old_weight.uses()
+                    and old_weight.name is not None and old_weight.name in graph.initializers):
                 graph.initializers.pop(old_weight.name)
+
+
+def _weight_dtype(node: ir.Node) -> ir.DataType:
+    weight = required(node.inputs[1], f"{node.name}: weight input")
+    return required(weight.dtype, f"{weight.name}: dtype")
 
 
 def _const_2d(value: ir.Value | None) -> np.ndarray | None:

@@ -22,40 +22,39 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import PassContext, ensure_opset
-from moeforge.graph_passes.kv_cache import _is_prefix_slice_of, _replace_bhsd_output, _static, layer_attentions
+from moeforge.graph_passes.base import PassContext, required
+from moeforge.graph_passes.kv_cache import (
+    _is_prefix_slice_of,
+    _replace_bhsd_output,
+    _static,
+    attention_qkv,
+    layer_attentions,
+)
+from moeforge.kv_layout import DEFAULT_BLOCK_SIZE, POOL_AXIS, pool_names
 from moeforge.plugins.paged_attention.function import OPSET, build_function
 from moeforge.plugins.paged_attention.schema import DOMAIN, INPUTS, OP_TYPE, PagedAttentionAttrs
 
-DEFAULT_BLOCK_SIZE = 16
 TOKENS_AXIS = "num_tokens"
-POOL_AXIS = "num_blocks"
 BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC, LOGITS_INDICES = INPUTS[5], INPUTS[6], INPUTS[7], "logits_indices"
 LOGITS_3D = "logits_3d"  # the LM head MatMul's output once a Squeeze produces ``logits`` [P, V]
-PAGED_BLOCK_SIZE_NOTE = "paged_block_size"  # PassContext.notes key: the block size the compile asked for
-
-
-def pool_names(layer: int, mla: bool) -> tuple[list[str], list[str]]:
-    """(pool inputs, pool outputs) of one layer, in the op's order (key, value) or (latent,)."""
-    kinds = ["latent"] if mla else ["key", "value"]
-    return [f"kv_pool.{layer}.{k}" for k in kinds], [f"kv_pool_out.{layer}.{k}" for k in kinds]
 
 
 class PagedKVInsertion:
     """Attention -> moeforge::PagedAttention over block pools; packed-token graph inputs; returns the number
-    of layers rewritten. The block size is ``ctx.notes["paged_block_size"]`` (default 16)."""
+    of layers rewritten. ``block_size``: tokens per pool block (``--kv-block-size``)."""
 
     name = "paged_kv"
 
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        self.block_size = block_size
+
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         graph = model.graph
-        attentions = layer_attentions(graph, ctx.config.num_hidden_layers)
+        attentions = layer_attentions(model, ctx.config.num_hidden_layers, {DOMAIN: 1, "": OPSET})
         if not attentions:
             return 0
-        block_size = int(ctx.notes.get(PAGED_BLOCK_SIZE_NOTE, DEFAULT_BLOCK_SIZE))
+        block_size = self.block_size
         mla = ctx.config.mla is not None
-        ensure_opset(model, DOMAIN, 1)
-        ensure_opset(model, "", OPSET)
         int32 = ir.TensorType(ir.DataType.INT32)
         step = [ir.Value(name=BLOCK_TABLES, shape=ir.Shape(["num_seqs", "max_blocks"]), type=int32),
                 ir.Value(name=SEQ_LENS, shape=ir.Shape(["num_seqs"]), type=int32),
@@ -86,15 +85,16 @@ class PagedKVInsertion:
 
     def _rewrite(self, graph: ir.Graph, node: ir.Node, layer: int, block_size: int, mla: bool,
                  step: list[ir.Value], window: int) -> None:
-        q4, k4, v4 = node.inputs[0], node.inputs[1], node.inputs[2]  # [T, H, 1, D]
+        q4, k4, v4 = attention_qkv(node)  # [T, H, 1, D]
         hq, dk, hkv, dv = _static(q4, 1), _static(q4, 3), _static(k4, 1), _static(v4, 3)
         scale = node.attributes["scale"].as_float() if "scale" in node.attributes else dk**-0.5
         if mla and (hkv != 1 or not _is_prefix_slice_of(v4, k4, dv)):
             raise ValueError("absorbed MLA attention must be MQA whose value is a prefix slice of the key")
         attrs = PagedAttentionAttrs(scale=scale, num_heads=hq, num_kv_heads=hkv, block_size=block_size,
                                     head_size_v=dv, sliding_window=int(window), latent=mla)
-        inputs_names, output_names = pool_names(layer, mla)
-        dtype = ir.TensorType(q4.dtype)
+        names = pool_names(layer, mla)
+        inputs_names, output_names = names.past, names.present
+        dtype = ir.TensorType(required(q4.dtype, f"{q4.name}: dtype"))
         pools = [ir.Value(name=inputs_names[0], shape=ir.Shape([POOL_AXIS, block_size, hkv, dk]), type=dtype)]
         if not mla:
             pools.append(ir.Value(name=inputs_names[1], shape=ir.Shape([POOL_AXIS, block_size, hkv, dv]), type=dtype))
@@ -131,9 +131,9 @@ class PagedKVInsertion:
         head.replace_input_with(0, gather.outputs[0])
         vocab = logits.shape[-1] if logits.shape is not None else "vocab_size"
         logits.name = LOGITS_3D
-        squeeze = ir.node("Squeeze", [logits, ir.node("Constant", [], attributes={
-            "value": ir.tensor(np.array([1], np.int64))}).outputs[0]])
-        graph.insert_after(head, [squeeze.inputs[1].producer(), squeeze])
+        axes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([1], np.int64))})
+        squeeze = ir.node("Squeeze", [logits, axes.outputs[0]])
+        graph.insert_after(head, [axes, squeeze])
         squeeze.outputs[0].name = "logits"
         squeeze.outputs[0].shape, squeeze.outputs[0].type = ir.Shape(["num_logits", vocab]), logits.type
         graph.outputs[list(graph.outputs).index(logits)] = squeeze.outputs[0]
@@ -149,21 +149,3 @@ def _to_thd(tape: ir.tape.Tape, value4: ir.Value, heads: int, dim: int) -> ir.Va
         bthd = tape.op("Transpose", [value4], attributes={"perm": [0, 2, 1, 3]})
     shape = tape.op("Constant", [], attributes={"value": ir.tensor(np.array([-1, heads, dim], np.int64))})
     return tape.op("Reshape", [bthd, shape])
-
-
-def paged_kv_cache_spec(config, *, max_seq_len: int, block_size: int, dtype: str = "float32"):  # type: ignore[no-untyped-def]
-    """The manifest's ``KVCacheSpec`` of a paged artifact: pool names, pool shape, bytes per token/block."""
-    from moeforge.artifact import KVCacheSpec, dtype_size  # artifact imports the passes lazily too
-
-    mla = config.mla is not None
-    layers = config.num_hidden_layers
-    names = [pool_names(i, mla) for i in range(layers)]
-    if mla:
-        per_layer, shape = config.mla.latent_dim, [POOL_AXIS, block_size, 1, config.mla.latent_dim]
-    else:
-        per_layer = 2 * config.num_key_value_heads * config.head_dim
-        shape = [POOL_AXIS, block_size, config.num_key_value_heads, config.head_dim]
-    return KVCacheSpec(
-        layout="mla_latent" if mla else "gqa", num_layers=layers, past_input_names=[n[0] for n in names],
-        present_output_names=[n[1] for n in names], shape=shape, dtype=dtype, values_per_token_per_layer=per_layer,
-        bytes_per_token=per_layer * layers * dtype_size(dtype), max_seq_len=max_seq_len, block_size=block_size)

@@ -29,16 +29,18 @@ from moeforge.graph_passes.packing import ProjectionPacking
 from moeforge.graph_passes.paged_kv import PagedKVInsertion
 from moeforge.graph_passes.rms_norm import RmsNormFusion, SkipRmsNormFusion
 from moeforge.graph_passes.rotary import RotaryFusion
+from moeforge.kv_layout import DEFAULT_BLOCK_SIZE
 
 
-def ort_pipeline(kv_cache: str = "contiguous") -> list[GraphPass]:
-    """Passes for the ONNX Runtime target, in order; ``kv_cache``: "contiguous" or "paged"."""
+def ort_pipeline(kv_cache: str = "contiguous", block_size: int = DEFAULT_BLOCK_SIZE) -> list[GraphPass]:
+    """Passes for the ONNX Runtime target, in order; ``kv_cache``: "contiguous" or "paged" (pools of
+    ``block_size`` tokens). Quantisation passes (``moeforge.quant.passes``) follow these."""
     return [
         Cleanup(),
         RmsNormFusion(),
         SkipRmsNormFusion(),
         RotaryFusion(),
-        PagedKVInsertion() if kv_cache == "paged" else KVCacheInsertion(),
+        PagedKVInsertion(block_size) if kv_cache == "paged" else KVCacheInsertion(),
         ProjectionPacking(),
         MoELowering(),
         Cleanup(),

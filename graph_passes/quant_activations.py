@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import PassContext, add_initializer
+from moeforge.graph_passes.base import PassContext, add_initializer, required
 from moeforge.graph_passes.quant_weights import is_lm_head_node
 
 ZERO_POINT = {"int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
@@ -42,7 +42,7 @@ class ActivationTarget:
 
     @property
     def x(self) -> ir.Value:
-        return self.node.inputs[0]
+        return required(self.node.inputs[0], f"{self.node.name}: activation input")
 
 
 def activation_targets(model: ir.Model, dtype: str) -> list[ActivationTarget]:
@@ -165,7 +165,8 @@ def fake_quantize_activation(x: np.ndarray, scale: float, dtype: str) -> np.ndar
         codes = np.clip(np.rint(scaled), -128, 127)
     else:
         codes = np.clip(scaled, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    return (codes * np.float32(scale)).astype(np.float32)
+    out: np.ndarray = (codes * np.float32(scale)).astype(np.float32)
+    return out
 
 
 def _drop_unused_initializers(graph: ir.Graph) -> None:

@@ -19,13 +19,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext, add_initializer, ensure_opset
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext, add_initializer, ensure_opset, required
 from moeforge.graph_passes.quant_math import pack_nbits, pack_rows
 
-QMOE_ROUTER_WEIGHTS = 14  # QMoE input index of router_weights (after fc1..fc3 zero points)
+# Code bits by DequantizeLinear input dtype: symmetric int codes, and the unsigned codes of the asymmetric chain.
+_INT_BITS: Mapping[ir.DataType | None, int] = {ir.DataType.INT4: 4, ir.DataType.INT8: 8}
+_UINT_BITS: Mapping[ir.DataType | None, int] = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}
 
 
 class QuantLowering:
@@ -49,23 +54,27 @@ class QuantLowering:
         return count
 
     def _matmul(self, model: ir.Model, node: ir.Node) -> int:
-        asym = _asym_dq(node.inputs[1])
+        weight = node.inputs[1]
+        if weight is None:  # (neither form below matches a missing input)
+            return 0
+        asym = _asym_dq(weight)
         if asym is not None:
             return self._matmul_asym(model, node, *asym)
-        dq = _int_dq(node.inputs[1])
+        dq = _int_dq(weight)
         if dq is None:
             return 0
         codes, scale, bits, block, axis = dq
         k, n = codes.shape
         if axis == 1:  # per channel: blocks of one column share its scale
-            block = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), None)
-            if block is None:
+            channel_block = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), None)
+            if channel_block is None:
                 return 0
+            block = channel_block
             scale = np.broadcast_to(scale[None, :], (k // block, n))
         elif block < 16 or block & (block - 1) or k % block:
             return 0
         graph = model.graph
-        stem = node.inputs[1].name or "w"
+        stem = weight.name or "w"
         packed = add_initializer(graph, f"{stem}.nbits", pack_nbits(codes.T, bits, block))
         scales = add_initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32))  # [N, K/bs]
         new = ir.node("MatMulNBits", [node.inputs[0], packed, scales], domain=MS_DOMAIN,
@@ -84,7 +93,7 @@ class QuantLowering:
         if block < 16 or block & (block - 1) or k % block:
             return 0
         graph = model.graph
-        stem = node.inputs[1].name or "w"
+        stem = required(node.inputs[1], f"{node.name}: weight input").name or "w"  # _asym_dq matched it
         zero = 1 << (bits - 1)
         packed = pack_nbits(codes.T.astype(np.int16) - zero, bits, block)  # unsigned codes back, packed [N, K/bs, *]
         inputs = [node.inputs[0], add_initializer(graph, f"{stem}.nbits", packed),
@@ -123,7 +132,7 @@ class QuantLowering:
                 inputs += [None, None, node.inputs[i + 1] if i + 1 < len(node.inputs) else None]
                 continue
             codes, scale, b, _, _ = entry  # codes [E, N, K], scale [E, N, K/bs]
-            stem = node.inputs[i].name or f"fc{i}"
+            stem = required(node.inputs[i], f"{node.name}: input {i}").name or f"fc{i}"  # in ``found``: set
             scale = scale[..., 0] if per_channel else scale
             inputs += [add_initializer(graph, f"{stem}.qmoe", pack_rows(codes, b)),
                        add_initializer(graph, f"{stem}.qmoe_scale", np.ascontiguousarray(scale, np.float32)),
@@ -132,7 +141,7 @@ class QuantLowering:
         while inputs and inputs[-1] is None:
             inputs.pop()
         attributes = {a.name: a for a in node.attributes.values()}
-        new_attrs: dict[str, object] = {name: attr.value for name, attr in attributes.items()}
+        new_attrs: dict[str, Any] = {name: attr.value for name, attr in attributes.items()}
         new_attrs.update({"expert_weight_bits": bits.pop(), "accuracy_level": self.accuracy_level})
         if not per_channel:
             new_attrs["block_size"] = block_sizes.pop()
@@ -153,7 +162,7 @@ def _int_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, int, int, i
         zp = producer.inputs[2].const_value
         if zp is None or np.any(zp.numpy().astype(np.int32) != 0):
             return None
-    bits = {ir.DataType.INT4: 4, ir.DataType.INT8: 8}.get(codes_v.dtype)
+    bits = _INT_BITS.get(codes_v.dtype)
     if bits is None:
         return None
     axis_attr = producer.attributes.get("axis")
@@ -181,7 +190,7 @@ def _asym_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, np.ndarray
     _, add, _, dq = chain
     offset = add.inputs[1].const_value if add.inputs[1] is not None else None
     codes_v, scale_v = dq.inputs[0], dq.inputs[1]
-    bits = {ir.DataType.UINT4: 4, ir.DataType.UINT8: 8}.get(codes_v.dtype) if codes_v is not None else None
+    bits = _UINT_BITS.get(codes_v.dtype) if codes_v is not None else None
     if offset is None or codes_v is None or scale_v is None or bits is None:
         return None
     if codes_v.const_value is None or scale_v.const_value is None or (len(dq.inputs) > 2 and dq.inputs[2] is not None):

@@ -30,9 +30,9 @@ class QuantizedWeight:
 
     def dequantize(self) -> np.ndarray:
         values = self.values.astype(np.float32)
-        if self.block_size is None:
-            return values * self.scale[None, :]
-        return values * np.repeat(self.scale, self.block_size, axis=0)
+        scale = self.scale[None, :] if self.block_size is None else np.repeat(self.scale, self.block_size, axis=0)
+        weight: np.ndarray = values * scale
+        return weight
 
 
 def quantize(weight: np.ndarray, kind: str, block_size: int | None) -> QuantizedWeight:
@@ -72,11 +72,15 @@ class AsymWeight:
     block_size: int
 
     def dequantize(self) -> np.ndarray:
-        rep = lambda a: np.repeat(a, self.block_size, axis=0)  # noqa: E731
-        return self.codes.astype(np.float32) * rep(self.scale) + rep(self.offset)
+        def rep(a: np.ndarray) -> np.ndarray:
+            return np.repeat(a, self.block_size, axis=0)
+
+        weight: np.ndarray = self.codes.astype(np.float32) * rep(self.scale) + rep(self.offset)
+        return weight
 
     def zero_point(self) -> np.ndarray:
-        return (-self.offset / self.scale).astype(np.float32)
+        zero_point: np.ndarray = (-self.offset / self.scale).astype(np.float32)
+        return zero_point
 
 
 def quantize_asym(weight: np.ndarray, block_size: int, bits: int = 4) -> AsymWeight:
@@ -136,7 +140,7 @@ def pack_nbits(codes_nk: np.ndarray, bits: int, block_size: int) -> np.ndarray:
     """Signed codes [N, K] -> MatMulNBits B [N, K / block, block * bits / 8] uint8 (unsigned, offset 2^(bits-1);
     4-bit: element 2j in the low nibble, 2j+1 in the high nibble)."""
     n, k = codes_nk.shape
-    unsigned = (codes_nk.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
+    unsigned: np.ndarray = (codes_nk.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
     if bits == 4:
         unsigned = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
     elif bits != 8:
@@ -146,7 +150,7 @@ def pack_nbits(codes_nk: np.ndarray, bits: int, block_size: int) -> np.ndarray:
 
 def pack_rows(codes: np.ndarray, bits: int) -> np.ndarray:
     """Signed codes [..., K] -> uint8 [..., K * bits / 8] (QMoE's expert layout, same nibble order)."""
-    unsigned = (codes.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
+    unsigned: np.ndarray = (codes.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
     if bits == 4:
         unsigned = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)
     return unsigned

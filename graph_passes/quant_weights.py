@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext, add_initializer
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext, add_initializer, required
 from moeforge.graph_passes.paged_kv import LOGITS_3D
 from moeforge.graph_passes.quant_math import QuantizedWeight, quantize, quantize_asym, quantize_fp8_exact
 
@@ -92,13 +92,16 @@ def fold_transposed_weights(model: ir.Model) -> int:
         if node.op_type != "MatMul" or node.domain != "":
             continue
         producer = node.inputs[1].producer() if node.inputs[1] is not None else None
-        if producer is None or producer.op_type != "Transpose" or _const(producer.inputs[0]) is None:
-            continue
-        perm = producer.attributes.get("perm")
-        if len(producer.inputs[0].shape or ()) != 2 or (perm is not None and list(perm.as_ints()) != [1, 0]):
+        if producer is None or producer.op_type != "Transpose":
             continue
         table = producer.inputs[0]
-        value = add_initializer(model.graph, f"{table.name}.T", ir.tensor(np.ascontiguousarray(_const(table).T)))
+        array = _const(table)
+        if table is None or array is None:
+            continue
+        perm = producer.attributes.get("perm")
+        if len(table.shape or ()) != 2 or (perm is not None and list(perm.as_ints()) != [1, 0]):
+            continue
+        value = add_initializer(model.graph, f"{table.name}.T", ir.tensor(np.ascontiguousarray(array.T)))
         node.replace_input_with(1, value)
         if not any(o.uses() for o in producer.outputs):
             model.graph.remove(producer, safe=True)
@@ -113,14 +116,18 @@ def quant_targets(model: ir.Model) -> list[QuantTarget]:
     for node in model.graph:
         if node.op_type == "MatMul" and node.domain == "":
             weight = node.inputs[1]
-            if _const(weight) is None or len(weight.shape or ()) != 2 or ROUTER_WEIGHT.search(weight.name or ""):
+            if (weight is None or _const(weight) is None or weight.shape is None or len(weight.shape) != 2
+                    or ROUTER_WEIGHT.search(weight.name or "")):
                 continue
-            targets.append(QuantTarget(weight.name, _label(node, weight), node, 1, tuple(weight.shape)))
+            name = required(weight.name, f"{node.name}: weight name")
+            targets.append(QuantTarget(name, _label(node, weight), node, 1, weight.shape.numpy()))
         elif node.op_type == "MoE" and node.domain == MS_DOMAIN:
             for index in MOE_WEIGHT_INPUTS:
-                if index < len(node.inputs) and _const(node.inputs[index]) is not None:
-                    weight = node.inputs[index]
-                    targets.append(QuantTarget(weight.name, weight.name, node, index, tuple(weight.shape)))
+                weight = node.inputs[index] if index < len(node.inputs) else None
+                if weight is not None and _const(weight) is not None:
+                    name = required(weight.name, f"{node.name}: expert weight name")
+                    shape = required(weight.shape, f"{name}: shape").numpy()
+                    targets.append(QuantTarget(name, name, node, index, shape))
     return targets
 
 
@@ -143,7 +150,7 @@ class WeightQuantization:
 
     def _quantize(self, model: ir.Model, target: QuantTarget) -> None:
         graph, cfg = model.graph, self.config
-        weight = target.node.inputs[target.index]
+        weight = required(target.node.inputs[target.index], f"{target.name}: weight input")
         array = _const(weight)
         assert array is not None
         kind = (cfg.head_kind or cfg.kind) if target.is_lm_head else cfg.kind
@@ -180,13 +187,13 @@ class WeightQuantization:
         dq.outputs[0].shape, dq.outputs[0].type = weight.shape, ir.TensorType(ir.DataType.FLOAT)
         graph.insert_before(target.node, dq)
         target.node.replace_input_with(target.index, dq.outputs[0])
-        if not weight.uses() and weight.name in graph.initializers:
+        if not weight.uses() and weight.name is not None and weight.name in graph.initializers:
             graph.initializers.pop(weight.name)
 
     def _quantize_asym(self, model: ir.Model, target: QuantTarget, array: np.ndarray, bits: int) -> None:
         graph, bs = model.graph, self.config.block_size
         assert bs is not None
-        weight = target.node.inputs[target.index]
+        weight = required(target.node.inputs[target.index], f"{target.name}: weight input")
         q = quantize_asym(array, bs, bits)
         k, n = array.shape
         stem = target.name
@@ -205,7 +212,7 @@ class WeightQuantization:
             node.outputs[0].shape, node.outputs[0].type = ir.Shape(shape), ir.TensorType(ir.DataType.FLOAT)
             graph.insert_before(target.node, node)
         target.node.replace_input_with(target.index, merge.outputs[0])
-        if not weight.uses() and weight.name in graph.initializers:
+        if not weight.uses() and weight.name is not None and weight.name in graph.initializers:
             graph.initializers.pop(weight.name)
 
     def _q(self, weight: np.ndarray, kind: str) -> QuantizedWeight:
@@ -216,7 +223,7 @@ class WeightQuantization:
     @staticmethod
     def _scale_activation(model: ir.Model, target: QuantTarget, inverse: np.ndarray) -> None:
         graph = model.graph
-        x = target.node.inputs[0]
+        x = required(target.node.inputs[0], f"{target.node.name}: activation input")
         inv = add_initializer(graph, f"{target.name}.awq_inv_scale", ir.tensor(inverse))
         mul = ir.node("Mul", [x, inv])
         mul.outputs[0].name = f"{target.name}.awq_input"
@@ -225,7 +232,7 @@ class WeightQuantization:
         target.node.replace_input_with(0, mul.outputs[0])
 
 
-def _typed(codes: np.ndarray, kind: str) -> ir.Tensor:
+def _typed(codes: np.ndarray, kind: str) -> ir.TensorProtocol:
     if kind == "int4":
         return ir.tensor(codes.astype(ml_dtypes.int4))
     if kind == "fp8":
@@ -241,7 +248,7 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
 
 def _label(node: ir.Node, weight: ir.Value) -> str:
     scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes", "")
-    found = re.findall(r"'([^']+)'", scopes)
+    found: list[str] = re.findall(r"'([^']+)'", scopes)
     modules = [s for s in found if s.startswith("model.")]
     if modules:
         return modules[-1]

@@ -53,12 +53,13 @@ left as it is and not counted; checks run before anything is rewritten.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import pattern
+from onnxscript.rewriter import MatchContext, MatchResult, pattern
 
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset, required, rewrite_rule
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,9 @@ class RmsNormFusion:
         # Two sets, not one: a set tries its rules node by node in graph order, so the bare rule
         # (rooted at RMSNormalization) would claim every norm before the weighted rule (rooted at
         # the later Mul) got to see it.
-        weighted = pattern.RewriteRuleSet([_WeightedRmsNorm.rule(leftovers)], commute=True).apply_to_model(model)
-        bare = pattern.RewriteRuleSet([_BareRmsNorm.rule(leftovers)]).apply_to_model(model)
+        weighted_rules = pattern.RewriteRuleSet([rewrite_rule(_WeightedRmsNorm, leftovers)], commute=True)
+        weighted = weighted_rules.apply_to_model(model)
+        bare = pattern.RewriteRuleSet([rewrite_rule(_BareRmsNorm, leftovers)]).apply_to_model(model)
         _remove_dead(leftovers)
         log.debug("rms_norm: %d weighted, %d bare sites", weighted, bare)
         return weighted + bare
@@ -111,7 +113,7 @@ class SkipRmsNormFusion:
         # The sum-unused rule goes first: its single-output pattern only matches when the Add
         # feeds the norm alone (the matcher refuses to delete a value used elsewhere), so every
         # other site falls through to the rule that wires output 3.
-        rules = pattern.RewriteRuleSet([_SkipRmsNormSumUnused.rule(), _SkipRmsNormSumReused.rule()])
+        rules = pattern.RewriteRuleSet([rewrite_rule(_SkipRmsNormSumUnused), rewrite_rule(_SkipRmsNormSumReused)])
         count = rules.apply_to_model(model)
         if count:
             ensure_opset(model, MS_DOMAIN, 1)
@@ -127,17 +129,18 @@ class _WeightedRmsNorm(pattern.RewriteRuleClassBase):
         super().__init__("WeightedRmsNorm")
         self._leftovers = leftovers
 
-    def pattern(self, op, x, scale, weight, out_dtype):
+    def pattern(self, op: Any, x: Any, scale: Any, weight: Any, out_dtype: Any) -> Any:
         normed = op.RMSNormalization(x, scale, _allow_other_attributes=True, _outputs=["normed"])
         normed = pattern.OrValue([op.Cast(normed, to=out_dtype, _allow_other_attributes=True), normed])
         return op.Mul(weight, normed, _outputs=["y"])
 
-    def check(self, context, x, scale, weight, normed, y, **_) -> pattern.MatchResult:
-        result = pattern.MatchResult()
-        node = normed.producer()
-        reason = _norm_attribute_problem(node, x)
-        if reason:
-            return result.fail(reason, node)
+    def check(  # type: ignore[override]  # onnxscript's PatternBase.check names this parameter op; it is passed positionally
+        self, context: MatchContext, x: ir.Value, scale: ir.Value, weight: ir.Value, normed: ir.Value, y: ir.Value,
+        **_: Any,
+    ) -> MatchResult:
+        result = _norm_match(normed, x)
+        if not result:
+            return result
         source = _uncast(x)
         hidden = _last_dim(source)
         if hidden is None:
@@ -152,12 +155,14 @@ class _WeightedRmsNorm(pattern.RewriteRuleClassBase):
             return result.fail(f"no ORT kernel for SLN({source.dtype}, {weight.dtype})", source)
         return result
 
-    def rewrite(self, op, x, scale, weight, normed, **_):
-        node = normed.producer()
+    def rewrite(self, op: Any, x: ir.Value, scale: ir.Value, weight: ir.Value, normed: ir.Value,
+                **_: Any) -> ir.Value:
+        node = _producer(normed)
         self._leftovers.extend(p for p in (scale.producer(), x.producer()) if p is not None)
-        return op.SimplifiedLayerNormalization(
+        y: ir.Value = op.SimplifiedLayerNormalization(
             _uncast(x), weight, axis=-1, epsilon=_epsilon(node), stash_type=1,  # stash 1: fp32 statistics
         )
+        return y
 
 
 class _BareRmsNorm(pattern.RewriteRuleClassBase):
@@ -167,15 +172,15 @@ class _BareRmsNorm(pattern.RewriteRuleClassBase):
         super().__init__("BareRmsNorm")
         self._leftovers = leftovers
 
-    def pattern(self, op, x, scale):
+    def pattern(self, op: Any, x: Any, scale: Any) -> Any:
         return op.RMSNormalization(x, scale, _allow_other_attributes=True, _outputs=["normed"])
 
-    def check(self, context, x, scale, normed, **_) -> pattern.MatchResult:
-        result = pattern.MatchResult()
-        node = normed.producer()
-        reason = _norm_attribute_problem(node, x)
-        if reason:
-            return result.fail(reason, node)
+    def check(  # type: ignore[override]  # onnxscript's PatternBase.check names this parameter op; it is passed positionally
+        self, context: MatchContext, x: ir.Value, scale: ir.Value, normed: ir.Value, **_: Any,
+    ) -> MatchResult:
+        result = _norm_match(normed, x)
+        if not result:
+            return result
         hidden = _last_dim(x)
         if hidden is None:
             return result.fail("the normalised axis has no static size", x)
@@ -187,23 +192,29 @@ class _BareRmsNorm(pattern.RewriteRuleClassBase):
             return result.fail(f"the scale is neither ones nor of shape [{hidden}]", scale)
         return result
 
-    def rewrite(self, op, x, scale, normed, **_):
+    def rewrite(self, op: Any, x: ir.Value, scale: ir.Value, normed: ir.Value, **_: Any) -> ir.Value:
         hidden = _last_dim(x)
         assert hidden is not None  # guaranteed by check
         if _is_ones(scale, x, hidden):
-            if scale.producer() is not None:
-                self._leftovers.append(scale.producer())
+            scale_producer = scale.producer()
+            if scale_producer is not None:
+                self._leftovers.append(scale_producer)
+            assert scale.dtype is not None  # guaranteed by check (a known SLN dtype pair)
             scale = op.Constant(value=ir.tensor(np.ones(hidden, dtype=scale.dtype.numpy())))
-        return op.SimplifiedLayerNormalization(x, scale, axis=-1, epsilon=_epsilon(normed.producer()), stash_type=1)
+        y: ir.Value = op.SimplifiedLayerNormalization(
+            x, scale, axis=-1, epsilon=_epsilon(_producer(normed)), stash_type=1)
+        return y
 
 
 # ------------------------------------------------------------------------------ SkipRmsNormFusion rules
 class _SkipRmsNormBase(pattern.RewriteRuleClassBase):
     """Shared checks: SLN over the last axis with fp32 statistics, Add of two same-shape tensors."""
 
-    def check(self, context, a, b, gamma, normed, **_) -> pattern.MatchResult:
+    def check(  # type: ignore[override]  # onnxscript's PatternBase.check names this parameter op; it is passed positionally
+        self, context: MatchContext, a: ir.Value, b: ir.Value, gamma: ir.Value, normed: ir.Value, **_: Any,
+    ) -> MatchResult:
         result = pattern.MatchResult()
-        node = normed.producer()
+        node = _producer(normed)
         if node.attributes.get_int("stash_type", 1) != 1:
             return result.fail("SkipSimplifiedLayerNormalization always keeps fp32 statistics", node)
         if len(node.outputs) > 1 and (node.outputs[1].uses() or node.outputs[1].is_graph_output()):
@@ -212,6 +223,7 @@ class _SkipRmsNormBase(pattern.RewriteRuleClassBase):
         # operand can be "input" (a + b == b + a bit for bit).
         if not _same_static_shape(a, b):
             return result.fail("the Add operands do not have one known shape", a)
+        assert a.shape is not None  # _same_static_shape checked it
         rank = a.shape.rank()
         if rank not in _SKIP_RANKS:
             return result.fail(f"ORT's kernel takes rank 2 or 3 inputs, not {rank}", a)
@@ -232,13 +244,15 @@ class _SkipRmsNormSumUnused(_SkipRmsNormBase):
     def __init__(self) -> None:
         super().__init__("SkipRmsNormSumUnused")
 
-    def pattern(self, op, a, b, gamma):
+    def pattern(self, op: Any, a: Any, b: Any, gamma: Any) -> Any:
         return op.SimplifiedLayerNormalization(op.Add(a, b), gamma, _allow_other_attributes=True, _outputs=["normed"])
 
-    def rewrite(self, op, a, b, gamma, normed, **_):
-        return op.SkipSimplifiedLayerNormalization(
-            a, b, gamma, epsilon=_epsilon(normed.producer()), _domain=MS_DOMAIN, _version=1,
+    def rewrite(self, op: Any, a: ir.Value, b: ir.Value, gamma: ir.Value, normed: ir.Value,
+                **_: Any) -> ir.Value:
+        y: ir.Value = op.SkipSimplifiedLayerNormalization(
+            a, b, gamma, epsilon=_epsilon(_producer(normed)), _domain=MS_DOMAIN, _version=1,
         )
+        return y
 
 
 class _SkipRmsNormSumReused(_SkipRmsNormBase):
@@ -247,19 +261,34 @@ class _SkipRmsNormSumReused(_SkipRmsNormBase):
     def __init__(self) -> None:
         super().__init__("SkipRmsNormSumReused")
 
-    def pattern(self, op, a, b, gamma):
+    def pattern(self, op: Any, a: Any, b: Any, gamma: Any) -> Any:
         total = op.Add(a, b)
         normed = op.SimplifiedLayerNormalization(total, gamma, _allow_other_attributes=True, _outputs=["normed"])
         return normed, total
 
-    def rewrite(self, op, a, b, gamma, normed, **_):
+    def rewrite(self, op: Any, a: ir.Value, b: ir.Value, gamma: ir.Value, normed: ir.Value,
+                **_: Any) -> tuple[ir.Value, ir.Value]:
         out, _mean, _inv_std_var, total = op.SkipSimplifiedLayerNormalization(
-            a, b, gamma, epsilon=_epsilon(normed.producer()), _domain=MS_DOMAIN, _version=1, _outputs=4,
+            a, b, gamma, epsilon=_epsilon(_producer(normed)), _domain=MS_DOMAIN, _version=1, _outputs=4,
         )
         return out, total
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _producer(normed: ir.Value) -> ir.Node:
+    """The node that computes ``normed``: the matched norm node, which the pattern itself provides."""
+    return required(normed.producer(), f"{normed.name}: producer")
+
+
+def _norm_match(normed: ir.Value, x: ir.Value) -> MatchResult:
+    """A match result for the RMSNormalization producing ``normed`` over ``x``: failed with the reason when its
+    attributes do not fit SLN."""
+    result = pattern.MatchResult()
+    node = _producer(normed)
+    reason = _norm_attribute_problem(node, x)
+    return result.fail(reason, node) if reason else result
+
+
 def _norm_attribute_problem(node: ir.Node, x: ir.Value) -> str | None:
     """Why an RMSNormalization node cannot become SLN(axis=-1, stash_type=1), or None."""
     axis = node.attributes.get_int("axis", -1)
@@ -340,7 +369,7 @@ def _remove_dead(candidates: list[ir.Node]) -> None:
             continue  # already removed
         if any(out.uses() or out.is_graph_output() for out in node.outputs):
             continue
-        producers = [v.producer() for v in node.inputs if v is not None and v.producer() is not None]
+        producers = [p for v in node.inputs if v is not None and (p := v.producer()) is not None]
         node.graph.remove(node, safe=True)
         work.extend(producers)
 

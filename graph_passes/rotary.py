@@ -37,14 +37,15 @@ failed check records why, as an onnxscript ``MatchResult.fail`` reason).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 import torch
-from onnxscript.rewriter import pattern
+from onnxscript.rewriter import MatchContext, MatchResult, pattern
 
 from moeforge.export.rope import RotaryEmbedding, rope_inverse_frequencies
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset
+from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset, required, rewrite_rule
 
 # Names of the two shared graph initializers [M, D/2] float32.
 COS_CACHE = "cos_cache"
@@ -70,7 +71,7 @@ class RotaryFusion:
         cos_cache, cos_created = _shared_initializer(graph, COS_CACHE, state.cos_table)
         sin_cache, sin_created = _shared_initializer(graph, SIN_CACHE, state.sin_table)
         state.cos_cache, state.sin_cache = cos_cache, sin_cache
-        rules = pattern.RewriteRuleSet([_HalfRotary.rule(state), _InterleavedRotary.rule(state)])
+        rules = pattern.RewriteRuleSet([rewrite_rule(_HalfRotary, state), rewrite_rule(_InterleavedRotary, state)])
         used_before = {v for v in graph.initializers.values() if v.uses()}
         count = rules.apply_to_model(model)
         if count == 0:
@@ -84,7 +85,7 @@ class RotaryFusion:
         # Constants only the replaced arithmetic read (inv_freq, slice bounds, amplitude).
         for value in used_before:
             if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
-                graph.initializers.pop(value.name)
+                graph.initializers.pop(required(value.name, "initializer name"))
         return count
 
 
@@ -105,8 +106,8 @@ class _FusionState:
     @classmethod
     def from_context(cls, ctx: PassContext) -> _FusionState:
         config = ctx.config
-        inv_freq, amplitude = rope_inverse_frequencies(config.rope, config.rope_dim, config.max_position_embeddings)
-        inv_freq = inv_freq.numpy()
+        inv_freq_t, amplitude = rope_inverse_frequencies(config.rope, config.rope_dim, config.max_position_embeddings)
+        inv_freq = inv_freq_t.numpy()
         # The tables come from the PyTorch model's own RotaryEmbedding (float32 angles, torch's cos/sin),
         # so the artifact reproduces the reference it is checked against. Float64 tables are closer to
         # the ideal rotation, but differ from PyTorch/transformers by up to half an ulp of the angle,
@@ -148,7 +149,10 @@ class _RotaryRule(pattern.RewriteRuleClassBase):
     def _check_slices(self, d: int, first: tuple[ir.Value, ...], second: tuple[ir.Value, ...]) -> str | None:
         raise NotImplementedError
 
-    def check(self, context, x, cos, sin, start1, end1, axis1, step1, start2, end2, axis2, step2, **_):  # type: ignore[no-untyped-def]
+    def check(  # type: ignore[override]  # onnxscript's PatternBase.check names this parameter op; it is passed positionally
+        self, context: MatchContext, x: ir.Value, cos: ir.Value, sin: ir.Value, start1: ir.Value, end1: ir.Value,
+        axis1: ir.Value, step1: ir.Value, start2: ir.Value, end2: ir.Value, axis2: ir.Value, step2: ir.Value, **_: Any,
+    ) -> MatchResult:
         result = pattern.MatchResult()
         if self.interleaved != self.state.interleaved:
             layout = "interleaved" if self.interleaved else "half"
@@ -158,6 +162,7 @@ class _RotaryRule(pattern.RewriteRuleClassBase):
         if x.dtype != ir.DataType.FLOAT:
             return result.fail(f"rotated tensor is {x.dtype}; the caches are float32", x)
         d = x.shape[3]
+        assert isinstance(d, int)  # static: checked above
         if d != self.state.rope_dim:
             return result.fail(f"rotates {d} dims, config.rope_dim is {self.state.rope_dim}", x)
         reason = self._check_slices(d, (start1, end1, axis1, step1), (start2, end2, axis2, step2))
@@ -174,9 +179,10 @@ class _RotaryRule(pattern.RewriteRuleClassBase):
         self._angles = angles
         return result
 
-    def _emit(self, op, x: ir.Value) -> ir.Value:  # type: ignore[no-untyped-def]
+    def _emit(self, op: Any, x: ir.Value) -> ir.Value:
         assert self._angles is not None and x.shape is not None
         h, d = x.shape[2], x.shape[3]
+        assert isinstance(h, int) and isinstance(d, int)  # static: check() required it
         self.state.replaced.extend(self._angles.nodes)
         x3 = op.Reshape(x, _int64s(op, [0, 0, h * d]))
         x3.shape, x3.type = ir.Shape([x.shape[0], x.shape[1], h * d]), x.type
@@ -185,7 +191,8 @@ class _RotaryRule(pattern.RewriteRuleClassBase):
             interleaved=int(self.interleaved), num_heads=h, rotary_embedding_dim=d, _domain=MS_DOMAIN,
         )
         y3.shape, y3.type = x3.shape, x3.type
-        return op.Reshape(y3, _int64s(op, [0, 0, h, d]))
+        y: ir.Value = op.Reshape(y3, _int64s(op, [0, 0, h, d]))
+        return y
 
 
 class _HalfRotary(_RotaryRule):
@@ -193,21 +200,26 @@ class _HalfRotary(_RotaryRule):
 
     interleaved = False
 
-    def pattern(self, op, x, cos, sin, start1, end1, axis1, step1, start2, end2, axis2, step2, concat_axis):  # type: ignore[no-untyped-def]
+    def pattern(
+        self, op: Any, x: Any, cos: Any, sin: Any, start1: Any, end1: Any, axis1: Any, step1: Any, start2: Any,
+        end2: Any, axis2: Any, step2: Any, concat_axis: Any,
+    ) -> Any:
         real, imag = _rotation(op, x, cos, sin, (start1, end1, axis1, step1), (start2, end2, axis2, step2))
         return op.Concat(real, imag, axis=concat_axis)
 
-    def check(self, context, concat_axis, **kwargs):  # type: ignore[no-untyped-def]
+    def check(  # type: ignore[override]  # as _RotaryRule.check; takes concat_axis, then delegates
+        self, context: MatchContext, concat_axis: ir.Attr, **kwargs: Any,
+    ) -> MatchResult:
         if concat_axis.value not in (-1, 3):
             return pattern.MatchResult().fail(f"halves are concatenated on axis {concat_axis.value}")
         return super().check(context, **kwargs)
 
-    def _check_slices(self, d, first, second):  # type: ignore[no-untyped-def]
+    def _check_slices(self, d: int, first: tuple[ir.Value, ...], second: tuple[ir.Value, ...]) -> str | None:
         if _slice_of(first) != (0, d // 2, 1) or _slice_of(second, open_end=d) != (d // 2, d, 1):
             return f"slices {_slice_of(first)}, {_slice_of(second)} are not the halves of {d} dims"
         return None
 
-    def rewrite(self, op, x, **_):  # type: ignore[no-untyped-def]
+    def rewrite(self, op: Any, x: ir.Value, **_: Any) -> ir.Value:
         return self._emit(op, x)
 
 
@@ -216,14 +228,18 @@ class _InterleavedRotary(_RotaryRule):
 
     interleaved = True
 
-    def pattern(  # type: ignore[no-untyped-def]
-        self, op, x, cos, sin, start1, end1, axis1, step1, start2, end2, axis2, step2, axis_real, axis_imag, shape
-    ):
+    def pattern(
+        self, op: Any, x: Any, cos: Any, sin: Any, start1: Any, end1: Any, axis1: Any, step1: Any, start2: Any,
+        end2: Any, axis2: Any, step2: Any, axis_real: Any, axis_imag: Any, shape: Any,
+    ) -> Any:
         real, imag = _rotation(op, x, cos, sin, (start1, end1, axis1, step1), (start2, end2, axis2, step2))
         pairs = op.Concat(op.Unsqueeze(real, axis_real), op.Unsqueeze(imag, axis_imag), axis=-1)  # [B, S, H, D/2, 2]
         return op.Reshape(pairs, shape, _outputs=["rotated"])
 
-    def check(self, context, x, axis_real, axis_imag, shape, rotated, **kwargs):  # type: ignore[no-untyped-def]
+    def check(  # type: ignore[override]  # as _RotaryRule.check; takes the stacking bindings, then delegates
+        self, context: MatchContext, x: ir.Value, axis_real: ir.Value, axis_imag: ir.Value, shape: ir.Value,
+        rotated: ir.Value, **kwargs: Any,
+    ) -> MatchResult:
         result = pattern.MatchResult()
         if _ints(axis_real) not in ([-1], [4]) or _ints(axis_imag) not in ([-1], [4]):
             return result.fail("rotated pairs are not stacked on a new last axis")
@@ -234,18 +250,18 @@ class _InterleavedRotary(_RotaryRule):
         self._shape_node = shape.producer()
         return super().check(context, x=x, **kwargs)
 
-    def _check_slices(self, d, first, second):  # type: ignore[no-untyped-def]
+    def _check_slices(self, d: int, first: tuple[ir.Value, ...], second: tuple[ir.Value, ...]) -> str | None:
         if _slice_of(first, open_end=d) != (0, d, 2) or _slice_of(second, open_end=d) != (1, d, 2):
             return f"slices {_slice_of(first)}, {_slice_of(second)} are not the even/odd dims of {d}"
         return None
 
-    def rewrite(self, op, x, **_):  # type: ignore[no-untyped-def]
+    def rewrite(self, op: Any, x: ir.Value, **_: Any) -> ir.Value:
         if self._shape_node is not None:
             self.state.replaced.append(self._shape_node)  # the flatten's shape computation
         return self._emit(op, x)
 
 
-def _rotation(op, x, cos, sin, first, second):  # type: ignore[no-untyped-def]
+def _rotation(op: Any, x: Any, cos: Any, sin: Any, first: tuple[Any, ...], second: tuple[Any, ...]) -> tuple[Any, Any]:
     """The arithmetic both layouts share: (x1*c - x2*s, x2*c + x1*s) for x1, x2 = two slices of x."""
     x1 = op.Slice(x, *first)
     x2 = op.Slice(x, *second)
@@ -301,7 +317,7 @@ def _trace_angles(cos_u: ir.Value, sin_u: ir.Value) -> _Angles | str:
         if node.op_type == "Cast" and node.attributes.get_int("to") != ir.DataType.FLOAT:
             return "positions are not cast to float32"
         chain.append(node)
-        value = node.inputs[0]
+        value = required(node.inputs[0], f"{node.name}: input 0")
     if [n.op_type for n in chain[1:]] not in (["Cast", "Unsqueeze"], ["Unsqueeze", "Cast"]):
         return "angles are not computed from integer positions"
     if value.dtype != ir.DataType.INT64 or value.shape is None or len(value.shape) != 2:
@@ -337,16 +353,19 @@ def _slice_of(params: tuple[ir.Value, ...], open_end: int | None = None) -> tupl
     torch exports an open-ended slice (x[..., D/2:], x[..., 1::2]) with end INT64_MAX.
     """
     starts, ends, axes, steps = (_ints(v) for v in params)
-    if any(v is None or len(v) != 1 for v in (starts, ends, axes, steps)) or axes[0] not in (3, -1):  # type: ignore[index]
+    if starts is None or ends is None or axes is None or steps is None:
         return None
-    end = ends[0]  # type: ignore[index]
+    if any(len(v) != 1 for v in (starts, ends, axes, steps)) or axes[0] not in (3, -1):
+        return None
+    end = ends[0]
     if open_end is not None and end >= open_end:
         end = open_end
-    return starts[0], end, steps[0]  # type: ignore[index]
+    return starts[0], end, steps[0]
 
 
-def _int64s(op, values: list[int]) -> ir.Value:  # type: ignore[no-untyped-def]
-    return op.Constant(value=ir.tensor(np.array(values, dtype=np.int64)))
+def _int64s(op: Any, values: list[int]) -> ir.Value:
+    const: ir.Value = op.Constant(value=ir.tensor(np.array(values, dtype=np.int64)))
+    return const
 
 
 def _shared_initializer(graph: ir.Graph, name: str, table: np.ndarray) -> tuple[ir.Value, bool]:

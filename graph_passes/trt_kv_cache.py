@@ -33,8 +33,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import PassContext, ensure_opset
-from moeforge.graph_passes.kv_cache import _batch_dim, _const, _static, cache_names, layer_attentions
+from moeforge.graph_passes.base import PassContext, required
+from moeforge.graph_passes.kv_cache import _batch_dim, _const, _static, attention_qkv, layer_attentions
+from moeforge.kv_layout import cache_names
 
 PAST_LENGTHS = "past_lengths"
 TENSOR_SCATTER_OPSET = 24
@@ -47,10 +48,9 @@ class TrtKVCache:
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         graph = model.graph
-        attentions = layer_attentions(graph, ctx.config.num_hidden_layers)
+        attentions = layer_attentions(model, ctx.config.num_hidden_layers, {"": TENSOR_SCATTER_OPSET})
         if not attentions:
             return 0
-        ensure_opset(model, "", TENSOR_SCATTER_OPSET)
         batch = _batch_dim(graph)
         past_lengths = ir.Value(name=PAST_LENGTHS, shape=ir.Shape([batch]), type=ir.TensorType(ir.DataType.INT64))
         graph.inputs.append(past_lengths)
@@ -63,7 +63,7 @@ class TrtKVCache:
         return len(attentions)
 
     @staticmethod
-    def _mask(tape: ir.tape.Tape, ids: ir.Value, past_lengths: ir.Value, ctx: PassContext):  # type: ignore[no-untyped-def]
+    def _mask(tape: ir.tape.Tape, ids: ir.Value, past_lengths: ir.Value, ctx: PassContext) -> tuple[ir.Value, ir.Value]:
         """mask [B,1,S,L] bool (key j visible to query i of row b) and nonpad [B] = past_lengths + S."""
         seq = tape.op("Shape", [ids], attributes={"start": 1, "end": 2})  # [1] = S
         nonpad = tape.op("Add", [past_lengths, seq])
@@ -86,10 +86,10 @@ class TrtKVCache:
         mask.name = "attention_mask_bsl"
         return mask, nonpad
 
-    def _rewrite(self, model: ir.Model, node: ir.Node, layer: int, ctx: PassContext, batch,  # type: ignore[no-untyped-def]
+    def _rewrite(self, model: ir.Model, node: ir.Node, layer: int, ctx: PassContext, batch: int | ir.SymbolicDim,
                  past_lengths: ir.Value, mask: ir.Value, nonpad: ir.Value) -> None:
         graph = model.graph
-        q4, k4, v4 = node.inputs[0], node.inputs[1], node.inputs[2]
+        q4, k4, v4 = attention_qkv(node)
         dk, hkv, dv = _static(q4, 3), _static(k4, 1), _static(v4, 3)
         scale = node.attributes["scale"].as_float() if "scale" in node.attributes else dk**-0.5
         mla = ctx.config.mla is not None
@@ -99,7 +99,7 @@ class TrtKVCache:
             raise ValueError(f"GQA needs equal key and value head sizes, got {dk} and {dv}")
         names = cache_names(layer, mla)
         cache_shape = ir.Shape([batch, hkv, ctx.max_seq_len, dk])
-        cache_type = ir.TensorType(q4.dtype)
+        cache_type = ir.TensorType(required(q4.dtype, f"{q4.name}: dtype"))
         past = [ir.Value(name=n, shape=cache_shape, type=cache_type) for n in names.past]
         graph.inputs.extend(past)
 

@@ -16,8 +16,8 @@ Why this order (TensorRT target; the ORT pipeline's reasons for cleanup and rota
 7. precision       fp16/bf16 with fp32 norms, softmax and MoE (graph_passes/precision.py); last, so
                    every pass above matches fp32 patterns.
 RMSNorm stays ONNX RMSNormalization (a NORMALIZATION layer); the ORT-only ops (GroupQueryAttention,
-SimplifiedLayerNormalization, com.microsoft.MoE) are never introduced; ``moeforge.MoE`` keeps its
-local function, which the parser inlines (or a registered plugin of that name replaces).
+SimplifiedLayerNormalization, com.microsoft.MoE) are never introduced; ``moeforge.MoERouter`` and
+``moeforge.MoEExperts`` keep their local functions, which the parser inlines (or registered plugins replace).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization
 from moeforge.graph_passes.rotary import RotaryFusion
 from moeforge.graph_passes.trt_kv_cache import TrtKVCache
 from moeforge.graph_passes.trt_paged import TrtPagedInputs
+from moeforge.kv_layout import DEFAULT_BLOCK_SIZE
 
 ROTARY_OPSET = 23
 
@@ -65,10 +66,11 @@ class OnnxRotary:
         return len(nodes)
 
 
-def trt_pipeline(dtype: str = "fp16", kv_cache: str = "contiguous",
+def trt_pipeline(dtype: str = "fp16", kv_cache: str = "contiguous", block_size: int = DEFAULT_BLOCK_SIZE,
                  weights: QuantConfig | None = None) -> list[GraphPass]:
     """Passes for the TensorRT target, in order; ``dtype`` fp16 | bf16 (fp32 skips the precision pass);
-    ``kv_cache`` "paged": the paged pass (block pools + moeforge::PagedAttention) instead of trt_kv_cache;
+    ``kv_cache`` "paged": the paged pass (pools of ``block_size`` tokens + moeforge::PagedAttention) instead of
+    trt_kv_cache;
     ``weights``: symmetric weight Q/DQ (``--quant int8|int4|fp8``) before the precision pass, which then
     gives the DequantizeLinear scales the half type (TensorRT's strongly typed weight-only quantisation)."""
     paged = kv_cache == "paged"
@@ -76,7 +78,7 @@ def trt_pipeline(dtype: str = "fp16", kv_cache: str = "contiguous",
         Cleanup(),
         RotaryFusion(),
         OnnxRotary(),
-        PagedKVInsertion() if paged else TrtKVCache(),
+        PagedKVInsertion(block_size) if paged else TrtKVCache(),
         ProjectionPacking(),
         Cleanup(),
     ]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.graph_passes.base import PassContext
+from moeforge.graph_passes.base import PassContext, required
+from moeforge.graph_passes.kv_cache import _static
 from moeforge.plugins.paged_attention.schema import DOMAIN, KC, OP_TYPE, VC, V
 
 EMPTY_VALUE, EMPTY_VALUE_CACHE = "paged_empty_value", "paged_empty_value_cache"
@@ -33,12 +34,12 @@ class TrtPagedInputs:
         graph = model.graph
         nodes = [n for n in graph if n.op_type == OP_TYPE and n.domain == DOMAIN
                  and (len(n.inputs) <= V or n.inputs[V] is None)]
-        empties: dict[tuple, ir.Value] = {}
+        empties: dict[tuple[str, tuple[int, ...], ir.DataType], ir.Value] = {}
         for node in nodes:
-            pool = node.inputs[KC]  # [N, Bs, 1, R+Dr]
-            block_size, heads = pool.shape[1], pool.shape[2]
+            pool = required(node.inputs[KC], f"{node.name}: key_cache input")  # [N, Bs, 1, R+Dr]
+            block_size, heads = _static(pool, 1), _static(pool, 2)
             dv = node.attributes["head_size_v"].as_int()
-            dtype = pool.dtype
+            dtype = required(pool.dtype, f"{pool.name}: dtype")
             for index, name, shape in ((V, EMPTY_VALUE, (0, heads, dv)),
                                        (VC, EMPTY_VALUE_CACHE, (0, block_size, heads, dv))):
                 key = (name, shape, dtype)

@@ -28,54 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moeforge.manifest import (
-    BATCH_AXIS as BATCH_AXIS,
-)
-from moeforge.manifest import (
-    DTYPE_BYTES as DTYPE_BYTES,
-)
-from moeforge.manifest import (
-    FORMAT_VERSION as FORMAT_VERSION,
-)
-from moeforge.manifest import (
-    GENAI_CONFIG_FILE as GENAI_CONFIG_FILE,
-)
-from moeforge.manifest import (
-    KV_LAYOUTS as KV_LAYOUTS,
-)
-from moeforge.manifest import (
-    MANIFEST_FILE as MANIFEST_FILE,
-)
-from moeforge.manifest import (
-    MAX_SEQ_AXIS as MAX_SEQ_AXIS,
-)
-from moeforge.manifest import (
-    MODEL_FILE as MODEL_FILE,
-)
-from moeforge.manifest import (  # re-exported: the artifact API is one import
-    ArtifactError as ArtifactError,
-)
-from moeforge.manifest import (
-    KVCacheSpec as KVCacheSpec,
-)
-from moeforge.manifest import (
-    KVLayout as KVLayout,
-)
-from moeforge.manifest import (
-    Manifest as Manifest,
-)
-from moeforge.manifest import (
-    TensorSpec as TensorSpec,
-)
-from moeforge.manifest import (
-    dtype_size as dtype_size,
-)
-from moeforge.manifest import (
-    kv_cache_spec as kv_cache_spec,
-)
-from moeforge.manifest import (
-    tool_versions as tool_versions,
-)
+from moeforge.errors import ArtifactError
+from moeforge.kv_layout import KVCacheSpec
+from moeforge.manifest import FORMAT_VERSION, MANIFEST_FILE, MODEL_FILE, Manifest
+
+# The artifact API is one import: the manifest types a loader needs come with load_artifact.
+__all__ = ["FORMAT_VERSION", "MANIFEST_FILE", "MODEL_FILE", "Artifact", "ArtifactError", "KVCacheSpec", "Manifest",
+           "check_output_dir", "load_artifact", "write_artifact"]
 
 log = logging.getLogger(__name__)
 

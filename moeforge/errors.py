@@ -21,3 +21,7 @@ class CheckpointError(MoeforgeError):
 
 class TokenizerError(MoeforgeError):
     """No usable tokenizer for the model, or text/ids it cannot handle."""
+
+
+class ArtifactError(MoeforgeError):
+    """An artifact directory that cannot be written or read: exists, unwritable, missing, corrupted."""

@@ -8,42 +8,22 @@ directory lives in ``moeforge/artifact.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import platform
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
-from moeforge.errors import MoeforgeError
+from moeforge import __version__
+from moeforge.errors import ArtifactError
+from moeforge.export.config import ModelConfig
+from moeforge.kv_layout import KVCacheSpec
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 GENAI_CONFIG_FILE = "genai_config.json"
-
-KVLayout = Literal["gqa", "mla_latent"]
-KV_LAYOUTS: tuple[str, ...] = ("gqa", "mla_latent")
-# Named dynamic axes of the per-layer KV buffer.
-BATCH_AXIS, MAX_SEQ_AXIS = "batch_size", "max_sequence_length"
-
-DTYPE_BYTES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
-}
-
-
-class ArtifactError(MoeforgeError):
-    """An artifact directory that cannot be written or read: exists, unwritable, missing, corrupted."""
-
-
-def dtype_size(dtype: str) -> int:
-    """Bytes per element of a dtype name ("float32", "bfloat16", ...)."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ArtifactError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
 
 
 # ---------------------------------------------------------------------------------------------- manifest
@@ -61,120 +41,6 @@ class TensorSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TensorSpec:
         return cls(name=str(data["name"]), dtype=str(data["dtype"]), shape=list(data["shape"]))
-
-
-@dataclass
-class KVCacheSpec:
-    """The KV cache the graph reads and writes, per layer.
-
-    ``gqa``: two buffers per layer (key, value), ``shape`` ``[batch_size, Hkv, max_sequence_length, D]``.
-    ``mla_latent``: one buffer per layer holding ``[c_kv | k_rope]`` (absorbed MLA).
-    ``past_input_names[i]`` / ``present_output_names[i]`` name layer i's graph inputs/outputs, in the order
-    (key, value) or (latent,). An MLA layer may have more than one present output (e.g. GroupQueryAttention's
-    present_key and present_value, which are identical): a backend binds all of them to the layer's single
-    latent buffer, the one bound to its past input. ``values_per_token_per_layer`` counts the scalars one
-    token adds to one layer (all buffers together); ``bytes_per_token`` covers all layers. ``max_seq_len``
-    is the longest sequence the artifact supports (positions, rotary tables).
-    ``block_size`` set: a paged artifact (``--kv-cache paged``); ``shape`` is then a block pool
-    ``[num_blocks, block_size, Hkv, D]`` and the names are ``kv_pool.{i}.*`` -> ``kv_pool_out.{i}.*``.
-    """
-
-    layout: KVLayout
-    num_layers: int
-    past_input_names: list[list[str]]
-    present_output_names: list[list[str]]
-    shape: list[int | str]
-    dtype: str
-    values_per_token_per_layer: int
-    bytes_per_token: int
-    max_seq_len: int
-    block_size: int | None = None  # paged artifacts only
-
-    @property
-    def paged(self) -> bool:
-        return self.block_size is not None
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes of one pool block over all layers (paged artifacts)."""
-        return self.bytes_per_token * (self.block_size or 0)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def buffers_per_layer(self) -> int:
-        return 2 if self.layout == "gqa" else 1
-
-    def bytes_for(self, seq_len: int, batch_size: int = 1) -> int:
-        """Bytes of cache for ``batch_size`` sequences of ``seq_len`` tokens (all layers)."""
-        return self.bytes_per_token * seq_len * batch_size
-
-    def validate(self) -> None:
-        if self.layout not in KV_LAYOUTS:
-            raise ArtifactError(f"kv_cache.layout {self.layout!r} is not one of {', '.join(KV_LAYOUTS)}")
-        dtype_size(self.dtype)
-        for what, names in (("past_input_names", self.past_input_names),
-                            ("present_output_names", self.present_output_names)):
-            if len(names) != self.num_layers:
-                raise ArtifactError(f"kv_cache.{what} has {len(names)} layers, num_layers is {self.num_layers}")
-            for i, per_layer in enumerate(names):
-                n = len(per_layer)
-                # MLA: exactly one past input; present outputs all alias that one buffer.
-                ok = n == 2 if self.layout == "gqa" else (n == 1 or (what == "present_output_names" and n >= 1))
-                if not ok:
-                    raise ArtifactError(
-                        f"kv_cache.{what}[{i}] has {n} names; layout {self.layout} has "
-                        f"{self.buffers_per_layer} buffer(s) per layer"
-                    )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | ({"bytes_per_block": self.bytes_per_block} if self.paged else {})
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVCacheSpec:
-        return cls(
-            layout=data["layout"],
-            num_layers=int(data["num_layers"]),
-            past_input_names=[list(n) for n in data["past_input_names"]],
-            present_output_names=[list(n) for n in data["present_output_names"]],
-            shape=list(data["shape"]),
-            dtype=str(data["dtype"]),
-            values_per_token_per_layer=int(data["values_per_token_per_layer"]),
-            bytes_per_token=int(data["bytes_per_token"]),
-            max_seq_len=int(data["max_seq_len"]),
-            block_size=None if data.get("block_size") is None else int(data["block_size"]),
-        )
-
-
-def kv_cache_spec(config: Any, *, max_seq_len: int, dtype: str = "float32") -> KVCacheSpec:
-    """The default KV-cache spec for a ``ModelConfig`` with the GenAI-compatible names.
-
-    GQA: ``past_key_values.{i}.key|value`` -> ``present.{i}.key|value``, shape
-    ``[batch_size, Hkv, max_sequence_length, head_dim]``.
-    MLA (absorbed): ``past_key_values.{i}.latent`` -> ``present.{i}.latent`` and ``.latent_v``, shape
-    ``[batch_size, 1, max_sequence_length, kv_lora_rank + qk_rope_head_dim]`` (one KV head, as bound to
-    GroupQueryAttention). An exporter with another layout builds ``KVCacheSpec`` itself.
-    """
-    from moeforge.graph_passes.kv_cache import cache_names  # the pass that creates them owns the names
-
-    layers = config.num_hidden_layers
-    names = [cache_names(i, config.mla is not None) for i in range(layers)]
-    past = [list(n.past) for n in names]
-    present = [list(n.present) for n in names]
-    if config.mla is not None:
-        per_layer = config.mla.latent_dim
-        shape: list[int | str] = [BATCH_AXIS, 1, MAX_SEQ_AXIS, per_layer]
-        layout: KVLayout = "mla_latent"
-    else:
-        per_layer = 2 * config.num_key_value_heads * config.head_dim
-        shape = [BATCH_AXIS, config.num_key_value_heads, MAX_SEQ_AXIS, config.head_dim]
-        layout = "gqa"
-    return KVCacheSpec(
-        layout=layout, num_layers=layers, past_input_names=past, present_output_names=present, shape=shape,
-        dtype=dtype, values_per_token_per_layer=per_layer,
-        bytes_per_token=per_layer * layers * dtype_size(dtype), max_seq_len=max_seq_len,
-    )
 
 
 def _utc_now() -> str:
@@ -207,12 +73,10 @@ class Manifest:
     layer_outputs: list[str] = field(default_factory=list)
     # TensorRT target: the engine plan beside the ONNX (moeforge/trt/build.py EngineInfo.to_dict()).
     engine: dict[str, Any] | None = None
-    quantization: dict[str, Any] | None = None  # moeforge/quantize.py summary: scheme, block, per-weight choices
+    quantization: dict[str, Any] | None = None  # moeforge/quant/ summary: scheme, block, per-weight choices
 
-    def config(self) -> Any:
+    def config(self) -> ModelConfig:
         """The model config as a ``moeforge.export.config.ModelConfig``."""
-        from moeforge.export.config import ModelConfig
-
         return ModelConfig.from_dict(self.model_config)
 
     def to_dict(self) -> dict[str, Any]:
@@ -243,8 +107,6 @@ class Manifest:
             raise ArtifactError(f"manifest is a JSON {type(data).__name__}, expected an object")
         version = data.get("format_version")
         if version != FORMAT_VERSION:
-            from moeforge import __version__
-
             if isinstance(version, int) and version > FORMAT_VERSION:
                 hint = "it was written by a newer moeforge: upgrade moeforge, or recompile with this one"
             else:
