@@ -21,13 +21,17 @@ fp32 activations and their quantised weights (int8: lowered to MatMulNBits like 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
 
+from moeforge.calibration import GraphRunner
 from moeforge.errors import MoeforgeError
 from moeforge.graph_passes.quant_math import FP8_MAX
+from moeforge.graph_passes.quant_weights import QuantTarget, quant_targets
+from moeforge.quant.schemes import SCHEMES
 
 METHODS = ("minmax", "percentile")
 DEFAULT_METHOD = "minmax"
@@ -35,7 +39,6 @@ DEFAULT_PERCENTILE = 99.99
 DEFAULT_ALPHA = 0.5
 DEFAULT_KEEP = ("down_proj",)
 QMAX = {"int8": 127.0, "fp8": FP8_MAX}  # activation dtype -> largest code magnitude
-ACT_DTYPE = {"w8a8": "int8", "w8a8-fp8": "fp8"}  # --quant scheme -> activation dtype
 
 
 class ActivationCalibrationError(MoeforgeError):
@@ -68,7 +71,8 @@ def check_options(scheme: str, method: str | None, percentile: float | None, alp
     fp8: neither)."""
     flags = (("--calib-method", method), ("--percentile", percentile), ("--smooth-alpha", alpha),
              ("--act-keep-fp32", keep))
-    if scheme not in ACT_DTYPE:
+    dtype = SCHEMES[scheme].activations if scheme in SCHEMES else None
+    if dtype is None:
         for flag, value in flags:
             if value is not None:
                 raise ActivationCalibrationError(
@@ -83,12 +87,12 @@ def check_options(scheme: str, method: str | None, percentile: float | None, alp
     p = DEFAULT_PERCENTILE if percentile is None else float(percentile)
     if not 50.0 < p <= 100.0:
         raise ActivationCalibrationError(f"--percentile {p:g} must be in (50, 100], e.g. 99.99 (100 = min-max)")
-    dtype = ACT_DTYPE[scheme]
     # float8's exponent already spans SmolLM2's outliers: there smoothing and fp32 down_proj measured no better
     a = (DEFAULT_ALPHA if dtype == "int8" else 0.0) if alpha is None else float(alpha)
     if not 0.0 <= a <= 1.0:
         raise ActivationCalibrationError(f"--smooth-alpha {a:g} must be in [0, 1] (0 turns SmoothQuant off; "
                                          f"default {DEFAULT_ALPHA})")
+    patterns: tuple[str, ...]
     if keep is None:
         patterns = DEFAULT_KEEP if dtype == "int8" else ()
     else:
@@ -101,14 +105,12 @@ class _Activations:
     prompt, name -> rows [tokens, K]. Calibration streams over them (memory does not grow with the prompts)."""
 
     def __init__(self, model: ir.Model, names: list[str], prompts: list[list[int]]) -> None:
-        from moeforge.calibration import GraphRunner
-
         if not prompts:
             raise ActivationCalibrationError("static activation scales need calibration prompts: pass --calib FILE")
         self.names, self.prompts = list(dict.fromkeys(names)), prompts
         self.runner = GraphRunner(model, extra_outputs=tuple(self.names))
 
-    def rows(self):  # type: ignore[no-untyped-def]
+    def rows(self) -> Iterator[dict[str, np.ndarray]]:
         for ids in self.prompts:
             outputs = self.runner.run(ids)[1:]
             yield {name: v.reshape(-1, v.shape[-1]) for name, v in zip(self.names, outputs, strict=True)}
@@ -164,12 +166,26 @@ def calibrate(model: ir.Model, names: list[str], prompts: list[list[int]],
     return acts.percentiles({name: (name, None) for name in acts.names}, count, spec.percentile)
 
 
+def activation_name(target: QuantTarget) -> str:
+    """The name of the activation a quantisable MatMul reads ("" if it has none)."""
+    x = target.node.inputs[0]
+    return x.name or "" if x is not None else ""
+
+
+def weight_array(target: QuantTarget) -> np.ndarray:
+    """The constant weight of a quantisable node (``quant_targets`` only yields constants)."""
+    value = target.node.inputs[target.index]
+    assert value is not None and value.const_value is not None, f"{target.name} is not a constant"
+    return value.const_value.numpy()
+
+
 def smooth_scales(channel_max: np.ndarray, weight: np.ndarray, alpha: float) -> np.ndarray:
     """SmoothQuant s [K] from max |x_j| [K] and the weight [K, N] (see the module docstring)."""
     cx = np.maximum(channel_max, 1e-5).astype(np.float64)
     cw = np.maximum(np.abs(weight).max(1), 1e-5).astype(np.float64)
     s = cx ** alpha / cw ** (1.0 - alpha)
-    return (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+    out: np.ndarray = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+    return out
 
 
 @dataclass
@@ -187,22 +203,19 @@ class ActivationPlan:
         """Ranges (and SmoothQuant scales) of every MatMul activation that will get Q/DQ, on the fp32 ``model``
         before weights are quantised: quantised MatMul weights except the LM head, the router, MoE experts,
         ``keep`` (``--keep-fp``) and labels matching ``spec.keep``."""
-        from moeforge.graph_passes.quant_weights import quant_targets
-
         candidates = [t for t in quant_targets(model) if not t.is_moe and not t.is_lm_head and t.name not in keep]
-        targets = [t for t in candidates if not spec.keeps(t.label) and t.node.inputs[0].name]
+        targets = [(t, x) for t in candidates if not spec.keeps(t.label) and (x := activation_name(t))]
         if not targets:
             raise ActivationCalibrationError("the model has no MatMul whose activations can be quantised")
-        acts = _Activations(model, [t.node.inputs[0].name for t in targets], prompts)
+        acts = _Activations(model, [x for _, x in targets], prompts)
         cmax, count = acts.channel_max()
         plan = cls(spec, {}, kept=[t.label for t in candidates if spec.keeps(t.label)])
         keys: dict[str, tuple[str, np.ndarray | None]] = {}  # Q input name -> (activation, divisor s)
-        for t in targets:
-            x = t.node.inputs[0].name
+        for t, x in targets:
             if spec.alpha is None:
                 keys[x] = (x, None)
             else:
-                s = smooth_scales(cmax[x], t.node.inputs[1].const_value.numpy(), spec.alpha)
+                s = smooth_scales(cmax[x], weight_array(t), spec.alpha)
                 plan.smoothing[t.name] = s
                 keys[f"{t.name}.awq_input"] = (x, s)
         if spec.method == "minmax" or spec.percentile >= 100.0:  # max |x_j / s_j| needs no second pass
@@ -214,15 +227,6 @@ class ActivationPlan:
     @property
     def scales(self) -> dict[str, float]:
         return {name: self.spec.scale(amax) for name, amax in self.amax.items()}
-
-    def passes(self) -> list:  # type: ignore[type-arg]
-        """Graph passes to run after the weights' Q/DQ and before ``QuantLowering``."""
-        from moeforge.graph_passes.quant_activations import ActivationQuantization, OrtActivationLowering
-
-        passes: list = [ActivationQuantization(self.scales, self.spec.dtype)]  # type: ignore[type-arg]
-        if self.spec.dtype == "int8":  # exact re-encoding for ORT's non-saturating U8U8 kernel
-            passes.append(OrtActivationLowering())
-        return passes
 
     def summary(self, quantized: int) -> dict[str, object]:
         """The manifest's ``quantization.activations``."""

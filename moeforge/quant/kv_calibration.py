@@ -11,42 +11,16 @@ attention op reads fp32 pools).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.errors import MoeforgeError
-from moeforge.graph_passes.base import PassContext, PassReport
-from moeforge.graph_passes.kv_cache import cache_names
+from moeforge.calibration import GraphRunner
+from moeforge.export.config import ModelConfig
+from moeforge.graph_passes.base import PassContext
 from moeforge.graph_passes.kv_quant import KVCacheQuantization, KVScales, scales_from_amax
-
-KV_QUANT_KINDS = ("int8", "fp8")
-
-
-class KVQuantError(MoeforgeError):
-    """Bad ``--kv-quant`` input."""
-
-
-def check_kv_quant(kind: str, *, calib: object, paged: bool, target: str) -> None:
-    """Refuse what cannot be built, naming why and what to do instead."""
-    if kind not in KV_QUANT_KINDS:
-        raise KVQuantError(f"--kv-quant {kind!r} is unknown; choose int8")
-    if kind == "fp8":
-        raise KVQuantError("--kv-quant fp8 is not available: ONNX Runtime 1.32's CPU GroupQueryAttention has no "
-                           "float8e4m3fn cache kernel (only its CUDA kernel has one); use --kv-quant int8")
-    if paged:
-        raise KVQuantError("--kv-quant int8 needs --kv-cache contiguous: the paged attention op reads fp32 pools")
-    if target != "ort":
-        raise KVQuantError("--kv-quant is built for --target ort (ONNX Runtime GroupQueryAttention int8 caches)")
-    if calib is None:
-        raise KVQuantError("--kv-quant int8 needs calibration prompts for its per-head scales: pass --calib FILE "
-                           "(one prompt per line)")
-    from moeforge.calibration import read_prompts
-
-    read_prompts(calib)  # type: ignore[arg-type]  # missing / empty file -> CalibrationError before the export
-
+from moeforge.kv_layout import cache_names
 
 # Per head (the MLA latent is one head): see graph_passes/kv_quant.py for why not per channel.
 DEFAULT_GRANULARITY = "head"
@@ -54,8 +28,6 @@ DEFAULT_GRANULARITY = "head"
 
 def calibrate_kv_amax(model: ir.Model, ctx: PassContext, prompts: list[list[int]]) -> list[tuple[np.ndarray, ...]]:
     """Per layer, max |x| [H, D] of each cache buffer's contents over the prompts: (key, value) or (latent,)."""
-    from moeforge.calibration import GraphRunner
-
     mla = ctx.config.mla is not None
     layers = [cache_names(i, mla) for i in range(ctx.config.num_hidden_layers)]
     outputs = tuple(name for names in layers for name in names.present[: 1 if mla else 2])
@@ -71,7 +43,7 @@ def calibrate_kv_amax(model: ir.Model, ctx: PassContext, prompts: list[list[int]
     return [tuple(amax[i * per:(i + 1) * per]) for i in range(len(layers))]
 
 
-def rotary_pairs(config) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
+def rotary_pairs(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """Channel indices (a, b) of the rotary pairs in a cached key (GQA: the whole head; MLA latent: its last
     Dr channels), in the model's layout: adjacent (DeepSeek) or halves (Llama's rotate_half)."""
     width = config.rope_dim
@@ -86,7 +58,7 @@ def channel_amax(cache: np.ndarray, rotary: tuple[np.ndarray, np.ndarray] | None
     """max |x| per head and channel [H, D] of a cache [1, H, S, D]. On rotary pairs it is the pair's largest
     norm sqrt(a^2 + b^2), which no rotation exceeds: a position past the calibration prompts turns the
     pair to an angle never seen, and a per-channel max would let it saturate."""
-    amax = np.abs(cache).max(axis=(0, 2))
+    amax: np.ndarray = np.abs(cache).max(axis=(0, 2))
     if rotary is not None:
         a, b = rotary
         norm = np.sqrt(np.square(cache[..., a]) + np.square(cache[..., b])).max(axis=(0, 2))  # [H, pairs]
@@ -95,23 +67,31 @@ def channel_amax(cache: np.ndarray, rotary: tuple[np.ndarray, np.ndarray] | None
     return amax
 
 
-def quantize_kv_cache(model: ir.Model, ctx: PassContext, prompts: list[list[int]],
-                      granularity: str | None = None) -> tuple[PassReport, dict[str, Any]]:
-    """Calibrate and apply int8 KV quantisation in place; returns the pass report and the manifest summary."""
-    start = time.perf_counter()
-    granularity = granularity or DEFAULT_GRANULARITY
-    amax = calibrate_kv_amax(model, ctx, prompts)
-    scales = []
-    for layer in amax:
-        key = scales_from_amax(layer[0], granularity)
-        value = key if len(layer) == 1 else scales_from_amax(layer[1], granularity)
-        scales.append(KVScales(key, value))
-    matches = KVCacheQuantization(scales).apply(model, ctx)
-    every = np.concatenate([np.concatenate([s.key.ravel(), s.value.ravel()]) for s in scales])
-    summary = {
-        "dtype": "int8", "granularity": granularity, "symmetric": True, "calibration_prompts": len(prompts),
-        "method": "max |x| of the cache contents per " + granularity + " / 127 (rotary key pairs: max pair norm)",
-        "scale_range": [float(every.min()), float(every.max())],
-        "per_layer_max_scale": [{"key": float(s.key.max()), "value": float(s.value.max())} for s in scales],
-    }
-    return PassReport("kv_quant", matches, time.perf_counter() - start), summary
+class CalibratedKVQuantization:
+    """Calibrate per-head scales on ``prompts`` and make the GroupQueryAttention caches int8 (one pass, so the
+    scales are measured on the graph exactly as it stands, final weights included); returns the layers
+    rewritten. ``summary`` holds the manifest's ``quantization.kv_cache`` once applied."""
+
+    name = "kv_quant"
+
+    def __init__(self, prompts: list[list[int]], granularity: str = DEFAULT_GRANULARITY) -> None:
+        self.prompts, self.granularity = prompts, granularity
+        self.summary: dict[str, Any] = {}
+
+    def apply(self, model: ir.Model, ctx: PassContext) -> int:
+        amax = calibrate_kv_amax(model, ctx, self.prompts)
+        scales = []
+        for layer in amax:
+            key = scales_from_amax(layer[0], self.granularity)
+            value = key if len(layer) == 1 else scales_from_amax(layer[1], self.granularity)
+            scales.append(KVScales(key, value))
+        matches = KVCacheQuantization(scales).apply(model, ctx)
+        every = np.concatenate([np.concatenate([s.key.ravel(), s.value.ravel()]) for s in scales])
+        self.summary = {
+            "dtype": "int8", "granularity": self.granularity, "symmetric": True,
+            "calibration_prompts": len(self.prompts),
+            "method": f"max |x| of the cache contents per {self.granularity} / 127 (rotary key pairs: max pair norm)",
+            "scale_range": [float(every.min()), float(every.max())],
+            "per_layer_max_scale": [{"key": float(s.key.max()), "value": float(s.value.max())} for s in scales],
+        }
+        return matches

@@ -1,8 +1,17 @@
-"""``compile --quant``: options, checks, and the quantisation stages run after the ONNX Runtime pipeline.
+"""The passes that apply a ``QuantSpec`` (ONNX Runtime target), in the order they join the pass list after
+``ort_pipeline``:
 
-Order: (calibration: AWQ activation statistics, per-weight sensitivity for ``--keep-fp``) on the fp32
-graph -> ``quant_weights`` (portable Q/DQ) -> ``quant_lowering`` (MatMulNBits / QMoE). The manifest
-records the precision and, per weight, what it became.
+1. quant_sensitivity      (``--keep-fp``) per-weight KL on ``--calib``: the most sensitive stay fp32.
+2. quant_awq              (``int4-awq``) activation-aware scales per input channel, on the fp32 graph.
+3. quant_act_calibration  (w8a8) static activation ranges (+ SmoothQuant scales), on the fp32 graph.
+4. quant_weights          portable Q/DQ of every weight (graph_passes/quant_weights.py).
+5. quant_activations      (w8a8) Q/DQ on activations; quant_act_lowering (int8) ORT's uint8 form.
+6. quant_lowering         Q/DQ -> MatMulNBits / QMoE (graph_passes/quant_lowering.py).
+7. kv_quant               (``--kv-quant int8``) per-head cache scales on the final graph, int8 caches.
+
+Calibration steps 1-3 must see the fp32 graph and 7 the final one, hence this order. The passes of one compile
+share a ``QuantPlan``: what the earlier ones decided (kept weights, AWQ scales, activation ranges), handed on
+explicitly, and the manifest's ``quantization`` summary built from it.
 """
 
 from __future__ import annotations
@@ -11,118 +20,30 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.errors import MoeforgeError
-from moeforge.graph_passes.base import PassContext, PassReport
+from moeforge.calibration import GraphRunner
+from moeforge.export.config import ModelConfig
+from moeforge.graph_passes.base import GraphPass, PassContext
+from moeforge.graph_passes.quant_activations import ActivationQuantization, OrtActivationLowering
 from moeforge.graph_passes.quant_lowering import QuantLowering
-from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
+from moeforge.graph_passes.quant_math import awq_search
+from moeforge.graph_passes.quant_weights import QuantConfig, QuantTarget, WeightQuantization, quant_targets
+from moeforge.quant.act_calibration import ActivationPlan, activation_name, weight_array
+from moeforge.quant.kv_calibration import CalibratedKVQuantization
+from moeforge.quant.sensitivity import choose_kept, measure
+from moeforge.quant.spec import QuantError, QuantSpec
 
 log = logging.getLogger(__name__)
 
-# scheme -> (weight kind, default block size; None = per output channel)
-SCHEMES: dict[str, tuple[str, int | None]] = {
-    "int8": ("int8", None), "int8-asym": ("int8", 32), "int4": ("int4", 32), "int4-asym": ("int4", 32),
-    "int4-awq": ("int4", 32),
-    "fp8": ("fp8", 128),
-    # static per-tensor activation scales too (moeforge/act_calibration.py): weights per channel
-    "w8a8": ("int8", None), "w8a8-fp8": ("fp8", None),
-}
-NOT_BUILT: dict[str, str] = {}
-LM_HEAD_KINDS = ("int8", "int4", "fp8", "fp32")
-CALIBRATED_SCHEMES = ("int4-awq", "w8a8", "w8a8-fp8")  # run the graph on --calib (moeforge/calibration.py)
 CALIB_MAX_TOKENS = 256  # per prompt
 AWQ_SAMPLE_ROWS = 512  # activation rows kept per MatMul for the AWQ scale search
 
 
-class QuantError(MoeforgeError):
-    """Bad ``--quant`` / ``--block-size`` / ``--calib`` / ``--keep-fp`` / ``--kv-quant`` input."""
-
-
-@dataclass(frozen=True)
-class QuantOptions:
-    scheme: str
-    block_size: int | None = None
-    calib: Path | None = None
-    keep_fp: float = 0.0
-    accuracy_level: int = 4  # MatMulNBits/QMoE: 4 = int8 activations inside the kernel (fast), 0 = fp32
-    lm_head: str | None = None  # int8 | int4 | fp8 | fp32; None: int8 under int4 schemes, else the scheme's kind
-    calib_method: str | None = None  # w8a8: minmax | percentile (moeforge/act_calibration.py)
-    percentile: float | None = None
-    smooth_alpha: float | None = None  # w8a8: SmoothQuant alpha (None: 0.5; 0: off)
-    act_keep_fp32: str | None = None  # w8a8: comma-separated weight-label patterns (None: "down_proj")
-
-    @property
-    def kind(self) -> str:
-        return SCHEMES[self.scheme][0]
-
-    @property
-    def asymmetric(self) -> bool:
-        """int4-asym / int8-asym: min-max blocks with float offsets (ONNX Runtime only, not TensorRT)."""
-        return self.scheme.endswith("-asym")
-
-    @property
-    def calibration_use(self) -> str | None:
-        """What runs the graph on the --calib prompts: the scheme (int4-awq, w8a8, w8a8-fp8), --keep-fp, or None."""
-        if self.scheme in CALIBRATED_SCHEMES:
-            return self.scheme
-        return "--keep-fp" if self.keep_fp > 0 else None
-
-    @property
-    def block(self) -> int | None:
-        return self.block_size if self.block_size is not None else SCHEMES[self.scheme][1]
-
-
-@dataclass
-class QuantResult:
-    precision: str
-    reports: list[PassReport]
-    summary: dict[str, Any] = field(default_factory=dict)  # manifest "quantization"
-
-
-def validate(options: QuantOptions) -> None:
-    """Checks that need no model (run before the expensive stages)."""
-    if options.scheme in NOT_BUILT:
-        raise QuantError(f"--quant {options.scheme}: {NOT_BUILT[options.scheme]}")
-    if options.scheme not in SCHEMES:
-        raise QuantError(f"--quant {options.scheme!r} is unknown; choose one of {', '.join(SCHEMES)}")
-    from moeforge.act_calibration import check_options
-
-    activations = check_options(options.scheme, options.calib_method, options.percentile, options.smooth_alpha,
-                                options.act_keep_fp32)
-    if activations is not None and options.block_size is not None:
-        raise QuantError(f"--quant {options.scheme} keeps weights per output channel (the static-activation GEMMs, "
-                         "ORT MatMulIntegerToFloat and TensorRT, take per-channel weight scales); drop --block-size")
-    block = options.block_size
-    if block is not None and (block < 16 or block > 256 or block & (block - 1)):
-        raise QuantError(f"--block-size {block} must be a power of two from 16 to 256 (e.g. 32, 64, 128)")
-    if options.lm_head is not None:
-        if options.lm_head not in LM_HEAD_KINDS:
-            raise QuantError(f"--lm-head {options.lm_head!r} is unknown; choose one of {', '.join(LM_HEAD_KINDS)}")
-        if options.lm_head == "int4" and options.scheme.startswith("w8a8"):
-            raise QuantError(f"--lm-head int4 is not available with --quant {options.scheme} (its weights are per "
-                             "channel); use --lm-head int8 or fp32")
-        if options.lm_head == "int4" and options.block is None:
-            raise QuantError(f"--lm-head int4 needs blocks but --quant {options.scheme} is per channel: "
-                             "add --block-size 32 (or 64, 128)")
-    if options.accuracy_level not in (0, 1, 2, 3, 4):
-        raise QuantError(f"--accuracy-level {options.accuracy_level} must be 0 (fp32), 1 (fp32), 2 (fp16), 3 (bf16) "
-                         "or 4 (int8): MatMulNBits' compute type for the activations")
-    if not 0.0 <= options.keep_fp < 1.0:
-        raise QuantError(f"--keep-fp {options.keep_fp} must be a fraction in [0, 1)")
-    what = options.calibration_use
-    if what is not None and options.calib is None:
-        raise QuantError(f"{what} needs calibration prompts: pass --calib FILE (one prompt per line)")
-    if options.calib is not None:
-        from moeforge.calibration import read_prompts
-
-        read_prompts(options.calib)  # missing / empty file -> CalibrationError now, not after the export
-
-
-def in_features(config) -> list[int]:  # type: ignore[no-untyped-def]
+def in_features(config: ModelConfig) -> list[int]:
     """Input dimensions (K) of the model's quantised weights, from its config (checked before export)."""
     dims = {config.hidden_size, config.intermediate_size}
     if config.moe is not None:
@@ -136,9 +57,9 @@ def in_features(config) -> list[int]:  # type: ignore[no-untyped-def]
     return sorted(dims)
 
 
-def check_block_size(options: QuantOptions, dims: list[int], where: str) -> None:
+def check_block_size(spec: QuantSpec, dims: list[int], where: str) -> None:
     """Refuse a block size that does not divide every input dimension, suggesting one that does."""
-    block = options.block
+    block = spec.block
     bad = [d for d in dims if block is not None and d % block]
     if bad:
         fits = [b for b in (256, 128, 64, 32, 16) if all(d % b == 0 for d in dims)]
@@ -159,109 +80,206 @@ def checkpoint_is_fp8(source_location: str) -> bool:
     return str(quant.get("quant_method", "")).lower() == "fp8"
 
 
-def quantize_model(model: ir.Model, ctx: PassContext, options: QuantOptions, tokenizer=None,  # type: ignore[no-untyped-def]
-                   fp8_source: bool = False) -> QuantResult:
-    """Quantise the ORT-pipeline graph in place; returns the pass reports and the manifest summary."""
-    import time
+def trt_weight_config(spec: QuantSpec) -> QuantConfig | None:
+    """The TensorRT target's weight quantisation: symmetric weight-only Q/DQ (what strongly typed TensorRT takes;
+    ``validate`` refused the rest)."""
+    if spec.scheme is None:
+        return None
+    return QuantConfig(kind=spec.scheme.weights, block_size=spec.block, head_kind=spec.head_kind)
 
-    kind, block = options.kind, options.block
-    targets = quant_targets(model)
-    heads = {t.name for t in targets if t.is_lm_head}  # before lowering renames the nodes' outputs
-    check_block_size(options, sorted({t.in_features for t in targets}), "a weight")
-    if fp8_source and kind != "fp8":
-        log.warning("the checkpoint stores FP8 weights: they were dequantised to fp32 and are requantised to %s "
-                    "(a second rounding); --quant fp8 keeps the checkpoint's FP8 values exactly", kind)
-    reports: list[PassReport] = []
-    prompts: list[list[int]] = []
-    if options.calib is not None:
-        from moeforge.calibration import read_prompts, tokenize_prompts
 
-        prompts = tokenize_prompts(read_prompts(options.calib), tokenizer, min(CALIB_MAX_TOKENS, ctx.max_seq_len))
-    start = time.perf_counter()
-    kept: list[dict[str, Any]] = []
-    keep_names: frozenset[str] = frozenset()
-    if options.keep_fp > 0:
-        from moeforge.sensitivity import choose_kept, measure
+@dataclass
+class QuantPlan:
+    """What the quantisation passes of one compile decide and hand each other, and the manifest summary."""
 
-        rows = measure(model, prompts, kind, block)
-        chosen = choose_kept(rows, options.keep_fp)
-        keep_names = frozenset(r.name for r in chosen)
-        kept = [{"name": r.name, "label": r.label, "kl": r.kl} for r in rows]
-        reports.append(PassReport("quant_sensitivity", len(rows), time.perf_counter() - start))
-    awq: dict[str, np.ndarray] = {}
-    alphas: dict[str, float] = {}
-    if options.scheme == "int4-awq":
-        start = time.perf_counter()
-        awq, alphas = _awq_scales(model, prompts, kind, block, keep_names)
-        reports.append(PassReport("quant_awq", len(awq), time.perf_counter() - start))
-    # int4 schemes keep the LM head at int8 (same blocks), as llama.cpp keeps output.weight at 6-8 bits:
-    # on SmolLM2 an int4 head alone costs more top-1 agreement than all int4 decoder layers together.
-    # --lm-head int4 trades that for speed (the head is ~20% of SmolLM2's weights).
-    head_kind = options.lm_head or ("int8" if kind == "int4" else kind)
-    if head_kind == "fp32":
-        keep_names = keep_names | heads
-    # Asymmetric schemes keep an int8 head symmetric (blocks of 32 reproduce a GGUF Q8_0 tied embedding
-    # exactly; min-max blocks do not); an int4 head is min-max like the layers (symmetric int4 is far worse).
-    head_asym = options.asymmetric and head_kind == kind == "int4"
-    head_label = f"{head_kind}-asym" if head_asym else head_kind
-    act_passes: list = []  # type: ignore[type-arg]
-    act_plan = None
-    if options.scheme in ("w8a8", "w8a8-fp8"):  # static activation ranges, on the fp32 graph
-        from moeforge.act_calibration import ActivationPlan, check_options
+    spec: QuantSpec
+    prompts: list[list[int]]
+    fp8_source: bool = False
+    targets: list[QuantTarget] = field(default_factory=list)
+    heads: frozenset[str] = frozenset()  # LM head weight names, found before lowering renames the nodes' outputs
+    chosen: frozenset[str] = frozenset()  # --keep-fp: the most sensitive weights
+    sensitivity: list[dict[str, Any]] = field(default_factory=list)
+    awq: dict[str, np.ndarray] = field(default_factory=dict)  # weight -> AWQ or SmoothQuant scales [K]
+    alphas: dict[str, float] = field(default_factory=dict)
+    activations: ActivationPlan | None = None
+    activations_quantized: int = 0
+    prepared: bool = False
 
-        start = time.perf_counter()
-        spec = check_options(options.scheme, options.calib_method, options.percentile, options.smooth_alpha,
-                             options.act_keep_fp32)
+    def prepare(self, model: ir.Model) -> None:
+        """Find the quantisable weights (once, on the fp32 graph) and check the block size against them."""
+        if self.prepared:
+            return
+        self.targets = quant_targets(model)
+        self.heads = frozenset(t.name for t in self.targets if t.is_lm_head)
+        check_block_size(self.spec, sorted({t.in_features for t in self.targets}), "a weight")
+        if self.fp8_source and self.kind != "fp8":
+            log.warning("the checkpoint stores FP8 weights: they were dequantised to fp32 and are requantised to %s "
+                        "(a second rounding); --quant fp8 keeps the checkpoint's FP8 values exactly", self.kind)
+        self.prepared = True
+
+    @property
+    def kind(self) -> str:
+        assert self.spec.scheme is not None
+        return self.spec.scheme.weights
+
+    @property
+    def keep(self) -> frozenset[str]:
+        """Weights left fp32: the sensitive ones, and the LM head under ``--lm-head fp32``."""
+        return self.chosen | (self.heads if self.spec.head_kind == "fp32" else frozenset())
+
+    @property
+    def head_asymmetric(self) -> bool:
+        """Asymmetric schemes keep an int8 head symmetric (blocks of 32 reproduce a GGUF Q8_0 tied embedding
+        exactly; min-max blocks do not); an int4 head is min-max like the layers (symmetric int4 is far worse)."""
+        assert self.spec.scheme is not None
+        return self.spec.scheme.asymmetric and self.spec.head_kind == self.kind == "int4"
+
+    def weight_config(self) -> QuantConfig:
+        assert self.spec.scheme is not None
+        return QuantConfig(kind=self.kind, block_size=self.spec.block, keep=self.keep, awq_scales=self.awq,
+                           exact_fp8=self.fp8_source and self.kind == "fp8", head_kind=self.spec.head_kind,
+                           asymmetric=self.spec.scheme.asymmetric, head_asymmetric=self.head_asymmetric)
+
+    def summary(self) -> dict[str, Any]:
+        """The manifest's ``quantization`` (scheme, blocks, per-weight precision)."""
+        scheme = self.spec.scheme
+        assert scheme is not None
+        head_label = f"{self.spec.head_kind}-asym" if self.head_asymmetric else self.spec.head_kind
+        keep = self.keep
+        layers = [{"name": t.name, "label": t.label, "shape": list(t.shape),
+                   "precision": "fp32" if t.name in keep else (head_label if t.name in self.heads else scheme.name),
+                   **({"awq_alpha": self.alphas[t.name]} if t.name in self.alphas else {})} for t in self.targets]
+        summary: dict[str, Any] = {
+            "scheme": scheme.name, "weights": self.kind, "block_size": self.spec.block,
+            "symmetric": not scheme.asymmetric, "accuracy_level": self.spec.level, "keep_fp": self.spec.keep_fp,
+            "lm_head": head_label, "calibration_prompts": len(self.prompts),
+            "always_fp32": ["norms", "softmax", "router", "embedding lookup"],
+            "sensitivity": self.sensitivity, "layers": layers,
+        }
+        if self.activations is not None:
+            summary["activations"] = self.activations.summary(self.activations_quantized)
+            for layer, target in zip(layers, self.targets, strict=True):  # weight-only: MoE experts, --act-keep-fp32
+                if layer["precision"] == scheme.name and (target.is_moe or target.label in self.activations.kept):
+                    layer["precision"] = self.kind
+        return summary
+
+
+@dataclass
+class _PlannedPass:
+    """A quantisation pass that reads and writes its compile's ``QuantPlan``."""
+
+    plan: QuantPlan
+    name: ClassVar[str] = ""
+
+    def apply(self, model: ir.Model, ctx: PassContext) -> int:
+        self.plan.prepare(model)
+        return self.run(model, ctx)
+
+    def run(self, model: ir.Model, ctx: PassContext) -> int:
+        raise NotImplementedError
+
+
+class WeightSensitivity(_PlannedPass):
+    """``--keep-fp``: quantise one weight at a time on the calibration prompts; the most sensitive stay fp32."""
+
+    name = "quant_sensitivity"
+
+    def run(self, model: ir.Model, ctx: PassContext) -> int:
+        plan = self.plan
+        rows = measure(model, plan.prompts, plan.kind, plan.spec.block)
+        plan.chosen = frozenset(r.name for r in choose_kept(rows, plan.spec.keep_fp))
+        plan.sensitivity = [{"name": r.name, "label": r.label, "kl": r.kl} for r in rows]
+        return len(rows)
+
+
+class AwqScales(_PlannedPass):
+    """``int4-awq``: per-input-channel scales for every 2D MatMul weight (MoE experts stay RTN; the LM head is
+    int8 under int4 schemes, which needs no AWQ)."""
+
+    name = "quant_awq"
+
+    def run(self, model: ir.Model, ctx: PassContext) -> int:
+        plan = self.plan
+        targets = [t for t in plan.targets if not t.is_moe and not t.is_lm_head and t.name not in plan.chosen]
+        names = {t.name: activation_name(t) for t in targets}
+        inputs = tuple(dict.fromkeys(names.values()))
+        runner = GraphRunner(model, extra_outputs=inputs)
+        rows: dict[str, list[np.ndarray]] = {name: [] for name in inputs}
+        for ids in plan.prompts:
+            for name, value in zip(inputs, runner.run(ids)[1:], strict=True):
+                rows[name].append(value.reshape(-1, value.shape[-1]))
+        rng = np.random.default_rng(0)
+        block = plan.spec.block
+        assert block is not None, "AWQ schemes quantise in blocks"
+        for target in targets:
+            x = np.concatenate(rows[names[target.name]])
+            sample = x[rng.permutation(len(x))[:AWQ_SAMPLE_ROWS]]
+            s, alpha = awq_search(weight_array(target), sample, np.abs(x).mean(0), plan.kind, block)
+            if alpha > 0:
+                plan.awq[target.name] = s
+            plan.alphas[target.name] = alpha
+        return len(plan.awq)
+
+
+class ActivationRanges(_PlannedPass):
+    """w8a8: static activation ranges (and SmoothQuant scales) on the fp32 graph."""
+
+    name = "quant_act_calibration"
+
+    def run(self, model: ir.Model, ctx: PassContext) -> int:
+        plan = self.plan
+        spec = plan.spec.activation_spec()
         assert spec is not None
-        act_plan = ActivationPlan.calibrate(model, spec, prompts, keep_names)
-        act_passes, awq = act_plan.passes(), act_plan.smoothing
-        reports.append(PassReport("quant_act_calibration", len(act_plan.amax), time.perf_counter() - start))
-    config = QuantConfig(kind=kind, block_size=block, keep=keep_names, awq_scales=awq,
-                         exact_fp8=fp8_source and kind == "fp8", head_kind=head_kind,
-                         asymmetric=options.asymmetric, head_asymmetric=head_asym)
-    for graph_pass in (WeightQuantization(config), *act_passes, QuantLowering(options.accuracy_level)):
-        start = time.perf_counter()
-        matches = graph_pass.apply(model, ctx)
-        reports.append(PassReport(graph_pass.name, matches, time.perf_counter() - start))
-    layers = [{"name": t.name, "label": t.label, "shape": list(t.shape),
-               "precision": "fp32" if t.name in keep_names else (head_label if t.name in heads else options.scheme),
-               **({"awq_alpha": alphas[t.name]} if t.name in alphas else {})} for t in targets]
-    summary = {
-        "scheme": options.scheme, "weights": kind, "block_size": block, "symmetric": not options.asymmetric,
-        "accuracy_level": options.accuracy_level, "keep_fp": options.keep_fp, "lm_head": head_label,
-        "calibration_prompts": len(prompts), "always_fp32": ["norms", "softmax", "router", "embedding lookup"],
-        "sensitivity": kept, "layers": layers,
-    }
-    if act_plan is not None:
-        summary["activations"] = act_plan.summary(next(r.matches for r in reports if r.name == "quant_activations"))
-        for layer, target in zip(layers, targets, strict=True):  # weight-only: MoE experts, --act-keep-fp32
-            if layer["precision"] == options.scheme and (target.is_moe or target.label in act_plan.kept):
-                layer["precision"] = kind
-    return QuantResult(options.scheme, reports, summary)
+        plan.activations = ActivationPlan.calibrate(model, spec, plan.prompts, plan.keep)
+        plan.awq = plan.activations.smoothing
+        return len(plan.activations.amax)
 
 
-def _awq_scales(model: ir.Model, prompts: list[list[int]], kind: str, block: int | None,
-                skip: frozenset[str]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """AWQ per-input-channel scales for every 2D MatMul weight (MoE experts stay RTN)."""
-    from moeforge.calibration import GraphRunner
-    from moeforge.graph_passes.quant_math import awq_search
+class PlannedWeightQuantization(_PlannedPass):
+    """``quant_weights`` with what the calibration passes decided."""
 
-    # MoE experts stay RTN; the LM head is int8 under int4 schemes, which needs no AWQ.
-    targets = [t for t in quant_targets(model) if not t.is_moe and not t.is_lm_head and t.name not in skip]
-    inputs = tuple(dict.fromkeys(t.node.inputs[0].name for t in targets))
-    runner = GraphRunner(model, extra_outputs=inputs)
-    rows: dict[str, list[np.ndarray]] = {name: [] for name in inputs}
-    for ids in prompts:
-        for name, value in zip(inputs, runner.run(ids)[1:], strict=True):
-            rows[name].append(value.reshape(-1, value.shape[-1]))
-    rng = np.random.default_rng(0)
-    scales, alphas = {}, {}
-    for target in targets:
-        x = np.concatenate(rows[target.node.inputs[0].name])
-        sample = x[rng.permutation(len(x))[:AWQ_SAMPLE_ROWS]]
-        weight = target.node.inputs[1].const_value.numpy()
-        s, alpha = awq_search(weight, sample, np.abs(x).mean(0), kind, block)
-        if alpha > 0:
-            scales[target.name] = s
-        alphas[target.name] = alpha
-    return scales, alphas
+    name = WeightQuantization.name
+
+    def run(self, model: ir.Model, ctx: PassContext) -> int:
+        return WeightQuantization(self.plan.weight_config()).apply(model, ctx)
+
+
+class PlannedActivationQuantization(_PlannedPass):
+    """``quant_activations`` with the calibrated scales."""
+
+    name = ActivationQuantization.name
+
+    def run(self, model: ir.Model, ctx: PassContext) -> int:
+        activations = self.plan.activations
+        assert activations is not None, "ActivationRanges runs first"
+        matches = ActivationQuantization(activations.scales, activations.spec.dtype).apply(model, ctx)
+        self.plan.activations_quantized = matches
+        return matches
+
+
+def quant_passes(spec: QuantSpec, prompts: list[list[int]], *,
+                 fp8_source: bool = False) -> tuple[list[GraphPass], QuantPlan | None, CalibratedKVQuantization | None]:
+    """The ONNX Runtime target's quantisation passes for ``spec`` in order (see the module docstring), the plan
+    they share (None without weight quantisation) and the KV-cache pass (None without ``--kv-quant``), whose
+    ``summary`` feeds the manifest. ``prompts``: the tokenised ``--calib`` prompts ([] without)."""
+    passes: list[GraphPass] = []
+    plan = None
+    scheme = spec.scheme
+    if scheme is not None:
+        plan = QuantPlan(spec, prompts, fp8_source)
+        if spec.keep_fp > 0:
+            passes.append(WeightSensitivity(plan))
+        if scheme.awq:
+            passes.append(AwqScales(plan))
+        if scheme.activations is not None:
+            passes.append(ActivationRanges(plan))
+        passes.append(PlannedWeightQuantization(plan))
+        if scheme.activations is not None:
+            passes.append(PlannedActivationQuantization(plan))
+            if scheme.activations == "int8":  # exact re-encoding for ORT's non-saturating U8U8 kernel
+                passes.append(OrtActivationLowering())
+        passes.append(QuantLowering(spec.level))
+    kv = CalibratedKVQuantization(prompts) if spec.kv_cache is not None else None
+    if kv is not None:
+        passes.append(kv)
+    return passes, plan, kv

@@ -16,6 +16,7 @@ import onnx_ir as ir
 from moeforge.calibration import GraphRunner, mean_kl
 from moeforge.graph_passes.quant_math import fake_quantize
 from moeforge.graph_passes.quant_weights import QuantTarget, quant_targets
+from moeforge.quant.act_calibration import weight_array
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class Sensitivity:
 
 def fake_quantized(target: QuantTarget, kind: str, block_size: int | None) -> np.ndarray:
     """The weight as the quantised graph sees it (MoE [E, N, K]: per expert, blocks along K)."""
-    w = target.node.inputs[target.index].const_value.numpy()
+    w = weight_array(target)
     if target.is_moe:
         return np.stack([fake_quantize(w[e].T, kind, block_size).T for e in range(w.shape[0])]).astype(np.float32)
     return fake_quantize(w, kind, block_size).astype(np.float32)
