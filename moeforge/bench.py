@@ -7,11 +7,21 @@ import os
 import platform
 import resource
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from moeforge.artifact import tool_versions
+import numpy as np
+import torch
+
+from moeforge.artifact import load_artifact
+from moeforge.export.loader import load_model
+from moeforge.export.model import CausalLM
+from moeforge.genai_config import genai_greedy
+from moeforge.manifest import tool_versions
+from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.sampler import SamplingParams
 
 
 def machine_info() -> dict[str, Any]:
@@ -65,8 +75,6 @@ def write_result(path: str | Path, name: str, results: dict[str, Any]) -> Path:
 
 # ----------------------------------------------------------------------------- moeforge bench
 def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, length).tolist() for _ in range(batch)]
 
@@ -74,11 +82,6 @@ def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[in
 def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
                  threads: int | None = None) -> dict[str, Any]:
     """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT."""
-    import time
-
-    from moeforge.runtime.engine import EngineConfig, LLMEngine
-    from moeforge.runtime.sampler import SamplingParams
-
     engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(max_num_seqs=batch,
                                                                 max_num_batched_tokens=batch * prompt_len,
                                                                 threads=threads))
@@ -116,12 +119,8 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     }
 
 
-def bench_torch(model: Any, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict[str, Any]:
+def bench_torch(model: CausalLM, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict[str, Any]:
     """Our PyTorch model (eager, fp32, its own KV cache), same work."""
-    import time
-
-    import torch
-
     ids = torch.tensor(_prompts(vocab, batch, prompt_len))
     with torch.inference_mode():
         model(ids[:, :4], torch.arange(4).expand(batch, -1))  # warm-up
@@ -141,10 +140,8 @@ def bench_torch(model: Any, batch: int, prompt_len: int, new_tokens: int, vocab:
 
 def bench_transformers(source: str, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict[str, Any] | None:
     """transformers eager on the same weights (HF folder or GGUF), when installed."""
-    import time
-
     try:
-        import torch
+        # transformers is an optional (dev) dependency and slow to import: only this comparison needs it.
         from transformers import AutoModelForCausalLM
     except ImportError:
         return None
@@ -174,12 +171,8 @@ def bench_transformers(source: str, batch: int, prompt_len: int, new_tokens: int
 def bench_genai(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
                 vocab: int) -> dict[str, Any] | None:
     """onnxruntime-genai running the same artifact from its genai_config.json, when installed."""
-    import time
-
-    from moeforge.genai_config import genai_greedy
-
     try:
-        import onnxruntime_genai as og
+        import onnxruntime_genai as og  # optional (dev) dependency: only this comparison needs it
     except ImportError:
         return None
     if not (Path(artifact_dir) / "genai_config.json").is_file():
@@ -202,9 +195,6 @@ def bench_genai(artifact_dir: str | Path, batch: int, prompt_len: int, new_token
 def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
               threads: int | None = None, compare: bool = True) -> dict[str, Any]:
     """All measurements of ``moeforge bench`` in one run, with ratios to our engine."""
-    from moeforge.artifact import load_artifact
-    from moeforge.export.loader import load_model
-
     artifact = load_artifact(artifact_dir)
     vocab = int(artifact.manifest.model_config["vocab_size"])
     result: dict[str, Any] = {"artifact": str(artifact_dir), "model": artifact.manifest.model_config.get("name"),

@@ -10,10 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
 from moeforge.errors import MoeforgeError
+from moeforge.export.tokenizer import Tokenizer
 
 PAST_PREFIX = "past_key_values."
 
@@ -37,7 +39,7 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def tokenize_prompts(prompts: list[str], tokenizer, max_len: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def tokenize_prompts(prompts: list[str], tokenizer: Tokenizer | None, max_len: int) -> list[list[int]]:
     """Token ids per prompt (truncated to ``max_len``); prompts that encode to nothing are dropped."""
     if tokenizer is None:
         raise CalibrationError("the model ships no tokenizer, so text calibration prompts cannot be encoded")
@@ -89,22 +91,19 @@ class GraphRunner:
         return [outputs[0][0], *outputs[1:]]
 
 
-def _value_info(name: str):  # type: ignore[no-untyped-def]
-    import onnx
-
+def _value_info(name: str) -> onnx.ValueInfoProto:
     return onnx.helper.make_empty_tensor_value_info(name)
 
 
-def _tensor_info(name: str, elem_type: int, dims: list[int]):  # type: ignore[no-untyped-def]
-    import onnx
-
+def _tensor_info(name: str, elem_type: int, dims: list[int]) -> onnx.ValueInfoProto:
     return onnx.helper.make_tensor_value_info(name, elem_type, dims)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    out: np.ndarray = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return out
 
 
 def mean_kl(ref_logits: np.ndarray, logits: np.ndarray) -> float:

@@ -10,7 +10,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moeforge import __version__
+from moeforge.artifact import load_artifact
+from moeforge.bench import run_bench, write_result
+from moeforge.compile import CompileOptions, ParityCheckFailed, compile_model
 from moeforge.errors import MoeforgeError
+from moeforge.export.generate import SamplingConfig, generate_stream
+from moeforge.export.loader import load_config, load_model
+from moeforge.export.tokenizer import Tokenizer
+from moeforge.golden import check_engine
+from moeforge.inspect import summarize
+from moeforge.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
+from moeforge.parity import default_prompt, layer_table, run_layer_parity, run_parity
+from moeforge.quant.schemes import ACCURACY_LEVELS, KV_SCHEMES, LM_HEAD_KINDS, SCHEMES
+from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.sampler import SamplingParams
+from moeforge.targets import TARGETS
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -50,31 +64,27 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="compile a model into an ONNX Runtime artifact directory")
     comp.add_argument("model", help="HF folder, .gguf file, or a preset / built-in name")
     comp.add_argument("-o", "--output", required=True, help="artifact directory to create")
-    comp.add_argument("--target", default="ort", help="ort (ONNX Runtime, CPU by default) or trt (TensorRT engine)")
+    comp.add_argument("--target", choices=list(TARGETS), default="ort",
+                      help="ort (ONNX Runtime, CPU by default) or trt (TensorRT engine)")
     comp.add_argument("--trt-impl", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
                       help="trt: full TensorRT (builds for the local GPU) or TensorRT-RTX (ahead of time, "
                       "no GPU needed)")
     comp.add_argument("--sm", type=int, default=None,
                       help="trt: target compute capability, e.g. 89 (TensorRT-RTX default; "
                       "full TensorRT: the local GPU)")
-    comp.add_argument("--dtype", choices=["fp16", "bf16"], default=None, help="trt: engine precision (default fp16)")
+    comp.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16", help="trt: engine precision (default fp16)")
     comp.add_argument("--max-batch", type=int, default=8, help="trt: largest decode batch of the engine's profile")
     comp.add_argument("--max-seq-len", type=int, default=None,
                       help="longest sequence the artifact serves (default: min(2048, the model's limit))")
-    comp.add_argument("--kv-cache", choices=["contiguous", "paged"], default="contiguous",
+    comp.add_argument("--kv-cache", choices=KV_CACHE_KINDS, default="contiguous",
                       help="KV-cache layout: per-sequence buffers, or block pools (paged attention)")
-    comp.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block (--kv-cache paged)")
+    comp.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                      help="tokens per KV block (--kv-cache paged)")
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
     comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
-    comp.add_argument("--quant", choices=["int8", "int8-asym", "int4", "int4-asym", "int4-awq", "fp8", "w8a8",
-                                          "w8a8-fp8"],
-                      default=None,
-                      help="weight quantisation: int8 per channel, int4 blocks (symmetric round-to-nearest or AWQ), "
-                           "int4-asym / int8-asym (min-max blocks with float offsets, ONNX Runtime only; MoE "
-                           "experts stay symmetric), fp8 e4m3 blocks, w8a8 (int8 weights per channel + static "
-                           "per-tensor int8 activation scales from --calib), w8a8-fp8 (the same in float8 e4m3); "
-                           "default fp32")
+    comp.add_argument("--quant", choices=list(SCHEMES), default=None,
+                      help="quantisation (default fp32): " + "; ".join(f"{s.name}: {s.help}" for s in SCHEMES.values()))
     comp.add_argument("--block-size", type=int, default=None,
                       help="quantisation block along the input dimension, a power of two 16..256 that divides "
                            "it (default: int4 32, fp8 128, int8 per channel)")
@@ -91,14 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="w8a8: comma-separated weight-name patterns whose MatMul activations stay fp32 "
                            "(default down_proj, where Llama-style models put massive activations; w8a8-fp8 and "
                            "'': none)")
-    comp.add_argument("--kv-quant", choices=["int8", "fp8"], default=None,
+    comp.add_argument("--kv-quant", choices=list(KV_SCHEMES), default=None,
                       help="int8: KV cache stored as int8 with per-head scales calibrated on --calib, read and "
                            "written by GroupQueryAttention (4x smaller than fp32; works with or without --quant). "
                            "fp8: refused on ONNX Runtime CPU (no float8 cache kernel)")
-    comp.add_argument("--lm-head", choices=["int8", "int4", "fp8", "fp32"], default=None,
+    comp.add_argument("--lm-head", choices=LM_HEAD_KINDS, default=None,
                       help="precision of the LM head under --quant (default: int8 for int4 schemes, which costs "
                            "decode speed but keeps top-1 agreement; otherwise the scheme's own)")
-    comp.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4], default=None,
+    comp.add_argument("--accuracy-level", type=int, choices=ACCURACY_LEVELS, default=None,
                       help="ONNX Runtime MatMulNBits/QMoE compute type: 4 = int8 activations inside the kernel "
                            "(fastest, the default), 0 = fp32 activations (exact w.r.t. the quantised weights)")
     comp.add_argument("--keep-fp", type=float, default=0.0, metavar="FRACTION",
@@ -143,19 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    commands = {"run": _cmd_run, "config": _cmd_config, "compile": _cmd_compile, "inspect": _cmd_inspect,
+                "parity": _cmd_parity, "bench": _cmd_bench}
     try:
-        if args.command == "run":
-            return _cmd_run(args)
-        if args.command == "config":
-            return _cmd_config(args)
-        if args.command == "compile":
-            return _cmd_compile(args)
-        if args.command == "inspect":
-            return _cmd_inspect(args)
-        if args.command == "parity":
-            return _cmd_parity(args)
-        if args.command == "bench":
-            return _cmd_bench(args)
+        if args.command in commands:
+            return commands[args.command](args)
     except MoeforgeError as exc:
         print(f"moeforge {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -167,8 +169,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _is_artifact(path: str) -> bool:
-    from pathlib import Path
-
     return (Path(path) / "manifest.json").is_file()
 
 
@@ -185,7 +185,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return _run_torch(args)
 
 
-def _prompt_ids(args: argparse.Namespace, tokenizer, model: str) -> list[int]:  # type: ignore[no-untyped-def]
+def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer | None, model: str) -> list[int]:
     """The prompt as token ids: --prompt-ids as given, or --prompt encoded (in the chat template with --chat)."""
     if args.prompt is None:
         if args.chat:
@@ -196,13 +196,14 @@ def _prompt_ids(args: argparse.Namespace, tokenizer, model: str) -> list[int]:  
     text = args.prompt
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return tokenizer.encode(text)
+    ids: list[int] = tokenizer.encode(text)
+    return ids
 
 
 class _Printer:
     """Prints a generation: streamed text as it grows (--stream), then the result (text or --json)."""
 
-    def __init__(self, args: argparse.Namespace, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, args: argparse.Namespace, tokenizer: Tokenizer | None) -> None:
         self.args, self.tokenizer, self.printed = args, tokenizer, ""
 
     def _text(self, token_ids: list[int]) -> str | None:
@@ -226,9 +227,6 @@ class _Printer:
 
 
 def _run_artifact(args: argparse.Namespace) -> int:
-    from moeforge.runtime.engine import EngineConfig, LLMEngine
-    from moeforge.runtime.sampler import SamplingParams
-
     engine = LLMEngine.from_artifact(args.model, EngineConfig(max_num_seqs=1, threads=args.threads))
     prompt = _prompt_ids(args, engine.tokenizer, args.model)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -246,9 +244,6 @@ def _run_artifact(args: argparse.Namespace) -> int:
 
 
 def _run_torch(args: argparse.Namespace) -> int:
-    from moeforge.export.generate import SamplingConfig, generate_stream
-    from moeforge.export.loader import load_model
-
     loaded = load_model(args.model, mla_impl=args.mla_impl)
     tokenizer = loaded.tokenizer
     prompt_ids = _prompt_ids(args, tokenizer, args.model)
@@ -269,19 +264,9 @@ def _run_torch(args: argparse.Namespace) -> int:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from moeforge.compile import CompileOptions, ParityCheckFailed, compile_model
-
-    options = CompileOptions(model=args.model, output_dir=Path(args.output), target=args.target,
-                             max_seq_len=args.max_seq_len, force=args.force, check=args.check,
-                             progress=not args.quiet, kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
-                             trt_impl=args.trt_impl, sm=args.sm, dtype=args.dtype, max_batch=args.max_batch,
-                             quant=args.quant, block_size=args.block_size, calib=args.calib,
-                             kv_quant=args.kv_quant, keep_fp=args.keep_fp, lm_head=args.lm_head,
-                             accuracy_level=args.accuracy_level, calib_method=args.calib_method,
-                             percentile=args.percentile, smooth_alpha=args.smooth_alpha,
-                             act_keep_fp32=args.act_keep_fp32)
+    # Every other compile flag's argparse dest is its name in CompileOptions.from_flags.
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "verbose", "model", "output", "quiet")}
+    options = CompileOptions.from_flags(model=args.model, output_dir=args.output, progress=not args.quiet, **flags)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:
@@ -302,19 +287,12 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from moeforge.artifact import load_artifact
-    from moeforge.inspect import summarize
-
     artifact = load_artifact(args.artifact, verify=not args.no_verify)
     print(artifact.manifest.to_json() if args.json else summarize(artifact))
     return EXIT_OK
 
 
 def _cmd_parity(args: argparse.Namespace) -> int:
-    from moeforge.artifact import load_artifact
-    from moeforge.export.loader import load_model
-    from moeforge.parity import default_prompt, run_parity
-
     if args.backend == "tensorrt":
         return _golden_parity_tensorrt(args)
     artifact = load_artifact(args.artifact)
@@ -328,17 +306,16 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         raise MoeforgeError(f"--prompt-len + --steps exceeds the artifact's max_seq_len "
                             f"({artifact.manifest.kv_cache.max_seq_len})")
     prompt = default_prompt(loaded.config.vocab_size, args.prompt_len, args.seed)
-    report = run_parity(artifact.model_path, loaded.model, prompt, decode_steps=args.steps,
+    report = run_parity(artifact.model_path, artifact.manifest.kv_cache, loaded.model, prompt, decode_steps=args.steps,
                         precision=artifact.manifest.precision)
     result = report.to_dict()
     passed = report.passed
     layer_text = ""
     if args.per_layer:
-        from moeforge.parity import layer_table, run_layer_parity
-
         if not artifact.manifest.layer_outputs:
             raise MoeforgeError("this artifact records no layer outputs; recompile it to use --per-layer")
-        rows, first = run_layer_parity(artifact.model_path, artifact.manifest.layer_outputs, loaded.model, prompt)
+        rows, first = run_layer_parity(artifact.model_path, artifact.manifest.kv_cache, artifact.manifest.layer_outputs,
+                                       loaded.model, prompt)
         result["layers"] = [vars(row) for row in rows]
         result["first_diverging_layer"] = first
         layer_text = "\n" + layer_table(rows, first)
@@ -348,8 +325,6 @@ def _cmd_parity(args: argparse.Namespace) -> int:
 
 
 def _golden_parity_tensorrt(args: argparse.Namespace) -> int:
-    from moeforge.trt.golden import check_engine
-
     check, tolerance = check_engine(args.artifact)
     passed = check.max_abs_err <= tolerance
     result = {"backend": "tensorrt", "max_abs_err": check.max_abs_err, "tolerance": tolerance,
@@ -361,8 +336,6 @@ def _golden_parity_tensorrt(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from moeforge.bench import run_bench, write_result
-
     if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2:
         raise MoeforgeError("--batch and --prompt-len must be >= 1, --new-tokens >= 2")
     result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
@@ -388,8 +361,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from moeforge.export.loader import load_config
-
     config = load_config(args.model)
     params = config.num_parameters()
     per_token = {impl: config.kv_cache_values_per_token(impl) for impl in ("absorb", "naive")}

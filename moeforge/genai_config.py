@@ -15,9 +15,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moeforge.artifact import KVCacheSpec
+import numpy as np
+
 from moeforge.errors import ConfigError
 from moeforge.export.config import ModelConfig
+from moeforge.kv_layout import KVCacheSpec
 
 GENAI_MODEL_TYPES: tuple[str, ...] = ("decoder", "llama")
 
@@ -147,8 +149,7 @@ def genai_greedy(model: Any, prompts: Sequence[Sequence[int]], new_tokens: int,
     Prompts must have equal lengths (GenAI pads on the right with pad_token_id otherwise). GenAI stops
     at EOS unless ``min_new_tokens`` forces it on, and leaves a stopping EOS out of the sequence.
     """
-    import numpy as np
-    import onnxruntime_genai as og
+    import onnxruntime_genai as og  # optional (dev) dependency, a separate C++ runtime: only this check needs it
 
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:

@@ -7,12 +7,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from moeforge.artifact import MODEL_FILE, Artifact
+from moeforge.export.config import ModelConfig
+from moeforge.trt.inspect_engine import engine_lines
 
 
-def _iter_nodes(graph: Any) -> Iterable[Any]:
-    import onnx
-
+def _iter_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
     for node in graph.node:
         yield node
         for attr in node.attribute:
@@ -26,8 +28,6 @@ def _iter_nodes(graph: Any) -> Iterable[Any]:
 def op_counts(model_path: str | Path) -> dict[str, int]:
     """Node count per op type (subgraphs included), most frequent first. Ops outside the default
     domain are qualified: ``com.microsoft.GroupQueryAttention``. Weights are not loaded."""
-    import onnx
-
     model = onnx.load(str(model_path), load_external_data=False)
     counts = Counter(
         f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
@@ -69,8 +69,6 @@ def _model_line(cfg: dict[str, Any]) -> str:
         m = cfg["moe"]
         parts.append(f"MoE {m.get('n_routed_experts')} experts top-{m.get('num_experts_per_tok')}")
     try:
-        from moeforge.export.config import ModelConfig
-
         params = ModelConfig.from_dict(cfg).num_parameters()
         parts.append(f"{params / 1e9:.3f} B params" if params >= 1e8 else f"{params / 1e6:.2f} M params")
     except Exception:  # a summary must not fail on an odd config
@@ -126,8 +124,6 @@ def summarize(artifact: Artifact) -> str:
         lines.append(f"ops        cannot read {MODEL_FILE}: {exc}")
 
     if m.engine is not None:  # TensorRT target
-        from moeforge.trt.inspect_engine import engine_lines
-
         lines += engine_lines(artifact)
 
     lines.append("")

@@ -12,63 +12,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
+from moeforge.calibration import mean_kl
+from moeforge.errors import MoeforgeError
 from moeforge.export.model import CausalLM
+from moeforge.kv_layout import KVCacheSpec
+from moeforge.quant.schemes import Thresholds, thresholds_for
 from moeforge.runtime.backends.onnxruntime import OrtSession
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Pass/fail limits for one precision, plus cosine, top-1 and greedy limits.
-
-    Every logit must satisfy |ours - ref| <= atol + rtol * max|ref row|: the error of a logit grows
-    with the scale of its whole row (it comes out of reductions over the hidden state), not with its
-    own value, so a logit near zero in a row of large logits gets the row's allowance."""
-
-    atol: float
-    rtol: float
-    cosine_min: float
-    top1_agreement: float
-    greedy_match: bool
-    kl_max: float = float("inf")  # mean KL(PyTorch || artifact) over all positions, in nats
-
-
-INF = float("inf")
-# fp32: atol 1e-4 (optimum's bar for ONNX Runtime exports) and exact greedy tokens. The rtol term
-# covers real models: SmolLM2 (30 layers, logits up to ~33) in PyTorch fp32 is itself 8e-5 away from
-# the same model in float64, and an ONNX Runtime fp32 graph lands 1-2e-4 from PyTorch fp32.
-THRESHOLDS: dict[str, Thresholds] = {
-    "fp32": Thresholds(atol=1e-4, rtol=1e-5, cosine_min=0.99999, top1_agreement=1.0, greedy_match=True),
-    # Quantised artifacts are judged by top-1 agreement and KL, not by atol: the rounding error is the
-    # point. Limits hold for the tiny random presets (flat logits: the hardest case for top-1) and
-    # real models alike; benchmarks/quant_accuracy.py measures SmolLM2 against the issue's bars.
-    # Cosine is not judged (0): on the tiny random presets one flipped MoE expert choice moves a whole row.
-    # Their logits are near-flat, so int4 top-1 is a weak signal there (0.44 on tiny-deepseek-v3); KL carries it.
-    "int8": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.85, greedy_match=False, kl_max=0.01),
-    "fp8": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.8, greedy_match=False, kl_max=0.02),
-    "int4": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.4, greedy_match=False, kl_max=0.15),
-    "int8-asym": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.85, greedy_match=False, kl_max=0.01),
-    "int4-asym": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.4, greedy_match=False, kl_max=0.15),
-    "int4-awq": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.4, greedy_match=False, kl_max=0.15),
-    # w8a8: int8 weights per channel + static per-tensor activation scales (moeforge/act_calibration.py)
-    # Measured on tiny-llama / tiny-deepseek-v3 (minmax, percentile 99.99 and 99.9): int8 top-1 0.88..0.97, KL
-    # 6e-4..1.8e-2; fp8 (3 mantissa bits on weights and activations) top-1 0.75..0.97, KL 2e-3..2.4e-2.
-    "w8a8": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.8, greedy_match=False, kl_max=0.03),
-    "w8a8-fp8": Thresholds(atol=INF, rtol=0.0, cosine_min=0.0, top1_agreement=0.7, greedy_match=False, kl_max=0.04),
-}
-
-
-KV_INT8_SUFFIX = "+kv-int8"  # --kv-quant int8: e.g. "int4+kv-int8", "fp32+kv-int8"
-
-
-def thresholds_for(precision: str) -> Thresholds:
-    """Limits for a manifest precision. An int8 KV cache rounds every cached key/value, so fp32 weights
-    with an int8 cache are judged like int8 weights; quantised weights keep their own (looser) limits."""
-    weights, kv_int8 = precision.removesuffix(KV_INT8_SUFFIX), precision.endswith(KV_INT8_SUFFIX)
-    if weights not in THRESHOLDS:
-        raise ValueError(f"no parity thresholds for precision {precision!r}; known: {', '.join(THRESHOLDS)}")
-    return THRESHOLDS["int8"] if kv_int8 and weights == "fp32" else THRESHOLDS[weights]
+from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession
 
 
 @dataclass
@@ -121,6 +74,14 @@ class ParityReport:
         return "\n".join(lines)
 
 
+class ParityCheckFailed(MoeforgeError):
+    """``compile --check`` found the artifact outside its precision's thresholds (exit code 1)."""
+
+    def __init__(self, report: ParityReport) -> None:
+        super().__init__("parity check failed: " + "; ".join(report.failures))
+        self.report = report
+
+
 def _compare(step: int, kind: str, ours: np.ndarray, ref: np.ndarray, limits: Thresholds) -> StepReport:
     # ours/ref: [P, V] logits
     ours64, ref64 = ours.astype(np.float64), ref.astype(np.float64)
@@ -135,20 +96,21 @@ def _compare(step: int, kind: str, ours: np.ndarray, ref: np.ndarray, limits: Th
 @torch.inference_mode()
 def run_parity(
     model_path: str | Path,
+    kv_cache: KVCacheSpec,
     torch_model: CausalLM,
     prompt_ids: list[int],
     decode_steps: int = 16,
     precision: str = "fp32",
     threads: int | None = None,
 ) -> ParityReport:
-    """Teacher-forced comparison of the graph at ``model_path`` against ``torch_model``."""
+    """Teacher-forced comparison of the graph at ``model_path`` (its cache as ``kv_cache`` says) against
+    ``torch_model``."""
     prompt_len = len(prompt_ids)
-    from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession, is_paged_graph
-
-    if is_paged_graph(model_path):  # --kv-cache paged: one sequence over block pools, same comparison
-        session = PagedSequenceSession(model_path, prompt_len + decode_steps + 1, threads=threads)
+    session: PagedSequenceSession | OrtSession
+    if kv_cache.paged:  # --kv-cache paged: one sequence over block pools, same comparison
+        session = PagedSequenceSession(model_path, prompt_len + decode_steps + 1, kv_cache=kv_cache, threads=threads)
     else:
-        session = OrtSession(model_path, threads=threads)
+        session = OrtSession(model_path, kv_cache=kv_cache, threads=threads)
         session.allocate(batch=1, max_len=prompt_len + decode_steps + 1)
 
     ids = torch.tensor([prompt_ids], dtype=torch.int64)
@@ -183,7 +145,7 @@ def run_parity(
                                                                                                    strict=True)]))),
         tolerance_used=max(s.tolerance_used for s in steps),
         greedy_match=greedy_match, precision=precision, thresholds=limits, passed=True, steps=steps,
-        mean_kl=_mean_kl(np.concatenate(ref_logits), np.concatenate(ours)),
+        mean_kl=mean_kl(np.concatenate(ref_logits), np.concatenate(ours)),
     )
     if report.tolerance_used > 1.0:
         report.failures.append(f"logits outside atol {limits.atol:.0e} + rtol {limits.rtol:.0e} * max|ref row| "
@@ -201,16 +163,10 @@ def run_parity(
     return report
 
 
-def _mean_kl(ref: np.ndarray, ours: np.ndarray) -> float:
-    from moeforge.calibration import mean_kl
-
-    return mean_kl(ref, ours)
-
-
 def default_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     """A seeded random prompt (parity must not depend on a tokenizer)."""
     rng = np.random.default_rng(seed)
-    return rng.integers(0, vocab_size, length).tolist()
+    return [int(t) for t in rng.integers(0, vocab_size, length)]
 
 
 @dataclass
@@ -230,22 +186,19 @@ LAYER_RELATIVE_LIMIT = 1e-4
 
 @torch.inference_mode()
 def run_layer_parity(
-    model_path: str | Path, layer_outputs: list[str], torch_model: CausalLM, prompt_ids: list[int]
+    model_path: str | Path, kv_cache: KVCacheSpec, layer_outputs: list[str], torch_model: CausalLM,
+    prompt_ids: list[int],
 ) -> tuple[list[LayerReport], int | None]:
     """Compare every decoder layer's output over a prefill; return the rows and the first diverging layer.
 
     The artifact's graph keeps each layer's output as a named internal value (manifest
     ``layer_outputs``); an in-memory copy of the graph exposes them as outputs over the same weights.
     """
-    import onnx
-
-    model_path = Path(model_path)
-    proto = onnx.load(str(model_path), load_external_data=False)
-    if any(i.name == "block_tables" for i in proto.graph.input):
-        from moeforge.errors import MoeforgeError
-
+    if kv_cache.paged:
         raise MoeforgeError("--per-layer needs a contiguous-cache artifact; this one is paged (--kv-cache paged): "
                             "run parity without --per-layer, or compile without --kv-cache paged to bisect layers")
+    model_path = Path(model_path)
+    proto = onnx.load(str(model_path), load_external_data=False)
     existing = {o.name for o in proto.graph.output}
     for name in layer_outputs:
         if name not in existing:
@@ -253,7 +206,7 @@ def run_layer_parity(
     ids = torch.tensor([prompt_ids], dtype=torch.int64)
     positions = torch.arange(len(prompt_ids))[None]
     reference = torch_model(ids, positions, output_hidden_states=True).hidden_states
-    session = OrtSession(model_path, graph=proto)  # weights still read from the artifact
+    session = OrtSession(model_path, kv_cache=kv_cache, graph=proto)  # weights still read from the artifact
     session.allocate(batch=1, max_len=len(prompt_ids) + 1)
     outputs = session.forward_with_outputs(ids.numpy(), positions.numpy(), np.ones_like(ids.numpy()),
                                            extra_outputs=tuple(layer_outputs))[1:]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from moeforge.errors import MoeforgeError
 
 IMPLS = ("auto", "tensorrt", "tensorrt-rtx")
@@ -94,8 +96,6 @@ class TensorRT:
 def local_sm() -> int | None:
     """The first visible CUDA GPU's compute capability as an int (89), or None without one."""
     try:
-        import torch
-
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(0)
             return major * 10 + minor

@@ -18,8 +18,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from moeforge.errors import MoeforgeError
 from moeforge.trt.adapter import TensorRT, load_tensorrt
+from moeforge.trt.paged_profiles import paged_profiles
+from moeforge.trt.profiles import ProfileSpec
 
 
 class EngineBuildError(MoeforgeError):
@@ -28,18 +32,6 @@ class EngineBuildError(MoeforgeError):
 
 class PluginNotRegistered(EngineBuildError):
     """A node needs a plugin that no loaded library or Python module registered."""
-
-
-@dataclass(frozen=True)
-class ProfileSpec:
-    """One optimisation profile: (min, opt, max) batch and tokens; the cache length is fixed."""
-
-    name: str
-    batch: tuple[int, int, int]
-    tokens: tuple[int, int, int]
-    # Paged graphs (moeforge/trt/paged_profiles.py): (min, opt, max) per symbolic ONNX dimension name
-    # (num_tokens, num_seqs, max_blocks, num_blocks, ...); empty: axis 0 batch, axis 1 tokens.
-    dims: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -58,10 +50,11 @@ class BuildOptions:
     max_seq_len: int | None = None  # paged: the longest sequence (block-table width = ceil(max_seq_len / Bs))
 
     def profiles(self) -> list[ProfileSpec]:
+        """Decode and prefill profiles: by batch and tokens, or by dimension name for a paged graph."""
         if self.paged_block_size:
-            from moeforge.trt.paged_profiles import paged_profiles
-
-            return paged_profiles(self)
+            if self.max_seq_len is None:
+                raise ValueError("paged profiles need max_seq_len")
+            return paged_profiles(self.paged_block_size, self.max_seq_len, self.max_batch, self.max_prefill_tokens)
         decode_opt = max(1, self.max_batch // 2)
         prefill_opt = max(1, self.max_prefill_tokens // 2)
         return [ProfileSpec("decode", (1, decode_opt, self.max_batch), (1, 1, 1)),
@@ -144,8 +137,6 @@ def _op_of(text: str) -> str | None:
 
 def _dim_names(onnx_path: Path) -> dict[str, list[str]]:
     """Symbolic dimension names of every graph input ("" for a fixed dimension), without the weights."""
-    import onnx
-
     graph = onnx.load(str(onnx_path), load_external_data=False).graph
     return {v.name: [d.dim_param for d in v.type.tensor_type.shape.dim] for v in graph.input}
 

@@ -8,18 +8,22 @@ the section lists the layers of the network parsed from model.onnx, and says why
 from __future__ import annotations
 
 import json
-from typing import Any
 
+from moeforge.artifact import Artifact
 from moeforge.errors import MoeforgeError
+from moeforge.trt.adapter import load_tensorrt, local_sm
+from moeforge.trt.build import ParsedNetwork
 
 
 def _fmt_shape(shape: list[int]) -> str:
     return "[" + ", ".join("?" if d == -1 else str(d) for d in shape) + "]"
 
 
-def engine_lines(artifact: Any) -> list[str]:
-    """Lines describing ``artifact.manifest.engine`` and its layers."""
-    engine: dict[str, Any] = artifact.manifest.engine
+def engine_lines(artifact: Artifact) -> list[str]:
+    """Lines describing ``artifact.manifest.engine`` and its layers (none for an artifact without an engine)."""
+    engine = artifact.manifest.engine
+    if engine is None:
+        return []
     lines = ["", f"engine     {engine['plan_file']}: {engine['impl']} {engine['tensorrt_version']}, "
                  f"{engine['compute_capability']}, {engine['plan_bytes'] / 2**20:.1f} MiB, "
                  f"built in {engine['build_seconds']:.1f} s"]
@@ -37,11 +41,11 @@ def engine_lines(artifact: Any) -> list[str]:
     return lines
 
 
-def engine_layers(artifact: Any) -> tuple[list[tuple[str, str]], str]:
+def engine_layers(artifact: Artifact) -> tuple[list[tuple[str, str]], str]:
     """(name, type) per layer and where they come from (the engine, or the parsed network and why)."""
-    from moeforge.trt.adapter import load_tensorrt
-
-    engine: dict[str, Any] = artifact.manifest.engine
+    engine = artifact.manifest.engine
+    if engine is None:
+        return [], "not shown: the artifact has no engine"
     try:
         trt = load_tensorrt(engine["impl"])
     except MoeforgeError as exc:
@@ -49,8 +53,6 @@ def engine_layers(artifact: Any) -> tuple[list[tuple[str, str]], str]:
     plan = artifact.root / engine["plan_file"]
     reason = ""
     try:
-        from moeforge.trt.adapter import local_sm
-
         if local_sm() is None:
             reason = "no CUDA GPU visible, and a plan deserialises only on a GPU"
         else:
@@ -67,8 +69,6 @@ def engine_layers(artifact: Any) -> tuple[list[tuple[str, str]], str]:
                 return rows, f"{len(rows)} engine layers (EngineInspector)"
     except Exception as exc:  # inspection must not fail the rest of inspect
         reason = f"engine inspection failed: {exc}"
-    from moeforge.trt.build import ParsedNetwork
-
     parsed = ParsedNetwork(trt, artifact.model_path)
     rows = parsed.layers()
     return rows, f"{len(rows)} network layers parsed from {artifact.model_path.name} ({reason})"

@@ -14,25 +14,26 @@ Profiles:
 
 from __future__ import annotations
 
-from typing import Any
+from moeforge.trt.profiles import ProfileSpec
 
-from moeforge.trt.build import ProfileSpec
+Range = tuple[int, int, int]  # (min, opt, max)
 
 
-def paged_profiles(options: Any) -> list[ProfileSpec]:  # BuildOptions (paged_block_size and max_seq_len set)
+def paged_profiles(block_size: int, max_seq_len: int, max_batch: int, max_prefill_tokens: int) -> list[ProfileSpec]:
     """The decode and prefill profiles of a paged engine, ranges by dimension name."""
-    block_size = int(options.paged_block_size)
-    max_blocks = -(-int(options.max_seq_len) // block_size)
-    batch, tokens = options.max_batch, options.max_prefill_tokens
-    pool = max_batch_blocks = batch * max_blocks
-    common = {"max_blocks": (1, max(1, max_blocks // 2), max_blocks),
-              "num_blocks": (1, max(1, max_batch_blocks // 2), pool)}
-    decode_batch = (1, max(1, batch // 2), batch)
-    prefill_batch = (1, 1, batch)
-    prefill_tokens = (1, max(1, tokens // 2), tokens)
+    max_blocks = -(-max_seq_len // block_size)
+    pool = max_batch * max_blocks
+    common = {"max_blocks": (1, max(1, max_blocks // 2), max_blocks), "num_blocks": (1, max(1, pool // 2), pool)}
+    decode_batch: Range = (1, max(1, max_batch // 2), max_batch)
+    prefill_batch: Range = (1, 1, max_batch)
+    prefill_tokens: Range = (1, max(1, max_prefill_tokens // 2), max_prefill_tokens)
     decode = {"num_tokens": decode_batch, "num_seqs": decode_batch, "num_logits": decode_batch,
-              "num_seqs_plus_1": tuple(b + 1 for b in decode_batch), **common}
+              "num_seqs_plus_1": _plus_one(decode_batch), **common}
     prefill = {"num_tokens": prefill_tokens, "num_seqs": prefill_batch, "num_logits": prefill_tokens,
-               "num_seqs_plus_1": tuple(b + 1 for b in prefill_batch), **common}
+               "num_seqs_plus_1": _plus_one(prefill_batch), **common}
     return [ProfileSpec("decode", decode_batch, (1, 1, 1), decode),
             ProfileSpec("prefill", prefill_batch, prefill_tokens, prefill)]
+
+
+def _plus_one(r: Range) -> Range:
+    return r[0] + 1, r[1] + 1, r[2] + 1

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 
@@ -21,8 +22,6 @@ PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 def run_steps(model_path: str | Path, ids: np.ndarray, boundaries: Sequence[int]) -> np.ndarray:
     """Feed ids [B, T] int64 in steps split at ``boundaries`` (e.g. [0, 6, 7, 9] = prefill 6, then 1, then 2);
     return the logits [B, T', V] of every fed token (T' = boundaries[-1]), all rows at the same position."""
-    import onnxruntime as ort
-
     options = ort.SessionOptions()
     options.log_severity_level = 3  # TensorScatter warns that it copies without a shared buffer
     session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
