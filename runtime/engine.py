@@ -1,34 +1,45 @@
 """LLMEngine: the decode loop over an artifact. One step is schedule -> execute -> sample -> update.
 
 The scheduler decides which tokens of which requests run (continuous batching, chunked prefill,
-preemption); the backend runs them on its cache slots and returns each row's last logits; the
-sampler picks tokens; the scheduler records them. The engine owns the request <-> cache-slot map,
-stop strings (they need the tokenizer) and metrics. A bad request fails alone: it is rejected with
-a clear error (or finished with one) and the engine keeps serving the others. A step whose backend
-call (or sampling) raises fails alone too: the requests it scheduled finish with
-``finish_reason="error"`` and the exception's message, the prefix-cache keys it registered are
-dropped, and the next steps serve the other and new requests as usual.
+preemption) and alone changes a request's status; the backend runs them on its cache slots (one
+row per running request) and returns each row's last logits; the sampler picks tokens; the
+scheduler records them. The engine owns the slots, stop strings (they need the tokenizer) and
+metrics.
+
+Per-request state lives on one ``Request`` (runtime/request.py). The engine holds each in
+``requests`` from ``add_request`` until its final output has been returned, then drops it; the
+scheduler indexes only the unfinished ones and drops a request the moment it finishes. The engine
+keeps its own map because a request must outlive the scheduler's: an aborted or rejected request
+is reported by the next ``step``, after the scheduler has let it go.
+
+A bad request fails alone: it is rejected with a clear error (or finished with one) and the engine
+keeps serving the others. A step whose backend call (or sampling) raises fails alone too: the
+requests it scheduled finish with ``finish_reason="error"`` and the exception's message, the
+prefix-cache keys it registered are dropped, and the next steps serve the other and new requests
+as usual.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
+from moeforge.artifact import Artifact, load_artifact
 from moeforge.errors import MoeforgeError
+from moeforge.export.tokenizer import Tokenizer
 from moeforge.runtime.backends.base import Backend, RowInput, StepInput
+from moeforge.runtime.backends.onnxruntime import OrtBackend
+from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
 from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from moeforge.runtime.request import Request, RequestMetrics, RequestStatus
 from moeforge.runtime.sampler import Sampler, SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from moeforge.runtime.sequence import Sequence as Request
-from moeforge.runtime.sequence import SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -37,26 +48,6 @@ DEFAULT_PARAMS = SamplingParams()
 
 class RequestError(MoeforgeError):
     """A request that cannot be served as given (the message says why and what to change)."""
-
-
-@dataclass
-class RequestMetrics:
-    """Per-request timings (seconds, from ``time.perf_counter``)."""
-
-    arrival: float
-    first_token: float | None = None
-    finished: float | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token."""
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    def tokens_per_second(self, num_tokens: int) -> float | None:
-        """Decode speed after the first token."""
-        if self.finished is None or self.first_token is None or num_tokens < 2:
-            return None
-        return (num_tokens - 1) / max(self.finished - self.first_token, 1e-9)
 
 
 @dataclass
@@ -134,7 +125,7 @@ class EngineConfig:
 class LLMEngine:
     """Serve generation requests on one backend (``from_artifact`` builds the ONNX Runtime one)."""
 
-    def __init__(self, backend: Backend, *, tokenizer=None, eos_token_ids: Sequence[int] = (),  # type: ignore[no-untyped-def]
+    def __init__(self, backend: Backend, *, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
                  config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         self.backend = backend
@@ -163,20 +154,12 @@ class LLMEngine:
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
-        self._requests: dict[int, Request] = {}
-        self._generators: dict[int, np.random.Generator | None] = {}
-        self._timings: dict[int, RequestMetrics] = {}
-        self._logprobs: dict[int, list[float]] = {}
-        self._slots: dict[int, int] = {}
-        self._free_slots = list(range(backend.num_slots))
-        self._reported: dict[int, int] = {}  # tokens already returned per request (streaming deltas)
+        self.requests: dict[int, Request] = {}  # added, final output not returned yet (read-only outside)
+        self._free_slots = list(range(backend.num_slots))  # a heap: the lowest free slot first
 
     @classmethod
     def from_artifact(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
         """Open an artifact directory (hashes verified) on ONNX Runtime, CPU by default."""
-        from moeforge.artifact import load_artifact
-        from moeforge.runtime.backends.onnxruntime import OrtBackend
-
         config = config or EngineConfig()
         artifact = load_artifact(path)
         manifest = artifact.manifest
@@ -185,21 +168,19 @@ class LLMEngine:
         providers = list(config.providers) if config.providers else None
         backend: Backend
         if manifest.engine is not None:  # --target trt: the engine plan on a GPU
-            from moeforge.runtime.backends.tensorrt import TensorRTBackend
+            from moeforge.runtime.backends.tensorrt import TensorRTBackend  # lazy: needs TensorRT and a GPU
 
             backend = TensorRTBackend.from_artifact(artifact.root, num_slots=config.max_num_seqs)
-        elif kv.paged:
-            from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
-
+        elif kv.block_size is not None:  # a paged artifact
             config.check_block_size(kv.block_size)
             num_blocks = config.num_kv_blocks(config.max_num_seqs, kv.max_seq_len, kv.block_size)
-            backend = PagedOrtBackend(artifact.model_path, kv, num_blocks=num_blocks, num_slots=config.max_num_seqs,
-                                      vocab_size=vocab_size, threads=config.threads, providers=providers,
-                                      profile=config.profile)
+            backend = PagedOrtBackend(artifact.model_path, kv_cache=kv, num_blocks=num_blocks,
+                                      num_slots=config.max_num_seqs, vocab_size=vocab_size, threads=config.threads,
+                                      providers=providers, profile=config.profile)
         else:
-            backend = OrtBackend(artifact.model_path, num_slots=config.max_num_seqs, max_seq_len=kv.max_seq_len,
-                                 vocab_size=vocab_size, threads=config.threads, providers=providers,
-                                 profile=config.profile)
+            backend = OrtBackend(artifact.model_path, kv_cache=kv, num_slots=config.max_num_seqs,
+                                 max_seq_len=kv.max_seq_len, vocab_size=vocab_size, threads=config.threads,
+                                 providers=providers, profile=config.profile)
         tokenizer, eos = _tokenizer_and_eos(artifact)
         return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
 
@@ -224,23 +205,19 @@ class LLMEngine:
                 f"{self.backend.max_seq_len}; shorten the prompt or lower max_tokens (nothing is truncated)")
         if not params.ignore_eos and self.eos_token_ids:
             params = dataclasses.replace(params, stop_token_ids=tuple({*params.stop_token_ids, *self.eos_token_ids}))
-        request_id = next(self._ids)
-        request = Request(request_id, ids, params)
-        self._requests[request_id] = request
-        self._generators[request_id] = params.make_generator()
-        self._timings[request_id] = RequestMetrics(arrival=time.perf_counter())
-        self._logprobs[request_id] = []
-        self._reported[request_id] = 0
+        request = Request(next(self._ids), ids, params)
+        self.requests[request.request_id] = request
         self.scheduler.add(request)
-        return request_id
+        return request.request_id
 
     def abort(self, request_id: int) -> None:
-        """Stop a request; its cache slot and blocks are freed."""
+        """Stop a request; its cache slot and blocks are freed, the next ``step`` returns its final output."""
         if self.scheduler.abort(request_id):
-            self._release_slot(request_id)
+            self._release_slot(self.requests[request_id])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether some request's final output has not been returned yet (call ``step``)."""
+        return bool(self.requests)
 
     def attention_time_share(self) -> float | None:
         """Fraction of backend compute spent in attention kernels so far, when the backend can tell
@@ -257,13 +234,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of requests that advanced or finished."""
+        """Run one scheduled step; return the outputs of requests that advanced or finished. A finished
+        request's output is its last one: the engine then forgets it."""
         plan = self.scheduler.schedule()
         for request_id in plan.preempted:
-            self._release_slot(request_id)
+            self._release_slot(self.requests[request_id])
             self.metrics.preemptions += 1
-        for request_id in plan.finished:
-            self._release_slot(request_id)
+        # ``finished`` may name a request that a stop string ended last step: its final output went out then.
+        ended = [self.requests[i] for i in plan.finished if i in self.requests]
+        for request in ended:
+            self._release_slot(request)
         try:
             sampled, logprobs = self._execute(plan) if plan.scheduled else ({}, {})
         except Exception as exc:  # any failure of the model step: fail its requests, keep serving
@@ -275,28 +255,32 @@ class LLMEngine:
             done = self.scheduler.update(plan, sampled)
         now = time.perf_counter()
         for request_id, logprob in logprobs.items():
-            self._logprobs[request_id].append(logprob)
-            timing = self._timings[request_id]
-            if timing.first_token is None:
-                timing.first_token = now
-        touched = {item.request_id for item in plan.scheduled} | set(plan.finished)
-        self._apply_stop_strings(touched)
+            request = self.requests[request_id]
+            request.logprobs.append(logprob)
+            if request.metrics.first_token is None:
+                request.metrics.first_token = now
+        touched = {item.request_id: self.requests[item.request_id] for item in plan.scheduled}
+        touched.update((request.request_id, request) for request in ended)
+        self._apply_stop_strings(touched.values())
         for request in done:
-            self._release_slot(request.request_id)
+            self._release_slot(request)
         outputs = []
         for request_id in sorted(touched):
-            request = self._requests[request_id]
+            request = touched[request_id]
             if request_id in sampled or request.is_finished:
                 outputs.append(self._output(request))
+            if request.is_finished:
+                del self.requests[request_id]  # its final output is in ``outputs``
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> tuple[dict[int, int], dict[int, float]]:
+        """Run the backend on ``plan`` and sample; returns {request id: token} and {request id: logprob}."""
         rows = []
         for item in plan.scheduled:
-            if item.request_id not in self._slots:
-                self._slots[item.request_id] = self._free_slots.pop(0)
-            rows.append(RowInput(self._slots[item.request_id], tuple(item.token_ids), item.start,
-                                 tuple(item.block_table)))
+            request = self.requests[item.request_id]
+            if request.slot is None:
+                request.slot = heapq.heappop(self._free_slots)
+            rows.append(RowInput(request.slot, tuple(item.token_ids), item.start, tuple(item.block_table)))
         start = time.perf_counter()
         logits = self.backend.execute(StepInput(tuple(rows)))
         self.metrics.execute_seconds += time.perf_counter() - start
@@ -309,46 +293,41 @@ class LLMEngine:
                 self.metrics.decode_tokens += item.num_tokens
         if not sample_rows:
             return {}, {}
-        requests = [self._requests[plan.scheduled[i].request_id] for i in sample_rows]
+        requests = [self.requests[plan.scheduled[i].request_id] for i in sample_rows]
         out = self.sampler.sample(
-            logits[sample_rows], [r.params for r in requests], [self._generators[r.request_id] for r in requests],
+            logits[sample_rows], [r.params for r in requests], [r.generator for r in requests],
             [r.output_token_ids for r in requests], [r.prompt_token_ids for r in requests],
         )
         tokens = {r.request_id: int(t) for r, t in zip(requests, out.token_ids, strict=True)}
         logprobs = {r.request_id: float(lp) for r, lp in zip(requests, out.logprobs, strict=True)}
         return tokens, logprobs
 
-    def _apply_stop_strings(self, request_ids: set[int]) -> None:
+    def _apply_stop_strings(self, requests: Iterable[Request]) -> None:
         if self.tokenizer is None:
             return
-        for request_id in request_ids:
-            request = self._requests[request_id]
+        for request in requests:
             if request.is_finished or not request.params.stop_strings:
                 continue
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
             if any(stop in text for stop in request.params.stop_strings):
-                self.scheduler.abort(request_id)
-                request.status = SequenceStatus.FINISHED_STOPPED
-                self._release_slot(request_id)
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                self._release_slot(request)
 
-    def _release_slot(self, request_id: int) -> None:
-        slot = self._slots.pop(request_id, None)
-        if slot is not None:
-            self.backend.release(slot)
-            self._free_slots.append(slot)
-            self._free_slots.sort()
+    def _release_slot(self, request: Request) -> None:
+        if request.slot is not None:
+            self.backend.release(request.slot)
+            heapq.heappush(self._free_slots, request.slot)
+            request.slot = None
 
     def _output(self, request: Request) -> RequestOutput:
-        request_id = request.request_id
         ids = list(request.output_token_ids)
-        new = ids[self._reported[request_id]:]
-        self._reported[request_id] = len(ids)
-        timing = self._timings[request_id]
-        if request.is_finished and timing.finished is None:
-            timing.finished = time.perf_counter()
+        new = ids[request.num_reported_tokens:]
+        request.num_reported_tokens = len(ids)
+        if request.is_finished and request.metrics.finished is None:
+            request.metrics.finished = time.perf_counter()
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return RequestOutput(request_id, ids, new, text, request.is_finished, request.finish_reason,
-                             request.error, list(self._logprobs[request_id]), timing)
+        return RequestOutput(request.request_id, ids, new, text, request.is_finished, request.finish_reason,
+                             request.error, list(request.logprobs), request.metrics)
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -379,10 +358,8 @@ class LLMEngine:
                         return
 
 
-def _tokenizer_and_eos(artifact):  # type: ignore[no-untyped-def]
+def _tokenizer_and_eos(artifact: Artifact) -> tuple[Tokenizer | None, tuple[int, ...]]:
     """The artifact's tokenizer (None without tokenizer.json) and EOS ids (the tokenizer's, else the manifest's)."""
-    from moeforge.export.tokenizer import Tokenizer
-
     tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
     eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
         artifact.manifest.model_config.get("eos_token_ids", ()))

@@ -164,7 +164,8 @@ def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray
     """(logits - row max) / temperature, temperature > 0. The shift leaves the distribution as is
     and keeps a tiny temperature from overflowing: the max maps to 0, the rest to <= 0."""
     shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted / np.asarray(temperature, dtype=logits.dtype)[:, None]
+    tempered: np.ndarray = shifted / np.asarray(temperature, dtype=logits.dtype)[:, None]
+    return tempered
 
 
 def apply_top_k(logits: np.ndarray, top_k: np.ndarray) -> np.ndarray:
@@ -221,7 +222,8 @@ def raw_logprobs(logits: np.ndarray) -> np.ndarray:
     """log-softmax over the last axis, accumulated in float64."""
     x = logits.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    logprobs: np.ndarray = x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    return logprobs
 
 
 class Sampler:
@@ -253,18 +255,19 @@ class Sampler:
 
         rep = np.array([q.repetition_penalty for q in params], dtype=np.float32)
         if (rows := np.flatnonzero(rep != 1.0)).size:
-            seen = [list(prompt_tokens[i]) + list(output_tokens[i]) for i in rows]
+            seen = [list(prompt_tokens[i]) + list(output_tokens[i]) for i in rows.tolist()]
             x[rows] = apply_repetition_penalty(x[rows], seen, rep[rows])
         presence = np.array([q.presence_penalty for q in params], dtype=np.float32)
         if (rows := np.flatnonzero(presence != 0.0)).size:
-            x[rows] = apply_presence_penalty(x[rows], [output_tokens[i] for i in rows], presence[rows])
+            x[rows] = apply_presence_penalty(x[rows], [output_tokens[i] for i in rows.tolist()], presence[rows])
 
-        rows = np.array([i for i, q in enumerate(params) if not q.greedy], dtype=np.int64)
+        sampled = [i for i, q in enumerate(params) if not q.greedy]
+        rows = np.array(sampled, dtype=np.int64)
         if rows.size:
-            sub = apply_temperature(x[rows], np.array([params[i].temperature for i in rows]))
-            sub = apply_top_k(sub, np.array([params[i].top_k for i in rows]))
-            sub = apply_top_p(sub, np.array([params[i].top_p for i in rows]))
-            x[rows] = apply_min_p(sub, np.array([params[i].min_p for i in rows]))
+            sub = apply_temperature(x[rows], np.array([params[i].temperature for i in sampled]))
+            sub = apply_top_k(sub, np.array([params[i].top_k for i in sampled]))
+            sub = apply_top_p(sub, np.array([params[i].top_p for i in sampled]))
+            x[rows] = apply_min_p(sub, np.array([params[i].min_p for i in sampled]))
         return x
 
     def sample(
@@ -300,7 +303,8 @@ def _inverse_cdf(logits: np.ndarray, u: np.ndarray) -> np.ndarray:
     cdf = np.cumsum(weights, axis=-1, dtype=np.float64)
     # u < 1 keeps u * total < total (round-to-nearest never lifts it to total), so the index is < V.
     target = u * cdf[:, -1]
-    return (cdf <= target[:, None]).sum(axis=-1).astype(np.int64)
+    tokens: np.ndarray = (cdf <= target[:, None]).sum(axis=-1).astype(np.int64)
+    return tokens
 
 
 def _top_n(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:

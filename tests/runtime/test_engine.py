@@ -43,6 +43,7 @@ def test_batch_1_and_8_concurrent_equal_pytorch(artifact):
     assert [o.token_ids for o in outputs] == expected
     assert all(o.finished and o.finish_reason == "length" for o in outputs)
     assert engine.metrics.steps > 0 and engine.kv.stats().blocks_in_use == 0  # everything freed
+    assert not engine.requests and not engine.scheduler.requests  # finished requests are forgotten
 
 
 def test_preemption_with_a_third_of_the_pool(artifact):
@@ -56,6 +57,7 @@ def test_preemption_with_a_third_of_the_pool(artifact):
     assert [o.token_ids for o in outputs] == expected
     assert engine.metrics.preemptions > 0
     assert engine.kv.stats().blocks_in_use == 0
+    assert not engine.requests and not engine.scheduler.requests
 
 
 def test_bad_requests_fail_alone(artifact):
@@ -96,6 +98,7 @@ def test_stream_deltas_and_stop_strings(artifact):
     if stop:  # the byte-level tokenizer decodes every token to text
         stopped = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, stop_strings=(stop,)))[0]
         assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 10
+    assert not engine.requests  # streamed and stopped requests are forgotten too
 
 
 def test_attention_time_share_when_profiled(artifact):

@@ -1,10 +1,10 @@
 """A model step that raises fails only its own requests: the engine keeps serving, frees their blocks and
 drops the prefix-cache keys the failed step registered (their blocks hold no KV).
 
-The fake paged backend stores a "KV" per pool slot: the KV of position p is ``mix(KV of p - 1, token p)``,
+The fake paged backend stores a "KV" per pool index: the KV of position p is ``mix(KV of p - 1, token p)``,
 with KV of p - 1 read back through the block table, and the logits are one-hot at ``KV % VOCAB``. So a
 request's tokens equal ``reference`` only if every block it reads was written by a step that ran: a
-prefix-cache hit on a block of the failed step reads a never-written slot and changes the tokens.
+prefix-cache hit on a block of the failed step reads a never-written index and changes the tokens.
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 
 from moeforge.runtime.backends.base import PoolInfo, StepInput
-from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine
+from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine, RequestOutput
 from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from moeforge.runtime.request import Request, RequestStatus
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig
-from moeforge.runtime.sequence import Sequence, SequenceStatus
 
 BS = 4
 VOCAB = 64
 _MOD = (1 << 61) - 1
 _ROOT = 12345
-_UNWRITTEN = 777  # what a slot no step wrote reads as
+_UNWRITTEN = 777  # what a pool index no step wrote reads as
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
@@ -51,9 +51,13 @@ class FakePagedBackend:
         self.memory: dict[int, int] = {}
         self.calls = 0
         self.fail_on = fail_on
+        self.slots_in_use: set[int] = set()  # slots given rows and not released since
 
     def execute(self, step: StepInput) -> np.ndarray:
         self.calls += 1
+        slots = [row.slot for row in step.rows]
+        assert len(set(slots)) == len(slots) and all(0 <= slot < self.num_slots for slot in slots)
+        self.slots_in_use.update(slots)
         if self.calls in self.fail_on:
             raise RuntimeError("device lost")
         logits = np.zeros((len(step.rows), VOCAB), np.float32)
@@ -61,18 +65,18 @@ class FakePagedBackend:
             table = row.block_table
             assert table is not None
 
-            def slot(p: int) -> int:
+            def pool_index(p: int) -> int:
                 return table[p // BS] * BS + p % BS  # noqa: B023 -- used within the iteration
 
-            kv = _ROOT if row.start == 0 else self.memory.get(slot(row.start - 1), _UNWRITTEN)
+            kv = _ROOT if row.start == 0 else self.memory.get(pool_index(row.start - 1), _UNWRITTEN)
             for i, token in enumerate(row.token_ids):
                 kv = mix(kv, token)
-                self.memory[slot(row.start + i)] = kv
+                self.memory[pool_index(row.start + i)] = kv
             logits[b, kv % VOCAB] = 1.0
         return logits
 
     def release(self, slot: int) -> None:
-        pass
+        self.slots_in_use.discard(slot)
 
     def op_time_shares(self) -> None:
         return None
@@ -123,7 +127,7 @@ def test_a_failed_decode_keeps_the_keys_of_steps_that_ran():
 def test_scheduler_fail_rolls_back_same_step_keys_and_accepts_a_new_schedule():
     kv = KVCacheManager(KVCacheConfig(num_blocks=16, block_size=BS))
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
-    first, second = (Sequence(i, list(range(1, 12)), GREEDY) for i in (0, 1))
+    first, second = (Request(i, list(range(1, 12)), GREEDY) for i in (0, 1))
     scheduler.add(first)
     scheduler.add(second)
     out = scheduler.schedule()
@@ -131,10 +135,10 @@ def test_scheduler_fail_rolls_back_same_step_keys_and_accepts_a_new_schedule():
     with pytest.raises(RuntimeError, match="before update"):
         scheduler.schedule()
     failed = scheduler.fail(out, "boom")
-    assert failed == [first, second] and all(s.status is SequenceStatus.FINISHED_ERROR for s in failed)
+    assert failed == [first, second] and all(s.status is RequestStatus.FINISHED_ERROR for s in failed)
     assert "boom" in first.error
     assert kv.stats().cached_blocks == 0 and kv.num_free_blocks == 16
-    third = Sequence(2, list(range(1, 12)), GREEDY)
+    third = Request(2, list(range(1, 12)), GREEDY)
     scheduler.add(third)
     out = scheduler.schedule()  # accepted again; nothing cached to hit
     assert out.scheduled[0].start == 0 and kv.stats().hits == 2
@@ -161,3 +165,80 @@ def test_a_request_too_big_for_the_pool_names_kv_blocks():
     big, small = engine.generate([list(range(1, 20)), PROMPTS[2]], GREEDY)
     assert big.finish_reason == "error" and "EngineConfig(kv_blocks=...)" in big.error
     assert small.token_ids == reference(PROMPTS[2], 6)
+
+
+class LetterTokenizer:
+    """Token t decodes to one letter: enough for stop strings, without a real tokenizer."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in token_ids)
+
+
+def test_a_request_is_forgotten_once_its_final_output_is_returned():
+    engine = LLMEngine(FakePagedBackend(), config=EngineConfig(max_num_seqs=2))
+    request_id = engine.add_request(PROMPTS[2], GREEDY)
+    while True:
+        (out,) = engine.step()
+        if out.finished:
+            break
+        assert request_id in engine.requests and request_id in engine.scheduler.requests
+        assert engine.requests[request_id].slot is not None
+    assert out.token_ids == reference(PROMPTS[2], 6)
+    assert request_id not in engine.requests and request_id not in engine.scheduler.requests
+    assert request_id not in engine.kv and not engine.has_unfinished()
+    assert engine.step() == []  # nothing left to report
+
+
+def test_many_requests_ending_every_way_leave_nothing_behind():
+    """Length, stop token, stop string, aborts (waiting and running), a failed step, a prompt too big for the
+    pool, preemptions: each request gets exactly one final output, and afterwards no engine or scheduler
+    structure holds a request, and every slot and block is free."""
+    backend = FakePagedBackend(num_blocks=12, fail_on=(5,))
+    engine = LLMEngine(backend, tokenizer=LetterTokenizer(),
+                       config=EngineConfig(max_num_seqs=3, max_num_batched_tokens=16))
+    rng = np.random.default_rng(0)
+    added: dict[int, tuple[list[int], SamplingParams]] = {}
+    for i in range(12):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(2, 24))).tolist()
+        full = reference(prompt, 8)
+        stop_strings = (LetterTokenizer().decode(full[3:5]),) if i % 3 == 1 else ()
+        stop_token_ids = (full[4],) if i % 3 == 2 else ()
+        params = SamplingParams(max_tokens=8, ignore_eos=True, stop_strings=stop_strings,
+                                stop_token_ids=stop_token_ids)
+        added[engine.add_request(prompt, params)] = prompt, params
+    too_big = list(range(50)), SamplingParams(max_tokens=8, ignore_eos=True)  # 13 blocks: rejected by the scheduler
+    too_big_id = engine.add_request(*too_big)
+    added[too_big_id] = too_big
+    finals: dict[int, list[RequestOutput]] = {request_id: [] for request_id in added}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        assert steps < 500
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id].append(out)
+        if steps == 3:
+            engine.abort(engine.scheduler.waiting[0].request_id)
+            engine.abort(engine.scheduler.running[-1].request_id)
+
+    assert all(len(outs) == 1 for outs in finals.values())  # exactly one final output each
+    stopped_by = set()
+    for request_id, (out,) in finals.items():
+        prompt, params = added[request_id]
+        full = reference(prompt, 8)
+        assert out.token_ids == full[:len(out.token_ids)]
+        if out.finish_reason == "length":
+            assert out.token_ids == full
+        elif out.finish_reason == "stop":
+            by_token = out.token_ids[-1] in params.stop_token_ids
+            by_string = any(stop in out.text for stop in params.stop_strings)
+            assert by_token or by_string
+            stopped_by |= {"token"} if by_token else {"string"}
+    assert stopped_by == {"token", "string"}
+    assert "does not fit in the KV cache" in finals[too_big_id][0].error
+    assert {outs[0].finish_reason for outs in finals.values()} == {"length", "stop", "abort", "error"}
+    assert engine.metrics.preemptions > 0 and engine.metrics.failed_steps == 1
+    assert not engine.requests and not engine.scheduler.requests
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+    assert not any(request_id in engine.kv for request_id in added) and engine.kv.stats().blocks_in_use == 0
+    assert backend.slots_in_use == set()

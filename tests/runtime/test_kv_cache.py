@@ -1,8 +1,8 @@
 """KV-cache bookkeeping on block ids only: no model, no tensors.
 
 Exact tests use 11 blocks of 16 tokens (as vLLM's allocator tests do) and assert block ids,
-reference counts and eviction order. A state machine then runs random allocate / append / fork /
-free / preempt sequences against a shadow cache memory and checks the invariants after each step.
+reference counts and eviction order. A state machine then runs random allocate / append / free /
+preempt sequences against a shadow cache memory and checks the invariants after each step.
 """
 
 from __future__ import annotations
@@ -12,16 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from moeforge.runtime.kv_cache import (
-    CacheFullError,
-    KVCacheConfig,
-    KVCacheManager,
-    KVCacheStats,
-    SequenceTooLongError,
-    SlotAllocator,
-    full_block_hashes,
-    hash_block_tokens,
-)
+from moeforge.runtime.block_pool import CacheFullError, KVCacheStats, full_block_hashes, hash_block_tokens
+from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
 
 B = 16
 
@@ -49,13 +41,13 @@ def test_block_hash_is_stable_and_chained():
 
 # -- allocation and prefix caching --------------------------------------------------------------
 
-def test_allocate_fresh_sequence():
+def test_allocate_fresh_request():
     m = make_manager()
     assert m.can_allocate(0, list(range(50)))
     assert m.allocate(0, list(range(50))) == 0
     assert m.block_table(0) == [0, 1, 2, 3]
     assert m.num_free_blocks == 7
-    assert m.num_slots(0) == 50
+    assert m.num_allocated_tokens(0) == 50
     # The 3 full blocks are keyed; the partial 4th is not.
     assert [b.block_hash is not None for b in m.pool.blocks[:4]] == [True, True, True, False]
     stats = m.stats()
@@ -73,7 +65,7 @@ def test_prefix_hit_shares_blocks():
     # Request 0 looked up 4 blocks (all missed); request 1 hit all 4.
     assert (m.stats().hits, m.stats().misses, m.stats().hit_rate) == (4, 4, 0.5)
     # The prefill of request 1 writes only its 7 new tokens, into block 5.
-    assert m.slot_mapping(1, 64, 71) == list(range(5 * B, 5 * B + 7))
+    assert m.pool_indices(1, 64, 71) == list(range(5 * B, 5 * B + 7))
 
 
 def test_fully_cached_prompt_still_computes_its_last_token():
@@ -95,7 +87,7 @@ def test_lru_eviction_order_after_frees():
     assert ref_counts(m)[:6] == [1, 1, 1, 1, 0, 1]
     m.free(1)
     # Uncached blocks first (4 then 5 in the order they were freed), then the cached ones, each
-    # sequence's tail first, so the shared prefix's head is evicted last.
+    # request's tail first, so the shared prefix's head is evicted last.
     assert m.pool.free_block_ids() == [6, 7, 8, 9, 10, 4, 5, 3, 2, 1, 0]
     assert m.stats().cached_blocks == 4
 
@@ -145,7 +137,7 @@ def test_can_allocate_counts_free_cached_hits():
 def test_preempt_then_reallocate_finds_own_blocks():
     m = make_manager()
     m.allocate(0, list(range(40)))
-    m.append_slots(0, 1, [40])
+    m.append(0, 1, [40])
     m.preempt(0)
     assert 0 not in m
     assert m.num_free_blocks == 11
@@ -163,20 +155,20 @@ def test_prefix_caching_disabled():
     assert m.stats() == KVCacheStats(hits=0, misses=0, evictions=0, blocks_in_use=4, free_blocks=7, cached_blocks=0)
 
 
-# -- growing sequences --------------------------------------------------------------------------
+# -- growing requests ---------------------------------------------------------------------------
 
 def test_decode_crosses_block_boundary_and_keys_full_block():
     m = make_manager()
     m.allocate(0, list(range(15)))
     assert m.block_table(0) == [0]
     assert m.pool.blocks[0].block_hash is None
-    m.append_slots(0, 1, [15])  # the 16th token fills block 0
+    m.append(0, 1, [15])  # the 16th token fills block 0
     assert m.block_table(0) == [0]
     assert m.pool.blocks[0].block_hash == hash_block_tokens(None, range(16))
     assert m.can_append(0)
-    m.append_slots(0, 1, [16])  # position 16 needs a new block
+    m.append(0, 1, [16])  # position 16 needs a new block
     assert m.block_table(0) == [0, 1]
-    assert m.slot_mapping(0, 14, 17) == [14, 15, B]
+    assert m.pool_indices(0, 14, 17) == [14, 15, B]
 
 
 def test_chunked_prefill():
@@ -184,16 +176,16 @@ def test_chunked_prefill():
     prompt = list(range(40))
     assert m.can_allocate(0, prompt, token_budget=20)
     assert m.allocate(0, prompt, token_budget=20) == 0
-    assert (m.num_slots(0), m.block_table(0)) == (20, [0, 1])
-    assert m.pool.blocks[1].block_hash is None  # only 4 of its tokens have slots yet
-    m.append_slots(0, 20)
-    assert (m.num_slots(0), m.block_table(0)) == (40, [0, 1, 2])
+    assert (m.num_allocated_tokens(0), m.block_table(0)) == (20, [0, 1])
+    assert m.pool.blocks[1].block_hash is None  # only 4 of its tokens have room yet
+    m.append(0, 20)
+    assert (m.num_allocated_tokens(0), m.block_table(0)) == (40, [0, 1, 2])
     assert m.pool.blocks[1].block_hash is not None
     with pytest.raises(ValueError, match="only 40 tokens are known"):
-        m.append_slots(0, 1)
+        m.append(0, 1)
     # A second request's budget counts from its cached prefix.
     assert m.allocate(1, prompt, token_budget=5) == 32
-    assert m.num_slots(1) == 37
+    assert m.num_allocated_tokens(1) == 37
 
 
 def test_out_of_blocks():
@@ -201,7 +193,7 @@ def test_out_of_blocks():
     m.allocate(0, list(range(2 * B)))
     assert not m.can_append(0)
     with pytest.raises(CacheFullError, match="need 1 free KV-cache blocks, 0 free"):
-        m.append_slots(0, 1, [7])
+        m.append(0, 1, [7])
     assert m.token_ids(0) == list(range(2 * B))  # a refused append changes nothing
     assert not m.can_allocate(1, [1])
     with pytest.raises(CacheFullError):
@@ -209,88 +201,26 @@ def test_out_of_blocks():
     assert 1 not in m
 
 
-# -- fork ---------------------------------------------------------------------------------------
-
-def test_fork_shares_full_blocks_and_gives_child_its_own_last_block():
-    m = make_manager()
-    m.allocate(0, list(range(20)))  # blocks 0, 1 (4 tokens)
-    assert m.can_fork(0)
-    assert m.fork(0, 1) == 16  # the child recomputes positions [16, 20)
-    assert m.block_table(1) == [0, 2]
-    assert ref_counts(m)[:3] == [2, 1, 1]
-    assert m.num_slots(1) == 20
-    m.append_slots(0, 1, [100])
-    m.append_slots(1, 1, [200])
-    assert m.slot_mapping(0, 16, 21) == [B + i for i in range(5)]
-    assert m.slot_mapping(1, 16, 21) == [2 * B + i for i in range(5)]
-    m.free(0)
-    assert ref_counts(m)[:3] == [1, 0, 1]
-
-
-def test_fork_of_block_aligned_parent_shares_everything():
-    m = make_manager()
-    m.allocate(0, list(range(32)))
-    free_before = m.num_free_blocks
-    assert m.fork(0, 1) == 32
-    assert m.block_table(1) == [0, 1]
-    assert m.num_free_blocks == free_before
-
-
 # -- errors -------------------------------------------------------------------------------------
 
-def test_unknown_and_double_free_name_the_sequence():
+def test_unknown_and_double_free_name_the_request():
     m = make_manager()
-    with pytest.raises(ValueError, match="sequence 42 is not allocated"):
+    with pytest.raises(ValueError, match="request 42 is not allocated"):
         m.free(42)
     m.allocate(7, [1, 2, 3])
     m.free(7)
-    with pytest.raises(ValueError, match="sequence 7 is not allocated"):
+    with pytest.raises(ValueError, match="request 7 is not allocated"):
         m.free(7)
-    for call in (m.block_table, m.num_slots, m.can_append, m.can_fork, m.preempt):
-        with pytest.raises(ValueError, match="sequence 7"):
+    for call in (m.block_table, m.num_allocated_tokens, m.num_known_tokens, m.can_append, m.preempt):
+        with pytest.raises(ValueError, match="request 7"):
             call(7)
     m.allocate(8, [1])
-    with pytest.raises(ValueError, match="sequence 8 is already allocated"):
+    with pytest.raises(ValueError, match="request 8 is already allocated"):
         m.allocate(8, [1])
-    with pytest.raises(ValueError, match="sequence 8 is already allocated"):
-        m.fork(8, 8)
-    with pytest.raises(ValueError, match="outside its 1 slots"):
-        m.slot_mapping(8, 0, 2)
+    with pytest.raises(ValueError, match="outside its 1 allocated tokens"):
+        m.pool_indices(8, 0, 2)
     with pytest.raises(ValueError, match="no tokens"):
         m.allocate(9, [])
-
-
-# -- contiguous slots ---------------------------------------------------------------------------
-
-def test_slot_allocator():
-    slots = SlotAllocator(num_slots=3, max_len=128)
-    assert [slots.allocate(seq_id, 100) for seq_id in (10, 11, 12)] == [0, 1, 2]
-    assert not slots.can_allocate(5)
-    with pytest.raises(CacheFullError, match="all 3 KV-cache slots are in use"):
-        slots.allocate(13, 5)
-    slots.free(11)
-    slots.free(10)
-    assert slots.num_free_slots == 2
-    assert slots.allocate(13, 128) == 0  # lowest free row first
-    assert slots.slot(13) == 0
-    assert slots.slot(12) == 2
-
-
-def test_slot_allocator_errors():
-    slots = SlotAllocator(num_slots=2, max_len=128)
-    with pytest.raises(SequenceTooLongError, match="129 tokens exceeds the cache length 128"):
-        slots.can_allocate(129)
-    with pytest.raises(SequenceTooLongError):
-        slots.allocate(1, 129)
-    assert slots.num_free_slots == 2
-    slots.allocate(1, 10)
-    with pytest.raises(ValueError, match="sequence 1 already has slot 0"):
-        slots.allocate(1, 10)
-    slots.free(1)
-    with pytest.raises(ValueError, match="sequence 1 has no slot"):
-        slots.free(1)
-    with pytest.raises(ValueError, match="sequence 5 has no slot"):
-        slots.slot(5)
 
 
 # -- random operation sequences -----------------------------------------------------------------
@@ -303,9 +233,9 @@ tokens = st.lists(st.integers(0, 3), max_size=10)
 class KVCacheMachine(RuleBasedStateMachine):
     """Every op is checked with can_* first; a refused op must raise CacheFullError and change nothing.
 
-    ``memory`` stands for the cache contents: computing position p of a sequence writes its whole
-    token prefix into p's slot. Reading every sequence's slots back then proves that no write
-    landed in a block another sequence still reads, and that a hit block holds what its key says.
+    ``memory`` stands for the cache contents: computing position p of a request writes its whole
+    token prefix at p's pool index. Reading every request's indices back then proves that no write
+    landed in a block another request still reads, and that a hit block holds what its key says.
     """
 
     def __init__(self) -> None:
@@ -315,11 +245,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.computed: dict[int, int] = {}  # seq id -> positions with KV written
         self.next_id = 0
 
-    def compute(self, seq_id: int, start: int, end: int) -> None:
-        token_ids = self.m.token_ids(seq_id)
-        for p, slot in zip(range(start, end), self.m.slot_mapping(seq_id, start, end), strict=True):
-            self.memory[slot] = tuple(token_ids[:p + 1])
-        self.computed[seq_id] = end
+    def compute(self, request_id: int, start: int, end: int) -> None:
+        token_ids = self.m.token_ids(request_id)
+        for p, index in zip(range(start, end), self.m.pool_indices(request_id, start, end), strict=True):
+            self.memory[index] = tuple(token_ids[:p + 1])
+        self.computed[request_id] = end
 
     def snapshot(self) -> tuple:
         return ([(b.ref_count, b.block_hash) for b in self.m.pool.blocks], self.m.pool.free_block_ids(),
@@ -328,54 +258,42 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, budget=st.none() | st.integers(1, 8))
     def allocate(self, prefix, suffix, budget):
         token_ids = prefix + suffix or [0]
-        seq_id, self.next_id = self.next_id, self.next_id + 1
-        if not self.m.can_allocate(seq_id, token_ids, budget):
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        if not self.m.can_allocate(request_id, token_ids, budget):
             before = self.snapshot()
             with pytest.raises(CacheFullError):
-                self.m.allocate(seq_id, token_ids, budget)
+                self.m.allocate(request_id, token_ids, budget)
             assert self.snapshot() == before
             return
-        cached = self.m.allocate(seq_id, token_ids, budget)
+        cached = self.m.allocate(request_id, token_ids, budget)
         assert cached % SB == 0 and cached < len(token_ids)
-        self.compute(seq_id, cached, self.m.num_slots(seq_id))
+        self.compute(request_id, cached, self.m.num_allocated_tokens(request_id))
 
     @precondition(lambda self: self.computed)
     @rule(data=st.data(), new_token=st.integers(0, 3), n=st.integers(1, 6))
     def append(self, data, new_token, n):
-        """Continue a prefill chunk if the prompt has tokens without slots, else decode one token."""
-        seq_id = data.draw(st.sampled_from(sorted(self.computed)))
-        pending = len(self.m.token_ids(seq_id)) - self.m.num_slots(seq_id)
+        """Continue a prefill chunk if the prompt has tokens without room, else decode one token."""
+        request_id = data.draw(st.sampled_from(sorted(self.computed)))
+        pending = len(self.m.token_ids(request_id)) - self.m.num_allocated_tokens(request_id)
         n, new_token_ids = (min(n, pending), []) if pending else (1, [new_token])
-        if not self.m.can_append(seq_id, n):
+        if not self.m.can_append(request_id, n):
             before = self.snapshot()
             with pytest.raises(CacheFullError):
-                self.m.append_slots(seq_id, n, new_token_ids)
+                self.m.append(request_id, n, new_token_ids)
             assert self.snapshot() == before
             return
-        start = self.m.num_slots(seq_id)
-        self.m.append_slots(seq_id, n, new_token_ids)
-        self.compute(seq_id, start, start + n)
-
-    @precondition(lambda self: self.computed)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.computed)))
-        child, self.next_id = self.next_id, self.next_id + 1
-        if not self.m.can_fork(parent):
-            with pytest.raises(CacheFullError):
-                self.m.fork(parent, child)
-            return
-        shared = self.m.fork(parent, child)
-        self.compute(child, shared, self.m.num_slots(child))
+        start = self.m.num_allocated_tokens(request_id)
+        self.m.append(request_id, n, new_token_ids)
+        self.compute(request_id, start, start + n)
 
     @precondition(lambda self: self.computed)
     @rule(data=st.data(), preempt=st.booleans())
     def free(self, data, preempt):
-        seq_id = data.draw(st.sampled_from(sorted(self.computed)))
-        (self.m.preempt if preempt else self.m.free)(seq_id)
-        del self.computed[seq_id]
-        with pytest.raises(ValueError, match=f"sequence {seq_id} "):
-            self.m.free(seq_id)
+        request_id = data.draw(st.sampled_from(sorted(self.computed)))
+        (self.m.preempt if preempt else self.m.free)(request_id)
+        del self.computed[request_id]
+        with pytest.raises(ValueError, match=f"request {request_id} "):
+            self.m.free(request_id)
 
     @invariant()
     def blocks_are_accounted_for(self):
@@ -401,17 +319,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         cached = pool.cached_blocks()
         assert {b.block_id: b.block_hash for b in pool.blocks if b.block_hash} == {v: k for k, v in cached.items()}
         for block_hash, block_id in cached.items():
-            # The last slot of a keyed block holds every token up to the block's end.
+            # The last pool index of a keyed block holds every token up to the block's end.
             content = self.memory[block_id * SB + SB - 1]
             assert full_block_hashes(content, SB)[-1] == block_hash
 
     @invariant()
-    def sequences_read_their_own_tokens(self):
-        for seq_id, computed in self.computed.items():
-            token_ids = self.m.token_ids(seq_id)
-            assert computed == self.m.num_slots(seq_id)
-            for p, slot in enumerate(self.m.slot_mapping(seq_id, 0, computed)):
-                assert self.memory[slot] == tuple(token_ids[:p + 1])
+    def requests_read_their_own_tokens(self):
+        for request_id, computed in self.computed.items():
+            token_ids = self.m.token_ids(request_id)
+            assert computed == self.m.num_allocated_tokens(request_id)
+            assert self.m.num_known_tokens(request_id) == len(token_ids)
+            for p, index in enumerate(self.m.pool_indices(request_id, 0, computed)):
+                assert self.memory[index] == tuple(token_ids[:p + 1])
 
 
 TestKVCacheMachine = KVCacheMachine.TestCase

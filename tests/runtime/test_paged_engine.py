@@ -29,8 +29,9 @@ BLOCK = 16
 
 def _compile(name: str, root: Path, kv_cache: str, max_seq_len: int = 128) -> Path:
     out = root / f"{name}-{kv_cache}"
-    return compile_model(CompileOptions(model=name, output_dir=out, max_seq_len=max_seq_len, progress=False,
-                                        kv_cache=kv_cache, kv_block_size=BLOCK)).output_dir
+    options = CompileOptions.from_flags(model=name, output_dir=out, max_seq_len=max_seq_len, progress=False,
+                                        kv_cache=kv_cache, kv_block_size=BLOCK)
+    return compile_model(options).output_dir
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,7 @@ def test_preemption_with_a_third_of_the_pool(deepseek, expected):
     outputs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert engine.metrics.preemptions > 0 and engine.kv.stats().blocks_in_use == 0
+    assert not engine.requests and not engine.scheduler.requests
 
 
 def test_pools_are_updated_in_place(deepseek):
@@ -106,7 +108,7 @@ def test_a_bare_onnxruntime_session_loads_the_paged_artifact(deepseek):
     step of the artifact as shipped (its PagedAttention local function) and gets the engine's logits."""
     path = deepseek["paged"]
     rows = (RowInput(0, (5, 6, 7, 8, 9), 0, (2,)), RowInput(1, (11, 12), 0, (0,)))
-    backend = PagedOrtBackend(path / "model.onnx", _kv(path), num_blocks=4, num_slots=2, vocab_size=512)
+    backend = PagedOrtBackend(path / "model.onnx", kv_cache=_kv(path), num_blocks=4, num_slots=2, vocab_size=512)
     expected = backend.execute(StepInput(rows))
     script = textwrap.dedent(f"""
         import json, sys, numpy as np, onnxruntime as ort
@@ -129,7 +131,7 @@ def test_a_bare_onnxruntime_session_loads_the_paged_artifact(deepseek):
     np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
 
 
-def _kv(path: Path):  # type: ignore[no-untyped-def]
+def _kv(path: Path):
     from moeforge.artifact import load_artifact
 
     return load_artifact(path).manifest.kv_cache
@@ -230,9 +232,9 @@ def test_stale_non_finite_pool_contents_are_never_read(deepseek):
     and pads short block tables with the row's own block, so NaN in unowned blocks changes nothing."""
     path = deepseek["paged"]
     rows = (RowInput(0, tuple(range(5, 25)), 0, (2, 3)), RowInput(1, (11, 12), 0, (1,)))
-    clean = PagedOrtBackend(path / "model.onnx", _kv(path), num_blocks=4, num_slots=2, vocab_size=512)
+    clean = PagedOrtBackend(path / "model.onnx", kv_cache=_kv(path), num_blocks=4, num_slots=2, vocab_size=512)
     want = clean.execute(StepInput(rows))
-    dirty = PagedOrtBackend(path / "model.onnx", _kv(path), num_blocks=4, num_slots=2, vocab_size=512)
+    dirty = PagedOrtBackend(path / "model.onnx", kv_cache=_kv(path), num_blocks=4, num_slots=2, vocab_size=512)
     for pool in dirty.pools.values():
         pool[:] = np.nan
     got = dirty.execute(StepInput(rows))

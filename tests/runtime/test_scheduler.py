@@ -1,10 +1,10 @@
 """Scheduler tests with a fake model: no weights, no tensors, block ids and token ids only.
 
-The fake model keeps a cache memory (slot -> value). The "KV" of position p is
-``mix(KV of p - 1, token p)``, and the KV of p - 1 is read back from the slot the block table gives,
-so the next token (last KV mod VOCAB) depends on every earlier token *as stored in the slots the
-scheduler handed out*. A wrong slot, a block reused while another sequence still reads it, or a
-bad prefix-cache hit changes the tokens; every sequence must therefore produce exactly the tokens
+The fake model keeps a cache memory (pool index -> value). The "KV" of position p is
+``mix(KV of p - 1, token p)``, and the KV of p - 1 is read back from the pool index the block table
+gives, so the next token (last KV mod VOCAB) depends on every earlier token *as stored in the blocks
+the scheduler handed out*. A wrong index, a block reused while another request still reads it, or a
+bad prefix-cache hit changes the tokens; every request must therefore produce exactly the tokens
 of ``reference`` (a closed form) and of its solo run, whatever batching and preemption did.
 """
 
@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from moeforge.runtime.request import Request, RequestStatus
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from moeforge.runtime.sequence import Sequence, SequenceStatus
 
-B = 4  # block size: small, so that sequences cross many block boundaries
+B = 4  # block size: small, so that requests cross many block boundaries
 VOCAB = 32
 _MOD = (1 << 61) - 1
 _ROOT = 12345  # "KV" before position 0
@@ -49,19 +49,19 @@ class FakeModel:
     """Computes a step from the scheduler's output alone, through a shared cache memory."""
 
     def __init__(self) -> None:
-        self.memory: dict[int, int] = {}  # slot -> KV value
+        self.memory: dict[int, int] = {}  # pool index -> KV value
 
     def step(self, out: SchedulerOutput) -> dict[int, int]:
         sampled = {}
-        # In scheduling order: a sequence may hit a block that an earlier entry fills this step.
+        # In scheduling order: a request may hit a block that an earlier entry fills this step.
         for s in out.scheduled:
             table = s.block_table
             assert len(table) == -(-(s.start + s.num_tokens) // B)
-            slots = [table[p // B] * B + p % B for p in s.positions]  # what a paged backend derives
+            indices = [table[p // B] * B + p % B for p in s.positions]  # what a paged backend derives
             kv = _ROOT if s.start == 0 else self.memory[table[(s.start - 1) // B] * B + (s.start - 1) % B]
-            for token, slot in zip(s.token_ids, slots, strict=True):
+            for token, index in zip(s.token_ids, indices, strict=True):
                 kv = mix(kv, token)
-                self.memory[slot] = kv
+                self.memory[index] = kv
             if s.completes_prompt:
                 sampled[s.request_id] = kv % VOCAB
         return sampled
@@ -75,8 +75,8 @@ def make(num_blocks: int = 64, *, budget: int = 32, max_seqs: int = 16, chunk: i
     return Scheduler(config, kv)
 
 
-def seq(request_id: int, prompt: list[int], max_tokens: int = 8, stop: tuple[int, ...] = ()) -> Sequence:
-    return Sequence(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, stop_token_ids=stop))
+def req(request_id: int, prompt: list[int], max_tokens: int = 8, stop: tuple[int, ...] = ()) -> Request:
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, stop_token_ids=stop))
 
 
 def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -109,12 +109,12 @@ def run(sched: Scheduler, model: FakeModel, max_steps: int) -> list[SchedulerOut
 
 
 def solo(prompt: list[int], max_tokens: int, stop: tuple[int, ...] = ()) -> list[int]:
-    """The sequence run alone with a big pool."""
+    """The request run alone with a big pool."""
     sched = make(num_blocks=256, budget=64)
-    s = seq(0, prompt, max_tokens, stop)
+    s = req(0, prompt, max_tokens, stop)
     sched.add(s)
     run(sched, FakeModel(), max_steps=len(prompt) + max_tokens)
-    assert s.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED)
+    assert s.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
     return s.output_token_ids
 
 
@@ -124,7 +124,7 @@ def assert_no_blocks_held(sched: Scheduler) -> None:
     assert all(b.ref_count == 0 for b in pool.blocks)
 
 
-# -- single sequences -----------------------------------------------------------------------------
+# -- single requests ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("prompt_len", "max_tokens"), [(1, 1), (3, 5), (4, 4), (17, 9)])
 def test_solo_run_matches_reference(prompt_len, max_tokens):
@@ -135,7 +135,7 @@ def test_solo_run_matches_reference(prompt_len, max_tokens):
 def test_chunked_prefill_is_contiguous_and_samples_once():
     sched = make(budget=64, chunk=16)
     prompt = [(5 * i) % VOCAB for i in range(50)]
-    s = seq(0, prompt, max_tokens=3)
+    s = req(0, prompt, max_tokens=3)
     sched.add(s)
     outputs = run(sched, FakeModel(), max_steps=10)
     steps = [out.scheduled[0] for out in outputs]
@@ -145,7 +145,7 @@ def test_chunked_prefill_is_contiguous_and_samples_once():
     assert [t for x in steps[:4] for t in x.token_ids] == prompt
     # A decode feeds the token sampled by the step before.
     assert steps[4].token_ids == [s.output_token_ids[0]] and steps[5].token_ids == [s.output_token_ids[1]]
-    assert s.output_token_ids == reference(prompt, 3) and s.status is SequenceStatus.FINISHED_LENGTH
+    assert s.output_token_ids == reference(prompt, 3) and s.status is RequestStatus.FINISHED_LENGTH
     assert_no_blocks_held(sched)
 
 
@@ -155,10 +155,10 @@ def test_stop_token_finishes_and_is_kept():
     stop = full[3]
     expected = full[:full.index(stop) + 1]
     sched = make()
-    s = seq(0, prompt, max_tokens=10, stop=(stop,))
+    s = req(0, prompt, max_tokens=10, stop=(stop,))
     sched.add(s)
     run(sched, FakeModel(), max_steps=20)
-    assert s.status is SequenceStatus.FINISHED_STOPPED and s.finish_reason == "stop"
+    assert s.status is RequestStatus.FINISHED_STOPPED and s.finish_reason == "stop"
     assert s.output_token_ids == expected
 
 
@@ -167,13 +167,13 @@ def test_stop_token_finishes_and_is_kept():
 def test_budget_and_max_num_seqs_are_respected():
     rng = random.Random(0)
     sched = make(budget=16, max_seqs=3, chunk=8)
-    seqs = [seq(i, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))], rng.randint(1, 10)) for i in range(10)]
-    for s in seqs:
+    reqs = [req(i, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))], rng.randint(1, 10)) for i in range(10)]
+    for s in reqs:
         sched.add(s)
     outputs = run(sched, FakeModel(), max_steps=200)  # check_output asserts both limits every step
     assert max(out.num_batched_tokens for out in outputs) == 16  # the budget did bind
     assert max(len(out.scheduled) for out in outputs) == 3  # and so did max_num_seqs
-    for s in seqs:
+    for s in reqs:
         assert s.output_token_ids == reference(s.prompt_token_ids, s.params.max_tokens)
 
 
@@ -181,7 +181,7 @@ def test_admission_is_first_come_first_served():
     sched = make(budget=64, max_seqs=2)
     order = [7, 3, 9, 1, 5]  # arrival order, deliberately not id order
     for request_id in order:
-        sched.add(seq(request_id, [request_id] * 6, max_tokens=4))
+        sched.add(req(request_id, [request_id] * 6, max_tokens=4))
     first_seen: list[int] = []
     for out in run(sched, FakeModel(), max_steps=50):
         first_seen += [s.request_id for s in out.scheduled if s.request_id not in first_seen]
@@ -192,13 +192,13 @@ def test_requests_join_and_leave_between_steps():
     sched = make(budget=8, max_seqs=8)
     model = FakeModel()
     rng = random.Random(1)
-    seqs: list[Sequence] = []
+    reqs: list[Request] = []
     finished_ids: list[int] = []
     mixed_step = False
     for step in range(200):
         if step < 12 and step % 2 == 0:  # a new request every other step, while others decode
-            seqs.append(seq(len(seqs), [rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))], rng.randint(1, 8)))
-            sched.add(seqs[-1])
+            reqs.append(req(len(reqs), [rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))], rng.randint(1, 8)))
+            sched.add(reqs[-1])
         if not sched.has_unfinished():
             break
         out = sched.schedule()
@@ -208,9 +208,9 @@ def test_requests_join_and_leave_between_steps():
         finished_ids += [s.request_id for s in sched.update(out, model.step(out))]
     assert not sched.has_unfinished()
     assert mixed_step  # a prefill chunk shared a step with decodes
-    assert sorted(finished_ids) == list(range(len(seqs)))
+    assert sorted(finished_ids) == list(range(len(reqs)))
     assert finished_ids != sorted(finished_ids)  # short requests left before older long ones
-    for s in seqs:
+    for s in reqs:
         assert s.output_token_ids == reference(s.prompt_token_ids, s.params.max_tokens)
     assert_no_blocks_held(sched)
 
@@ -219,7 +219,7 @@ def test_prefix_cache_hits_skip_computation():
     sched = make()
     model = FakeModel()
     prefix = list(range(16))  # 4 full blocks
-    first, second = seq(0, [*prefix, 20, 21, 22, 23]), seq(1, [*prefix, 30, 31, 32])
+    first, second = req(0, [*prefix, 20, 21, 22, 23]), req(1, [*prefix, 30, 31, 32])
     sched.add(first)
     out = sched.schedule()
     sched.update(out, model.step(out))
@@ -238,7 +238,7 @@ def test_prefix_cache_hits_skip_computation():
 def test_abort_frees_blocks():
     sched = make(budget=16, max_seqs=2)
     model = FakeModel()
-    a, b, c = seq(0, [1] * 10, 20), seq(1, [2] * 10, 20), seq(2, [3] * 10, 20)
+    a, b, c = req(0, [1] * 10, 20), req(1, [2] * 10, 20), req(2, [3] * 10, 20)
     for s in (a, b, c):
         sched.add(s)
     for _ in range(3):
@@ -247,7 +247,7 @@ def test_abort_frees_blocks():
     assert [s.request_id for s in sched.running] == [0, 1] and list(sched.waiting) == [c]
     assert sched.abort(0) and sched.abort(2)  # one running, one waiting
     assert not sched.abort(0) and not sched.abort(99)
-    assert a.status is c.status is SequenceStatus.FINISHED_ABORTED and a.finish_reason == "abort"
+    assert a.status is c.status is RequestStatus.FINISHED_ABORTED and a.finish_reason == "abort"
     assert sched.kv.num_free_blocks == sched.kv.config.num_blocks - len(sched.kv.block_table(1))
     assert 0 not in sched.kv
     out = sched.schedule()
@@ -255,37 +255,65 @@ def test_abort_frees_blocks():
     # Aborted while its step is in flight: update ignores it.
     assert sched.abort(1)
     sched.update(out, model.step(out))
-    assert b.status is SequenceStatus.FINISHED_ABORTED and not sched.has_unfinished()
+    assert b.status is RequestStatus.FINISHED_ABORTED and not sched.has_unfinished()
+    assert_no_blocks_held(sched)
+
+
+def test_finish_ends_a_request_at_once_and_the_next_step_reports_it():
+    sched = make(budget=16, max_seqs=2)
+    model = FakeModel()
+    a, b, c = req(0, [1] * 6, 10), req(1, [2] * 6, 10), req(2, [3] * 6, 10)
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    assert set(sched.requests) == {0, 1, 2} and list(sched.waiting) == [c]
+    with pytest.raises(ValueError, match="RUNNING is not a finished status"):
+        sched.finish(0, RequestStatus.RUNNING)
+    assert a.status is RequestStatus.RUNNING and 0 in sched.kv  # a refused finish changes nothing
+    assert sched.finish(0, RequestStatus.FINISHED_STOPPED)  # running: e.g. a stop string the engine found
+    assert sched.finish(2, RequestStatus.FINISHED_ERROR, "why")  # waiting
+    assert (a.status, a.finish_reason, a.error) == (RequestStatus.FINISHED_STOPPED, "stop", None)
+    assert (c.status, c.finish_reason, c.error) == (RequestStatus.FINISHED_ERROR, "error", "why")
+    assert set(sched.requests) == {1} and sched.running == [b] and not sched.waiting and 0 not in sched.kv
+    assert not sched.finish(0, RequestStatus.FINISHED_ABORTED)  # already finished: nothing changes
+    assert a.status is RequestStatus.FINISHED_STOPPED
+    out = sched.schedule()
+    assert out.finished == [0, 2] and [s.request_id for s in out.scheduled] == [1]
+    sched.update(out, model.step(out))
+    run(sched, model, max_steps=20)
+    assert b.output_token_ids == reference(b.prompt_token_ids, 10)
+    assert not sched.requests and not sched.running and not sched.waiting
     assert_no_blocks_held(sched)
 
 
 def test_bad_requests_finish_with_an_error_and_do_not_block_others():
     sched = make(num_blocks=8, max_model_len=40)  # the cache holds 32 tokens
-    good = [seq(0, [1, 2, 3], 5), seq(4, [4, 5, 6, 7, 8], 6)]
-    empty, too_long, too_big = seq(1, [], 4), seq(2, [1] * 30, 11), seq(3, [2] * 36, 1)
+    good = [req(0, [1, 2, 3], 5), req(4, [4, 5, 6, 7, 8], 6)]
+    empty, too_long, too_big = req(1, [], 4), req(2, [1] * 30, 11), req(3, [2] * 36, 1)
     for s in (good[0], empty, too_long, too_big, good[1]):
         sched.add(s)
     for s, words in ((empty, "prompt is empty"), (too_long, "exceeds max_model_len (40)"),
                      (too_big, "does not fit in the KV cache")):
-        assert s.status is SequenceStatus.FINISHED_ERROR and s.finish_reason == "error"
+        assert s.status is RequestStatus.FINISHED_ERROR and s.finish_reason == "error"
         assert words in s.error and s.output_token_ids == []
     assert len(too_long.prompt_token_ids) == 30  # rejected, never truncated
     outputs = run(sched, FakeModel(), max_steps=20)
     assert outputs[0].finished == [1, 2, 3]
     for s in good:
         assert s.output_token_ids == reference(s.prompt_token_ids, s.params.max_tokens)
-    sched.add(seq(9, [1], 1))
+    sched.add(req(9, [1], 1))
     with pytest.raises(ValueError, match="already scheduled"):
-        sched.add(seq(9, [1], 1))
+        sched.add(req(9, [1], 1))
 
 
-def test_sequence_that_outgrows_the_whole_cache_errors_when_alone():
+def test_request_that_outgrows_the_whole_cache_errors_when_alone():
     sched = make(num_blocks=4, budget=16)  # 16 tokens in all
-    big, small = seq(0, [1] * 10, 20), seq(1, [2] * 3, 2)
+    big, small = req(0, [1] * 10, 20), req(1, [2] * 3, 2)
     sched.add(big)
     sched.add(small)
     outputs = run(sched, FakeModel(), max_steps=50)
-    assert big.status is SequenceStatus.FINISHED_ERROR and "does not fit in the KV cache" in big.error
+    assert big.status is RequestStatus.FINISHED_ERROR and "does not fit in the KV cache" in big.error
     assert any(big.request_id in out.finished for out in outputs)
     # It ran as far as the cache allowed: 16 positions computed, so 17 - 10 = 7 tokens sampled.
     assert big.output_token_ids == reference(big.prompt_token_ids, 20)[:7]
@@ -293,20 +321,20 @@ def test_sequence_that_outgrows_the_whole_cache_errors_when_alone():
     assert_no_blocks_held(sched)
 
 
-def test_preempted_sequence_that_can_never_return_errors_instead_of_waiting():
-    # The newer sequence shares the older one's two full blocks and fills the rest of the 4-block
-    # pool exactly (16 slots). The older one's decode needs a block, so the newer one is preempted;
-    # coming back it needs 17 slots = 5 blocks, which even an empty cache cannot give.
+def test_preempted_request_that_can_never_return_errors_instead_of_waiting():
+    # The newer request shares the older one's two full blocks and fills the rest of the 4-block
+    # pool exactly (16 tokens). The older one's decode needs a block, so the newer one is preempted;
+    # coming back it needs room for 17 tokens = 5 blocks, which even an empty cache cannot give.
     sched = make(num_blocks=4, budget=32)
     shared = [1, 2, 3, 4, 5, 6, 7, 8]
-    older, newer = seq(0, shared, 2), seq(1, [*shared, 9, 10, 11, 12, 13, 14, 15, 16], 4)
+    older, newer = req(0, shared, 2), req(1, [*shared, 9, 10, 11, 12, 13, 14, 15, 16], 4)
     sched.add(older)
     sched.add(newer)
     outputs = run(sched, FakeModel(), max_steps=10)
     assert [out.preempted for out in outputs] == [[], [1], []]
     assert outputs[0].scheduled[1].start == 8  # the shared blocks were prefix-cache hits
     assert outputs[2].finished == [1] and not outputs[2].scheduled
-    assert newer.status is SequenceStatus.FINISHED_ERROR and "at 17 tokens does not fit" in newer.error
+    assert newer.status is RequestStatus.FINISHED_ERROR and "at 17 tokens does not fit" in newer.error
     assert older.output_token_ids == reference(shared, 2)
     assert newer.output_token_ids == reference(newer.prompt_token_ids, 4)[:1]
     assert_no_blocks_held(sched)
@@ -314,10 +342,10 @@ def test_preempted_sequence_that_can_never_return_errors_instead_of_waiting():
 
 # -- preemption -----------------------------------------------------------------------------------
 
-def test_preempted_sequence_recomputes_its_output_tokens():
+def test_preempted_request_recomputes_its_output_tokens():
     sched = make(num_blocks=4, budget=16, prefix_caching=False)
     model = FakeModel()
-    a, b = seq(0, [1] * 6, 8), seq(1, [2] * 6, 8)
+    a, b = req(0, [1] * 6, 8), req(1, [2] * 6, 8)
     sched.add(a)
     sched.add(b)
     preempted_at = None
@@ -344,16 +372,16 @@ def test_preemption_under_memory_pressure_gives_solo_tokens(prefix_caching):
     num_blocks = need // 3
     assert num_blocks >= max(-(-(len(p) + m) // B) for p, m in requests)  # each fits alone
     sched = make(num_blocks=num_blocks, budget=48, max_seqs=16, chunk=16, prefix_caching=prefix_caching)
-    seqs = [seq(i, p, m) for i, (p, m) in enumerate(requests)]
-    for s in seqs:
+    reqs = [req(i, p, m) for i, (p, m) in enumerate(requests)]
+    for s in reqs:
         sched.add(s)
-    # Progress bound: the oldest unfinished sequence is running (or admitted this step) and is never
+    # Progress bound: the oldest unfinished request is running (or admitted this step) and is never
     # preempted, so it computes >= 1 token per step and needs at most prompt + max_tokens of them.
     bound = sum(len(p) + m for p, m in requests)
     outputs = run(sched, FakeModel(), max_steps=bound)
     assert sum(len(out.preempted) for out in outputs) >= 3  # the pool really was short
-    for s, (p, m) in zip(seqs, requests, strict=True):
-        assert s.status is SequenceStatus.FINISHED_LENGTH
+    for s, (p, m) in zip(reqs, requests, strict=True):
+        assert s.status is RequestStatus.FINISHED_LENGTH
         assert s.output_token_ids == solo(p, m) == reference(p, m)
     assert_no_blocks_held(sched)
 
@@ -363,7 +391,7 @@ def test_preemption_under_memory_pressure_gives_solo_tokens(prefix_caching):
 def test_schedule_and_update_are_paired():
     sched = make()
     model = FakeModel()
-    sched.add(seq(0, [1, 2, 3], 2))
+    sched.add(req(0, [1, 2, 3], 2))
     out = sched.schedule()
     with pytest.raises(RuntimeError, match="before update"):
         sched.schedule()
@@ -388,7 +416,7 @@ STOP = 3
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random add / abort / step against a small cache; each finished sequence is checked against
+    """Random add / abort / step against a small cache; each finished request is checked against
     ``reference`` and the block accounting after every rule."""
 
     def __init__(self) -> None:
@@ -397,21 +425,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched = make(num_blocks=10, budget=10, max_seqs=3, chunk=6, max_model_len=48)
         self.kv = self.sched.kv
         self.model = FakeModel()
-        self.seqs: dict[int, Sequence] = {}
+        self.requests: dict[int, Request] = {}
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 5), max_size=14),
           max_tokens=st.integers(1, 30), stop=st.booleans())
     def add(self, prefix, suffix, max_tokens, stop):
-        s = seq(len(self.seqs), prefix + suffix, max_tokens, (STOP,) if stop else ())
+        s = req(len(self.requests), prefix + suffix, max_tokens, (STOP,) if stop else ())
         self.sched.add(s)
-        self.seqs[s.request_id] = s
+        self.requests[s.request_id] = s
         if not s.prompt_token_ids or s.num_prompt_tokens + max_tokens > 48:
-            assert s.status is SequenceStatus.FINISHED_ERROR
+            assert s.status is RequestStatus.FINISHED_ERROR
 
-    @precondition(lambda self: self.seqs)
+    @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def abort(self, data):
-        s = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        s = self.requests[data.draw(st.sampled_from(sorted(self.requests)))]
         was_unfinished = not s.is_finished
         assert self.sched.abort(s.request_id) == was_unfinished
         assert s.is_finished and s.request_id not in self.kv
@@ -422,13 +450,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         try:
             check_output(self.sched, out)
             for s in out.scheduled:
-                assert self.seqs[s.request_id].status is SequenceStatus.RUNNING
+                assert self.requests[s.request_id].status is RequestStatus.RUNNING
             for request_id in out.preempted:
-                assert self.seqs[request_id].status is SequenceStatus.PREEMPTED
+                assert self.requests[request_id].status is RequestStatus.PREEMPTED
         finally:  # keep schedule/update paired, so that teardown does not bury a failure under another
             finished = self.sched.update(out, self.model.step(out))
         for s in finished:
-            assert s.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED)
+            assert s.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
 
     @invariant()
     def blocks_are_accounted_for(self):
@@ -450,32 +478,34 @@ class SchedulerMachine(RuleBasedStateMachine):
         if running and waiting:
             assert running[-1].arrival < waiting[0].arrival
         for s in running:
-            # Between steps every slot has been computed, and a sample is pending or made.
-            assert s.status is SequenceStatus.RUNNING
-            assert self.kv.num_slots(s.request_id) == s.num_computed_tokens < s.num_tokens
+            # Between steps every allocated token has been computed, and a sample is pending or made.
+            assert s.status is RequestStatus.RUNNING
+            assert self.kv.num_allocated_tokens(s.request_id) == s.num_computed_tokens < s.num_tokens
         for s in waiting:
-            assert s.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+            assert s.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert s.request_id not in self.kv and s.num_computed_tokens == 0
-        unfinished = {s.request_id for s in self.seqs.values() if not s.is_finished}
-        assert unfinished == {s.request_id for s in running + waiting}
+        unfinished = {s.request_id for s in self.requests.values() if not s.is_finished}
+        assert unfinished == {s.request_id for s in running + waiting} == set(self.sched.requests)
+        for s in running:  # the cache manager learns a sampled token only when its decode is scheduled
+            assert s.num_tokens - self.kv.num_known_tokens(s.request_id) in (0, 1)
 
     @invariant()
     def tokens_match_reference(self):
-        for s in self.seqs.values():
+        for s in self.requests.values():
             expected = reference(s.prompt_token_ids, s.params.max_tokens, s.params.stop_token_ids)
-            if s.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED):
+            if s.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
                 assert s.output_token_ids == expected
             else:
                 assert s.output_token_ids == expected[:s.num_output_tokens]
 
     def teardown(self):
         # Whatever happened, the remaining work finishes in bounded steps and returns every block.
-        bound = sum(s.num_tokens + s.params.max_tokens for s in self.seqs.values()) + 1
+        bound = sum(s.num_tokens + s.params.max_tokens for s in self.requests.values()) + 1
         run(self.sched, self.model, max_steps=bound)
         self.tokens_match_reference()
-        for s in self.seqs.values():
+        for s in self.requests.values():
             assert s.is_finished
-            assert (s.status is SequenceStatus.FINISHED_ERROR) == (s.error is not None)
+            assert (s.status is RequestStatus.FINISHED_ERROR) == (s.error is not None)
         assert_no_blocks_held(self.sched)
 
 
