@@ -8,13 +8,14 @@ E routed experts, G groups (n_group), K = top_k.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import onnx
 from onnx import TensorProto
 from onnx.defs import OpSchema
 
 from moeforge.errors import MoeforgeError
+from moeforge.plugins import registration
 
 DOMAIN = "moeforge"
 OP_TYPE = "MoERouter"
@@ -80,13 +81,14 @@ class RouterAttributes:
         missing = [name for name in ("scoring", "top_k") if name not in attrs]
         if missing:
             raise RouterOpError(f"MoERouter: missing required attributes {missing}")
-        kwargs = {name: attrs[name] for name in ATTRIBUTES if name in attrs}
+        kwargs: dict[str, Any] = {name: attrs[name] for name in ATTRIBUTES if name in attrs}
         if "norm_topk_prob" in kwargs:
             kwargs["norm_topk_prob"] = bool(kwargs["norm_topk_prob"])
         for name in ("scoring", "group_scoring"):
-            if isinstance(kwargs.get(name), bytes):
-                kwargs[name] = kwargs[name].decode()  # type: ignore[union-attr]
-        out = cls(**kwargs)  # type: ignore[arg-type]
+            value = kwargs.get(name)
+            if isinstance(value, bytes):
+                kwargs[name] = value.decode()
+        out = cls(**kwargs)
         out.validate()
         return out
 
@@ -116,10 +118,8 @@ def _node_attributes(ctx: onnx.shape_inference.InferenceContext) -> list[onnx.At
     return [a for name in ATTRIBUTES if (a := ctx.get_attribute(name)) is not None]
 
 
-def register_schema() -> None:
-    """Register ``moeforge.MoERouter`` v1 with onnx (idempotent)."""
-    if onnx.defs.has(OP_TYPE, DOMAIN):
-        return
+def op_schema() -> OpSchema:
+    """A fresh OpSchema object for ``moeforge.MoERouter`` version 1, with type/shape inference."""
     param, attr, kind = OpSchema.FormalParameter, OpSchema.Attribute, OpSchema.AttrType
     optional = OpSchema.FormalParameterOption.Optional
     schema = OpSchema(
@@ -145,7 +145,12 @@ def register_schema() -> None:
         ],
     )
     schema.set_type_and_shape_inference_function(_infer)
-    onnx.defs.register_schema(schema)
+    return schema
+
+
+def register_schema() -> None:
+    """Register ``moeforge.MoERouter`` v1 with onnx (idempotent)."""
+    registration.register_schema(OP_TYPE, VERSION, DOMAIN, op_schema)
 
 
 register_schema()

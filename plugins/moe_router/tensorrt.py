@@ -9,11 +9,12 @@ Contract (the ONNX node, which also carries a standard-op local function for run
              norm_topk_prob 0/1, routed_scaling_factor
 Experts come in descending order of (score + bias), ties to the lower index; the weights are the
 unbiased scores of the chosen experts, renormalised when norm_topk_prob, times routed_scaling_factor
-(semantics: export/routing.py, shared/notes/deepseek.md).
+(semantics: plugins/moe_router/README.md; export/routing.py runs the same rule in the torch model).
 
 The "kernel" is torch on the device pointers TensorRT hands to ``enqueue`` (``route`` below, which is
 also what the CPU tests check). The plugin classes are built per TensorRT module (``tensorrt`` or
-``tensorrt_rtx_bindings``) by ``plugin_classes``; nothing imports TensorRT at module import.
+``tensorrt_rtx_bindings``) by ``plugin_classes`` on the shared boilerplate of plugins/tensorrt_plugin.py;
+nothing imports TensorRT at module import.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from moeforge.plugins.tensorrt_plugin import PluginSpec, creator_class, device_tensor, plugin_base
+from moeforge.plugins.tensorrt_plugin import register as register_plugin
 
 PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE = "MoERouter", "1", "moeforge"
 
@@ -71,19 +75,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, attrs: RouterAttrs) -
     return ids.to(torch.int32), weights * attrs.routed_scaling_factor
 
 
-class _DeviceArray:
-    """A device pointer seen by torch through the CUDA array interface (no copy)."""
-
-    def __init__(self, pointer: int, shape: tuple[int, ...], typestr: str) -> None:
-        self.__cuda_array_interface__ = {"data": (int(pointer), False), "shape": tuple(int(d) for d in shape),
-                                         "typestr": typestr, "version": 3}
-
-
-def device_tensor(pointer: int, shape: Any, typestr: str) -> torch.Tensor:
-    """torch view of TensorRT's device memory (``typestr``: "<f4", "<f2", "<i4", "<i8")."""
-    return torch.as_tensor(_DeviceArray(pointer, tuple(shape), typestr), device="cuda")
-
-
 # ------------------------------------------------------------------------------------------ TensorRT glue
 def attrs_from_fields(fields: Any) -> RouterAttrs:
     """PluginFieldCollection (or an iterable of PluginField) -> RouterAttrs; unknown names are ignored."""
@@ -104,7 +95,8 @@ def attrs_to_fields(trt: Any, attrs: RouterAttrs) -> tuple[Any, list[np.ndarray]
     """(PluginFieldCollection, the arrays behind it): a PluginField points at its array without owning it,
     so the caller keeps the arrays alive as long as the collection."""
     kind = trt.PluginFieldType
-    arrays = [np.array([getattr(attrs, n)], np.int32) for n in ("top_k", "n_group", "topk_group", "norm_topk_prob")]
+    arrays: list[np.ndarray] = [np.array([getattr(attrs, n)], np.int32)
+                                for n in ("top_k", "n_group", "topk_group", "norm_topk_prob")]
     arrays.append(np.array([attrs.routed_scaling_factor], np.float32))
     arrays += [np.frombuffer(getattr(attrs, n).encode(), np.int8).copy() for n in ("scoring", "group_scoring")]
     names = ("top_k", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "scoring", "group_scoring")
@@ -113,23 +105,23 @@ def attrs_to_fields(trt: Any, attrs: RouterAttrs) -> tuple[Any, list[np.ndarray]
     return trt.PluginFieldCollection(fields), arrays
 
 
+def _checked_attrs(fields: Any) -> RouterAttrs:
+    attrs = attrs_from_fields(fields)
+    attrs.validate()
+    return attrs
+
+
+SPEC = PluginSpec(name=PLUGIN_NAME, num_outputs=2, default_attrs=RouterAttrs(), from_fields=_checked_attrs,
+                  to_fields=attrs_to_fields, version=PLUGIN_VERSION, namespace=PLUGIN_NAMESPACE)
+
+
 @functools.cache
 def plugin_classes(trt: Any) -> tuple[type, type]:
     """(MoERouterPlugin, MoERouterCreator) for the TensorRT module ``trt``."""
+    base: Any = plugin_base(trt, trt.IPluginV3OneBuild)  # Any: a class made at run time, for this module
 
-    class MoERouterPlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
-        def __init__(self, attrs: RouterAttrs, phase: Any = None) -> None:
-            trt.IPluginV3.__init__(self)
-            trt.IPluginV3OneCore.__init__(self)
-            trt.IPluginV3OneBuild.__init__(self)
-            trt.IPluginV3OneRuntime.__init__(self)
-            self.attrs, self.phase = attrs, phase
-            self.num_outputs = 2
-            self.plugin_name, self.plugin_version, self.plugin_namespace = PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE
-            self.timing_cache_id = ""
-
-        def get_capability_interface(self, type: Any) -> Any:
-            return self
+    class MoERouterPlugin(base):
+        SPEC = SPEC
 
         def get_output_data_types(self, input_types: Any) -> list[Any]:
             return [trt.DataType.INT32, trt.DataType.FLOAT]
@@ -145,74 +137,24 @@ def plugin_classes(trt: Any) -> tuple[type, type]:
             if desc.format != trt.TensorFormat.LINEAR:
                 return False
             if pos < num_inputs:
-                return desc.type == trt.DataType.FLOAT
-            return desc.type == (trt.DataType.INT32 if pos == num_inputs else trt.DataType.FLOAT)
-
-        def configure_plugin(self, inputs: Any, outputs: Any) -> None:
-            pass
-
-        def on_shape_change(self, inputs: Any, outputs: Any) -> None:
-            pass
-
-        def get_fields_to_serialize(self) -> Any:
-            collection, self._field_arrays = attrs_to_fields(trt, self.attrs)
-            return collection
+                return bool(desc.type == trt.DataType.FLOAT)
+            return bool(desc.type == (trt.DataType.INT32 if pos == num_inputs else trt.DataType.FLOAT))
 
         def enqueue(self, input_desc: Any, output_desc: Any, inputs: Any, outputs: Any, workspace: Any,
                     stream: int) -> None:
             tokens, experts = input_desc[0].dims[0], input_desc[0].dims[1]
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            external = torch.cuda.ExternalStream(stream)  # type: ignore[no-untyped-call]  # unannotated in torch
+            with torch.cuda.stream(external):
                 logits = device_tensor(inputs[0], (tokens, experts), "<f4")
                 bias = device_tensor(inputs[1], (experts,), "<f4") if len(inputs) > 1 else None
                 ids, weights = route(logits, bias, self.attrs)
                 device_tensor(outputs[0], ids.shape, "<i4").copy_(ids)
                 device_tensor(outputs[1], weights.shape, "<f4").copy_(weights)
 
-        def attach_to_context(self, context: Any) -> Any:
-            return self.clone()
-
-        def get_valid_tactics(self) -> list[int]:
-            return []
-
-        def set_tactic(self, tactic: int) -> None:
-            pass
-
-        def clone(self) -> Any:
-            return MoERouterPlugin(self.attrs, self.phase)
-
-    class MoERouterCreator(trt.IPluginCreatorV3One):
-        def __init__(self) -> None:
-            trt.IPluginCreatorV3One.__init__(self)
-            self.name, self.plugin_version, self.plugin_namespace = PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE
-            self.field_names, self._field_arrays = attrs_to_fields(trt, RouterAttrs())
-
-        def create_plugin(self, name: str, fields: Any, phase: Any) -> Any:
-            attrs = attrs_from_fields(fields)
-            attrs.validate()
-            return MoERouterPlugin(attrs, phase)
-
-    return MoERouterPlugin, MoERouterCreator
-
-
-_REGISTERED: dict[int, Any] = {}  # creators must outlive the registry's use of them
+    return MoERouterPlugin, creator_class(trt, MoERouterPlugin)
 
 
 def register(trt: Any, allow_rtx: bool = False) -> Any:
-    """Register the creator with ``trt.get_plugin_registry()`` (once per module); return it.
-
-    Do not register Python plugins for a TensorRT-RTX 1.7 build: its parser aborts the process when it
-    imports a node as a Python plugin (see docs/architecture.md, TensorRT target).
-    """
-    if trt.__name__.startswith("tensorrt_rtx") and not allow_rtx:
-        from moeforge.errors import MoeforgeError
-
-        raise MoeforgeError(f"not registering the Python {PLUGIN_NAME} plugin with TensorRT-RTX {trt.__version__}: "
-                            "its ONNX parser aborts the process when it imports a node as a Python plugin (and a "
-                            "registered plugin wins over the node's local function, which RTX otherwise inlines)")
-    key = id(trt)
-    if key not in _REGISTERED:
-        _, creator_cls = plugin_classes(trt)
-        creator = creator_cls()
-        trt.get_plugin_registry().register_creator(creator, PLUGIN_NAMESPACE)
-        _REGISTERED[key] = creator
-    return _REGISTERED[key]
+    """Register the creator with ``trt.get_plugin_registry()`` (once per module; refused for TensorRT-RTX unless
+    ``allow_rtx``, see ``plugins/tensorrt_plugin.register``); return it."""
+    return register_plugin(trt, SPEC, lambda: plugin_classes(trt)[1], allow_rtx)

@@ -21,7 +21,7 @@ mode: an artifact carries the latent (absorbed MLA) body or the key/value body, 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import onnx
@@ -43,11 +43,12 @@ class _Body:
         self.nodes: list[onnx.NodeProto] = []
         self._count = 0
 
-    def op(self, op_type: str, inputs: list[str], outputs: int = 1, **attrs: object) -> str | list[str]:
+    def op(self, op_type: str, inputs: list[str], **attrs: Any) -> str:
+        """Append a one-output node; its output's name."""
         self._count += 1
-        names = [f"_pa{self._count}_{i}" for i in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, inputs, names, **attrs))
-        return names[0] if outputs == 1 else names
+        name = f"_pa{self._count}_0"
+        self.nodes.append(helper.make_node(op_type, inputs, [name], **attrs))
+        return name
 
     def const(self, array: np.ndarray) -> str:
         return self.op("Constant", [], value=numpy_helper.from_array(np.asarray(array)))
@@ -180,10 +181,11 @@ def single_op_model(attrs: PagedAttentionAttrs, core: Core = "matmul", opset: in
     for building a plugin-backed engine of the op alone."""
     float_type, int_type = TensorProto.FLOAT, TensorProto.INT32
     hq, hkv, dv = attrs.num_heads, attrs.num_kv_heads, attrs.head_size_v
-    specs = {"query": (float_type, ["T", hq, "Dk"]), "key": (float_type, ["T", hkv, "Dk"]),
-             "value": (float_type, ["T", hkv, dv]), "key_cache": (float_type, ["N", attrs.block_size, hkv, "Dk"]),
-             "value_cache": (float_type, ["N", attrs.block_size, hkv, dv]), "block_tables": (int_type, ["B", "M"]),
-             "seq_lens": (int_type, ["B"]), "query_start_loc": (int_type, ["B1"])}
+    specs: dict[str, tuple[int, list[str | int]]] = {
+        "query": (float_type, ["T", hq, "Dk"]), "key": (float_type, ["T", hkv, "Dk"]),
+        "value": (float_type, ["T", hkv, dv]), "key_cache": (float_type, ["N", attrs.block_size, hkv, "Dk"]),
+        "value_cache": (float_type, ["N", attrs.block_size, hkv, dv]), "block_tables": (int_type, ["B", "M"]),
+        "seq_lens": (int_type, ["B"]), "query_start_loc": (int_type, ["B1"])}
     names = [n for n in INPUTS if not (attrs.latent and n in ("value", "value_cache"))]
     inputs = [helper.make_tensor_value_info(n, *specs[n]) for n in names]
     node_inputs = [n if n in names else "" for n in INPUTS]

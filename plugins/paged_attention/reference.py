@@ -21,7 +21,12 @@ def paged_attention(
     bs, dv = attrs.block_size, attrs.head_size_v
     group = attrs.num_heads // attrs.num_kv_heads
     key_cache = key_cache.clone()
-    value_cache = None if attrs.latent else value_cache.clone()
+    if attrs.latent:
+        value_cache = None
+    elif value is None or value_cache is None:
+        raise ValueError("PagedAttention: value and value_cache are required outside latent mode")
+    else:
+        value_cache = value_cache.clone()
     out = query.new_zeros(query.shape[0], attrs.num_heads, dv)
     for b in range(block_tables.shape[0]):
         lo, hi = int(query_start_loc[b]), int(query_start_loc[b + 1])
@@ -31,7 +36,7 @@ def paged_attention(
         for i in range(hi - lo):  # write first: the sequence's own new tokens are attended to
             p = past + i
             key_cache[table[p // bs], p % bs] = key[lo + i]
-            if value_cache is not None:
+            if value_cache is not None and value is not None:
                 value_cache[table[p // bs], p % bs] = value[lo + i]
         positions = torch.arange(total)
         blocks, offsets = table[positions // bs], positions % bs

@@ -7,9 +7,12 @@ Dv value head size, N pool blocks, Bs block size, M blocks per block-table row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import onnx
 from onnx.defs import OpSchema
+
+from moeforge.plugins import registration
 
 DOMAIN = "moeforge"
 OP_TYPE = "PagedAttention"
@@ -47,7 +50,7 @@ class PagedAttentionAttrs:
         if self.latent and self.num_kv_heads != 1:
             raise ValueError("latent (absorbed MLA) mode has one KV head")
 
-    def node_attributes(self) -> dict[str, object]:
+    def node_attributes(self) -> dict[str, Any]:
         """The ONNX attributes, as written on a node (plugin_version/namespace for TensorRT included)."""
         return {"scale": float(self.scale), "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
                 "block_size": self.block_size, "sliding_window": self.sliding_window,
@@ -122,6 +125,4 @@ def op_schema() -> OpSchema:
 def register_schema() -> None:
     """Register the schema with onnx (process-global, idempotent), so the checker, shape inference and
     onnxscript know the op."""
-    if onnx.defs.has(OP_TYPE, VERSION, DOMAIN):
-        return
-    onnx.defs.register_schema(op_schema())
+    registration.register_schema(OP_TYPE, VERSION, DOMAIN, op_schema)

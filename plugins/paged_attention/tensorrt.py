@@ -17,7 +17,8 @@ seq_lens[b] - n_b .. seq_lens[b] - 1; token at position p lives in block block_t
 Query at position p sees keys at positions j <= p (and j > p - sliding_window with a window).
 
 The "kernel" is torch on the device pointers (``paged_attention`` below, checked on CPU against dense
-attention); plugin classes are built per TensorRT module by ``plugin_classes``.
+attention); plugin classes are built per TensorRT module by ``plugin_classes`` on the shared boilerplate of
+plugins/tensorrt_plugin.py.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeforge.plugins.moe_router.tensorrt import device_tensor
+from moeforge.plugins.tensorrt_plugin import PluginSpec, creator_class, device_tensor, plugin_base
+from moeforge.plugins.tensorrt_plugin import register as register_plugin
 
 PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE = "PagedAttention", "1", "moeforge"
 _INT_ATTRS = ("num_heads", "num_kv_heads", "block_size", "sliding_window", "head_size_v")
@@ -102,24 +104,18 @@ def attrs_to_fields(trt: Any, attrs: PagedAttentionAttrs) -> tuple[Any, list[np.
 _TYPESTR = {"FLOAT": "<f4", "HALF": "<f2", "BF16": "<f2", "INT32": "<i4"}
 
 
+SPEC = PluginSpec(name=PLUGIN_NAME, num_outputs=3, default_attrs=PagedAttentionAttrs(1.0, 1, 1, 16),
+                  from_fields=attrs_from_fields, to_fields=attrs_to_fields, version=PLUGIN_VERSION,
+                  namespace=PLUGIN_NAMESPACE)
+
+
 @functools.cache
 def plugin_classes(trt: Any) -> tuple[type, type]:
     """(PagedAttentionPlugin, PagedAttentionCreator) for the TensorRT module ``trt``."""
+    base: Any = plugin_base(trt, trt.IPluginV3OneBuildV2)  # V2: aliased outputs (the pools, written in place)
 
-    class PagedAttentionPlugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2,
-                               trt.IPluginV3OneRuntime):
-        def __init__(self, attrs: PagedAttentionAttrs, phase: Any = None) -> None:
-            trt.IPluginV3.__init__(self)
-            trt.IPluginV3OneCore.__init__(self)
-            trt.IPluginV3OneBuildV2.__init__(self)
-            trt.IPluginV3OneRuntime.__init__(self)
-            self.attrs, self.phase = attrs, phase
-            self.num_outputs = 3
-            self.plugin_name, self.plugin_version, self.plugin_namespace = PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE
-            self.timing_cache_id = ""
-
-        def get_capability_interface(self, type: Any) -> Any:
-            return self
+    class PagedAttentionPlugin(base):
+        SPEC = SPEC
 
         def get_output_data_types(self, input_types: Any) -> list[Any]:
             return [input_types[0], input_types[3], input_types[4]]
@@ -138,19 +134,9 @@ def plugin_classes(trt: Any) -> tuple[type, type]:
             if desc.format != trt.TensorFormat.LINEAR:
                 return False
             if pos in (5, 6, 7):  # block_tables, seq_lens, query_start_loc
-                return desc.type == trt.DataType.INT32
+                return bool(desc.type == trt.DataType.INT32)
             floats = (trt.DataType.FLOAT, trt.DataType.HALF, trt.DataType.BF16)
-            return desc.type in floats and desc.type == in_out[0].desc.type
-
-        def configure_plugin(self, inputs: Any, outputs: Any) -> None:
-            pass
-
-        def on_shape_change(self, inputs: Any, outputs: Any) -> None:
-            pass
-
-        def get_fields_to_serialize(self) -> Any:
-            collection, self._field_arrays = attrs_to_fields(trt, self.attrs)
-            return collection
+            return desc.type in floats and bool(desc.type == in_out[0].desc.type)
 
         def enqueue(self, input_desc: Any, output_desc: Any, inputs: Any, outputs: Any, workspace: Any,
                     stream: int) -> None:
@@ -159,54 +145,18 @@ def plugin_classes(trt: Any) -> tuple[type, type]:
                 tensor = device_tensor(pointer, tuple(desc.dims), _TYPESTR[dtype])
                 return tensor.view(torch.bfloat16) if dtype == "BF16" else tensor
 
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                args = [view(d, p) for d, p in zip(input_desc, inputs, strict=True)]
-                out = paged_attention(*args, self.attrs)  # writes args[3], args[4] = the aliased outputs
+            external = torch.cuda.ExternalStream(stream)  # type: ignore[no-untyped-call]  # unannotated in torch
+            with torch.cuda.stream(external):
+                query, key, value, key_cache, value_cache, tables, lens, starts = (
+                    view(d, p) for d, p in zip(input_desc, inputs, strict=True))
+                # Writes key_cache / value_cache: the buffers of the aliased outputs.
+                out = paged_attention(query, key, value, key_cache, value_cache, tables, lens, starts, self.attrs)
                 view(output_desc[0], outputs[0]).copy_(out)
 
-        def attach_to_context(self, context: Any) -> Any:
-            return self.clone()
-
-        def get_valid_tactics(self) -> list[int]:
-            return []
-
-        def set_tactic(self, tactic: int) -> None:
-            pass
-
-        def clone(self) -> Any:
-            return PagedAttentionPlugin(self.attrs, self.phase)
-
-    class PagedAttentionCreator(trt.IPluginCreatorV3One):
-        def __init__(self) -> None:
-            trt.IPluginCreatorV3One.__init__(self)
-            self.name, self.plugin_version, self.plugin_namespace = PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE
-            self.field_names, self._field_arrays = attrs_to_fields(trt, PagedAttentionAttrs(1.0, 1, 1, 16))
-
-        def create_plugin(self, name: str, fields: Any, phase: Any) -> Any:
-            return PagedAttentionPlugin(attrs_from_fields(fields), phase)
-
-    return PagedAttentionPlugin, PagedAttentionCreator
-
-
-_REGISTERED: dict[int, Any] = {}
+    return PagedAttentionPlugin, creator_class(trt, PagedAttentionPlugin)
 
 
 def register(trt: Any, allow_rtx: bool = False) -> Any:
-    """Register the creator with ``trt.get_plugin_registry()`` (once per module); return it.
-
-    Do not register Python plugins for a TensorRT-RTX 1.7 build: its parser aborts the process when it
-    imports a node as a Python plugin (see docs/architecture.md, TensorRT target).
-    """
-    if trt.__name__.startswith("tensorrt_rtx") and not allow_rtx:
-        from moeforge.errors import MoeforgeError
-
-        raise MoeforgeError(f"not registering the Python {PLUGIN_NAME} plugin with TensorRT-RTX {trt.__version__}: "
-                            "its ONNX parser aborts the process when it imports a node as a Python plugin (and a "
-                            "registered plugin wins over the node's local function, which RTX otherwise inlines)")
-    key = id(trt)
-    if key not in _REGISTERED:
-        _, creator_cls = plugin_classes(trt)
-        creator = creator_cls()
-        trt.get_plugin_registry().register_creator(creator, PLUGIN_NAMESPACE)
-        _REGISTERED[key] = creator
-    return _REGISTERED[key]
+    """Register the creator with ``trt.get_plugin_registry()`` (once per module; refused for TensorRT-RTX unless
+    ``allow_rtx``, see ``plugins/tensorrt_plugin.register``); return it."""
+    return register_plugin(trt, SPEC, lambda: plugin_classes(trt)[1], allow_rtx)

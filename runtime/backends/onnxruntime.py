@@ -2,84 +2,83 @@
 
 Cache buffers are preallocated numpy arrays [B, Hkv, L, D] wrapped as OrtValues without a copy
 and bound with IOBinding as both the past input and the present output, so a decode step writes
-the new token's keys/values into the buffer and copies nothing else. For absorbed MLA one latent
-buffer is bound to the latent input and to both present outputs.
+the new token's keys/values into the buffer and copies nothing else. The buffers, their names and
+dtype come from the artifact's ``manifest.kv_cache`` (``kv_bindings.py``; the session's inputs are
+only cross-checked): for absorbed MLA one latent buffer is bound to the latent input and to both
+present outputs. Also the session helpers both ONNX Runtime backends use (``make_session``,
+``default_providers``, ``kernel_time_shares``).
 
 Dimension letters: B batch, S new tokens, T tokens seen (past + S), L buffer length, V vocab.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+import tempfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
+from moeforge.errors import ArtifactError
+from moeforge.kv_layout import KVCacheSpec
+from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
+from moeforge.runtime.backends.kv_bindings import CacheBinding, GraphTensor, cache_bindings, check_graph
 
-PAST_PREFIX = "past_key_values."
-
-
-@dataclass(frozen=True)
-class CacheBinding:
-    """One layer-cache buffer: the graph input it feeds and the outputs that alias it."""
-
-    input_name: str
-    output_names: tuple[str, ...]
-    heads: int
-    head_dim: int
-    dtype: str = "float32"  # numpy name; "int8" for a quantised cache (--kv-quant int8)
+# ONNX Runtime type names -> numpy dtype names (the manifest's), for the types a KV cache can have.
+ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+              "tensor(double)": "float64", "tensor(int8)": "int8", "tensor(uint8)": "uint8"}
 
 
-def read_cache_bindings(model_path: str | Path) -> list[CacheBinding]:
-    """Derive buffer bindings from the graph's inputs/outputs (past_key_values.{i}.{kind})."""
-    proto = onnx.load(str(model_path), load_external_data=False)
-    outputs = [o.name for o in proto.graph.output]
-    bindings = []
-    for value in proto.graph.input:
-        if not value.name.startswith(PAST_PREFIX):
-            continue
-        _, layer, kind = value.name.split(".")
-        dims = value.type.tensor_type.shape.dim
-        stem = f"present.{layer}.{kind}"
-        aliases = tuple(o for o in outputs if o == stem or o.startswith(stem + "_"))
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
-        bindings.append(CacheBinding(value.name, aliases, dims[1].dim_value, dims[3].dim_value, np.dtype(dtype).name))
-    return bindings
+def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None, threads: int | None = None,
+                 providers: list[str] | None = None, optimize: bool = True,
+                 profile: bool = False) -> ort.InferenceSession:
+    """An ONNX Runtime session of the graph at ``model_path``, or of ``graph``: an edited in-memory copy whose
+    external weights are still read next to ``model_path``."""
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if profile:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="moeforge-profile-")) / "ort")
+    source: str | bytes = str(model_path)
+    if graph is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(Path(model_path).parent))
+        source = graph.SerializeToString()
+    return ort.InferenceSession(source, options, providers=providers or default_providers())
+
+
+def check_session(session: ort.InferenceSession, kv: KVCacheSpec, graph: str) -> None:
+    """Cross-check ``kv`` against the session's inputs and outputs (``kv_bindings.check_graph``)."""
+    inputs = {i.name: GraphTensor(ORT_DTYPES.get(i.type, i.type), tuple(i.shape)) for i in session.get_inputs()}
+    check_graph(kv, inputs, {o.name for o in session.get_outputs()}, graph)
 
 
 class OrtSession:
-    """An artifact graph in an ONNX Runtime session, with in-place cache buffers.
+    """An artifact graph in an ONNX Runtime session, with in-place cache buffers bound as ``kv_cache`` names them.
 
     ``forward`` runs one step for a batch of right-padded rows and returns logits [B, S, V].
     """
 
-    def __init__(self, model_path: str | Path, *, threads: int | None = None,
-                 providers: list[str] | None = None, optimize: bool = True,
-                 graph: onnx.ModelProto | None = None, profile: bool = False) -> None:
-        """``graph``: an edited in-memory copy of the graph at ``model_path`` (its weights are still read
-        from the external data next to ``model_path``)."""
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        if not optimize:
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        if profile:
-            import tempfile
-
-            options.enable_profiling = True
-            options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="moeforge-profile-")) / "ort")
+    def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, threads: int | None = None,
+                 providers: list[str] | None = None, optimize: bool = True, graph: onnx.ModelProto | None = None,
+                 profile: bool = False) -> None:
+        """``kv_cache``: the artifact's ``manifest.kv_cache`` (contiguous). ``graph``: an edited in-memory copy of
+        the graph at ``model_path`` (its weights are still read from the external data next to ``model_path``)."""
+        if kv_cache.paged:
+            raise ArtifactError(f"{model_path} has paged KV pools (kv_cache.block_size {kv_cache.block_size}); "
+                                "OrtSession binds contiguous caches: use onnxruntime_paged.PagedOrtBackend")
         self.model_path = Path(model_path)
-        source: str | bytes = str(model_path)
-        if graph is not None:
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                             str(self.model_path.parent))
-            source = graph.SerializeToString()
-        self.session = ort.InferenceSession(source, options, providers=providers or default_providers())
-        self.bindings = read_cache_bindings(model_path)
+        self.session = make_session(model_path, graph=graph, threads=threads, providers=providers, optimize=optimize,
+                                    profile=profile)
+        check_session(self.session, kv_cache, str(model_path))
+        self.bindings: list[CacheBinding] = cache_bindings(kv_cache)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.buffers: list[np.ndarray] = []
         self._ort_values: list[ort.OrtValue] = []
@@ -148,110 +147,37 @@ def default_providers() -> list[str]:
     return chosen or ["CPUExecutionProvider"]
 
 
+class OrtBackend(ContiguousBackend):
+    """The ``Backend`` of an ONNX Runtime artifact with per-sequence contiguous caches (``contiguous.py``).
 
-class OrtBackend:
-    """The ``Backend`` of an ONNX Runtime artifact with per-sequence contiguous caches.
-
-    Cache memory: per layer one buffer [num_slots, Hkv, L, D]; slot s is row s. A prefill chunk runs
-    alone on its row (a zero-copy [1, Hkv, L, D] view); decode rows run together on the smallest
-    contiguous range of rows that holds them. Rows in that range that have no work this step get a
-    dummy token whose cache write lands at their next free position, which their own next real token
-    overwrites, so they are unharmed. GroupQueryAttention's cost follows each row's real length.
+    Cache memory: per layer one buffer [num_slots, Hkv, L = max_seq_len, D]; a run binds its slot range as a
+    zero-copy view [B, Hkv, L, D]. GroupQueryAttention's cost follows each row's real length.
     """
 
-    def __init__(self, model_path: str | Path, num_slots: int, max_seq_len: int, vocab_size: int,
-                 threads: int | None = None, providers: list[str] | None = None, profile: bool = False) -> None:
-        self._session = OrtSession(model_path, threads=threads, providers=providers, profile=profile)
+    def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_slots: int, max_seq_len: int,
+                 vocab_size: int, threads: int | None = None, providers: list[str] | None = None,
+                 profile: bool = False) -> None:
+        super().__init__(kv_cache, num_slots=num_slots, max_seq_len=max_seq_len, vocab_size=vocab_size)
+        self._session = OrtSession(model_path, kv_cache=kv_cache, threads=threads, providers=providers,
+                                   profile=profile)
         self._profiling = profile
-        self._num_slots, self._max_seq_len, self._vocab = num_slots, max_seq_len, vocab_size
         self._session.allocate(num_slots, max_seq_len)
-        self.lengths = [0] * num_slots  # tokens held per slot: the cache's own bookkeeping
-
-    @property
-    def num_slots(self) -> int:
-        return self._num_slots
-
-    @property
-    def max_seq_len(self) -> int:
-        return self._max_seq_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def kv_pool(self) -> PoolInfo | None:
-        """None: per-slot contiguous caches, no block pools."""
-        return None
-
-    def release(self, slot: int) -> None:
-        self.lengths[slot] = 0
 
     def op_time_shares(self) -> dict[str, float] | None:
         """Share of kernel time per op type so far (needs ``profile=True``; ends profiling)."""
         if not self._profiling:
             return None
-        path = self._session.session.end_profiling()
         self._profiling = False
-        return kernel_time_shares(path)
+        return kernel_time_shares(self._session.session.end_profiling())
 
-    def execute(self, step: StepInput) -> np.ndarray:
-        """Run prefill chunks one by one and all decodes together; logits [rows, V] of each last token."""
-        out = np.empty((len(step.rows), self._vocab), np.float32)
-        decodes = []
-        for index, row in enumerate(step.rows):
-            self._check(row)
-            if len(row.token_ids) == 1:
-                decodes.append((index, row))
-                continue
-            out[index] = self._run_rows(row.slot, row.slot + 1, {row.slot: row})[0, -1]
-            self.lengths[row.slot] += len(row.token_ids)
-        if decodes:
-            lo = min(r.slot for _, r in decodes)
-            hi = max(r.slot for _, r in decodes) + 1
-            logits = self._run_rows(lo, hi, {r.slot: r for _, r in decodes})
-            for index, row in decodes:
-                out[index] = logits[row.slot - lo, -1]
-                self.lengths[row.slot] += 1
-        return out
-
-    def _check(self, row: RowInput) -> None:
-        if not 0 <= row.slot < self._num_slots:
-            raise ValueError(f"slot {row.slot} is outside 0..{self._num_slots - 1}")
-        if row.start != self.lengths[row.slot]:
-            raise ValueError(f"slot {row.slot} holds {self.lengths[row.slot]} tokens, the row starts at {row.start}")
-        if not row.token_ids:
-            raise ValueError(f"slot {row.slot}: a row needs at least one token")
-        if row.start + len(row.token_ids) > self._max_seq_len:
-            raise ValueError(f"slot {row.slot}: {row.start + len(row.token_ids)} tokens exceed max_seq_len "
-                             f"{self._max_seq_len}")
-
-    def _run_rows(self, lo: int, hi: int, work: dict[int, RowInput]) -> np.ndarray:
-        # Rows lo..hi-1 of every buffer, right-padded: ids/positions [B, S], mask [B, T].
-        width = max(len(r.token_ids) for r in work.values())
-        batch = hi - lo
-        ids = np.zeros((batch, width), np.int64)
-        positions = np.zeros((batch, width), np.int64)
-        totals = []
-        for b, slot in enumerate(range(lo, hi)):
-            row = work.get(slot)
-            start = self.lengths[slot]
-            tokens = row.token_ids if row is not None else (0,)  # dummy: written at `start`, overwritten later
-            ids[b, : len(tokens)] = tokens
-            positions[b] = np.arange(start, start + width)
-            totals.append(start + len(tokens))
-        mask = np.zeros((batch, max(totals)), np.int64)
-        for b, total in enumerate(totals):
-            mask[b, :total] = 1
-        values = self._session.views(lo, hi)
-        return self._session.forward_on(values, ids, positions, mask)
+    def _forward(self, batch: SlotBatch) -> np.ndarray:
+        mask = (np.arange(int(batch.totals.max())) < batch.totals[:, None]).astype(np.int64)  # [B, T]
+        values = self._session.views(batch.lo, batch.hi)
+        return self._session.forward_on(values, batch.ids, batch.positions, mask)
 
 
 def kernel_time_shares(profile_path: str | Path) -> dict[str, float]:
     """Share of kernel time per op type in an ONNX Runtime profile (JSON trace), largest first."""
-    import json
-    from collections import Counter
-
     totals: Counter[str] = Counter()
     for event in json.loads(Path(profile_path).read_text()):
         if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):

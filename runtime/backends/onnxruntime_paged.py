@@ -8,7 +8,8 @@ mixed), with the rows' block tables (from the engine's ``KVCacheManager``: prefi
 between sequences are the same pool blocks), seq_lens and query_start_loc; ``logits_indices`` selects
 each row's last token, so the vocabulary projection costs rows x V, not T x V.
 
-Pools have the dtype of the session's pool inputs (float32 or float16). Before a step writes the first
+The pools are the ones the artifact's ``manifest.kv_cache`` names, in its dtype (float32 or float16; the
+session's inputs are cross-checked, ``kv_bindings.py``). Before a step writes the first
 slot of a block, the backend zeroes that block: a freed block may hold anything (even NaN/inf from an
 earlier request), and the attention core multiplies masked-out slots by probability 0, which keeps a NaN.
 Block tables are padded with each row's own last block for the same reason.
@@ -21,20 +22,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from moeforge.artifact import KVCacheSpec
+from moeforge.errors import ArtifactError
+from moeforge.kv_layout import KVCacheSpec
 from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
 from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
-from moeforge.runtime.backends.onnxruntime import default_providers
-
-POOL_PREFIX, POOL_OUT_PREFIX = "kv_pool.", "kv_pool_out."
+from moeforge.runtime.backends.kv_bindings import cache_bindings
+from moeforge.runtime.backends.onnxruntime import check_session, kernel_time_shares, make_session
 
 # ONNX Runtime input type -> numpy dtype of a pool (bfloat16 has no numpy dtype to wrap zero-copy).
-_POOL_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_POOL_DTYPES: dict[str, type[np.floating[Any]]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 def pool_dtype(ort_type: str, name: str = "pool") -> type[np.floating]:
@@ -86,10 +88,9 @@ def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[
     counts = [len(r.token_ids) for r in rows]
     starts = np.zeros(len(rows) + 1, np.int32)
     starts[1:] = np.cumsum(counts)
-    width = max(len(r.block_table) for r in rows)  # type: ignore[arg-type]
-    tables = np.empty((len(rows), width), np.int32)
-    for b, row in enumerate(rows):
-        table = row.block_table or ()
+    row_tables = [row.block_table or () for row in rows]
+    tables = np.empty((len(rows), max(len(t) for t in row_tables)), np.int32)
+    for b, table in enumerate(row_tables):
         tables[b, :len(table)] = table
         tables[b, len(table):] = table[-1]
     total = int(starts[-1])
@@ -106,21 +107,21 @@ def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[
 def _session(model_path: Path, *, threads: int | None, providers: list[str] | None, lower: bool = True,
              profile: bool = False) -> ort.InferenceSession:
     """A session of a paged graph, its PagedAttention nodes lowered for ONNX Runtime unless ``lower`` is False."""
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    if profile:
-        import tempfile
+    graph = lower_for_ort(onnx.load(str(model_path), load_external_data=False)) if lower else None
+    return make_session(model_path, graph=graph, threads=threads, providers=providers, profile=profile)
 
-        options.enable_profiling = True
-        options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="moeforge-profile-")) / "ort")
-    source: str | bytes = str(model_path)
-    if lower:
-        proto = lower_for_ort(onnx.load(str(model_path), load_external_data=False))
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                         str(model_path.parent))
-        source = proto.SerializeToString()
-    return ort.InferenceSession(source, options, providers=providers or default_providers())
+
+def _spec_pools(session: ort.InferenceSession, kv: KVCacheSpec, num_blocks: int, graph: str) -> BlockPools:
+    """``num_blocks``-block pools for the pools ``kv`` names, after cross-checking ``kv`` with the session."""
+    check_session(session, kv, graph)
+    return BlockPools(session, {b.input_name: b.output_names for b in cache_bindings(kv)}, num_blocks)
+
+
+def _block_size(kv: KVCacheSpec, model_path: str | Path) -> int:
+    if kv.block_size is None:
+        raise ArtifactError(f"{model_path} is not a paged artifact (its kv_cache has no block_size); compile with "
+                            "--kv-cache paged, or run it with the contiguous ONNX Runtime backend")
+    return kv.block_size
 
 
 def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray], pools: BlockPools) -> np.ndarray:
@@ -131,28 +132,25 @@ def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray], pools: Blo
     pools.bind(io)
     io.bind_output("logits", "cpu")
     session.run_with_iobinding(io)
-    return io.get_outputs()[-1].numpy()  # binding order: pools first, logits last
+    logits: np.ndarray = io.get_outputs()[-1].numpy()  # binding order: pools first, logits last
+    return logits
 
 
 class PagedOrtBackend:
-    """The ``Backend`` of a paged artifact: block pools shared by all sequences, one run per step."""
+    """The ``Backend`` of a paged artifact: block pools shared by all sequences, one run per step. The pools, their
+    names, shape and dtype are the artifact's ``manifest.kv_cache`` (the session's inputs are cross-checked)."""
 
-    def __init__(self, model_path: str | Path, kv: KVCacheSpec, num_blocks: int, num_slots: int, vocab_size: int,
-                 *, threads: int | None = None, providers: list[str] | None = None, lower: bool = True,
+    def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_blocks: int, num_slots: int,
+                 vocab_size: int, threads: int | None = None, providers: list[str] | None = None, lower: bool = True,
                  profile: bool = False) -> None:
-        if kv.block_size is None:
-            raise ValueError("PagedOrtBackend needs a paged artifact (compile with --kv-cache paged)")
+        self.block_size = _block_size(kv_cache, model_path)
         self.session = _session(Path(model_path), threads=threads, providers=providers, lower=lower, profile=profile)
+        self._pools = _spec_pools(self.session, kv_cache, num_blocks, str(model_path))
+        self.pools = self._pools.arrays
         self._profiling = profile
-        self.kv = kv
-        self.block_size = kv.block_size
+        self.kv = kv_cache
         self.num_blocks = num_blocks
         self._num_slots, self._vocab = num_slots, vocab_size
-        aliases = {name: tuple(o for o in outputs if o.split(".")[-1] == name.split(".")[-1])
-                   for inputs, outputs in zip(kv.past_input_names, kv.present_output_names, strict=True)
-                   for name in inputs}
-        self._pools = BlockPools(self.session, aliases, num_blocks)
-        self.pools = self._pools.arrays
 
     @property
     def num_slots(self) -> int:
@@ -187,11 +185,8 @@ class PagedOrtBackend:
         attention is lowered, so its index math, ScatterND and Gathers count under their own op types."""
         if not self._profiling:
             return None
-        from moeforge.runtime.backends.onnxruntime import kernel_time_shares
-
-        path = self.session.end_profiling()
         self._profiling = False
-        return kernel_time_shares(path)
+        return kernel_time_shares(self.session.end_profiling())
 
     def execute(self, step: StepInput) -> np.ndarray:
         """Run all rows in one packed step; logits [rows, V] of each row's last token."""
@@ -203,7 +198,7 @@ class PagedOrtBackend:
     def _first_written_blocks(self, rows: Sequence[RowInput]) -> list[int]:
         """Blocks whose slot 0 a row writes this step: new to their sequence, so their old content is stale."""
         size = self.block_size
-        return [row.block_table[k] for row in rows  # type: ignore[index]
+        return [(row.block_table or ())[k] for row in rows  # _check made every table present
                 for k in range(-(-row.start // size), (row.start + len(row.token_ids) - 1) // size + 1)]
 
     def _check(self, row: RowInput) -> None:
@@ -221,22 +216,15 @@ class PagedOrtBackend:
             raise ValueError(f"slot {row.slot}: block ids must be in [0, {self.num_blocks})")
 
 
-def is_paged_graph(model_path: str | Path) -> bool:
-    """Whether the graph at ``model_path`` is a paged artifact's (it takes block tables)."""
-    graph = onnx.load(str(model_path), load_external_data=False).graph
-    return any(i.name == "block_tables" for i in graph.input)
-
-
 class PagedSequenceSession:
-    """One sequence on a paged graph, with the ``OrtSession.forward`` signature (teacher-forced parity):
-    its pools hold ``ceil(max_len / Bs)`` blocks and its block table is all of them, in order."""
+    """One sequence on a paged graph, with the ``OrtSession.forward`` signature (teacher-forced parity): its
+    pools (as ``kv_cache`` names them) hold ``ceil(max_len / Bs)`` blocks and its block table is all of them."""
 
-    def __init__(self, model_path: str | Path, max_len: int, threads: int | None = None) -> None:
+    def __init__(self, model_path: str | Path, max_len: int, *, kv_cache: KVCacheSpec,
+                 threads: int | None = None) -> None:
+        num_blocks = -(-max_len // _block_size(kv_cache, model_path))
         self.session = _session(Path(model_path), threads=threads, providers=None)
-        pools = [i for i in self.session.get_inputs() if i.name.startswith(POOL_PREFIX)]
-        num_blocks = -(-max_len // int(pools[0].shape[1]))  # shape [N, Bs, Hkv, D]
-        self._pools = BlockPools(self.session, {i.name: (i.name.replace(POOL_PREFIX, POOL_OUT_PREFIX),)
-                                                for i in pools}, num_blocks)
+        self._pools = _spec_pools(self.session, kv_cache, num_blocks, str(model_path))
         self.pools = self._pools.arrays
         self.block_table = tuple(range(num_blocks))
 
@@ -245,19 +233,3 @@ class PagedSequenceSession:
         ids = tuple(int(t) for t in np.asarray(input_ids).reshape(-1))
         row = RowInput(0, ids, int(np.asarray(position_ids).reshape(-1)[0]), self.block_table)
         return _run(self.session, packed_feeds([row], all_logits=True), self._pools)[None]
-
-
-def paged_golden_feeds(model_path: str | Path, prompt_ids: list[int]) -> dict[str, np.ndarray]:
-    """Every input of a paged graph for one prefill of ``prompt_ids`` from zeroed pools (blocks 0..n-1 in
-    order), projecting every token: logits [P, V]. The golden-output feeds of paged artifacts."""
-    graph = onnx.load(str(model_path), load_external_data=False).graph
-    pools = [i for i in graph.input if i.name.startswith(POOL_PREFIX)]
-    dims = [[d.dim_value for d in p.type.tensor_type.shape.dim] for p in pools]
-    num_blocks = -(-len(prompt_ids) // dims[0][1])
-    feeds = packed_feeds([RowInput(0, tuple(prompt_ids), 0, tuple(range(num_blocks)))], all_logits=True)
-    for pool, shape in zip(pools, dims, strict=True):
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(pool.type.tensor_type.elem_type)
-        if dtype not in _POOL_DTYPES.values():
-            raise ValueError(f"{pool.name}: pools of type {dtype} are not supported (float32, float16)")
-        feeds[pool.name] = np.zeros((num_blocks, *shape[1:]), dtype)
-    return feeds

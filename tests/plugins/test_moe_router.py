@@ -41,7 +41,7 @@ def _router_node(attrs: RouterAttributes, has_bias: bool) -> onnx.NodeProto:
                             domain=schema.DOMAIN, name="router", **attrs.node_attributes())
 
 
-def _model(nodes, inputs, outputs, attrs: RouterAttributes, has_bias: bool, inits=()) -> onnx.ModelProto:  # type: ignore[no-untyped-def]
+def _model(nodes, inputs, outputs, attrs: RouterAttributes, has_bias: bool, inits=()) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "router", inputs, outputs, list(inits))
     proto = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(schema.DOMAIN, 1)],
@@ -90,7 +90,7 @@ def run_lowering(attrs: RouterAttributes, logits: np.ndarray, bias: np.ndarray |
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", hidden])], attrs, bias is not None,
                    [numpy_helper.from_array(a, k) for k, a in experts.items()])
     model = ir.serde.deserialize_model(proto)
-    assert MoELowering().apply(model, PassContext(config=None, max_seq_len=1)) == 1  # type: ignore[arg-type]
+    assert MoELowering().apply(model, PassContext(config=None, max_seq_len=1)) == 1
     assert {(n.domain, n.op_type) for n in model.graph} >= {(MS_DOMAIN, "MoE")}
     assert not [n for n in model.graph if n.domain == schema.DOMAIN] and not model.functions
     values = {v.name: v for n in model.graph for v in n.outputs}
@@ -159,7 +159,7 @@ def _well_separated(attrs: RouterAttributes, logits: np.ndarray, bias: np.ndarra
 
 # ------------------------------------------------------------------------------------- strategies
 @st.composite
-def router_cases(draw):  # type: ignore[no-untyped-def]
+def router_cases(draw):
     scoring = draw(st.sampled_from(["softmax", "sigmoid"]))
     n_group = draw(st.sampled_from([1, 1, 2, 4]))
     group_scoring = draw(st.sampled_from(["max", "top2_sum"]))
@@ -203,7 +203,7 @@ def _experts(num_experts: int, hidden: int, inter: int, seed: int) -> dict[str, 
 # ------------------------------------------------------------------------------------------ tests
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(case=router_cases())
-def test_reference_function_and_lowering_agree(case) -> None:  # type: ignore[no-untyped-def]
+def test_reference_function_and_lowering_agree(case) -> None:
     attrs, logits, bias = case
     assume(_well_separated(attrs, logits, bias))
     for label, hit in (("T=1", logits.shape[0] == 1), ("top_k=E", attrs.top_k == logits.shape[1]),
@@ -277,7 +277,7 @@ BAD = {
     "topk_group_above_n_group": (RouterAttributes("softmax", 2, n_group=2, topk_group=3), 8, "topk_group 3"),
     "kept_groups_too_small": (RouterAttributes("softmax", 3, n_group=4, topk_group=1), 8, "raise topk_group"),
     "top2_sum_single_expert_groups": (RouterAttributes("sigmoid", 2, 8, 4, "top2_sum"), 8, "use 'max'"),
-    "unknown_scoring": (RouterAttributes("relu", 2), 8, "scoring 'relu'"),  # type: ignore[arg-type]
+    "unknown_scoring": (RouterAttributes("relu", 2), 8, "scoring 'relu'"),
 }
 
 
@@ -336,14 +336,14 @@ def test_lowering_refuses_a_router_node_that_differs_from_its_function() -> None
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 8])], function_attrs, True,
                    [numpy_helper.from_array(a, k) for k, a in experts.items()])
     with pytest.raises(RouterOpError, match=r"router: its attributes .* differ from the MoERouter function"):
-        MoELowering().apply(ir.serde.deserialize_model(proto), PassContext(config=None, max_seq_len=1))  # type: ignore[arg-type]
+        MoELowering().apply(ir.serde.deserialize_model(proto), PassContext(config=None, max_seq_len=1))
     with pytest.raises(RouterOpError, match="re-export"):
         check_nodes(ir.serde.deserialize_model(proto))
 
 
 # ------------------------------------------------------------------------------- exported model
 @pytest.mark.heavy  # one tiny-deepseek-v3 export (~20 s)
-def test_exported_deepseek_v3_carries_router_nodes_and_runs_without_custom_ops(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_exported_deepseek_v3_carries_router_nodes_and_runs_without_custom_ops(tmp_path) -> None:
     """The stateless export: one MoERouter (+ function) per MoE layer; a fresh ORT process runs it = torch."""
     from moeforge.export.loader import load_model
     from moeforge.export.onnx_export import export_stateless

@@ -1,16 +1,22 @@
 """The ONNX Runtime backend runs mixed steps (prefill chunks + batched decodes over non-adjacent
-slots) and every row's logits equal PyTorch's for that sequence alone."""
+slots) and every row's logits equal PyTorch's for that sequence alone; it binds the caches the manifest's
+kv_cache names and refuses a spec the graph contradicts, naming the tensor."""
 
+import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from moeforge.artifact import load_artifact
 from moeforge.compile import CompileOptions, compile_model
+from moeforge.errors import ArtifactError
 from moeforge.export.loader import load_model
+from moeforge.manifest import KVCacheSpec
 from moeforge.runtime.backends.base import RowInput, StepInput
-from moeforge.runtime.backends.onnxruntime import OrtBackend
+from moeforge.runtime.backends.onnxruntime import OrtBackend, OrtSession
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-deepseek-v3"])
@@ -25,10 +31,14 @@ def _reference_logits(model, tokens: list[int]) -> np.ndarray:
         return model(torch.tensor([tokens]), torch.arange(len(tokens))[None]).logits[0, -1].numpy()
 
 
+def _kv(path: Path) -> KVCacheSpec:
+    return load_artifact(path).manifest.kv_cache
+
+
 def test_mixed_steps_match_solo_pytorch(compiled):
     name, path = compiled
     model = load_model(name).model
-    backend = OrtBackend(path / "model.onnx", num_slots=4, max_seq_len=64, vocab_size=512)
+    backend = OrtBackend(path / "model.onnx", kv_cache=_kv(path), num_slots=4, max_seq_len=64, vocab_size=512)
     rng = np.random.default_rng(0)
     prompts = {0: rng.integers(0, 512, 9).tolist(), 2: rng.integers(0, 512, 5).tolist(),
                3: rng.integers(0, 512, 13).tolist()}
@@ -52,7 +62,7 @@ def test_mixed_steps_match_solo_pytorch(compiled):
 
 def test_bad_rows_are_refused(compiled):
     _, path = compiled
-    backend = OrtBackend(path / "model.onnx", num_slots=2, max_seq_len=16, vocab_size=512)
+    backend = OrtBackend(path / "model.onnx", kv_cache=_kv(path), num_slots=2, max_seq_len=16, vocab_size=512)
     with pytest.raises(ValueError, match="slot 5"):
         backend.execute(StepInput((RowInput(5, (1,), 0),)))
     with pytest.raises(ValueError, match="starts at 3"):
@@ -62,3 +72,34 @@ def test_bad_rows_are_refused(compiled):
     backend.execute(StepInput((RowInput(0, (1, 2), 0),)))
     backend.release(0)
     assert backend.lengths[0] == 0
+
+
+def test_buffers_follow_the_kv_spec(compiled):
+    """One buffer per past input the spec names, bound to its present outputs (an MLA latent to all of them)."""
+    _, path = compiled
+    kv = _kv(path)
+    session = OrtSession(path / "model.onnx", kv_cache=kv)
+    assert [b.input_name for b in session.bindings] == [n for layer in kv.past_input_names for n in layer]
+    for layer, (past, present) in enumerate(zip(kv.past_input_names, kv.present_output_names, strict=True)):
+        outputs = [b.output_names for b in session.bindings if b.input_name in past]
+        assert outputs == ([tuple(present)] if kv.layout == "mla_latent" else [(name,) for name in present]), layer
+    session.allocate(batch=2, max_len=8)
+    assert {buffer.shape for buffer in session.buffers} == {(2, kv.shape[1], 8, kv.shape[3])}
+
+
+def test_a_spec_the_graph_contradicts_is_refused_by_name(compiled):
+    _, path = compiled
+    kv = _kv(path)
+    first = re.escape(kv.past_input_names[0][0])
+    with pytest.raises(ArtifactError, match=f"{first}' is float32 in the graph, float16 in the manifest"):
+        OrtSession(path / "model.onnx", kv_cache=dataclasses.replace(kv, dtype="float16"))
+    renamed = [[name.replace("past_key_values", "past") for name in layer] for layer in kv.past_input_names]
+    with pytest.raises(ArtifactError, match=re.escape("has no input 'past.0.")):
+        OrtSession(path / "model.onnx", kv_cache=dataclasses.replace(kv, past_input_names=renamed))
+    wider = [kv.shape[0], kv.shape[1], kv.shape[2], int(kv.shape[3]) + 1]
+    with pytest.raises(ArtifactError, match=f"{first}' has shape"):
+        OrtBackend(path / "model.onnx", kv_cache=dataclasses.replace(kv, shape=wider), num_slots=1, max_seq_len=8,
+                   vocab_size=512)
+    paged = dataclasses.replace(kv, block_size=16, shape=["num_blocks", 16, kv.shape[1], kv.shape[3]])
+    with pytest.raises(ArtifactError, match="paged"):
+        OrtBackend(path / "model.onnx", kv_cache=paged, num_slots=1, max_seq_len=8, vocab_size=512)

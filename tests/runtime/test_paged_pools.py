@@ -1,14 +1,21 @@
 """Paged-backend pool helpers: pools take the dtype of the session's pool inputs (fp16 binds as fp16), packed
-feeds pad short block tables with the row's own block."""
+feeds pad short block tables with the row's own block; pool bindings come from the KV spec, which is
+cross-checked with the session."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from moeforge.errors import ArtifactError
+from moeforge.manifest import KVCacheSpec
 from moeforge.runtime.backends.base import RowInput
+from moeforge.runtime.backends.kv_bindings import CacheBinding, cache_bindings
+from moeforge.runtime.backends.onnxruntime import check_session
 from moeforge.runtime.backends.onnxruntime_paged import BlockPools, packed_feeds, pool_dtype
 
 
@@ -55,3 +62,22 @@ def test_packed_feeds_pad_with_the_rows_own_block():
     assert feeds["seq_lens"].tolist() == [17, 3] and feeds["query_start_loc"].tolist() == [0, 3, 4]
     assert feeds["logits_indices"].tolist() == [2, 3]
     assert packed_feeds(rows, all_logits=True)["logits_indices"].tolist() == [0, 1, 2, 3]
+
+
+def _latent_spec(dtype: str = "float32", **names: list[list[str]]) -> KVCacheSpec:
+    """The spec of ``_pool_session``'s graph: one layer, one latent-like pool [N, 4, 1, 8]."""
+    fields = {"past_input_names": [["kv_pool.0.key"]], "present_output_names": [["kv_pool_out.0.key"]], **names}
+    return KVCacheSpec(layout="mla_latent", num_layers=1, shape=["num_blocks", 4, 1, 8], dtype=dtype,
+                       values_per_token_per_layer=8, bytes_per_token=32, max_seq_len=16, block_size=4, **fields)
+
+
+def test_pool_bindings_come_from_the_spec_and_are_checked_against_the_session():
+    session = _pool_session(TensorProto.FLOAT16)
+    assert cache_bindings(_latent_spec("float16")) == [
+        CacheBinding("kv_pool.0.key", ("kv_pool_out.0.key",), heads=1, head_dim=8, dtype="float16")]
+    check_session(session, _latent_spec("float16"), "pools.onnx")
+    mismatch = re.escape("'kv_pool.0.key' is float16 in the graph, float32 in the manifest")
+    with pytest.raises(ArtifactError, match=mismatch):
+        check_session(session, _latent_spec("float32"), "pools.onnx")
+    with pytest.raises(ArtifactError, match=re.escape("pools.onnx has no output 'kv_pool_out.0.latent'")):
+        check_session(session, _latent_spec("float16", present_output_names=[["kv_pool_out.0.latent"]]), "pools.onnx")

@@ -118,9 +118,14 @@ def test_plugin_objects_serialise_and_type():
                         norm_topk_prob=0, routed_scaling_factor=2.5)
     plugin = plugin_cls(attrs)
     again = creator_cls().create_plugin("r", plugin.get_fields_to_serialize(), trt.TensorRTPhase.RUNTIME)
-    assert again.attrs == attrs and plugin.clone().attrs == attrs
+    assert again.attrs == attrs and plugin.clone().attrs == attrs and type(plugin.clone()) is plugin_cls
     assert (plugin.plugin_name, plugin.plugin_version, plugin.plugin_namespace) == ("MoERouter", "1", "moeforge")
+    creator = creator_cls()
+    assert (creator.name, creator.plugin_version, creator.plugin_namespace) == ("MoERouter", "1", "moeforge")
     assert plugin.get_output_data_types([trt.DataType.FLOAT]) == [trt.DataType.INT32, trt.DataType.FLOAT]
+    bad = plugin_cls(RouterAttrs(scoring="softmax", top_k=3, n_group=2, topk_group=3)).get_fields_to_serialize()
+    with pytest.raises(ValueError, match="topk_group"):  # the creator validates what it deserialises
+        creator.create_plugin("r", bad, trt.TensorRTPhase.RUNTIME)
 
     plugin_cls, creator_cls = paged_plugin.plugin_classes(trt)
     attrs = PagedAttentionAttrs(scale=0.125, num_heads=8, num_kv_heads=2, block_size=16, sliding_window=4,

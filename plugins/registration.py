@@ -1,0 +1,19 @@
+"""Registering a plugin op's ONNX schema with onnx's process-global registry (idempotent).
+
+A registered schema lets ``onnx.checker``, ``onnx.shape_inference`` and onnxscript type a graph holding the node.
+The TensorRT side (plugin creators) registers through ``plugins/tensorrt_plugin.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import onnx
+from onnx.defs import OpSchema
+
+
+def register_schema(op_type: str, version: int, domain: str, build: Callable[[], OpSchema]) -> None:
+    """Register the schema ``build()`` makes, unless onnx already has ``domain.op_type`` at ``version`` (the
+    registry refuses a second registration, and every import of an op module would make one)."""
+    if not onnx.defs.has(op_type, version, domain):
+        onnx.defs.register_schema(build())

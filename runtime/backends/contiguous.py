@@ -1,0 +1,133 @@
+"""Per-slot contiguous KV caches: the ``Backend`` half shared by the ONNX Runtime and TensorRT backends.
+
+Cache memory is per layer one buffer [num_slots, Hkv, L, D]; slot s is row s, and ``lengths[s]`` counts the tokens
+it holds (the cache's only bookkeeping). A prefill chunk runs alone on its slot, in pieces of at most
+``max_prefill_tokens`` where the runtime caps a run (TensorRT's prefill profile). Decode rows run together on the
+smallest contiguous range of slots that holds them, at most ``max_decode_batch`` wide (TensorRT's decode profile);
+rows in the range with no work this step get a dummy token whose cache write lands at their next free position,
+which their own next real token overwrites, so they are unharmed. A subclass runs one such batch (``_forward``).
+
+Dimension letters: B slots of one run, W tokens of its widest row, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeforge.errors import ArtifactError
+from moeforge.kv_layout import KVCacheSpec
+from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
+
+
+@dataclass(frozen=True)
+class SlotBatch:
+    """One run over slots lo..hi-1, right-padded."""
+
+    lo: int
+    hi: int
+    ids: np.ndarray  # [B, W] int64; an idle slot has one dummy token
+    positions: np.ndarray  # [B, W] int64; row b: past[b] .. past[b] + W - 1
+    past: np.ndarray  # [B] int64, tokens each slot held before the run
+    totals: np.ndarray  # [B] int64, past + the row's real tokens (its attention-mask width)
+
+
+class ContiguousBackend(ABC):
+    """A ``Backend`` over per-slot contiguous caches described by ``kv_cache``; subclasses implement
+    ``_forward`` (logits [B, W, V] of one ``SlotBatch``, the caches written in place)."""
+
+    def __init__(self, kv_cache: KVCacheSpec, *, num_slots: int, max_seq_len: int, vocab_size: int,
+                 max_prefill_tokens: int | None = None, max_decode_batch: int | None = None) -> None:
+        if kv_cache.paged:
+            raise ArtifactError("this backend runs per-slot contiguous caches and the artifact's kv_cache is paged "
+                                "(block pools): run it with the paged backend, or compile without --kv-cache paged")
+        self.kv_cache = kv_cache
+        self._num_slots, self._max_seq_len, self._vocab = num_slots, max_seq_len, vocab_size
+        self.max_prefill_tokens = max_prefill_tokens  # None: a prefill chunk runs whole
+        self.max_decode_batch = max_decode_batch  # None: all decodes of a step in one run
+        self.lengths = [0] * num_slots  # tokens held per slot
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def kv_pool(self) -> PoolInfo | None:
+        """None: per-slot contiguous caches, no block pools."""
+        return None
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def op_time_shares(self) -> dict[str, float] | None:
+        return None
+
+    def execute(self, step: StepInput) -> np.ndarray:
+        """Run each prefill chunk alone and the decodes batched; logits [rows, V] of each row's last token."""
+        out = np.empty((len(step.rows), self._vocab), np.float32)
+        decodes = []
+        for index, row in enumerate(step.rows):
+            self._check(row)
+            if len(row.token_ids) == 1:
+                decodes.append((index, row))
+            else:
+                out[index] = self._prefill(row)
+        pending = sorted(decodes, key=lambda item: item[1].slot)
+        while pending:
+            lo = pending[0][1].slot
+            group = [d for d in pending if self.max_decode_batch is None or d[1].slot < lo + self.max_decode_batch]
+            pending = pending[len(group):]
+            logits = self._run(lo, group[-1][1].slot + 1, {row.slot: row.token_ids for _, row in group})
+            for index, row in group:
+                out[index] = logits[row.slot - lo, -1]
+                self.lengths[row.slot] += 1
+        return out
+
+    def _prefill(self, row: RowInput) -> np.ndarray:
+        """Feed a prefill chunk in runs of at most ``max_prefill_tokens``; logits [V] of its last token."""
+        size = self.max_prefill_tokens or len(row.token_ids)
+        last: np.ndarray = np.empty(0, np.float32)
+        for begin in range(0, len(row.token_ids), size):
+            part = row.token_ids[begin:begin + size]
+            last = self._run(row.slot, row.slot + 1, {row.slot: part})[0, -1]
+            self.lengths[row.slot] += len(part)
+        return last
+
+    def _check(self, row: RowInput) -> None:
+        if not 0 <= row.slot < self._num_slots:
+            raise ValueError(f"slot {row.slot} is outside 0..{self._num_slots - 1}")
+        if row.start != self.lengths[row.slot]:
+            raise ValueError(f"slot {row.slot} holds {self.lengths[row.slot]} tokens, the row starts at {row.start}")
+        if not row.token_ids:
+            raise ValueError(f"slot {row.slot}: a row needs at least one token")
+        if row.start + len(row.token_ids) > self._max_seq_len:
+            raise ValueError(f"slot {row.slot}: {row.start + len(row.token_ids)} tokens exceed max_seq_len "
+                             f"{self._max_seq_len}")
+
+    def _run(self, lo: int, hi: int, work: dict[int, tuple[int, ...]]) -> np.ndarray:
+        """Run ``work`` (tokens per slot) on slots lo..hi-1, idle slots with a dummy token; logits [B, W, V]."""
+        width = max(len(tokens) for tokens in work.values())
+        batch = hi - lo
+        ids = np.zeros((batch, width), np.int64)
+        past = np.array(self.lengths[lo:hi], np.int64)
+        totals = past.copy()
+        for b, slot in enumerate(range(lo, hi)):
+            tokens = work.get(slot, (0,))  # dummy: written at the slot's next free position, overwritten later
+            ids[b, :len(tokens)] = tokens
+            totals[b] += len(tokens)
+        positions = past[:, None] + np.arange(width, dtype=np.int64)  # [B, W]
+        return self._forward(SlotBatch(lo, hi, ids, positions, past, totals))
+
+    @abstractmethod
+    def _forward(self, batch: SlotBatch) -> np.ndarray:
+        """Logits [B, W, V] float32 of ``batch``, its tokens' keys/values written into the slots' caches."""
