@@ -17,7 +17,7 @@ LayerCache = tuple[torch.Tensor, ...]
 
 
 def causal_mask(
-    past_len: torch.Tensor | int, new_len: int, sliding_window: int | None, device: torch.device
+    past_len: int, new_len: int, sliding_window: int | None, device: torch.device
 ) -> torch.Tensor:
     """Boolean mask [S, L] (True = attend): query i sits at cache index P + i.
 
@@ -49,14 +49,8 @@ class GQAAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
-        past: LayerCache | None,
-    ) -> tuple[torch.Tensor, LayerCache]:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                past: LayerCache | None) -> tuple[torch.Tensor, LayerCache]:
         # x: [B, S, H]; cos/sin: [B, S, D/2]; mask: [S, L]
         b, s, _ = x.shape
         q = apply_rotary(self.q_proj(x).view(b, s, self.num_heads, self.head_dim), cos, sin, self.interleaved)

@@ -12,11 +12,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from moeforge.errors import ConfigError
 
 Family = Literal["deepseek_v3", "deepseek_v2", "llama", "qwen2", "mistral"]
+RopeScaling = Literal["default", "linear", "yarn", "llama3"]
+ScoringFunc = Literal["softmax", "sigmoid"]
+TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("deepseek_v3", "deepseek_v2", "llama", "qwen2", "mistral")
 
 
@@ -30,7 +33,7 @@ class RopeConfig:
     """
 
     theta: float = 10000.0
-    scaling: Literal["default", "linear", "yarn", "llama3"] = "default"
+    scaling: RopeScaling = "default"
     factor: float = 1.0
     original_max_position_embeddings: int | None = None
     beta_fast: float = 32.0
@@ -73,8 +76,8 @@ class MoEConfig:
     num_experts_per_tok: int
     moe_intermediate_size: int
     first_k_dense_replace: int = 0
-    scoring_func: Literal["softmax", "sigmoid"] = "softmax"
-    topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "greedy"
+    scoring_func: ScoringFunc = "softmax"
+    topk_method: TopkMethod = "greedy"
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = False
@@ -135,8 +138,8 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         """Attention scale; MLA multiplies by mscale^2 when YaRN is active (DeepSeek semantics)."""
         if self.mla is None:
-            return self.head_dim**-0.5
-        scale = self.mla.qk_head_dim**-0.5
+            return float(self.head_dim**-0.5)
+        scale = float(self.mla.qk_head_dim**-0.5)
         rope = self.rope
         if rope.scaling == "yarn" and rope.mscale_all_dim:
             m = yarn_mscale(rope.factor, rope.mscale_all_dim)
@@ -366,8 +369,9 @@ class ModelConfig:
                     num_experts_per_tok=int(need("num_experts_per_tok")),
                     moe_intermediate_size=int(need("moe_intermediate_size")),
                     first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
-                    scoring_func=hf.get("scoring_func") or default_scoring,
-                    topk_method=hf.get("topk_method") or default_method,
+                    # Checked by ModelConfig.validate(), with a message naming the field.
+                    scoring_func=cast(ScoringFunc, hf.get("scoring_func") or default_scoring),
+                    topk_method=cast(TopkMethod, hf.get("topk_method") or default_method),
                     n_group=int(hf.get("n_group") or 1),
                     topk_group=int(hf.get("topk_group") or 1),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
@@ -441,7 +445,7 @@ def _rope_from_hf(hf: dict[str, Any], interleaved_default: bool) -> RopeConfig:
         raise ConfigError(f"rope_scaling ({kind}) is missing 'factor'", field="rope_scaling.factor")
     return RopeConfig(
         theta=theta,
-        scaling=kind,
+        scaling=cast(RopeScaling, kind),  # checked above
         factor=float(factor),
         original_max_position_embeddings=int(original) if original else None,
         beta_fast=float(merged.get("beta_fast") or 32.0),

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
 
 from moeforge.errors import CheckpointError, ConfigError
 
@@ -88,7 +90,7 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
     is cached, so iterating over the checkpoint holds one dequantised tensor at a time.
     """
 
-    def __init__(self, reader: Any, entries: dict[str, tuple[Any, int | None]]) -> None:
+    def __init__(self, reader: GGUFReader, entries: dict[str, tuple[ReaderTensor, int | None]]) -> None:
         # entries: our name -> (gguf ReaderTensor, heads to unpermute by, or None)
         self._reader = reader  # keeps the memory map alive
         self._entries = entries
@@ -101,8 +103,6 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
         return self._load(name, unpermute=False)
 
     def _load(self, name: str, unpermute: bool) -> torch.Tensor:
-        from gguf.quants import dequantize
-
         tensor, heads = self._entries[name]
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
@@ -175,7 +175,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         )
 
     file_size = path.stat().st_size
-    by_name: dict[str, Any] = {}
+    by_name: dict[str, ReaderTensor] = {}
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
             raise CheckpointError(
@@ -202,9 +202,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _open_reader(path: Path) -> Any:
-    from gguf import GGUFReader
-
+def _open_reader(path: Path) -> GGUFReader:
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
     with path.open("rb") as f:
@@ -217,7 +215,7 @@ def _open_reader(path: Path) -> Any:
         raise CheckpointError(f"{path}: cannot read the GGUF file (truncated or corrupt?): {exc}") from exc
 
 
-def _torch_shape(tensor: Any) -> tuple[int, ...]:
+def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
     # GGUF lists dimensions fastest-first (ne0 = columns); torch lists them slowest-first.
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
@@ -368,8 +366,9 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _map_tensors(path: Path, cfg: ModelConfig, by_name: dict[str, Any]) -> dict[str, tuple[Any, int | None]]:
-    entries: dict[str, tuple[Any, int | None]] = {}
+def _map_tensors(path: Path, cfg: ModelConfig, by_name: dict[str, ReaderTensor]
+                 ) -> dict[str, tuple[ReaderTensor, int | None]]:
+    entries: dict[str, tuple[ReaderTensor, int | None]] = {}
     for gguf_name, tensor in by_name.items():
         heads: int | None = None
         if gguf_name in _GLOBAL_NAMES:

@@ -18,9 +18,11 @@ from tqdm import tqdm
 
 from moeforge.errors import CheckpointError, MoeforgeError
 from moeforge.export.config import ModelConfig
+from moeforge.export.gguf_loader import find_smollm2_gguf, read_gguf
 from moeforge.export.mla import MLAImpl
 from moeforge.export.model import CausalLM, init_random_weights
 from moeforge.export.presets import PRESETS, TINY_BOS, TINY_EOS, get_preset
+from moeforge.export.safetensors_loader import read_hf_checkpoint
 from moeforge.export.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,8 +59,6 @@ def resolve_source(spec: str) -> ModelSource:
     if spec in PRESETS:
         return ModelSource("preset", spec)
     if spec in BUILTIN_GGUF_MODELS:
-        from moeforge.export.gguf_loader import find_smollm2_gguf
-
         path = find_smollm2_gguf()
         if path is None:
             raise MoeforgeError(
@@ -88,8 +88,6 @@ def load_config(spec: str) -> ModelConfig:
         return get_preset(source.location).config
     if source.kind == "hf":
         return ModelConfig.from_hf_json(Path(source.location) / "config.json")
-    from moeforge.export.gguf_loader import read_gguf
-
     return read_gguf(source.location).config
 
 
@@ -105,19 +103,15 @@ def load_model(spec: str, *, mla_impl: MLAImpl = "absorb", dtype: torch.dtype = 
             )
         model = CausalLM(preset.config, mla_impl)
         init_random_weights(model, preset.seed)
-        tokenizer = Tokenizer.byte_level(preset.config.vocab_size, TINY_BOS, TINY_EOS)
-        return LoadedModel(model.to(dtype).eval(), preset.config, tokenizer, source)
+        return LoadedModel(model.to(dtype).eval(), preset.config,
+                           Tokenizer.byte_level(preset.config.vocab_size, TINY_BOS, TINY_EOS), source)
 
     if source.kind == "hf":
-        from moeforge.export.safetensors_loader import read_hf_checkpoint
-
         folder = Path(source.location)
         config = ModelConfig.from_hf_json(folder / "config.json")
         model = build_from_tensors(config, read_hf_checkpoint(folder, config), mla_impl, dtype)
         tokenizer = Tokenizer.from_file(folder) if (folder / "tokenizer.json").is_file() else None
         return LoadedModel(model, config, tokenizer, source)
-
-    from moeforge.export.gguf_loader import read_gguf
 
     checkpoint = read_gguf(source.location)
     model = build_from_tensors(checkpoint.config, checkpoint.tensors.items(), mla_impl, dtype)

@@ -54,14 +54,8 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, n * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = nn.Linear(n * mla.v_head_dim, h, bias=config.o_proj_bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
-        past: LayerCache | None,
-    ) -> tuple[torch.Tensor, LayerCache]:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                past: LayerCache | None) -> tuple[torch.Tensor, LayerCache]:
         # x: [B, S, H]; cos/sin: [B, S, Dr/2]; mask: [S, L]
         b, s, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
@@ -79,7 +73,8 @@ class MLAttention(nn.Module):
             out, cache = self._naive(q_nope, q_pe, c_kv, k_pe, mask, past)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.v_dim)), cache
 
-    def _naive(self, q_nope, q_pe, c_kv, k_pe, mask, past):  # type: ignore[no-untyped-def]
+    def _naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+               mask: torch.Tensor, past: LayerCache | None) -> tuple[torch.Tensor, LayerCache]:
         b, s = c_kv.shape[:2]
         kv = self.kv_b_proj(c_kv).view(b, s, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -92,7 +87,8 @@ class MLAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H, S, Dv]
         return out.transpose(1, 2), (k, v)
 
-    def _absorbed(self, q_nope, q_pe, c_kv, k_pe, mask, past):  # type: ignore[no-untyped-def]
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                  mask: torch.Tensor, past: LayerCache | None) -> tuple[torch.Tensor, LayerCache]:
         latent = torch.cat((c_kv, k_pe), dim=-1)  # [B, S, R+Dr]
         if past is not None:
             latent = torch.cat((past[0], latent), dim=1)  # [B, L, R+Dr]

@@ -45,7 +45,8 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.intermediate_size
         )
 
-    def forward(self, x, cos, sin, mask, past):  # type: ignore[no-untyped-def]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                past: LayerCache | None) -> tuple[torch.Tensor, LayerCache]:
         attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), present
@@ -123,7 +124,7 @@ def init_random_weights(model: CausalLM, seed: int) -> None:
     name order, so the same seed gives the same model whatever the construction order.
     """
     gen = torch.Generator().manual_seed(seed)
-    tensors = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     for name in sorted(tensors):
         t = tensors[name]

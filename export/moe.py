@@ -82,7 +82,7 @@ class MoEBlock(nn.Module):
         # x: [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
         expert_ids, weights = self.gate(flat)
-        out = self.experts(flat, expert_ids, weights).view_as(x)
+        out: torch.Tensor = self.experts(flat, expert_ids, weights).view_as(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -14,10 +14,13 @@ Node contract (domain ``moeforge``, op ``MoEExperts``, no attributes):
 
 from __future__ import annotations
 
+from typing import Any
+
 import onnx
 import onnxscript
 import torch
 from onnx import TensorProto, helper
+from onnx.defs import OpSchema
 
 from moeforge.export.moe import apply_experts
 
@@ -34,13 +37,11 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x, *args):  # type: ignore[no-untyped-def]
+def _moe_experts_fake(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 def _register_onnx_schema() -> None:
-    from onnx.defs import OpSchema
-
     if onnx.defs.has(OP_TYPE, DOMAIN):
         return
     param = OpSchema.FormalParameter
@@ -58,8 +59,10 @@ _register_onnx_schema()
 _opset = onnxscript.values.Opset(DOMAIN, 1)
 
 
-def moe_experts_to_onnx(x, expert_ids, expert_weights, gate_proj, up_proj, down_proj):  # type: ignore[no-untyped-def]
-    """custom_translation_table entry: one ``moeforge.MoEExperts`` node."""
+def moe_experts_to_onnx(x: Any, expert_ids: Any, expert_weights: Any, gate_proj: Any, up_proj: Any,
+                        down_proj: Any) -> Any:
+    """custom_translation_table entry: one ``moeforge.MoEExperts`` node. (``Any``: the exporter reads these
+    annotations to infer an ONNX signature, and a non-ONNX type such as ``ir.Value`` makes it warn.)"""
     return _opset.MoEExperts(x, expert_ids, expert_weights, gate_proj, up_proj, down_proj)
 
 
@@ -72,7 +75,7 @@ def experts_local_function(opset: int = 23) -> onnx.FunctionProto:
     """
     nodes: list[onnx.NodeProto] = []
 
-    def node(op: str, inputs: list[str], output: str, **kw) -> str:  # type: ignore[no-untyped-def]
+    def node(op: str, inputs: list[str], output: str, **kw: Any) -> str:
         nodes.append(helper.make_node(op, inputs, [output], **kw))
         return output
 

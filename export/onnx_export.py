@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeforge.export import moe_op
-from moeforge.export.model import CausalLM
+from moeforge.export.model import CausalLM, ModelOutput
 from moeforge.export.moe import MoEBlock
 from moeforge.export.routing import router_attributes
 from moeforge.plugins.moe_router import function as router_function
@@ -44,9 +44,9 @@ class _StatelessLM(nn.Module):
         self.model = model
         self.mark_layers = mark_layers
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):  # type: ignore[no-untyped-def]
-        out = self.model(input_ids, position_ids, output_hidden_states=self.mark_layers)
-        if self.mark_layers:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        out: ModelOutput = self.model(input_ids, position_ids, output_hidden_states=self.mark_layers)
+        if out.hidden_states is not None:
             return (out.logits, *out.hidden_states)
         return out.logits
 
@@ -65,8 +65,8 @@ class _MoEBoundary(nn.Module):
         logits = F.linear(flat.to(torch.float32), gate.weight.to(torch.float32))  # [T, E]
         expert_ids, weights = router_op.call(logits, gate.e_score_correction_bias, self.router)  # [T, K] each
         experts = self.block.experts
-        routed = torch.ops.moeforge.moe_experts(flat, expert_ids, weights, experts.gate_proj, experts.up_proj,
-                                                experts.down_proj)
+        routed: torch.Tensor = torch.ops.moeforge.moe_experts(flat, expert_ids, weights, experts.gate_proj,
+                                                              experts.up_proj, experts.down_proj)
         out = routed.view_as(x)
         if self.block.shared_experts is not None:
             out = out + self.block.shared_experts(x)
@@ -112,6 +112,7 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
             custom_translation_table={torch.ops.moeforge.moe_experts.default: moe_op.moe_experts_to_onnx,
                                       torch.ops.moeforge.moe_router.default: router_op.onnx_translation},
         )
+    assert program is not None  # dynamo=True always returns the program
     onnx_model = program.model
     if model.config.moe is not None:
         # Each MoE layer: MatMul (router logits) -> moeforge.MoERouter -> moeforge.MoEExperts, both with functions.
@@ -133,6 +134,7 @@ def _add_layer_markers(model: ir.Model) -> None:
         if not (value.name or "").startswith("layer_output."):
             continue
         if zero is None:
+            assert value.dtype is not None
             zero = ir.Value(name="layer_output.zero", shape=ir.Shape([]), type=value.type,
                             const_value=ir.tensor(np.zeros((), dtype=value.dtype.numpy())))
             graph.register_initializer(zero)
@@ -168,10 +170,11 @@ def _name_dims(model: ir.Model) -> None:
     # Stable, readable names for the dynamic axes (the exporter invents s0, s1, ...).
     names = {}
     for value in model.graph.inputs:
-        dims = list(value.shape)
+        assert value.shape is not None  # the exporter gives every input a shape
         for axis, label in ((0, "batch_size"), (1, "sequence_length")):
-            if isinstance(dims[axis], ir.SymbolicDim):
-                names[dims[axis].value] = label
+            dim = value.shape[axis]
+            if isinstance(dim, ir.SymbolicDim):
+                names[dim.value] = label
     for value in [*model.graph.inputs, *model.graph.outputs]:
         if value.shape is None:
             continue

@@ -72,6 +72,8 @@ def _llama3_frequencies(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tenso
 class RotaryEmbedding(nn.Module):
     """Computes cos/sin [B, S, D/2] from explicit positions; no tables sized by max length."""
 
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.rope = config.rope

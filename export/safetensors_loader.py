@@ -482,7 +482,8 @@ class _Reader(contextlib.AbstractContextManager["_Reader"]):
     def _get(self, info: _Info, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         try:
             f = self._handle(info.file)
-            return f.get_tensor(key) if index is None else f.get_slice(key)[index]
+            tensor: torch.Tensor = f.get_tensor(key) if index is None else f.get_slice(key)[index]
+            return tensor
         except SafetensorError as exc:
             raise CheckpointError(
                 f"{info.file}: cannot read tensor {key} ({exc}); re-download the file"

@@ -14,6 +14,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import jinja2.exceptions
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -168,8 +172,6 @@ class Tokenizer:
         ``apply_chat_template(..., tokenize=False)`` does (sandboxed, trim_blocks, lstrip_blocks)."""
         if not self.chat_template:
             raise TokenizerError("this tokenizer has no chat template")
-        import jinja2.exceptions
-
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
         try:
             template = _compile_chat_template(self.chat_template)
@@ -374,11 +376,8 @@ def _add_bos_post_processor(backend: BackendTokenizer, bos_id: int) -> None:
 
 
 @cache
-def _compile_chat_template(source: str) -> Any:
+def _compile_chat_template(source: str) -> jinja2.Template:
     # The same environment transformers uses: chat templates come from model files, i.e. untrusted.
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
