@@ -10,6 +10,7 @@ import torch
 from moeforge.graph_passes.base import PassContext
 from moeforge.graph_passes.cleanup import Cleanup
 from moeforge.graph_passes.kv_cache import KVCacheInsertion
+from moeforge.kv_layout import contiguous_spec
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 
@@ -35,7 +36,7 @@ def test_prefill_then_decode_matches_torch(fresh_model, tmp_path, name):
         if value.name.startswith("past_key_values."):
             assert {use.node.op_type for use in value.uses()} == {"GroupQueryAttention"}
 
-    session = OrtSession(path, optimize=False)
+    session = OrtSession(path, kv_cache=contiguous_spec(config, max_seq_len=128), optimize=False)
     session.allocate(batch=1, max_len=40)
     buffers_before = [b.ctypes.data for b in session.buffers]
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, 24))
@@ -86,7 +87,7 @@ def test_rope_folds_into_attention_for_gqa(fresh_model, tmp_path):
     assert all(n.attributes.get_int("do_rotary", 0) == 1 for n in model.graph if n.op_type == "GroupQueryAttention")
     path = tmp_path / "model.onnx"
     ir.save(model, path, external_data="model.onnx.data")
-    session = OrtSession(path)
+    session = OrtSession(path, kv_cache=contiguous_spec(loaded.config, max_seq_len=128))
     session.allocate(batch=1, max_len=32)
     ids = np.random.default_rng(1).integers(0, loaded.config.vocab_size, (1, 20))
     reference = loaded.model(torch.tensor(ids), torch.arange(20)[None]).logits.detach().numpy()

@@ -17,7 +17,7 @@ from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
 from moeforge.graph_passes.quant_lowering import QuantLowering
 from moeforge.graph_passes.quant_math import awq_search, fake_quantize, quantize, quantize_asym, quantize_fp8_exact
 from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
-from moeforge.sensitivity import choose_kept, measure
+from moeforge.quant.sensitivity import choose_kept, measure
 
 from .conftest import run_ort
 
@@ -122,7 +122,7 @@ def test_awq_beats_rtn_on_activation_outliers():
 
 
 # ---------------------------------------------------------------------------------------- graph passes
-def _fake_quantised_logits(base, feeds, kind, block, dense=None):  # type: ignore[no-untyped-def]
+def _fake_quantised_logits(base, feeds, kind, block, dense=None):
     """Reference: logits of the fp32 graph with every weight replaced by dequantise(quantise(W)) in numpy
     (MoE experts symmetric ``kind``/``block`` per expert; 2D weights by ``dense``, default the same);
     returns (logits, quant targets)."""

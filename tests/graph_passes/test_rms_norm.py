@@ -129,7 +129,7 @@ def _rms(model: ir.Model) -> int:
 
 
 def _skip(model: ir.Model) -> int:
-    return SkipRmsNormFusion().apply(model, None)  # type: ignore[arg-type]
+    return SkipRmsNormFusion().apply(model, None)
 
 
 OPSET = '<ir_version: 10, opset_import: ["" : 23]>'

@@ -34,7 +34,7 @@ def _feeds(vocab: int) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _ctx(config) -> PassContext:  # type: ignore[no-untyped-def]
+def _ctx(config) -> PassContext:
     return PassContext(config=config, max_seq_len=MAX_SEQ_LEN)
 
 

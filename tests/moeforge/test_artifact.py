@@ -22,17 +22,16 @@ from moeforge.artifact import (
     ArtifactError,
     KVCacheSpec,
     Manifest,
-    TensorSpec,
     check_output_dir,
-    kv_cache_spec,
     load_artifact,
-    tool_versions,
     write_artifact,
 )
 from moeforge.errors import MoeforgeError
 from moeforge.export.presets import get_preset
 from moeforge.genai_config import genai_config
 from moeforge.inspect import op_counts, summarize
+from moeforge.kv_layout import contiguous_spec as kv_cache_spec
+from moeforge.manifest import TensorSpec, tool_versions
 
 LLAMA = get_preset("tiny-llama").config
 DEEPSEEK = get_preset("tiny-deepseek-v3").config

@@ -36,8 +36,8 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
 def test_artifact_matches_pytorch(artifacts, name):
     artifact = load_artifact(artifacts[name])
     loaded = load_model(name)
-    report = run_parity(artifact.model_path, loaded.model, default_prompt(loaded.config.vocab_size, 16),
-                        decode_steps=16)
+    report = run_parity(artifact.model_path, artifact.manifest.kv_cache, loaded.model,
+                        default_prompt(loaded.config.vocab_size, 16), decode_steps=16)
     assert report.max_abs_err <= 1e-4, report.table()
     assert report.greedy_match and report.top1_agreement == 1.0
     assert len(report.steps) == 17  # prefill + 16 decode steps
@@ -214,13 +214,14 @@ def test_per_layer_parity_names_the_first_diverging_layer(artifacts, name):
     config = load_model(name).config
     assert len(artifact.manifest.layer_outputs) == config.num_hidden_layers
     prompt = default_prompt(config.vocab_size, 12)
-    rows, first = run_layer_parity(artifact.model_path, artifact.manifest.layer_outputs, load_model(name).model, prompt)
+    kv, layers = artifact.manifest.kv_cache, artifact.manifest.layer_outputs
+    rows, first = run_layer_parity(artifact.model_path, kv, layers, load_model(name).model, prompt)
     assert first is None and all(row.relative_err < 1e-5 for row in rows)
     # A reference whose layer 1 differs: layer 0 still agrees, layer 1 is named.
     perturbed = load_model(name).model
     with torch.no_grad():
         perturbed.model.layers[1].self_attn.o_proj.weight.mul_(1.5)
-    rows, first = run_layer_parity(artifact.model_path, artifact.manifest.layer_outputs, perturbed, prompt)
+    rows, first = run_layer_parity(artifact.model_path, kv, layers, perturbed, prompt)
     assert first == 1
     assert not rows[0].diverged and rows[1].diverged
 
@@ -243,7 +244,7 @@ def test_golden_outputs_are_saved_in_polygraphy_format(artifacts):
     assert load_json(str(root / "golden" / "outputs.json"))[0][0] == "onnxrt-cpu"
     feeds, golden = load_golden(root)
     # A fresh run on the saved inputs reproduces the golden logits; a perturbed one does not.
-    session = OrtSession(root / "model.onnx")
+    session = OrtSession(root / "model.onnx", kv_cache=load_artifact(root).manifest.kv_cache)
     (logits,) = session.session.run(["logits"], feeds)
     assert compare_with_golden(root, logits).max_abs_err < 1e-5
     assert compare_with_golden(root, logits + 0.01).max_abs_err > 5e-3

@@ -38,8 +38,8 @@ def test_paged_gqa_compile_inspect_and_engine(capsys, tmp_path):
     assert not (out / "genai_config.json").exists()  # onnxruntime-genai cannot drive block pools
     feeds, golden = load_golden(out)  # packed-token golden feeds; logits [P, V] of every prompt token
     assert golden.shape == (16, 512) and feeds["kv_pool.0.key"].shape == (4, 4, 2, 16)
-    lowered = PagedSequenceSession(out / "model.onnx", 16).forward(feeds["input_ids"][None],
-                                                                   feeds["position_ids"][None], None)
+    lowered = PagedSequenceSession(out / "model.onnx", 16, kv_cache=kv).forward(feeds["input_ids"][None],
+                                                                                feeds["position_ids"][None], None)
     np.testing.assert_allclose(lowered[0], golden, atol=1e-5, rtol=0)  # ORT lowering == the shipped function
     code, stdout, _ = _cli(capsys, "inspect", str(out))
     assert code == 0 and "PagedAttention" in stdout
@@ -63,5 +63,5 @@ def test_bad_paged_options_are_refused(capsys, tmp_path):
                            "--kv-block-size", "0", "--quiet")
     assert code == 2 and "--kv-block-size" in stderr
     with pytest.raises(MoeforgeError, match="--kv-cache 'pagd'"):
-        compile_model(CompileOptions(model="tiny-llama", output_dir=target, kv_cache="pagd", progress=False))
+        compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=target, kv_cache="pagd", progress=False))
     assert not Path(target).exists()

@@ -50,7 +50,8 @@ def test_fusion_is_real(smollm2_artifact):
 def test_parity_with_pytorch(smollm2_artifact, reference):
     artifact = load_artifact(smollm2_artifact)
     prompt = reference.tokenizer.encode("The capital of France is")
-    report = run_parity(artifact.model_path, reference.model, prompt + [504, 2988, 314] * 4, decode_steps=16)
+    report = run_parity(artifact.model_path, artifact.manifest.kv_cache, reference.model, prompt + [504, 2988, 314] * 4,
+                        decode_steps=16)
     # A pure 1e-4 atol is below fp32 noise for this 30-layer model (PyTorch fp32 itself is 8e-5 from
     # PyTorch fp64 on these logits, up to ~33); the parity bar adds rtol 1e-5 of each row's scale.
     assert report.passed and report.tolerance_used <= 1.0, report.table()

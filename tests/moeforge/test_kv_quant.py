@@ -17,8 +17,9 @@ from moeforge.cli import main
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.errors import MoeforgeError
 from moeforge.export.loader import load_model
-from moeforge.kv_quant import KVQuantError
-from moeforge.parity import THRESHOLDS, default_prompt, thresholds_for
+from moeforge.parity import default_prompt
+from moeforge.quant.schemes import THRESHOLDS, thresholds_for
+from moeforge.quant.spec import KVQuantError
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
@@ -31,8 +32,8 @@ MAX_LEN = 128
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-deepseek-v3"])
 def kv_artifact(request, tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp(request.param) / "kv-int8"
-    result = compile_model(CompileOptions(model=request.param, output_dir=out, max_seq_len=MAX_LEN, progress=False,
-                                          check=True, kv_quant="int8", calib=CALIB))
+    result = compile_model(CompileOptions.from_flags(model=request.param, output_dir=out, max_seq_len=MAX_LEN,
+                                                     progress=False, check=True, kv_quant="int8", calib=CALIB))
     assert result.parity is not None and result.parity.passed, result.parity.table()
     return request.param, out
 
@@ -69,7 +70,7 @@ def test_manifest_and_graph_describe_an_int8_cache(kv_artifact):
     assert not (path / "genai_config.json").exists()  # onnxruntime-genai cannot allocate an int8 cache
 
 
-def _rotation_bound(cache: np.ndarray, config, is_key: bool) -> np.ndarray:  # type: ignore[no-untyped-def]
+def _rotation_bound(cache: np.ndarray, config, is_key: bool) -> np.ndarray:
     """max over positions of |x| per head [H], with each rotary key pair counted by its norm (its largest value
     at any position). cache [H, S, D]; the rotary channels are the head (GQA) or the latent's last Dr."""
     x = cache.astype(np.float64)
@@ -120,10 +121,10 @@ class _QuantisedReads:
     def __init__(self, scales: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
         self.scales, self.calls = scales, 0
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(torch.nn.functional, name)
 
-    def scaled_dot_product_attention(self, q, k, v, **kw):  # type: ignore[no-untyped-def]
+    def scaled_dot_product_attention(self, q, k, v, **kw):
         k_scale, v_scale = self.scales[self.calls % len(self.scales)]  # layers run in order
         self.calls += 1
         return torch.nn.functional.scaled_dot_product_attention(q, _fake_quant(k, k_scale), _fake_quant(v, v_scale),
@@ -157,7 +158,7 @@ def test_prefill_and_decode_equal_pytorch_reading_an_int8_cache(kv_artifact, mon
         monkeypatch.setattr(module, "F", _QuantisedReads(_scales(path)))
     int8_logits, tokens = reference()
 
-    session = OrtSession(path / "model.onnx")
+    session = OrtSession(path / "model.onnx", kv_cache=load_artifact(path).manifest.kv_cache)
     session.allocate(batch=1, max_len=len(prompt) + steps + 1)
     assert all(buffer.dtype == np.int8 for buffer in session.buffers)
     ours = [session.forward(np.array([prompt]), np.arange(len(prompt))[None], np.ones((1, len(prompt)), np.int64))[0]]
@@ -182,7 +183,7 @@ def test_engine_batches_int8_caches_like_solo_runs(kv_artifact):
 
 
 def test_int4_weights_with_an_int8_cache(tmp_path):
-    result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=MAX_LEN,
+    result = compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=MAX_LEN,
                                           progress=False, check=True, quant="int4", kv_quant="int8", calib=CALIB))
     assert result.parity is not None and result.parity.passed and result.parity.precision == "int4+kv-int8"
     manifest = load_artifact(result.output_dir).manifest
@@ -201,9 +202,9 @@ def test_parity_limits_for_an_int8_cache():
 
 
 # ------------------------------------------------------------------------------------------ bad input
-def _compile(tmp_path: Path, **kw) -> None:  # type: ignore[no-untyped-def]
-    compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "out", max_seq_len=64, progress=False,
-                                 **kw))
+def _compile(tmp_path: Path, **kw) -> None:
+    compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "out", max_seq_len=64,
+                                            progress=False, **kw))
 
 
 @pytest.mark.parametrize(("kw", "error", "match"), [

@@ -21,15 +21,15 @@ from moeforge.compile import CompileOptions, compile_model
 from moeforge.errors import MoeforgeError
 from moeforge.export.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
 from moeforge.inspect import op_counts
-from moeforge.quantize import QuantError
+from moeforge.quant.spec import QuantError
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CALIB = DATA / "quant_calib_en.txt"
 
 
-def _compile(tmp_path: Path, model: str, **kw) -> Path:  # type: ignore[no-untyped-def]
-    options = CompileOptions(model=model, output_dir=tmp_path / f"{model}-{kw.get('quant')}", max_seq_len=128,
-                             progress=False, **kw)
+def _compile(tmp_path: Path, model: str, **kw) -> Path:
+    options = CompileOptions.from_flags(model=model, output_dir=tmp_path / f"{model}-{kw.get('quant')}",
+                                        max_seq_len=128, progress=False, **kw)
     return compile_model(options).output_dir
 
 
@@ -39,8 +39,8 @@ def _compile(tmp_path: Path, model: str, **kw) -> Path:  # type: ignore[no-untyp
     ("tiny-deepseek-v3", "int4", None),
 ])
 def test_check_passes_per_precision(tmp_path, model, quant, block):
-    result = compile_model(CompileOptions(model=model, output_dir=tmp_path / "a", max_seq_len=128, progress=False,
-                                          check=True, quant=quant, block_size=block))
+    result = compile_model(CompileOptions.from_flags(model=model, output_dir=tmp_path / "a", max_seq_len=128,
+                                                     progress=False, check=True, quant=quant, block_size=block))
     assert result.parity is not None and result.parity.passed, result.parity.table()
     assert result.parity.precision == quant and result.parity.mean_kl > 0  # really quantised
     manifest = load_artifact(result.output_dir).manifest
@@ -68,8 +68,8 @@ def test_check_passes_per_precision(tmp_path, model, quant, block):
 @pytest.mark.heavy
 def test_int4_asym_check_passes(tmp_path):
     # int4-asym: every layer weight runs as MatMulNBits + its block offsets' share (exact), LM head int8.
-    result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=128,
-                                          progress=False, check=True, quant="int4-asym"))
+    result = compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=128,
+                                                     progress=False, check=True, quant="int4-asym"))
     assert result.parity is not None and result.parity.passed, result.parity.table()
     assert result.parity.precision == "int4-asym" and result.parity.mean_kl > 0
     q = load_artifact(result.output_dir).manifest.quantization
@@ -176,6 +176,6 @@ def test_fp8_checkpoint_weights_are_kept_exactly(tmp_path, fp8_checkpoint):
 
 
 def test_fp8_checkpoint_to_int4_warns(tmp_path, fp8_checkpoint, caplog):
-    with caplog.at_level(logging.WARNING, logger="moeforge.quantize"):
+    with caplog.at_level(logging.WARNING, logger="moeforge.quant.passes"):
         _compile(tmp_path, str(fp8_checkpoint), quant="int4")
     assert any("stores FP8 weights" in r.message and "requantised to int4" in r.message for r in caplog.records)

@@ -11,12 +11,12 @@ import pytest
 from moeforge.artifact import load_artifact
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.errors import MoeforgeError
-from moeforge.quantize import QuantError
+from moeforge.quant.spec import QuantError
 
 CALIB = Path(__file__).resolve().parents[1] / "data" / "quant_calib_en.txt"
 
 
-def _head(path):  # type: ignore[no-untyped-def]
+def _head(path):
     graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
     # Paged graphs: the head writes logits_3d, which a Squeeze turns into logits.
     node = next(n for n in graph.node if {"logits", "logits_3d"} & set(n.output) and n.op_type != "Squeeze")
@@ -32,8 +32,9 @@ def _head(path):  # type: ignore[no-untyped-def]
     ("int4", "fp32", "MatMul", None, "fp32", "contiguous"),
 ])
 def test_lm_head_precision(tmp_path, quant, lm_head, op, bits, label, kv_cache):
-    out = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=64, progress=False,
-                                       quant=quant, lm_head=lm_head, kv_cache=kv_cache)).output_dir
+    out = compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=64,
+                                                  progress=False,
+                                                  quant=quant, lm_head=lm_head, kv_cache=kv_cache)).output_dir
     assert _head(out) == (op, bits)
     q = load_artifact(out).manifest.quantization
     assert q["lm_head"] == label
@@ -42,8 +43,8 @@ def test_lm_head_precision(tmp_path, quant, lm_head, op, bits, label, kv_cache):
 
 
 def test_int8_asym_with_fp32_activations(tmp_path):
-    result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=64,
-                                          progress=False, check=True, quant="int8-asym", accuracy_level=0))
+    result = compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=64,
+                                                     progress=False, check=True, quant="int8-asym", accuracy_level=0))
     assert result.parity is not None and result.parity.passed and result.parity.precision == "int8-asym"
     graph = onnx.load(str(result.output_dir / "model.onnx"), load_external_data=False).graph
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
@@ -66,5 +67,5 @@ def test_int8_asym_with_fp32_activations(tmp_path):
 ])
 def test_bad_lm_head_options(tmp_path, kw, error, match):
     with pytest.raises(error, match=match):
-        compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", progress=False, **kw))
+        compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "a", progress=False, **kw))
     assert not any(tmp_path.iterdir())

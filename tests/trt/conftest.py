@@ -35,7 +35,7 @@ def trt_artifacts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trt_artifacts")
     out = {}
     for name in TRT_PRESETS:
-        options = CompileOptions(model=name, output_dir=root / name, target="trt", max_seq_len=MAX_SEQ_LEN,
-                                 trt_impl="tensorrt-rtx", sm=89, max_prefill_tokens=32, progress=False)
+        options = CompileOptions.from_flags(model=name, output_dir=root / name, target="trt", max_seq_len=MAX_SEQ_LEN,
+                                            trt_impl="tensorrt-rtx", sm=89, max_prefill_tokens=32, progress=False)
         out[name] = compile_model(options).output_dir
     return out

@@ -130,7 +130,8 @@ def test_no_tensorrt_installed(monkeypatch, tmp_path):
 
     monkeypatch.setattr(importlib, "import_module", fake_import)
     with pytest.raises(TensorRTNotInstalled, match=r'pip install "moeforge\[tensorrt-rtx\]"'):
-        compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "o", target="trt", progress=False))
+        compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "o", target="trt",
+                                                progress=False))
     assert not (tmp_path / "o").exists()
 
 
@@ -149,9 +150,9 @@ def test_unregistered_plugin_is_named(tmp_path):
 
 
 def test_bf16_builds(tmp_path):
-    result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "bf16", target="trt",
-                                          dtype="bf16", max_seq_len=32, trt_impl="tensorrt-rtx",
-                                          max_prefill_tokens=16, progress=False))
+    result = compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "bf16", target="trt",
+                                                     dtype="bf16", max_seq_len=32, trt_impl="tensorrt-rtx",
+                                                     max_prefill_tokens=16, progress=False))
     engine = result.manifest.engine
     assert result.manifest.precision == "bf16" and result.manifest.kv_cache.dtype == "bfloat16"
     caches = [t for t in engine["inputs"] if t["name"].startswith("past_key_values.")]

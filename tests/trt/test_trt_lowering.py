@@ -29,7 +29,7 @@ def model(request):
 
 def _lower(loaded, dtype, path):
     model = export_stateless(loaded.model)
-    reports = run_passes(model, PassContext(config=loaded.config, max_seq_len=MAX_SEQ_LEN, target="trt"),
+    reports = run_passes(model, PassContext(config=loaded.config, max_seq_len=MAX_SEQ_LEN),
                          trt_pipeline(dtype))
     ir.save(model, path, external_data=path.name + ".data")
     return {r.name: r.matches for r in reports}
@@ -96,7 +96,7 @@ def test_nothing_imports_tensorrt_unless_used(tmp_path):
     import sys
 
     code = ("import sys, moeforge.cli, moeforge.compile, moeforge.inspect, moeforge.runtime.engine, "
-            "moeforge.runtime.backends.tensorrt, moeforge.trt.build, moeforge.trt.compile_target, "
+            "moeforge.runtime.backends.tensorrt, moeforge.trt.build, moeforge.targets.trt, moeforge.golden, "
             "moeforge.plugins.moe_router.tensorrt, moeforge.plugins.paged_attention.tensorrt; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'tensorrt_rtx_bindings')))")
     # cwd outside the checkout: `python -c` puts the cwd first on sys.path, where the source folder `moeforge/`

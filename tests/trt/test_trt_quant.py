@@ -26,8 +26,8 @@ pytestmark = needs_trt_rtx
     ("int8", None, onnx.TensorProto.INT8),  # per output channel
 ])
 def test_quantised_tiny_llama_engine(tmp_path, quant, block, codes):
-    result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / quant, target="trt",
-                                          max_seq_len=MAX_SEQ_LEN, trt_impl="tensorrt-rtx", sm=89,
+    result = compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / quant, target="trt",
+                                                     max_seq_len=MAX_SEQ_LEN, trt_impl="tensorrt-rtx", sm=89,
                                           max_prefill_tokens=32, progress=False, quant=quant, block_size=block))
     manifest = load_artifact(result.output_dir).manifest
     q = manifest.quantization
@@ -55,6 +55,6 @@ def test_quantised_tiny_llama_engine(tmp_path, quant, block, codes):
 ])
 def test_onnx_runtime_only_schemes_are_refused(tmp_path, kw, match):
     with pytest.raises(MoeforgeError, match=match):
-        compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "x", target="trt", progress=False,
-                                     trt_impl="tensorrt-rtx", sm=89, **kw))
+        compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "x", target="trt",
+                                                progress=False, trt_impl="tensorrt-rtx", sm=89, **kw))
     assert not (tmp_path / "x").exists()

