@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     artifact = load_artifact(args.artifact)
     vocab = artifact.manifest.model_config["vocab_size"]
-    session = OrtSession(artifact.model_path)
+    session = OrtSession(artifact.model_path, kv_cache=artifact.manifest.kv_cache)
     session.allocate(1, artifact.manifest.kv_cache.max_seq_len)
     step_times(session, 16, 5, vocab)  # warm-up
     rows = []

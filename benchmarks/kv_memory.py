@@ -5,7 +5,7 @@ generated each) twice:
 
 1. with the engine's default pool (``EngineConfig(kv_blocks=None)``: ``max_num_seqs x ceil(max_seq_len / Bs)``
    blocks, the same bytes as the contiguous layout). While each step runs (inside ``backend.execute``) it
-   records the blocks in use and the tokens that have a slot; at the peak it reports
+   records the blocks in use and the allocated tokens; at the peak it reports
    ``peak_held_bytes = peak blocks x bytes_per_block`` over the bytes of the tokens held then
    (``peak_held_over_tokens``: block rounding and nothing else), and the same tokens' ratio for the
    contiguous layout (one ``max_seq_len`` buffer per slot: ``contiguous_over_tokens_at_peak``).
@@ -37,7 +37,7 @@ REQUESTS = 8
 
 def _serve(artifact: Path, prompts: list[list[int]], kv_blocks: int | None) -> tuple[LLMEngine, list[list[int]],
                                                                                      int, int]:
-    """Run ``prompts`` together; (engine, tokens per prompt, peak blocks in use, tokens with a slot then)."""
+    """Run ``prompts`` together; (engine, tokens per prompt, peak blocks in use, allocated tokens then)."""
     engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=REQUESTS, max_num_batched_tokens=256,
                                                              kv_blocks=kv_blocks))
     peak = {"blocks": 0, "tokens": 0}
@@ -47,10 +47,10 @@ def _serve(artifact: Path, prompts: list[list[int]], kv_blocks: int | None) -> t
         in_use = engine.kv.stats().blocks_in_use
         if in_use >= peak["blocks"]:
             peak["blocks"] = in_use
-            peak["tokens"] = sum(engine.kv.num_slots(r) for r in range(len(prompts)) if r in engine.kv)
+            peak["tokens"] = sum(engine.kv.num_allocated_tokens(r) for r in range(len(prompts)) if r in engine.kv)
         return execute(step)
 
-    engine.backend.execute = measured  # type: ignore[method-assign]
+    engine.backend.execute = measured
     outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     return engine, [o.token_ids for o in outputs], peak["blocks"], peak["tokens"]
 

@@ -27,8 +27,10 @@ from moeforge.export.loader import load_model
 from moeforge.export.onnx_export import export_stateless
 from moeforge.graph_passes.base import PassContext
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
-from moeforge.kv_quant import quantize_kv_cache
-from moeforge.quantize import CALIB_MAX_TOKENS, QuantOptions, quantize_model
+from moeforge.kv_layout import KVCacheSpec, contiguous_spec
+from moeforge.quant.kv_calibration import CalibratedKVQuantization
+from moeforge.quant.passes import CALIB_MAX_TOKENS, quant_passes
+from moeforge.quant.spec import QuantSpec
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +43,9 @@ VARIANTS = [  # (label, weight scheme or None, int8 cache granularity or None)
 ]
 
 
-def decode_logits(path: Path, ids: list[int]) -> tuple[np.ndarray, float, int]:
+def decode_logits(path: Path, kv_cache: KVCacheSpec, ids: list[int]) -> tuple[np.ndarray, float, int]:
     """Logits [N, V] feeding ``ids`` one token per step; mean seconds per step; cache bytes per token."""
-    session = OrtSession(path, threads=2)
+    session = OrtSession(path, kv_cache=kv_cache, threads=2)
     session.allocate(batch=1, max_len=len(ids) + 1)
     rows, start = [], time.perf_counter()
     for pos, token in enumerate(ids):
@@ -63,7 +65,7 @@ def main() -> None:
     with torch.inference_mode():
         reference = loaded.model(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0].numpy()
     model = export_stateless(loaded.model)
-    ctx = PassContext(config=loaded.config, max_seq_len=512, target="ort")
+    ctx = PassContext(config=loaded.config, max_seq_len=512)
     run_passes(model, ctx, ort_pipeline())
     proto = ir.serde.serialize_model(model)
     prompts = tokenize_prompts(read_prompts(CALIB), loaded.tokenizer, CALIB_MAX_TOKENS)
@@ -74,12 +76,17 @@ def main() -> None:
                 continue
             copy = ir.serde.deserialize_model(proto)
             if scheme is not None:
-                quantize_model(copy, ctx, QuantOptions(scheme), loaded.tokenizer)
-            summary = quantize_kv_cache(copy, ctx, prompts, granularity)[1] if granularity else {}
+                run_passes(copy, ctx, quant_passes(QuantSpec(scheme), [])[0])
+            summary = {}
+            if granularity:
+                kv_pass = CalibratedKVQuantization(prompts, granularity)
+                kv_pass.apply(copy, ctx)
+                summary = kv_pass.summary
             folder = Path(tmp) / label
             folder.mkdir()
             ir.save(copy, folder / "model.onnx", external_data="model.onnx.data")
-            ours, seconds, cache_bytes = decode_logits(folder / "model.onnx", ids)
+            kv_cache = contiguous_spec(loaded.config, max_seq_len=512, dtype="int8" if granularity else "float32")
+            ours, seconds, cache_bytes = decode_logits(folder / "model.onnx", kv_cache, ids)
             rows[label] = {
                 "weights": scheme or "fp32", "kv_cache": f"int8 per {granularity}" if granularity else "fp32",
                 "top1_agreement": float((ours.argmax(-1) == reference.argmax(-1)).mean()),

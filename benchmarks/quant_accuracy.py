@@ -24,12 +24,14 @@ import onnx_ir as ir
 import torch
 
 from moeforge.bench import write_result
-from moeforge.calibration import mean_kl
+from moeforge.calibration import mean_kl, read_prompts, tokenize_prompts
 from moeforge.export.loader import load_model
 from moeforge.export.onnx_export import export_stateless, unmark_layers
 from moeforge.graph_passes.base import PassContext
 from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
-from moeforge.quantize import QuantOptions, quantize_model
+from moeforge.kv_layout import KVCacheSpec, contiguous_spec
+from moeforge.quant.passes import CALIB_MAX_TOKENS, quant_passes
+from moeforge.quant.spec import ActivationOptions, QuantSpec
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,30 +39,30 @@ TEXT = ROOT / "tests" / "data" / "quant_eval_en.txt"
 CALIB = ROOT / "tests" / "data" / "quant_calib_en.txt"
 RESULTS = ROOT / "benchmarks" / "results" / "quant_accuracy_smollm2.json"
 SCHEMES = [  # (label, options)
-    ("int8", QuantOptions("int8")),
-    ("int8-asym", QuantOptions("int8-asym")),
-    ("int8-asym-acc0", QuantOptions("int8-asym", accuracy_level=0)),
-    ("int4", QuantOptions("int4")),
-    ("int4-asym", QuantOptions("int4-asym")),
-    ("int4-asym-acc0", QuantOptions("int4-asym", accuracy_level=0)),  # fp32 activations in the kernel
-    ("int4-lm-head-int4", QuantOptions("int4", lm_head="int4")),  # the speed/accuracy trade of an int4 head
-    ("int4-asym-lm-head-int4", QuantOptions("int4-asym", lm_head="int4")),
-    ("int4-awq", QuantOptions("int4-awq", calib=CALIB)),
-    ("fp8-block64", QuantOptions("fp8", block_size=64)),
-    ("int8-keep-fp-0.1", QuantOptions("int8", calib=CALIB, keep_fp=0.1)),
-    ("int4-awq-keep-fp-0.1", QuantOptions("int4-awq", calib=CALIB, keep_fp=0.1)),
-    # static per-tensor activation scales (moeforge/act_calibration.py); --results for a separate file
+    ("int8", QuantSpec("int8")),
+    ("int8-asym", QuantSpec("int8-asym")),
+    ("int8-asym-acc0", QuantSpec("int8-asym", accuracy_level=0)),
+    ("int4", QuantSpec("int4")),
+    ("int4-asym", QuantSpec("int4-asym")),
+    ("int4-asym-acc0", QuantSpec("int4-asym", accuracy_level=0)),  # fp32 activations in the kernel
+    ("int4-lm-head-int4", QuantSpec("int4", lm_head="int4")),  # the speed/accuracy trade of an int4 head
+    ("int4-asym-lm-head-int4", QuantSpec("int4-asym", lm_head="int4")),
+    ("int4-awq", QuantSpec("int4-awq", calib=CALIB)),
+    ("fp8-block64", QuantSpec("fp8", block_size=64)),
+    ("int8-keep-fp-0.1", QuantSpec("int8", calib=CALIB, keep_fp=0.1)),
+    ("int4-awq-keep-fp-0.1", QuantSpec("int4-awq", calib=CALIB, keep_fp=0.1)),
+    # static per-tensor activation scales (moeforge/quant/act_calibration.py); --results for a separate file
     # defaults: int8 SmoothQuant alpha 0.5 and down_proj activations fp32; fp8 neither
-    ("w8a8-minmax", QuantOptions("w8a8", calib=CALIB, calib_method="minmax")),
-    ("w8a8-percentile", QuantOptions("w8a8", calib=CALIB, calib_method="percentile")),
-    ("w8a8-fp8-smooth-keep-down-minmax", QuantOptions("w8a8-fp8", calib=CALIB, smooth_alpha=0.5,
-                                                      act_keep_fp32="down_proj")),
+    ("w8a8-minmax", QuantSpec("w8a8", calib=CALIB, activations=ActivationOptions(method="minmax"))),
+    ("w8a8-percentile", QuantSpec("w8a8", calib=CALIB, activations=ActivationOptions(method="percentile"))),
+    ("w8a8-fp8-smooth-keep-down-minmax", QuantSpec("w8a8-fp8", calib=CALIB, activations=ActivationOptions(
+        smooth_alpha=0.5, keep_fp32="down_proj"))),
     # every decoder MatMul's activations, no smoothing: plain per-tensor static scales
-    ("w8a8-all-minmax", QuantOptions("w8a8", calib=CALIB, smooth_alpha=0, act_keep_fp32="")),
-    ("w8a8-all-percentile", QuantOptions("w8a8", calib=CALIB, calib_method="percentile", smooth_alpha=0,
-                                         act_keep_fp32="")),
-    ("w8a8-all-smooth-minmax", QuantOptions("w8a8", calib=CALIB, act_keep_fp32="")),
-    ("w8a8-fp8-minmax", QuantOptions("w8a8-fp8", calib=CALIB)),  # = every MatMul, no smoothing
+    ("w8a8-all-minmax", QuantSpec("w8a8", calib=CALIB, activations=ActivationOptions(smooth_alpha=0, keep_fp32=""))),
+    ("w8a8-all-percentile", QuantSpec("w8a8", calib=CALIB, activations=ActivationOptions(
+        method="percentile", smooth_alpha=0, keep_fp32=""))),
+    ("w8a8-all-smooth-minmax", QuantSpec("w8a8", calib=CALIB, activations=ActivationOptions(keep_fp32=""))),
+    ("w8a8-fp8-minmax", QuantSpec("w8a8-fp8", calib=CALIB)),  # = every MatMul, no smoothing
 ]
 BARS = {"int8": 0.99, "int8-asym": 0.99, "int8-asym-acc0": 0.99, "int4": 0.93, "int4-asym": 0.93, "fp8-block64": 0.97}
 NOTES = {"int4-asym": "min-max asymmetric int4 blocks of 32 (ONNX Runtime's default weight-only scheme; run as "
@@ -78,10 +80,10 @@ NOTES["int8-asym-acc0"] = "int8-asym with accuracy_level 0 (fp32 activations ins
 NOTES["int4-asym-acc0"] = "int4-asym with accuracy_level 0 (fp32 activations inside MatMulNBits; slower on CPU)."
 
 
-def artifact_logits(model: ir.Model, ids: list[int], folder: Path) -> np.ndarray:
+def artifact_logits(model: ir.Model, kv_cache: KVCacheSpec, ids: list[int], folder: Path) -> np.ndarray:
     path = folder / "model.onnx"
     ir.save(model, path, external_data="model.onnx.data")
-    session = OrtSession(path)
+    session = OrtSession(path, kv_cache=kv_cache)
     session.allocate(batch=1, max_len=len(ids) + 1)
     n = len(ids)
     return session.forward(np.array([ids]), np.arange(n)[None], np.ones((1, n), np.int64))[0]
@@ -99,7 +101,8 @@ def main() -> None:
     with torch.inference_mode():
         reference = loaded.model(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0].numpy()
     model = export_stateless(loaded.model, mark_layers=True)
-    ctx = PassContext(config=loaded.config, max_seq_len=512, target="ort")
+    ctx = PassContext(config=loaded.config, max_seq_len=512)
+    kv_cache = contiguous_spec(loaded.config, max_seq_len=512)
     run_passes(model, ctx, ort_pipeline())
     unmark_layers(model)
     proto = ir.serde.serialize_model(model)
@@ -110,14 +113,19 @@ def main() -> None:
             start = time.perf_counter()
             summary = {}
             if options is not None:
-                result = quantize_model(copy, ctx, options, loaded.tokenizer)
-                summary = {k: result.summary[k] for k in ("scheme", "weights", "block_size", "accuracy_level")}
-                if "activations" in result.summary:
-                    summary["activations"] = {k: v for k, v in result.summary["activations"].items() if k != "scales"}
+                prompts = [] if options.calib is None else tokenize_prompts(read_prompts(options.calib),
+                                                                            loaded.tokenizer, CALIB_MAX_TOKENS)
+                passes, plan, _ = quant_passes(options, prompts)
+                run_passes(copy, ctx, passes)
+                assert plan is not None
+                full = plan.summary()
+                summary = {k: full[k] for k in ("scheme", "weights", "block_size", "accuracy_level")}
+                if "activations" in full:
+                    summary["activations"] = {k: v for k, v in full["activations"].items() if k != "scales"}
             seconds = time.perf_counter() - start
             folder = Path(tmp) / label
             folder.mkdir()
-            ours = artifact_logits(copy, ids, folder)
+            ours = artifact_logits(copy, kv_cache, ids, folder)
             size = sum(f.stat().st_size for f in folder.iterdir())
             top1 = float((ours.argmax(-1) == reference.argmax(-1)).mean())
             rows[label] = {**summary, "top1_agreement": top1, "mean_kl": mean_kl(reference, ours),
