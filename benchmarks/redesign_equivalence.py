@@ -7,8 +7,9 @@ installed or editable moeforge is never mixed in). ``--after WORKTREE`` uses the
 commit. Compared, per artifact:
 
 - ``model.onnx``: opset imports, graph inputs/outputs (name, dtype, shape), every node in order (op type,
-  domain, name, inputs, outputs, attributes), local functions the same way, and every initializer (name,
-  dtype, shape, sha256 of its bytes);
+  domain, name, inputs, outputs, attributes), local functions the same way, every initializer (name,
+  dtype, shape, sha256 of its bytes), and the sha256 of the whole file once the exporter's per-node stack
+  traces (source paths and line numbers, which a refactor moves) are removed;
 - ``manifest.json``: everything except tool versions, ``created_utc``, pass timings, TensorRT build
   timings/sizes and the source path; the sha256 of every file except TensorRT plans (rebuilt differently each
   time), so ``model.onnx``, its weights, the tokenizer and configs must be byte-identical;
@@ -57,9 +58,11 @@ CASES: list[tuple[str, list[str]]] = [
     ("tiny-deepseek-v3-trt-paged", ["tiny-deepseek-v3", "--target", "trt", "--kv-cache", "paged"]),
 ]
 VOLATILE_MANIFEST = ("tool_versions", "created_utc", "files", "source")
-# Files whose bytes a build makes differently each time (TensorRT plans embed build details); the rest of the
-# manifest's file hashes (graph, weights, tokenizer, golden, configs) must be equal.
-NONDETERMINISTIC_FILES = ("model.plan", "timing.cache")
+# Files not compared byte for byte: TensorRT plans (a build embeds its own details each time) and model.onnx, whose
+# nodes carry the exporter's stack traces (source file paths and line numbers of the moeforge that exported it);
+# model.onnx is compared node for node and as a hash of its bytes with those stack traces removed.
+NONDETERMINISTIC_FILES = ("model.plan", "timing.cache", "model.onnx")
+STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
 VOLATILE_ENGINE = ("build_seconds", "plan_bytes", "layer_types", "tensorrt_version")
 
 
@@ -112,6 +115,7 @@ def describe_graph(path: Path) -> dict[str, Any]:
         initializers[init.name] = {"dtype": str(array.dtype), "shape": list(array.shape),
                                    "sha256": hashlib.sha256(array.tobytes()).hexdigest()}
     return {
+        "sha256_without_stack_traces": _hash_without_stack_traces(path),
         "opsets": sorted((o.domain, o.version) for o in proto.opset_import),
         "inputs": [_value(v) for v in graph.input],
         "outputs": [_value(v) for v in graph.output],
@@ -121,6 +125,17 @@ def describe_graph(path: Path) -> dict[str, Any]:
                       for f in proto.functions},
         "initializers": initializers,
     }
+
+
+def _hash_without_stack_traces(path: Path) -> str:
+    """sha256 of model.onnx (weights stay external) after dropping the stack-trace metadata of every node."""
+    proto = onnx.load(str(path), load_external_data=False)
+    for nodes in [proto.graph.node, *(f.node for f in proto.functions)]:
+        for node in nodes:
+            kept = [p for p in node.metadata_props if p.key != STACK_TRACE_KEY]
+            del node.metadata_props[:]
+            node.metadata_props.extend(kept)
+    return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
 
 
 def describe_manifest(path: Path) -> dict[str, Any]:
