@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, overload
 
 from moeforge.errors import ConfigError
 
@@ -21,6 +21,83 @@ RopeScaling = Literal["default", "linear", "yarn", "llama3"]
 ScoringFunc = Literal["softmax", "sigmoid"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("deepseek_v3", "deepseek_v2", "llama", "qwen2", "mistral")
+
+# Inclusive bounds for every size in a config. They sit far above any released model (DeepSeek-V3: 61 layers,
+# hidden 7168, 128 heads, 256 experts, vocab 129280, 163840 positions) yet low enough that no loop or
+# allocation scaled by one of them can hang or exhaust memory before the weights are read (a crafted
+# num_hidden_layers of 10^9 would). Integers only: JSON true or 64.5 is refused, never rounded.
+SIZE_LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 2**22), "hidden_size": (1, 2**17), "intermediate_size": (1, 2**20),
+    "num_hidden_layers": (1, 1024), "num_attention_heads": (1, 2**12), "num_key_value_heads": (1, 2**12),
+    "head_dim": (1, 2**12), "max_position_embeddings": (1, 2**24), "original_max_position_embeddings": (1, 2**24),
+    "sliding_window": (1, 2**24),
+    # MLA
+    "q_lora_rank": (1, 2**16), "kv_lora_rank": (1, 2**16), "qk_nope_head_dim": (1, 2**12),
+    "qk_rope_head_dim": (1, 2**12), "v_head_dim": (1, 2**12),
+    # MoE
+    "n_routed_experts": (1, 2**14), "n_shared_experts": (0, 2**14), "num_experts_per_tok": (1, 2**14),
+    "moe_intermediate_size": (1, 2**20), "first_k_dense_replace": (0, 1024), "n_group": (1, 2**14),
+    "topk_group": (1, 2**14),
+    "token_id": (0, 2**31 - 1),
+}
+
+
+def _show(value: object, limit: int = 60) -> str:
+    """A short repr for error messages (a crafted value may be huge, or an int too long to print)."""
+    try:
+        text = repr(value)
+    except ValueError:  # int beyond sys.get_int_max_str_digits()
+        return f"a {type(value).__name__} too large to print"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_int(value: object, field: str, limits: str | None = None) -> int:
+    """``value`` as an int, within ``SIZE_LIMITS[limits]`` when given; else ConfigError naming ``field``."""
+    # bool is an int subclass: JSON ``true`` must not pass as 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            f"{field} must be an integer, got {_show(value)} ({type(value).__name__}); fix it in the model's config",
+            field=field,
+        )
+    if limits is not None:
+        lo, hi = SIZE_LIMITS[limits]
+        if not lo <= value <= hi:
+            raise ConfigError(
+                f"{field} must be in {lo}..{hi}, got {_show(value)}; fix it in the model's config", field=field
+            )
+    return int(value)
+
+
+def check_float(value: object, field: str, positive: bool = False) -> float:
+    """``value`` as a finite float (> 0 when ``positive``); else ConfigError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(
+            f"{field} must be a number, got {_show(value)} ({type(value).__name__}); fix it in the model's config",
+            field=field,
+        )
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range
+        number = math.inf
+    if not math.isfinite(number) or (positive and number <= 0):
+        raise ConfigError(
+            f"{field} must be a finite number{' > 0' if positive else ''}, got {_show(value)}; "
+            "fix it in the model's config",
+            field=field,
+        )
+    return number
+
+
+def check_bool(value: object, field: str) -> bool:
+    """``value`` if it is a bool; else ConfigError (the string "false" must not read as True)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{field} must be true or false, got {_show(value)}", field=field)
+    return value
+
+
+# Integer sizes of ModelConfig itself, each checked against SIZE_LIMITS under its own name.
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -188,37 +265,37 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Reject an inconsistent config with an error naming the offending field."""
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        """Reject an inconsistent config with an error naming the offending field.
+
+        Types and ``SIZE_LIMITS`` are checked first, so nothing below (nor any consumer) does arithmetic on
+        a string, a NaN or a size that would hang a loop.
+        """
+        if not isinstance(self.model_type, str) or self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
+                f"model_type {_show(self.model_type)} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
                 field="model_type",
             )
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        for name in _SIZE_FIELDS:
+            check_int(getattr(self, name), name, name)
+        if self.sliding_window is not None:
+            check_int(self.sliding_window, "sliding_window", "sliding_window")
+        check_float(self.rms_norm_eps, "rms_norm_eps", positive=True)
+        for name in ("tie_word_embeddings", "qkv_bias", "o_proj_bias"):
+            check_bool(getattr(self, name), name)
+        if self.bos_token_id is not None:
+            check_int(self.bos_token_id, "bos_token_id", "token_id")
+        if not isinstance(self.eos_token_ids, tuple):
+            raise ConfigError(f"eos_token_ids must be a tuple of ints, got {_show(self.eos_token_ids)}",
+                              field="eos_token_id")
+        for token in self.eos_token_ids:
+            check_int(token, "eos_token_id", "token_id")
+        if not isinstance(self.name, str):
+            raise ConfigError(f"name must be a string, got {_show(self.name)}", field="name")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})",
                 field="num_key_value_heads",
-            )
-        if self.rms_norm_eps <= 0:
-            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}", field="rms_norm_eps")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ConfigError(f"sliding_window must be > 0, got {self.sliding_window}", field="sliding_window")
-        if self.rope_dim % 2:
-            raise ConfigError(f"the rotary dimension ({self.rope_dim}) must be even", field="head_dim")
-        if self.rope.theta <= 0:
-            raise ConfigError(f"rope_theta must be > 0, got {self.rope.theta}", field="rope_theta")
-        if self.rope.scaling != "default" and self.rope.factor <= 0:
-            raise ConfigError(f"rope_scaling.factor must be > 0, got {self.rope.factor}", field="rope_scaling.factor")
-        if self.rope.scaling in ("yarn", "llama3") and not self.rope.original_max_position_embeddings:
-            raise ConfigError(
-                f"rope_scaling type {self.rope.scaling} needs original_max_position_embeddings",
-                field="rope_scaling.original_max_position_embeddings",
             )
         if self.model_type.startswith("deepseek"):
             if self.mla is None:
@@ -226,32 +303,87 @@ class ModelConfig:
         elif self.mla is not None or self.moe is not None:
             raise ConfigError(f"{self.model_type} is a dense GQA model; it takes no MLA/MoE fields", field="model_type")
         if self.mla is not None:
+            if not isinstance(self.mla, MLAConfig):
+                raise ConfigError(f"mla must be an MLAConfig, got {_show(self.mla)}", field="mla")
             for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                value = getattr(self.mla, name)
-                if not isinstance(value, int) or value <= 0:
-                    raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
-            if self.mla.q_lora_rank is not None and self.mla.q_lora_rank <= 0:
-                raise ConfigError(f"q_lora_rank must be null or > 0, got {self.mla.q_lora_rank}", field="q_lora_rank")
+                check_int(getattr(self.mla, name), name, name)
+            if self.mla.q_lora_rank is not None:
+                check_int(self.mla.q_lora_rank, "q_lora_rank", "q_lora_rank")
+        if self.rope_dim % 2:
+            raise ConfigError(f"the rotary dimension ({self.rope_dim}) must be even", field="head_dim")
+        self._validate_rope(self.rope)
         if self.moe is not None:
+            if not isinstance(self.moe, MoEConfig):
+                raise ConfigError(f"moe must be a MoEConfig, got {_show(self.moe)}", field="moe")
             self._validate_moe(self.moe)
 
+    @staticmethod
+    def _validate_rope(rope: RopeConfig) -> None:
+        if not isinstance(rope, RopeConfig):
+            raise ConfigError(f"rope must be a RopeConfig, got {_show(rope)}", field="rope_scaling")
+        check_float(rope.theta, "rope_theta", positive=True)
+        if not isinstance(rope.scaling, str) or rope.scaling not in ("default", "linear", "yarn", "llama3"):
+            raise ConfigError(
+                f"rope_scaling type {_show(rope.scaling)} is not supported (default, linear, yarn, llama3)",
+                field="rope_scaling.type",
+            )
+        for name in ("factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
+            check_float(getattr(rope, name), f"rope_scaling.{name}")
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(rope, name) is not None:
+                check_float(getattr(rope, name), f"rope_scaling.{name}")
+        check_bool(rope.truncate, "rope_scaling.truncate")
+        check_bool(rope.interleaved, "rope_interleave")
+        if rope.original_max_position_embeddings is not None:
+            check_int(rope.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings",
+                      "original_max_position_embeddings")
+        if rope.scaling != "default" and rope.factor <= 0:
+            raise ConfigError(f"rope_scaling.factor must be > 0, got {rope.factor}", field="rope_scaling.factor")
+        if rope.scaling in ("yarn", "llama3") and not rope.original_max_position_embeddings:
+            raise ConfigError(
+                f"rope_scaling type {rope.scaling} needs original_max_position_embeddings",
+                field="rope_scaling.original_max_position_embeddings",
+            )
+        if rope.scaling == "yarn":
+            # YaRN takes log(original / beta) and divides by log(theta).
+            if rope.theta == 1.0:
+                raise ConfigError("rope_theta must not be 1 with YaRN scaling", field="rope_theta")
+            for name in ("beta_fast", "beta_slow"):
+                if getattr(rope, name) <= 0:
+                    raise ConfigError(f"rope_scaling.{name} must be > 0, got {getattr(rope, name)}",
+                                      field=f"rope_scaling.{name}")
+        if rope.scaling == "llama3" and not 0 < rope.low_freq_factor < rope.high_freq_factor:
+            # Llama-3 smoothing divides by (high_freq_factor - low_freq_factor) and by each factor.
+            raise ConfigError(
+                f"rope_scaling needs 0 < low_freq_factor ({rope.low_freq_factor}) < high_freq_factor "
+                f"({rope.high_freq_factor})",
+                field="rope_scaling.low_freq_factor",
+            )
+
     def _validate_moe(self, moe: MoEConfig) -> None:
-        if moe.n_routed_experts <= 0:
-            raise ConfigError(f"n_routed_experts must be > 0, got {moe.n_routed_experts}", field="n_routed_experts")
+        for name in ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "n_group", "topk_group"):
+            check_int(getattr(moe, name), name, name)
+        check_int(moe.first_k_dense_replace, "first_k_dense_replace", "first_k_dense_replace")
+        check_bool(moe.norm_topk_prob, "norm_topk_prob")
+        check_float(moe.routed_scaling_factor, "routed_scaling_factor", positive=True)
         if not 0 < moe.num_experts_per_tok <= moe.n_routed_experts:
             raise ConfigError(
                 f"num_experts_per_tok ({moe.num_experts_per_tok}) must be in 1..n_routed_experts "
                 f"({moe.n_routed_experts})",
                 field="num_experts_per_tok",
             )
-        if moe.scoring_func not in ("softmax", "sigmoid"):
-            raise ConfigError(f"scoring_func {moe.scoring_func!r} is not softmax or sigmoid", field="scoring_func")
-        if moe.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        if not isinstance(moe.scoring_func, str) or moe.scoring_func not in ("softmax", "sigmoid"):
+            raise ConfigError(f"scoring_func {_show(moe.scoring_func)} is not softmax or sigmoid",
+                              field="scoring_func")
+        if not isinstance(moe.topk_method, str) or moe.topk_method not in (
+            "greedy", "group_limited_greedy", "noaux_tc"
+        ):
             raise ConfigError(
-                f"topk_method {moe.topk_method!r} is not one of greedy, group_limited_greedy, noaux_tc",
+                f"topk_method {_show(moe.topk_method)} is not one of greedy, group_limited_greedy, noaux_tc",
                 field="topk_method",
             )
-        if moe.n_group <= 0 or moe.n_routed_experts % moe.n_group:
+        if moe.n_routed_experts % moe.n_group:
             raise ConfigError(
                 f"n_group ({moe.n_group}) must divide n_routed_experts ({moe.n_routed_experts})", field="n_group"
             )
@@ -268,8 +400,6 @@ class ModelConfig:
                 f"(topk_group {moe.topk_group} x {per_group})",
                 field="topk_group",
             )
-        if moe.moe_intermediate_size <= 0:
-            raise ConfigError("moe_intermediate_size must be > 0", field="moe_intermediate_size")
         if not 0 <= moe.first_k_dense_replace <= self.num_hidden_layers:
             raise ConfigError(
                 f"first_k_dense_replace ({moe.first_k_dense_replace}) must be in 0..num_hidden_layers",
@@ -286,12 +416,15 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Inverse of ``to_dict``."""
-        data = dict(data)
-        data["rope"] = RopeConfig(**data.get("rope", {}))
-        data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
-        data["moe"] = MoEConfig(**data["moe"]) if data.get("moe") else None
-        data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
-        return cls(**data)
+        try:
+            data = dict(data)
+            data["rope"] = RopeConfig(**data.get("rope", {}))
+            data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
+            data["moe"] = MoEConfig(**data["moe"]) if data.get("moe") else None
+            data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+            return cls(**data)
+        except (TypeError, ValueError, AttributeError) as exc:  # unknown or missing keys, a non-dict section
+            raise ConfigError(f"not a moeforge model config: {exc}") from None
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -301,119 +434,179 @@ class ModelConfig:
         """Read a Hugging Face ``config.json``."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path} does not exist: an HF model folder needs a config.json") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, not UTF-8, a 5000-digit int, deep nesting
+            raise ConfigError(f"{path} is not valid JSON: {_show(str(exc), 200)}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{path} holds a JSON {type(data).__name__}, not an object: config.json must be one JSON object "
+                "of fields (model_type, hidden_size, ...)",
+                field="config.json",
+            )
         return cls.from_hf_dict(data, name=path.parent.name)
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
-        """Translate an HF config dict; unknown or unsupported settings raise ``ConfigError``."""
+        """Translate an HF config dict; unknown, unsupported or mistyped settings raise ``ConfigError``."""
+        if not isinstance(hf, dict):
+            raise ConfigError(f"an HF config must be a JSON object, got {type(hf).__name__}", field="config.json")
         model_type = hf.get("model_type")
         if model_type is None:
             raise ConfigError("config.json has no model_type field", field="model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
+                f"model_type {_show(model_type)} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
                 field="model_type",
             )
 
-        def need(key: str) -> Any:
+        def need(key: str, limits: str | None = None) -> int:
             if hf.get(key) is None:
                 raise ConfigError(f"config.json is missing the required field {key!r} ({model_type})", field=key)
-            return hf[key]
+            return check_int(hf[key], key, limits)
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
+        # Bounded here already: these two are divided and multiplied before validate() runs.
+        hidden = need("hidden_size", "hidden_size")
+        heads = need("num_attention_heads", "num_attention_heads")
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
-            raise ConfigError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)", field="hidden_act")
-        if hf.get("mlp_bias"):
+            raise ConfigError(f"hidden_act {_show(act)} is not supported (SwiGLU with silu only)", field="hidden_act")
+        if _opt_bool(hf, "mlp_bias", False):
             raise ConfigError("mlp_bias=true is not supported", field="mlp_bias")
         eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        eos_ids = tuple(check_int(e, "eos_token_id", "token_id") for e in eos_list)
+        bos = _opt_int(hf, "bos_token_id")
+        default_name = hf.get("_name_or_path")
         common: dict[str, Any] = dict(
             model_type=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            num_hidden_layers=int(need("num_hidden_layers")),
+            num_hidden_layers=need("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"),
+            num_key_value_heads=_opt_int(hf, "num_key_value_heads") or heads,
+            rms_norm_eps=_opt_float(hf, "rms_norm_eps", 1e-6, positive=True),
+            max_position_embeddings=_opt_int(hf, "max_position_embeddings", 4096, "max_position_embeddings"),
+            tie_word_embeddings=_opt_bool(hf, "tie_word_embeddings", False),
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
-            name=name or hf.get("_name_or_path", "") or model_type,
+            name=name or (default_name if isinstance(default_name, str) else "") or model_type,
         )
         deepseek = model_type.startswith("deepseek")
-        common["rope"] = _rope_from_hf(hf, interleaved_default=deepseek)
+        common["rope"] = _rope_from_hf(hf, common["max_position_embeddings"], interleaved_default=deepseek)
+        attention_bias = _opt_bool(hf, "attention_bias", False)
         if deepseek:
             mla = MLAConfig(
-                q_lora_rank=hf.get("q_lora_rank"),
-                kv_lora_rank=int(need("kv_lora_rank")),
-                qk_nope_head_dim=int(need("qk_nope_head_dim")),
-                qk_rope_head_dim=int(need("qk_rope_head_dim")),
-                v_head_dim=int(need("v_head_dim")),
+                q_lora_rank=_opt_int(hf, "q_lora_rank"),
+                kv_lora_rank=need("kv_lora_rank"),
+                qk_nope_head_dim=need("qk_nope_head_dim"),
+                qk_rope_head_dim=need("qk_rope_head_dim"),
+                v_head_dim=need("v_head_dim"),
             )
             moe = None
-            n_experts = hf.get("n_routed_experts")
+            n_experts = _opt_int(hf, "n_routed_experts")
             if n_experts:
                 default_method = "noaux_tc" if model_type == "deepseek_v3" else "greedy"
                 default_scoring = "sigmoid" if model_type == "deepseek_v3" else "softmax"
                 moe = MoEConfig(
-                    n_routed_experts=int(n_experts),
-                    n_shared_experts=int(hf.get("n_shared_experts") or 0),
-                    num_experts_per_tok=int(need("num_experts_per_tok")),
-                    moe_intermediate_size=int(need("moe_intermediate_size")),
-                    first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+                    n_routed_experts=n_experts,
+                    n_shared_experts=_opt_int(hf, "n_shared_experts") or 0,
+                    num_experts_per_tok=need("num_experts_per_tok"),
+                    moe_intermediate_size=need("moe_intermediate_size"),
+                    first_k_dense_replace=_opt_int(hf, "first_k_dense_replace") or 0,
                     # Checked by ModelConfig.validate(), with a message naming the field.
                     scoring_func=cast(ScoringFunc, hf.get("scoring_func") or default_scoring),
                     topk_method=cast(TopkMethod, hf.get("topk_method") or default_method),
-                    n_group=int(hf.get("n_group") or 1),
-                    topk_group=int(hf.get("topk_group") or 1),
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                    routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+                    n_group=_opt_int(hf, "n_group") or 1,
+                    topk_group=_opt_int(hf, "topk_group") or 1,
+                    norm_topk_prob=_opt_bool(hf, "norm_topk_prob", False),
+                    routed_scaling_factor=_opt_float(hf, "routed_scaling_factor", 1.0) or 1.0,
                 )
                 if hf.get("moe_layer_freq", 1) != 1:
                     raise ConfigError("moe_layer_freq != 1 is not supported", field="moe_layer_freq")
             return cls(
                 **common,
-                intermediate_size=int(need("intermediate_size")),
+                intermediate_size=need("intermediate_size"),
                 head_dim=mla.qk_rope_head_dim,
-                qkv_bias=bool(hf.get("attention_bias", False)),
-                o_proj_bias=bool(hf.get("attention_bias", False)),
+                qkv_bias=attention_bias,
+                o_proj_bias=attention_bias,
                 mla=mla,
                 moe=moe,
             )
 
-        head_dim = int(hf.get("head_dim") or hidden // heads)
+        head_dim = _opt_int(hf, "head_dim") or hidden // heads
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False  # Qwen2 always has q/k/v biases and no o_proj bias
             window = None
-            if hf.get("use_sliding_window"):
-                if int(hf.get("max_window_layers", 0)) < common["num_hidden_layers"]:
+            if _opt_bool(hf, "use_sliding_window", False):
+                if (_opt_int(hf, "max_window_layers") or 0) < common["num_hidden_layers"]:
                     raise ConfigError(
                         "Qwen2 sliding window on only some layers (max_window_layers) is not supported",
                         field="max_window_layers",
                     )
-                window = int(need("sliding_window"))
+                window = need("sliding_window")
         else:
-            qkv_bias = o_bias = bool(hf.get("attention_bias", False))
-            window = hf.get("sliding_window")
-            window = int(window) if window else None
+            qkv_bias = o_bias = attention_bias
+            window = _opt_int(hf, "sliding_window") or None
         if common["rope"].interleaved:
             raise ConfigError("interleaved rope weights are only read for DeepSeek", field="rope_interleave")
         return cls(
             **common,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=need("intermediate_size"),
             head_dim=head_dim,
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             sliding_window=window,
         )
+
+
+# ---------------------------------------------------------------------------------------- typed HF reads
+# A JSON null reads as absent (HF writes null for unset optional fields); any other wrong type is refused.
+@overload
+def _opt_int(d: dict[str, Any], key: str, default: int, limits: str | None = None, prefix: str = "") -> int: ...
+@overload
+def _opt_int(
+    d: dict[str, Any], key: str, default: None = None, limits: str | None = None, prefix: str = ""
+) -> int | None: ...
+def _opt_int(
+    d: dict[str, Any], key: str, default: int | None = None, limits: str | None = None, prefix: str = ""
+) -> int | None:
+    value = d.get(key)
+    return default if value is None else check_int(value, prefix + key, limits)
+
+
+@overload
+def _opt_float(d: dict[str, Any], key: str, default: float, prefix: str = "", positive: bool = False) -> float: ...
+@overload
+def _opt_float(
+    d: dict[str, Any], key: str, default: None = None, prefix: str = "", positive: bool = False
+) -> float | None: ...
+def _opt_float(
+    d: dict[str, Any], key: str, default: float | None = None, prefix: str = "", positive: bool = False
+) -> float | None:
+    value = d.get(key)
+    return default if value is None else check_float(value, prefix + key, positive)
+
+
+def _opt_bool(d: dict[str, Any], key: str, default: bool, prefix: str = "") -> bool:
+    value = d.get(key)
+    return default if value is None else check_bool(value, prefix + key)
+
+
+def _opt_dict(d: dict[str, Any], key: str) -> dict[str, Any]:
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{key} must be a JSON object (e.g. {{\"rope_type\": \"yarn\", \"factor\": 4.0, ...}}), "
+            f"got {_show(value)}",
+            field=key,
+        )
+    return value
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -423,38 +616,43 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _rope_from_hf(hf: dict[str, Any], interleaved_default: bool) -> RopeConfig:
+def _rope_from_hf(hf: dict[str, Any], max_positions: int, interleaved_default: bool) -> RopeConfig:
     # transformers v5 writes rope_parameters (theta inside); older files write rope_theta + rope_scaling.
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
+    params = _opt_dict(hf, "rope_parameters")
+    scaling = _opt_dict(hf, "rope_scaling")
     merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    prefix = "rope_parameters." if params else "rope_scaling."
+    theta = _opt_float(merged, "rope_theta", None, prefix, positive=True)
+    if theta is None:
+        theta = _opt_float(hf, "rope_theta", 10000.0, positive=True)
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "yarn", "llama3"):
+    if not isinstance(kind, str) or kind not in ("default", "linear", "yarn", "llama3"):
         raise ConfigError(
-            f"rope_scaling type {kind!r} is not supported (default, linear, yarn, llama3)", field="rope_scaling.type"
+            f"rope_scaling type {_show(kind)} is not supported (default, linear, yarn, llama3)",
+            field="rope_scaling.type",
         )
-    interleaved = bool(hf.get("rope_interleave", interleaved_default))
+    interleaved = _opt_bool(hf, "rope_interleave", interleaved_default)
     if kind == "default":
         return RopeConfig(theta=theta, interleaved=interleaved)
-    factor = merged.get("factor")
-    original = merged.get("original_max_position_embeddings")
+    factor = _opt_float(merged, "factor", None, prefix)
+    original = _opt_int(merged, "original_max_position_embeddings", None, "original_max_position_embeddings",
+                        prefix)
     if factor is None and kind == "yarn" and original:
-        factor = hf.get("max_position_embeddings", original) / original
+        factor = max_positions / original
     if factor is None:
         raise ConfigError(f"rope_scaling ({kind}) is missing 'factor'", field="rope_scaling.factor")
     return RopeConfig(
         theta=theta,
         scaling=cast(RopeScaling, kind),  # checked above
-        factor=float(factor),
-        original_max_position_embeddings=int(original) if original else None,
-        beta_fast=float(merged.get("beta_fast") or 32.0),
-        beta_slow=float(merged.get("beta_slow") or 1.0),
-        mscale=merged.get("mscale"),
-        mscale_all_dim=merged.get("mscale_all_dim"),
-        attention_factor=merged.get("attention_factor"),
-        truncate=bool(merged.get("truncate", True)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=_opt_float(merged, "beta_fast", None, prefix) or 32.0,
+        beta_slow=_opt_float(merged, "beta_slow", None, prefix) or 1.0,
+        mscale=_opt_float(merged, "mscale", None, prefix),
+        mscale_all_dim=_opt_float(merged, "mscale_all_dim", None, prefix),
+        attention_factor=_opt_float(merged, "attention_factor", None, prefix),
+        truncate=_opt_bool(merged, "truncate", True, prefix),
+        low_freq_factor=_opt_float(merged, "low_freq_factor", 1.0, prefix),
+        high_freq_factor=_opt_float(merged, "high_freq_factor", 4.0, prefix),
         interleaved=interleaved,
     )

@@ -21,7 +21,7 @@ from gguf.quants import dequantize
 
 from moeforge.errors import CheckpointError, ConfigError
 
-from .config import ModelConfig, RopeConfig
+from .config import ModelConfig, RopeConfig, check_float, check_int
 from .tokenizer import gguf_end_of_generation_ids
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -245,6 +245,14 @@ def _config_from_metadata(
         key = f"{arch}.{suffix}"
         return _uniform(key, meta[key]) if key in meta else default
 
+    # Typed and bounded (config.SIZE_LIMITS) under the GGUF key's own name, before any arithmetic.
+    def need_int(suffix: str, limits: str) -> int:
+        return check_int(need(suffix), f"{arch}.{suffix}", limits)
+
+    def get_int(suffix: str, default: int, limits: str) -> int:
+        value = get(suffix)
+        return default if value is None else check_int(value, f"{arch}.{suffix}", limits)
+
     if get("expert_count", 0):
         raise ConfigError(
             f"GGUF {arch} model with experts ({arch}.expert_count={get('expert_count')}, e.g. Mixtral) is not "
@@ -258,64 +266,85 @@ def _config_from_metadata(
             field="rope_freqs.weight",
         )
 
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
+    layers = need_int("block_count", "num_hidden_layers")
+    _check_blocks_present(arch, layers, tensor_names)
+    hidden = need_int("embedding_length", "hidden_size")
+    heads = need_int("attention.head_count", "num_attention_heads")
     # Defaults below are llama.cpp's for keys it treats as optional.
-    kv_heads = int(get("attention.head_count_kv", heads))
+    kv_heads = get_int("attention.head_count_kv", heads, "num_key_value_heads")
     if get("attention.key_length") is not None:
-        head_dim = int(get("attention.key_length"))
+        head_dim = need_int("attention.key_length", "head_dim")
     elif hidden % heads:
         raise ConfigError(f"embedding_length {hidden} is not a multiple of head_count {heads}",
                           field=f"{arch}.attention.head_count")
     else:
         head_dim = hidden // heads
-    value_dim = int(get("attention.value_length", head_dim))
+    value_dim = get_int("attention.value_length", head_dim, "head_dim")
     if value_dim != head_dim:
         raise ConfigError(f"attention.value_length ({value_dim}) != key_length ({head_dim}) is not supported",
                           field=f"{arch}.attention.value_length")
-    rope_dims = int(get("rope.dimension_count", head_dim))
+    rope_dims = get_int("rope.dimension_count", head_dim, "head_dim")
     if rope_dims != head_dim:
         raise ConfigError(f"partial rotary embeddings (rope.dimension_count {rope_dims} < head_dim {head_dim}) "
                           "are not supported for llama", field=f"{arch}.rope.dimension_count")
 
     if "tokenizer.ggml.tokens" in tok_meta:
-        vocab = len(tok_meta["tokenizer.ggml.tokens"])
+        tokens = tok_meta["tokenizer.ggml.tokens"]
+        if not isinstance(tokens, list):
+            raise ConfigError("GGUF tokenizer.ggml.tokens must be an array of strings", field="tokenizer.ggml.tokens")
+        vocab = len(tokens)
     elif f"{arch}.vocab_size" in meta:
-        vocab = int(meta[f"{arch}.vocab_size"])
+        vocab = need_int("vocab_size", "vocab_size")
     else:
         raise ConfigError("GGUF metadata has neither 'tokenizer.ggml.tokens' nor a vocab_size",
                           field="tokenizer.ggml.tokens")
 
     bos = tok_meta.get("tokenizer.ggml.bos_token_id")
+    general_name = meta.get("general.name")
     return ModelConfig(
         model_type="llama",
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")),
+        intermediate_size=need_int("feed_forward_length", "intermediate_size"),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(need("context_length")),
+        rms_norm_eps=check_float(need("attention.layer_norm_rms_epsilon"),
+                                 f"{arch}.attention.layer_norm_rms_epsilon", positive=True),
+        max_position_embeddings=need_int("context_length", "max_position_embeddings"),
         # llama.cpp writes output.weight only when the LM head is not the embedding matrix.
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_proj_bias="blk.0.attn_output.bias" in tensor_names,
         rope=_rope_from_metadata(arch, meta),
-        bos_token_id=int(bos) if bos is not None else None,
+        bos_token_id=check_int(bos, "tokenizer.ggml.bos_token_id", "token_id") if bos is not None else None,
         eos_token_ids=gguf_end_of_generation_ids(tok_meta),
-        name=str(meta.get("general.name") or name),
+        name=general_name if isinstance(general_name, str) and general_name else name,
     )
 
 
+def _check_blocks_present(arch: str, layers: int, tensor_names: set[str]) -> None:
+    """``block_count`` must not exceed the blocks that have tensors (checked before anything loops over it)."""
+    present = {int(m.group(1)) for n in tensor_names if (m := _BLOCK_RE.fullmatch(n))}
+    if len(present) < layers:
+        missing = min(set(range(len(present) + 1)) - present)  # some index <= len(present) has no block
+        raise CheckpointError(
+            f"GGUF metadata {arch}.block_count is {layers} but the file has tensors for {len(present)} block(s) "
+            f"(no tensor for model.layers.{missing}.* / blk.{missing}.*): the metadata does not describe this file"
+        )
+
+
 def _rope_from_metadata(arch: str, meta: dict[str, Any]) -> RopeConfig:
-    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    def number(key: str) -> float | None:
+        return check_float(meta[key], key) if meta.get(key) is not None else None
+
+    theta = check_float(meta.get(f"{arch}.rope.freq_base", 10000.0), f"{arch}.rope.freq_base", positive=True)
     prefix = f"{arch}.rope.scaling."
     kind = meta.get(prefix + "type")
-    factor = meta.get(prefix + "factor")
+    factor = number(prefix + "factor")
     if kind is None and f"{arch}.rope.scale_linear" in meta:  # the key older converters wrote
-        kind, factor = "linear", meta[f"{arch}.rope.scale_linear"]
+        kind, factor = "linear", number(f"{arch}.rope.scale_linear")
     if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
         return RopeConfig(theta=theta, interleaved=False)
     if kind not in ("linear", "yarn"):
@@ -330,11 +359,14 @@ def _rope_from_metadata(arch: str, meta: dict[str, Any]) -> RopeConfig:
     return RopeConfig(
         theta=theta,
         scaling=kind,
-        factor=float(factor),
-        original_max_position_embeddings=int(original) if original is not None else None,
-        beta_fast=float(meta.get(prefix + "yarn_beta_fast", 32.0)),
-        beta_slow=float(meta.get(prefix + "yarn_beta_slow", 1.0)),
-        attention_factor=float(meta[prefix + "attn_factor"]) if prefix + "attn_factor" in meta else None,
+        factor=factor,
+        original_max_position_embeddings=(
+            check_int(original, prefix + "original_context_length", "original_max_position_embeddings")
+            if original is not None else None
+        ),
+        beta_fast=check_float(meta.get(prefix + "yarn_beta_fast", 32.0), prefix + "yarn_beta_fast"),
+        beta_slow=check_float(meta.get(prefix + "yarn_beta_slow", 1.0), prefix + "yarn_beta_slow"),
+        attention_factor=number(prefix + "attn_factor"),
         # llama.cpp's own rope kernels read "halves" after the Q/K un-permutation we apply.
         interleaved=False,
     )

@@ -23,7 +23,7 @@ from moeforge.export.mla import MLAImpl
 from moeforge.export.model import CausalLM, init_random_weights
 from moeforge.export.presets import PRESETS, TINY_BOS, TINY_EOS, get_preset
 from moeforge.export.safetensors_loader import read_hf_checkpoint
-from moeforge.export.tokenizer import Tokenizer
+from moeforge.export.tokenizer import TOKENIZER_FILE, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,13 @@ def load_config(spec: str) -> ModelConfig:
     return read_gguf(source.location).config
 
 
-def load_model(spec: str, *, mla_impl: MLAImpl = "absorb", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load MODEL (see ``resolve_source``) into an eval-mode ``CausalLM``."""
+def load_model(
+    spec: str, *, mla_impl: MLAImpl = "absorb", dtype: torch.dtype = torch.float32, check_finite: bool = True
+) -> LoadedModel:
+    """Load MODEL (see ``resolve_source``) into an eval-mode ``CausalLM``.
+
+    ``check_finite``: refuse a checkpoint with NaN/Inf weights (see ``build_from_tensors``); False skips the scan.
+    """
     source = resolve_source(spec)
     if source.kind == "preset":
         preset = get_preset(source.location)
@@ -109,12 +114,17 @@ def load_model(spec: str, *, mla_impl: MLAImpl = "absorb", dtype: torch.dtype = 
     if source.kind == "hf":
         folder = Path(source.location)
         config = ModelConfig.from_hf_json(folder / "config.json")
-        model = build_from_tensors(config, read_hf_checkpoint(folder, config), mla_impl, dtype)
-        tokenizer = Tokenizer.from_file(folder) if (folder / "tokenizer.json").is_file() else None
+        model = build_from_tensors(config, read_hf_checkpoint(folder, config), mla_impl, dtype, check_finite)
+        tokenizer = Tokenizer.from_file(folder) if (folder / TOKENIZER_FILE).is_file() else None
+        if tokenizer is None:
+            # Compiling works without one; only text prompts need it, so say so now rather than at `run`.
+            log.warning("%s has no %s: the model loads and compiles, but `moeforge run` will need --prompt-ids "
+                        "(token ids) instead of --prompt; add the tokenizer files to the folder to use text",
+                        folder, TOKENIZER_FILE)
         return LoadedModel(model, config, tokenizer, source)
 
     checkpoint = read_gguf(source.location)
-    model = build_from_tensors(checkpoint.config, checkpoint.tensors.items(), mla_impl, dtype)
+    model = build_from_tensors(checkpoint.config, checkpoint.tensors.items(), mla_impl, dtype, check_finite)
     tokenizer = Tokenizer.from_gguf_metadata(checkpoint.tokenizer_metadata)
     return LoadedModel(model, checkpoint.config, tokenizer, source)
 
@@ -128,8 +138,13 @@ def build_from_tensors(
     tensors: Iterable[tuple[str, torch.Tensor]],
     mla_impl: MLAImpl = "absorb",
     dtype: torch.dtype = torch.float32,
+    check_finite: bool = True,
 ) -> CausalLM:
-    """Build on the meta device, then assign each (name, tensor) with its shape checked."""
+    """Build on the meta device, then assign each (name, tensor) with its dtype kind and shape checked.
+
+    ``check_finite`` (default): refuse a tensor holding NaN or Inf, naming it. One pass over each tensor
+    while it is in memory anyway, far cheaper than a model that silently produces NaN logits.
+    """
     with torch.device("meta"):
         model = CausalLM(config, mla_impl)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -143,8 +158,16 @@ def build_from_tensors(
                 f"tensor {name!r} has shape {tuple(tensor.shape)} but the config implies {expected[name]}: "
                 "the config and the weights disagree (wrong config.json, or a corrupted checkpoint)"
             )
+        if not tensor.is_floating_point():
+            raise CheckpointError(
+                f"tensor {name!r} has dtype {tensor.dtype}, but weights must be floating point: the checkpoint is "
+                "corrupt or not this model's"
+            )
         target = torch.float32 if name.endswith(_KEEP_FP32_SUFFIXES) else dtype
-        _assign(model, name, tensor.to(target))
+        value = tensor.to(target)
+        if check_finite:
+            _check_finite(name, tensor, value)
+        _assign(model, name, value)
         seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:
@@ -152,6 +175,20 @@ def build_from_tensors(
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
     model.reset_buffers()
     return model.eval()
+
+
+def _check_finite(name: str, stored: torch.Tensor, value: torch.Tensor) -> None:
+    """Raise CheckpointError naming ``name`` when ``value`` (``stored`` cast for the model) has NaN/Inf."""
+    if bool(torch.isfinite(value).all()):
+        return
+    nan, inf = int(torch.isnan(value).sum()), int(torch.isinf(value).sum())
+    # Finite in the file but not after the cast: the weights exceed the range of the requested dtype.
+    overflow = value.dtype != stored.dtype and bool(torch.isfinite(stored.to(torch.float32)).all())
+    where = f" after the cast to {value.dtype} (stored values exceed its range)" if overflow else ""
+    raise CheckpointError(
+        f"tensor {name!r} holds {nan} NaN and {inf} Inf value(s){where}: the weights are corrupt or diverged; "
+        "re-download or re-export the checkpoint, or skip this check with --no-weight-check"
+    )
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 
 ``read_hf_checkpoint(folder, config)`` checks the whole checkpoint up front from the safetensors
 headers (missing / unexpected tensors, missing shards, truncated files, incomplete expert sets, FP8
-scales) and raises ``CheckpointError`` before any weight is read. Iterating it then yields
+scales, non-float dtypes, more layers or experts in the config than in the files) and raises
+``CheckpointError`` before any weight is read. Iterating it then yields
 ``(name, tensor)`` in ``expected_keys(config)`` order, reading memory-mapped with ``safe_open``
 (never pickle), so a caller can assign each tensor into a meta-initialised model and drop it.
 
@@ -47,7 +48,11 @@ INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 _FP8_DTYPES = ("F8_E4M3",)  # safetensors' dtype string for torch.float8_e4m3fn
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# Weights and FP8 scales are floating point; an integer header dtype (I32 over F32 bytes) is a corrupt file.
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# At most 9 digits: int() of a crafted 5000-digit layer index would raise; such a name is just unexpected.
+_LAYER_RE = re.compile(r"^model\.layers\.(\d{1,9})\.")
+_EXPERT_RE = re.compile(r"^model\.layers\.\d{1,9}\.mlp\.experts\.(\d{1,9})\.")
 _ROUTED_EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
 _MAX_LISTED = 8  # names listed in one error message
 
@@ -160,6 +165,7 @@ class HFCheckpoint:
         self.fp8_block = _fp8_block_size(self.folder)
         infos = _scan(self.folder)
         self.files: tuple[Path, ...] = tuple(sorted({i.file for i in infos.values()}))
+        _check_counts_present(self.folder, infos, config)
         self._plan = _make_plan(infos, config, self.fp8_block)
         self._shapes = {name: _planned_shape(p) for name, p in self._plan.items()}
         _check_experts_consistent(config, self._shapes, self._plan)
@@ -209,10 +215,15 @@ def _fp8_block_size(folder: Path) -> tuple[int, int]:
     """Block size of FP8 scales: config.json quantization_config.weight_block_size, else 128 x 128."""
     try:
         hf = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):
         return (128, 128)  # config problems are reported by ModelConfig.from_hf_json
-    block = (hf.get("quantization_config") or {}).get("weight_block_size") or [128, 128]
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    quant = hf.get("quantization_config") if isinstance(hf, dict) else None
+    if quant is not None and not isinstance(quant, dict):
+        raise CheckpointError(f"{folder / 'config.json'}: quantization_config must be a JSON object, got {quant!r:.60}")
+    block = (quant or {}).get("weight_block_size") or [128, 128]
+    # bool is an int subclass: [true, true] is not a block size.
+    if not (isinstance(block, list) and len(block) == 2
+            and all(type(b) is int and 0 < b <= 2**16 for b in block)):
         raise CheckpointError(
             f"{folder / 'config.json'}: quantization_config.weight_block_size must be two positive "
             f"integers, got {block!r}"
@@ -289,6 +300,36 @@ def _scan(folder: Path) -> dict[str, _Info]:
     return infos
 
 
+def _check_counts_present(folder: Path, infos: dict[str, _Info], config: ModelConfig) -> None:
+    """The config's layer and expert counts must not exceed what the files hold.
+
+    Checked from the header names before planning, which loops over layers and experts: a config.json
+    claiming 1000 layers for a 2-layer checkpoint fails here, in one line, not after 1000 layers of names.
+    """
+    layers = config.num_hidden_layers
+    present = {int(m.group(1)) for key in infos if (m := _LAYER_RE.match(key))}
+    have = sum(1 for i in present if i < layers)
+    if have < layers:
+        missing = min(set(range(have + 1)) - present)  # among 0..have, at least one layer is absent
+        raise CheckpointError(
+            f"config.json says num_hidden_layers={layers} but the checkpoint in {folder} has tensors for {have} "
+            f"layer(s) (none for model.layers.{missing}.*): fix num_hidden_layers, or re-download an incomplete "
+            "checkpoint"
+        )
+    moe = config.moe
+    if moe is None or not any(config.is_moe_layer(i) for i in range(layers)):
+        return
+    if any(key.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for key in infos):
+        return  # fused layout: _expert_plan checks dim 0 against n_routed_experts
+    experts = {int(m.group(1)) for key in infos if (m := _EXPERT_RE.match(key))}
+    if experts and len(experts) < moe.n_routed_experts:
+        raise CheckpointError(
+            f"config.json says n_routed_experts={moe.n_routed_experts} but the checkpoint in {folder} has "
+            f"per-expert tensors for {len(experts)} expert(s): fix n_routed_experts, or re-download an "
+            "incomplete checkpoint"
+        )
+
+
 # ---------------------------------------------------------------------------------------- planning
 def _listed(names: list[str]) -> str:
     shown = ", ".join(names[:_MAX_LISTED])
@@ -318,6 +359,17 @@ def _make_plan(infos: dict[str, _Info], config: ModelConfig, block: tuple[int, i
         consumed.add(key)
         scale_key = key + SCALE_SUFFIX
         scale_info = infos.get(scale_key)
+        if info.dtype not in (*_FLOAT_DTYPES, *_FP8_DTYPES):
+            raise CheckpointError(
+                f"{info.file.name}: tensor {key} is stored as {info.dtype}, but the model needs floating-point "
+                f"weights ({', '.join(_FLOAT_DTYPES)}, or {', '.join(_FP8_DTYPES)} with a {SCALE_SUFFIX}); "
+                "the file is corrupt or not this model's checkpoint: re-download or re-save it"
+            )
+        if scale_info is not None and scale_info.dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{scale_info.file.name}: FP8 scale {scale_key} is stored as {scale_info.dtype}, but scales must be "
+                f"{', '.join(_FLOAT_DTYPES)}; re-download the checkpoint"
+            )
         if info.dtype in _FP8_DTYPES:
             if scale_info is None:
                 raise CheckpointError(
