@@ -1,14 +1,22 @@
-"""Reference generation in PyTorch with a KV cache: the oracle for every later parity check."""
+"""Reference generation in PyTorch with a KV cache: the oracle for every later parity check.
+
+Sampling parameters and prompts are checked by the runtime's own rules (``SamplingParams.validate``,
+``prompt_token_ids``), so this path refuses exactly what the engine refuses. Those two are plain-Python
+leaves of ``runtime`` (numpy only), imported here against the export < runtime layering on purpose:
+one set of rules, not two that drift.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from moeforge.errors import MoeforgeError
 from moeforge.export.model import CausalLM
+from moeforge.runtime.request import prompt_token_ids
+from moeforge.runtime.sampler import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -22,18 +30,13 @@ class SamplingConfig:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
 
-    def validate(self, vocab_size: int) -> None:
-        """Reject parameters that cannot be honoured, naming the parameter."""
-        if self.max_new_tokens < 0:
-            raise MoeforgeError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise MoeforgeError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise MoeforgeError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise MoeforgeError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-            raise MoeforgeError(f"stop token ids must be in [0, {vocab_size})")
+    def validate(self, vocab_size: int, names: Mapping[str, str] | None = None) -> None:
+        """Raise ``SamplingParamsError`` naming the parameter: the engine's rules (``SamplingParams.validate``),
+        with ``max_tokens`` called ``max_new_tokens`` here. ``names`` maps a ``SamplingParams`` field to the
+        name the user knows (e.g. ``{"max_tokens": "--max-new-tokens"}``), as for ``SamplingParams.validate``."""
+        params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                                max_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids)
+        params.validate(vocab_size, {"max_tokens": "max_new_tokens", **(names or {})})
 
 
 @dataclass
@@ -45,25 +48,26 @@ class GenerationResult:
     step_logits: list[torch.Tensor] = field(default_factory=list)
 
 
-def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_positions: int, max_new_tokens: int) -> None:
-    """A prompt must be non-empty, inside the vocabulary and leave room for the new tokens."""
-    if len(prompt_ids) == 0:
-        raise MoeforgeError("the prompt is empty: give at least one token")
-    bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
-    if bad:
-        raise MoeforgeError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    if len(prompt_ids) + max_new_tokens > max_positions:
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_positions: int, max_new_tokens: int) -> list[int]:
+    """The prompt as plain ints: non-empty integer ids inside the vocabulary (the engine's rules,
+    ``prompt_token_ids``) that leave room for the new tokens; else ``MoeforgeError`` (``RequestError``)."""
+    ids = prompt_token_ids(prompt_ids, vocab_size)
+    if len(ids) + max_new_tokens > max_positions:
         raise MoeforgeError(
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"{max_positions} positions; shorten the prompt or lower --max-new-tokens (nothing is truncated)"
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"{max_positions} positions; shorten the prompt or lower max_new_tokens (the CLI's --max-new-tokens); "
+            "nothing is truncated"
         )
+    return ids
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
     """Pick the next token from logits [V] (float32)."""
     if cfg.temperature == 0.0:
         return int(torch.argmax(logits))
-    scaled = logits / cfg.temperature
+    # As the engine's sampler: shift so the max maps to 0 (no inf - inf), divide in float64 (a temperature below
+    # float32's smallest would round to 0); the far tail becomes -inf, probability 0.
+    scaled = ((logits - logits.max()).double() / cfg.temperature).float()
     if cfg.top_k > 0:
         kth = torch.topk(scaled, min(cfg.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -85,10 +89,10 @@ def generate_stream(
     """Yield (token id, logits [V] it was sampled from) one at a time: prefill, then cached decode."""
     config = model.config
     cfg.validate(config.vocab_size)
-    check_prompt(prompt_ids, config.vocab_size, config.max_position_embeddings, cfg.max_new_tokens)
+    prompt = check_prompt(prompt_ids, config.vocab_size, config.max_position_embeddings, cfg.max_new_tokens)
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     device = model.output_embedding.device
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.int64, device=device)  # [1, P]
+    ids = torch.tensor([prompt], dtype=torch.int64, device=device)  # [1, P]
     positions = torch.arange(ids.shape[1], device=device)[None]
     past = None
     for _ in range(cfg.max_new_tokens):

@@ -13,10 +13,11 @@ keeps its own map because a request must outlive the scheduler's: an aborted or 
 is reported by the next ``step``, after the scheduler has let it go.
 
 A bad request fails alone: it is rejected with a clear error (or finished with one) and the engine
-keeps serving the others. A step whose backend call (or sampling) raises fails alone too: the
-requests it scheduled finish with ``finish_reason="error"`` and the exception's message, the
-prefix-cache keys it registered are dropped, and the next steps serve the other and new requests
-as usual.
+keeps serving the others; ``generate`` checks every prompt of its batch before it queues any. A step
+whose backend call (or sampling) raises fails alone too: the requests it scheduled finish with
+``finish_reason="error"`` and the exception's message, the prefix-cache keys it registered are
+dropped, and the next steps serve the other and new requests as usual. ``from_artifact`` refuses a
+configuration whose caches cannot fit in host memory before allocating them.
 """
 
 from __future__ import annotations
@@ -25,29 +26,30 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from moeforge.artifact import Artifact, load_artifact
 from moeforge.errors import MoeforgeError
 from moeforge.export.tokenizer import Tokenizer
+from moeforge.kv_layout import KVCacheSpec
 from moeforge.runtime.backends.base import Backend, RowInput, StepInput
 from moeforge.runtime.backends.onnxruntime import OrtBackend
 from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
 from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
-from moeforge.runtime.request import Request, RequestMetrics, RequestStatus
+from moeforge.runtime.request import Request, RequestMetrics, RequestStatus, prompt_token_ids
+from moeforge.runtime.request import RequestError as RequestError  # re-exported: raised by add_request
 from moeforge.runtime.sampler import Sampler, SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PARAMS = SamplingParams()
-
-
-class RequestError(MoeforgeError):
-    """A request that cannot be served as given (the message says why and what to change)."""
 
 
 @dataclass
@@ -104,11 +106,19 @@ class EngineConfig:
     profile: bool = False  # time kernels (costs a little) so attention_time_share() can answer
 
     def __post_init__(self) -> None:
-        if self.kv_blocks is not None and self.kv_blocks < 1:
-            raise EngineConfigError(f"EngineConfig(kv_blocks={self.kv_blocks}): give at least 1 block, "
+        def is_int(value: object) -> bool:
+            return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+        if self.kv_blocks is not None and not (is_int(self.kv_blocks) and self.kv_blocks >= 1):
+            raise EngineConfigError(f"EngineConfig(kv_blocks={self.kv_blocks!r}): give at least 1 block, "
                                     "or None for the default (every slot can reach max_seq_len)")
-        if self.block_size is not None and self.block_size < 1:
-            raise EngineConfigError(f"EngineConfig(block_size={self.block_size}) must be >= 1 (or None)")
+        for name, minimum, optional in (("max_num_seqs", 1, False), ("max_num_batched_tokens", 1, False),
+                                        ("block_size", 1, True), ("long_prefill_chunk", 1, True),
+                                        ("threads", 0, True)):
+            value = getattr(self, name)
+            if not (value is None and optional) and not (is_int(value) and value >= minimum):
+                raise EngineConfigError(f"EngineConfig({name}={value!r}) must be an integer >= {minimum}"
+                                        + (" (or None)" if optional else ""))
 
     def num_kv_blocks(self, num_slots: int, max_seq_len: int, block_size: int) -> int:
         """``kv_blocks``, or the default: ``num_slots`` sequences of ``max_seq_len`` tokens each."""
@@ -144,7 +154,10 @@ class LLMEngine:
             block_size, num_blocks = pool.block_size, pool.num_blocks
         else:
             block_size = config.block_size or 16
-            num_blocks = config.num_kv_blocks(backend.num_slots, backend.max_seq_len, block_size)
+            # Blocks beyond what the slots can hold could never be used; capping them keeps a huge kv_blocks
+            # from costing the block pool's bookkeeping (one object per block).
+            slots_blocks = backend.num_slots * -(-backend.max_seq_len // block_size)
+            num_blocks = min(config.num_kv_blocks(backend.num_slots, backend.max_seq_len, block_size), slots_blocks)
         self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size, enable_prefix_caching=pool is not None))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=min(config.max_num_seqs, backend.num_slots),
@@ -159,7 +172,9 @@ class LLMEngine:
 
     @classmethod
     def from_artifact(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
-        """Open an artifact directory (hashes verified) on ONNX Runtime, CPU by default."""
+        """Open an artifact directory (hashes verified) on ONNX Runtime, CPU by default. Raises
+        ``EngineConfigError`` before allocating anything when ``config`` needs more host memory than is
+        available (see ``check_host_memory``)."""
         config = config or EngineConfig()
         artifact = load_artifact(path)
         manifest = artifact.manifest
@@ -170,14 +185,17 @@ class LLMEngine:
         if manifest.engine is not None:  # --target trt: the engine plan on a GPU
             from moeforge.runtime.backends.tensorrt import TensorRTBackend  # lazy: needs TensorRT and a GPU
 
+            # Its caches are device memory, which TensorRT/torch account for; the host check does not apply.
             backend = TensorRTBackend.from_artifact(artifact.root, num_slots=config.max_num_seqs)
         elif kv.block_size is not None:  # a paged artifact
             config.check_block_size(kv.block_size)
             num_blocks = config.num_kv_blocks(config.max_num_seqs, kv.max_seq_len, kv.block_size)
+            check_host_memory(config, kv, vocab_size, num_blocks)
             backend = PagedOrtBackend(artifact.model_path, kv_cache=kv, num_blocks=num_blocks,
                                       num_slots=config.max_num_seqs, vocab_size=vocab_size, threads=config.threads,
                                       providers=providers, profile=config.profile)
         else:
+            check_host_memory(config, kv, vocab_size)
             backend = OrtBackend(artifact.model_path, kv_cache=kv, num_slots=config.max_num_seqs,
                                  max_seq_len=kv.max_seq_len, vocab_size=vocab_size, threads=config.threads,
                                  providers=providers, profile=config.profile)
@@ -186,25 +204,32 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams = DEFAULT_PARAMS) -> int:
-        """Queue a request; returns its id. Raises ``RequestError`` (nothing queued) for bad input."""
+        """Queue a request; returns its id. Raises ``RequestError`` or ``SamplingParamsError`` (nothing queued)
+        for bad input."""
+        ids, params = self._check_request(prompt, params)
+        return self._queue(ids, params)
+
+    def _check_request(self, prompt: object, params: object) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the params to run with, or the error a bad request raises."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.backend.vocab_size)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this artifact has no tokenizer: pass prompt token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = prompt_token_ids(self.tokenizer.encode(prompt), self.backend.vocab_size)
         else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise RequestError("the prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.backend.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.backend.vocab_size})")
+            ids = prompt_token_ids(prompt, self.backend.vocab_size)
         if len(ids) + params.max_tokens > self.backend.max_seq_len:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the artifact's max_seq_len "
-                f"{self.backend.max_seq_len}; shorten the prompt or lower max_tokens (nothing is truncated)")
+                f"{self.backend.max_seq_len}; shorten the prompt or lower max_tokens (the CLI's --max-new-tokens); "
+                "nothing is truncated")
         if not params.ignore_eos and self.eos_token_ids:
             params = dataclasses.replace(params, stop_token_ids=tuple({*params.stop_token_ids, *self.eos_token_ids}))
+        return ids, params
+
+    def _queue(self, ids: list[int], params: SamplingParams) -> int:
         request = Request(next(self._ids), ids, params)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
@@ -332,19 +357,37 @@ class LLMEngine:
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = DEFAULT_PARAMS) -> list[RequestOutput]:
-        """Run prompts to completion together; a bad prompt yields an output with ``error`` set."""
+        """Run prompts to completion together; a bad prompt (or its params) yields an output with ``error``
+        set, naming its index. Every prompt is checked before any is queued, and if the run itself is
+        interrupted the batch's requests are aborted and forgotten: the engine never keeps half a batch.
+        Raises ``RequestError`` (nothing queued) when the batch itself is malformed."""
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+            raise RequestError(f"generate() takes a list of prompts, got {type(prompts).__name__}; "
+                               "for one prompt pass [prompt]")
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        results: dict[int, RequestOutput] = {}
-        order: list[int | RequestOutput] = []
-        for prompt, p in zip(prompts, per_prompt, strict=True):
+        if len(per_prompt) != len(prompts):
+            raise RequestError(f"generate() got {len(per_prompt)} SamplingParams for {len(prompts)} prompts: "
+                               "give one SamplingParams, or one per prompt")
+        checked: list[tuple[list[int], SamplingParams] | RequestOutput] = []
+        for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             try:
-                order.append(self.add_request(prompt, p))
+                checked.append(self._check_request(prompt, p))
             except MoeforgeError as exc:
-                order.append(RequestOutput(-1, [], [], None, True, "error", str(exc)))
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    results[out.request_id] = out
+                checked.append(RequestOutput(-1, [], [], None, True, "error", f"prompt {index}: {exc}"))
+        order = [item if isinstance(item, RequestOutput) else self._queue(*item) for item in checked]
+        results: dict[int, RequestOutput] = {}
+        try:
+            while self.has_unfinished():
+                for out in self.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        except BaseException:
+            # Interrupted (Ctrl-C, an unexpected error): drop this batch so later calls start clean.
+            for item in order:
+                if isinstance(item, int) and item in self.requests:
+                    self.abort(item)
+                    del self.requests[item]
+            raise
         return [item if isinstance(item, RequestOutput) else results[item] for item in order]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams = DEFAULT_PARAMS) -> Iterator[RequestOutput]:
@@ -364,3 +407,57 @@ def _tokenizer_and_eos(artifact: Artifact) -> tuple[Tokenizer | None, tuple[int,
     eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
         artifact.manifest.model_config.get("eos_token_ids", ()))
     return tokenizer, eos
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory this process can still allocate, None where unknown: Linux's MemAvailable (free
+    plus reclaimable cache), else the free pages (``SC_AVPHYS_PAGES``), lowered to what a cgroup v2 limit (a
+    container's) leaves."""
+    found = []
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        meminfo = ""
+    found += [int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
+    if not found:
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):  # not every platform has these names
+            pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):  # no cgroup v2 limit
+        pass
+    return min(found) if found else None
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:,.2f} GiB"
+
+
+def check_host_memory(config: EngineConfig, kv: KVCacheSpec, vocab_size: int, num_blocks: int | None = None) -> None:
+    """Refuse, before anything is allocated, an ``EngineConfig`` whose buffers cannot fit in the host memory
+    ``available_memory()`` reports. Counted (a lower bound; weights and other activations come on top): the KV
+    cache from ``kv`` -- ``num_blocks`` pool blocks of a paged artifact, else ``max_num_seqs`` contiguous rows of
+    ``max_seq_len`` tokens -- and the float32 logits of one full step. Only what certainly cannot fit is refused."""
+    limit = available_memory()
+    if limit is None:
+        return
+    if num_blocks is not None:
+        cache = num_blocks * kv.bytes_per_block
+        what = f"KV cache {num_blocks:,} blocks x {kv.bytes_per_block:,} bytes"
+        fix = "lower kv_blocks (or max_num_seqs, which sets the default)"
+    else:
+        cache = kv.bytes_for(kv.max_seq_len, config.max_num_seqs)
+        what = f"KV cache {config.max_num_seqs:,} sequences x {kv.max_seq_len} tokens x {kv.bytes_per_token:,} bytes"
+        fix = "lower max_num_seqs"
+    step_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * kv.max_seq_len)
+    logits = step_tokens * vocab_size * 4
+    if cache + logits > limit:
+        raise EngineConfigError(
+            f"EngineConfig(max_num_seqs={config.max_num_seqs}, kv_blocks={config.kv_blocks}, max_num_batched_tokens="
+            f"{config.max_num_batched_tokens}) needs at least {_gib(cache + logits)} of host memory ({what} = "
+            f"{_gib(cache)}; step logits {step_tokens:,} tokens x {vocab_size:,} x 4 bytes = {_gib(logits)}) and "
+            f"{_gib(limit)} is available: {fix}, or max_num_batched_tokens if the logits dominate")

@@ -19,11 +19,39 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from moeforge.errors import MoeforgeError
 from moeforge.runtime.sampler import SamplingParams
+
+
+class RequestError(MoeforgeError):
+    """A request that cannot be served as given (the message says why and what to change)."""
+
+
+def prompt_token_ids(prompt: object, vocab_size: int) -> list[int]:
+    """A prompt given as token ids, checked and as plain ints: a non-empty sequence (or 1-D integer array or
+    tensor) of integers in [0, vocab_size). Raises ``RequestError`` naming the first bad position; nothing is
+    converted silently (2.7 is not token 2, True is not token 1). Shared by the engine and the PyTorch reference."""
+    if getattr(prompt, "ndim", None) == 1 and hasattr(prompt, "tolist"):  # numpy array or torch tensor
+        prompt = prompt.tolist()
+    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
+        raise RequestError(f"a prompt must be text or a sequence of integer token ids, got {type(prompt).__name__}")
+    if not prompt:
+        raise RequestError("the prompt is empty: give at least one token")
+    ids: list[int] = []
+    for pos, token in enumerate(prompt):
+        if not isinstance(token, int | np.integer) or isinstance(token, bool):
+            raise RequestError(f"prompt token {pos} is {token!r} ({type(token).__name__}): token ids must be integers")
+        ids.append(int(token))
+    bad = [pos for pos, token in enumerate(ids) if not 0 <= token < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token ids {[ids[p] for p in bad[:5]]} (positions {bad[:5]}) are outside the "
+                           f"vocabulary [0, {vocab_size})")
+    return ids
 
 
 class RequestStatus(enum.Enum):

@@ -35,7 +35,7 @@ predicted, independent of how it was sampled, and so stay comparable across samp
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +44,7 @@ from moeforge.errors import MoeforgeError
 
 MAX_LOGPROBS = 20
 MAX_PRESENCE_PENALTY = 2.0  # vLLM and the OpenAI API accept [-2, 2]
+MAX_SEED = 2**64 - 1  # the widest seed both numpy's and torch's generators take
 
 
 class SamplingParamsError(MoeforgeError, ValueError):
@@ -75,35 +76,47 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        # Accept lists for the stop fields but store tuples, so the params stay hashable.
+        # Accept lists for the stop fields but store tuples, so the params stay hashable. One string is one stop
+        # string: tuple("ab") would silently make each of its characters a stop string.
+        stops = self.stop_strings
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        object.__setattr__(self, "stop_strings", (stops,) if isinstance(stops, str) else tuple(stops))
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise ``SamplingParamsError`` naming the first parameter outside its valid range."""
+    def validate(self, vocab_size: int, names: Mapping[str, str] | None = None) -> None:
+        """Raise ``SamplingParamsError`` naming the first parameter outside its valid range. The one set of
+        rules for every backend: the PyTorch reference (``export/generate.py``) validates through it too.
+        ``names`` maps a field to the name the caller's user knows it by (a CLI flag, another API's field);
+        ``SamplingParamsError.param`` is then that name."""
 
         def check(ok: bool, param: str, message: str) -> None:
             if not ok:
+                param = (names or {}).get(param, param)
                 raise SamplingParamsError(param, message)
 
         def is_int(x: object) -> bool:
             return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
-        check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
-              f"must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        check(is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k}")
-        check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1] (1 = off), got {self.top_p}")
-        check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1] (0 = off), got {self.min_p}")
-        check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-              f"must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
-        check(-MAX_PRESENCE_PENALTY <= self.presence_penalty <= MAX_PRESENCE_PENALTY, "presence_penalty",
-              f"must be in [-{MAX_PRESENCE_PENALTY}, {MAX_PRESENCE_PENALTY}] (0 = off), got {self.presence_penalty}")
-        check(self.seed is None or (is_int(self.seed) and self.seed >= 0), "seed",
-              f"must be None or an integer >= 0, got {self.seed}")
+        def is_real(x: object) -> bool:
+            # Checked before any comparison: a str or None would raise TypeError, a bool pass as 0/1.
+            return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+
+        t, p, m = self.temperature, self.top_p, self.min_p
+        check(is_real(t) and math.isfinite(t) and t >= 0, "temperature",
+              f"must be a finite number >= 0 (0 = greedy), got {t!r}")
+        check(is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        check(is_real(p) and 0.0 < p <= 1.0, "top_p", f"must be in (0, 1] (1 = off), got {p!r}")
+        check(is_real(m) and 0.0 <= m <= 1.0, "min_p", f"must be in [0, 1] (0 = off), got {m!r}")
+        rp, pp = self.repetition_penalty, self.presence_penalty
+        check(is_real(rp) and math.isfinite(rp) and rp > 0, "repetition_penalty",
+              f"must be a finite number > 0 (1 = off), got {rp!r}")
+        check(is_real(pp) and -MAX_PRESENCE_PENALTY <= pp <= MAX_PRESENCE_PENALTY, "presence_penalty",
+              f"must be in [-{MAX_PRESENCE_PENALTY}, {MAX_PRESENCE_PENALTY}] (0 = off), got {pp!r}")
+        check(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
+              f"must be None or an integer in [0, 2**64 - 1], got {self.seed!r}")
         check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-              f"must be an integer >= 1, got {self.max_tokens}")
+              f"must be an integer >= 1, got {self.max_tokens!r}")
         check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-              f"must be an integer in [0, {MAX_LOGPROBS}] (0 = only the chosen token's), got {self.logprobs}")
+              f"must be an integer in [0, {MAX_LOGPROBS}] (0 = only the chosen token's), got {self.logprobs!r}")
         bad = [t for t in self.stop_token_ids if not (is_int(t) and 0 <= t < vocab_size)]
         check(not bad, "stop_token_ids", f"must be token ids in [0, {vocab_size}), got {bad[:5]}")
         check(all(isinstance(s, str) and s for s in self.stop_strings), "stop_strings",
@@ -162,9 +175,11 @@ def apply_presence_penalty(logits: np.ndarray, output_ids: Sequence[Sequence[int
 
 def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
     """(logits - row max) / temperature, temperature > 0. The shift leaves the distribution as is
-    and keeps a tiny temperature from overflowing: the max maps to 0, the rest to <= 0."""
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    tempered: np.ndarray = shifted / np.asarray(temperature, dtype=logits.dtype)[:, None]
+    and keeps a tiny temperature from overflowing: the max maps to 0, the rest to <= 0 (-inf allowed).
+    Divided in float64: a temperature below float32's smallest (~1e-45) would round to 0 and give NaN."""
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    with np.errstate(over="ignore"):  # the far tail becomes -inf: probability 0, as intended
+        tempered: np.ndarray = (shifted / np.asarray(temperature, dtype=np.float64)[:, None]).astype(logits.dtype)
     return tempered
 
 

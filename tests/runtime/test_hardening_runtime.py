@@ -1,0 +1,248 @@
+"""Runtime input hardening (issue 13): one set of sampling rules for both backends (ONNX Runtime engine and the
+PyTorch reference), whole-batch prompt checks in ``generate``, and engine sizing refused before it allocates."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeforge.compile import CompileOptions, compile_model
+from moeforge.export.generate import SamplingConfig, generate, generate_stream
+from moeforge.export.loader import load_model
+from moeforge.export.model import CausalLM
+from moeforge.kv_layout import paged_spec
+from moeforge.runtime import engine as engine_module
+from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine, RequestError, check_host_memory
+from moeforge.runtime.sampler import SamplingParams, SamplingParamsError
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+# What `moeforge run` would pass (flag names for SamplingParams fields), so both paths speak of its flags.
+RUN_FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+             "top_p": "--top-p", "seed": "--seed"}
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama") / "artifact"
+    return compile_model(CompileOptions(model="tiny-llama", output_dir=out, max_seq_len=64, progress=False)).output_dir
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_artifact: Path) -> LLMEngine:
+    return LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=4))
+
+
+@pytest.fixture(scope="module")
+def torch_model() -> CausalLM:
+    return load_model("tiny-llama").model
+
+
+def _assert_idle(engine: LLMEngine) -> None:
+    assert not engine.requests and not engine.scheduler.requests and engine.kv_blocks_in_use == 0
+
+
+# ---- item 9: one validation for both backends -----------------------------------------------------------
+
+BAD_SAMPLING = [
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": "0.7"}, "temperature"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+]
+
+
+def _torch_config(**kwargs: object) -> SamplingConfig:
+    """The SamplingConfig equal to SamplingParams(**kwargs) (its max_tokens is max_new_tokens)."""
+    if "max_tokens" in kwargs:
+        kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
+    return SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "param"), BAD_SAMPLING)
+def test_both_backends_refuse_the_same_sampling_params(kwargs, param, engine, torch_model):
+    with pytest.raises(SamplingParamsError) as ort:
+        engine.add_request([1, 2, 3], SamplingParams(**kwargs))
+    assert ort.value.param == param
+    _assert_idle(engine)
+    with pytest.raises(SamplingParamsError) as ref:
+        next(generate_stream(torch_model, [1, 2, 3], _torch_config(**kwargs)))
+    torch_name = "max_new_tokens" if param == "max_tokens" else param
+    assert ref.value.param == torch_name
+    # The same rule, word for word, under each path's own field name.
+    assert str(ref.value).removeprefix(torch_name) == str(ort.value).removeprefix(param)
+
+
+def test_the_widest_valid_values_pass_both_backends(engine, torch_model):
+    for seed in (0, 2**64 - 1):
+        params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=seed, max_tokens=1, ignore_eos=True)
+        assert len(engine.generate([[1, 2, 3]], params)[0].token_ids) == 1
+        cfg = SamplingConfig(max_new_tokens=1, temperature=0.8, top_k=5, top_p=0.9, seed=seed)
+        assert len(generate(torch_model, [1, 2, 3], cfg).token_ids) == 1
+    _assert_idle(engine)
+
+
+def test_names_map_fields_to_cli_flags_on_both_paths():
+    with pytest.raises(SamplingParamsError) as ort:
+        SamplingParams(max_tokens=0).validate(100, names=RUN_FLAGS)
+    with pytest.raises(SamplingParamsError) as ref:
+        SamplingConfig(max_new_tokens=0).validate(100, names=RUN_FLAGS)
+    assert ort.value.param == ref.value.param == "--max-new-tokens"
+    assert str(ort.value) == str(ref.value) == "--max-new-tokens must be an integer >= 1, got 0"
+    with pytest.raises(SamplingParamsError, match=r"^--temperature must be a finite number"):
+        SamplingConfig(temperature=math.nan).validate(100, names=RUN_FLAGS)
+    with pytest.raises(SamplingParamsError, match=r"^max_new_tokens "):  # without names: its own field name
+        SamplingConfig(max_new_tokens=0).validate(100)
+
+
+def test_one_stop_string_is_not_split_into_characters():
+    assert SamplingParams(stop_strings="\n\n").stop_strings == ("\n\n",)
+    assert SamplingParams(stop_strings=["ab", "c"]).stop_strings == ("ab", "c")
+
+
+def test_a_tiny_temperature_samples_the_argmax_on_both_backends(engine, torch_model):
+    """1e-46 is a valid temperature (> 0) that rounds to 0 in float32: it must act as greedy, not give NaN."""
+    prompt = [5, 17, 42, 8]
+    want = engine.generate([prompt], GREEDY)[0].token_ids
+    tiny = SamplingParams(temperature=1e-46, seed=3, max_tokens=6, ignore_eos=True)
+    assert engine.generate([prompt], tiny)[0].token_ids == want
+    want_ref = generate(torch_model, prompt, SamplingConfig(max_new_tokens=6)).token_ids
+    assert generate(torch_model, prompt, SamplingConfig(max_new_tokens=6, temperature=1e-46, seed=3)).token_ids \
+        == want_ref
+
+
+# ---- item 10: prompts checked whole, nothing half-queued -------------------------------------------------
+
+def test_generate_checks_every_prompt_before_queueing_and_keeps_serving(engine):
+    prompts = [[1, 2, 3], None, [4, 2.7, 5], [True, 2], [], (6, 7, 8), np.array([9, 10], np.int64)]
+    outputs = engine.generate(prompts, GREEDY)
+    assert [o.error is None for o in outputs] == [True, False, False, False, False, True, True]
+    assert outputs[1].error.startswith("prompt 1: a prompt must be text or a sequence")
+    assert outputs[2].error.startswith("prompt 2: prompt token 1 is 2.7 (float)")
+    assert outputs[3].error.startswith("prompt 3: prompt token 0 is True (bool)")
+    assert "empty" in outputs[4].error
+    assert all(len(outputs[i].token_ids) == 6 for i in (0, 5, 6))
+    _assert_idle(engine)
+    alone = engine.generate([[1, 2, 3]], GREEDY)[0]  # still serving, and a batch did not change the tokens
+    assert alone.token_ids == outputs[0].token_ids
+    _assert_idle(engine)
+
+
+def test_a_malformed_batch_raises_and_queues_nothing(engine):
+    with pytest.raises(RequestError, match="2 prompts"):
+        engine.generate([[1, 2, 3], [4, 5]], [GREEDY])
+    _assert_idle(engine)
+    with pytest.raises(RequestError, match="list of prompts"):
+        engine.generate("hello", GREEDY)
+    _assert_idle(engine)
+    assert engine.generate([[1, 2, 3]], GREEDY)[0].error is None
+
+
+@pytest.mark.parametrize("bad", [2.7, np.float32(3.0), True, "5", None])
+def test_add_request_refuses_non_integer_ids_naming_the_position(engine, bad):
+    with pytest.raises(RequestError, match=r"prompt token 2 is .*: token ids must be integers"):
+        engine.add_request([1, 2, bad])
+    _assert_idle(engine)
+
+
+def test_add_request_refuses_bad_params_type_and_accepts_numpy_ids(engine):
+    with pytest.raises(RequestError, match="SamplingParams"):
+        engine.add_request([1, 2], {"temperature": 0.0})
+    with pytest.raises(RequestError, match=r"positions \[1\]"):
+        engine.add_request([1, 512])
+    _assert_idle(engine)
+    request_id = engine.add_request(np.array([1, 2, 3], np.int32), GREEDY)
+    assert engine.requests[request_id].prompt_token_ids == [1, 2, 3]
+    assert all(type(t) is int for t in engine.requests[request_id].prompt_token_ids)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_torch_path_refuses_the_same_prompts(torch_model):
+    for bad, message in (([1, 2.7], "prompt token 1 is 2.7"), ([], "empty"), ([1, 512], "outside the vocabulary")):
+        with pytest.raises(RequestError, match=message):
+            next(generate_stream(torch_model, bad, SamplingConfig(max_new_tokens=2)))
+
+
+def test_an_interrupted_generate_leaves_no_request_behind(tiny_artifact, monkeypatch):
+    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=2))
+    real_step, calls = engine.step, []
+
+    def step_then_interrupt():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([[1, 2, 3], [4, 5, 6], [7, 8]], GREEDY)
+    _assert_idle(engine)
+    monkeypatch.setattr(engine, "step", real_step)
+    assert [len(o.token_ids) for o in engine.generate([[1, 2, 3], [9]], GREEDY)] == [6, 6]
+    _assert_idle(engine)
+
+
+# ---- item 7: sizing refused before anything is allocated ---------------------------------------------------
+
+def _no_backend(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a backend (and its caches) was built for a refused configuration")
+
+
+def test_a_huge_max_num_seqs_is_refused_before_allocating(tiny_artifact, monkeypatch):
+    monkeypatch.setattr(engine_module, "OrtBackend", _no_backend)
+    monkeypatch.setattr(engine_module, "PagedOrtBackend", _no_backend)
+    start = time.perf_counter()
+    with pytest.raises(EngineConfigError) as refused:
+        LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=10**9))
+    assert time.perf_counter() - start < 30
+    message = str(refused.value)
+    assert "EngineConfig(max_num_seqs=1000000000" in message and "1,000,000,000 sequences x 64 tokens x 512 bytes" \
+        in message and "GiB is available: lower max_num_seqs" in message
+
+
+def test_the_memory_limit_is_the_available_memory(tiny_artifact, monkeypatch):
+    monkeypatch.setattr(engine_module, "available_memory", lambda: 2**30)
+    # 100,000 x 64 tokens x 512 bytes = 3.05 GiB of contiguous cache > 1 GiB.
+    with pytest.raises(EngineConfigError, match=r"needs at least 3\.05 GiB .* and 1\.00 GiB is available"):
+        LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=100_000))
+    # A huge token budget is bounded by what the slots can hold (4 x 64 tokens): not refused.
+    fits = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=4, max_num_batched_tokens=10**9))
+    assert fits.generate([[1, 2, 3]], GREEDY)[0].error is None
+
+
+def test_paged_pools_are_sized_from_kv_blocks(monkeypatch, torch_model):
+    kv = paged_spec(torch_model.config, max_seq_len=64, block_size=16)
+    monkeypatch.setattr(engine_module, "available_memory", lambda: 2**30)
+    check_host_memory(EngineConfig(max_num_seqs=4), kv, 512, num_blocks=16)
+    with pytest.raises(EngineConfigError, match=r"1,000,000,000 blocks x 8,192 bytes .* lower kv_blocks"):
+        check_host_memory(EngineConfig(kv_blocks=10**9), kv, 512, num_blocks=10**9)
+    monkeypatch.setattr(engine_module, "available_memory", lambda: None)  # unknown: nothing refused
+    check_host_memory(EngineConfig(kv_blocks=10**9), kv, 512, num_blocks=10**9)
+
+
+def test_kv_blocks_beyond_the_contiguous_slots_are_capped(tiny_artifact):
+    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=2, kv_blocks=100_000))
+    assert engine.kv.config.num_blocks == 2 * (64 // 16)  # what two slots of 64 tokens can hold
+    assert engine.generate([[1, 2, 3]], GREEDY)[0].error is None
+
+
+@pytest.mark.parametrize("kwargs", [{"max_num_seqs": 0}, {"max_num_seqs": 2.5}, {"max_num_batched_tokens": 0},
+                                    {"long_prefill_chunk": 0}, {"threads": -1}, {"kv_blocks": True},
+                                    {"block_size": 1.5}])
+def test_engine_config_refuses_non_positive_or_non_integer_sizes(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(EngineConfigError, match=rf"EngineConfig\({name}="):
+        EngineConfig(**kwargs)
