@@ -73,6 +73,25 @@ class _MoEBoundary(nn.Module):
         return out
 
 
+# torch.onnx logs one warning per torchvision op it cannot register (torchvision is not a dependency here).
+_REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
+
+
+def _not_torchvision_skip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("torchvision is not installed")
+
+
+@contextlib.contextmanager
+def _quiet_torchvision_skips() -> Iterator[None]:
+    """Drop exactly the exporter's "torchvision is not installed. Skipping torchvision::..." warnings."""
+    logger = logging.getLogger(_REGISTRATION_LOGGER)
+    logger.addFilter(_not_torchvision_skip)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_torchvision_skip)
+
+
 @contextlib.contextmanager
 def _moe_boundaries(model: CausalLM) -> Iterator[None]:
     # Swap in place (no model copy: a copy would double memory) and always restore.
@@ -101,7 +120,7 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
     # Example sizes must not be 0 or 1: torch.export specialises such dims to constants.
     example = (torch.zeros(2, 3, dtype=torch.int64), torch.arange(3, dtype=torch.int64).expand(2, 3).contiguous())
-    with _moe_boundaries(model), warnings.catch_warnings(), torch.no_grad():
+    with _moe_boundaries(model), _quiet_torchvision_skips(), warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter is chatty about deprecated pytree APIs
         program = torch.onnx.export(
             _StatelessLM(model, mark_layers), example, dynamo=True, opset_version=OPSET, verbose=False,

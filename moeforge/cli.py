@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from moeforge import __version__
 from moeforge.artifact import load_artifact
@@ -21,12 +24,31 @@ from moeforge.golden import check_engine
 from moeforge.inspect import summarize
 from moeforge.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.parity import default_prompt, layer_table, run_layer_parity, run_parity
-from moeforge.quant.schemes import ACCURACY_LEVELS, KV_SCHEMES, LM_HEAD_KINDS, SCHEMES
+from moeforge.quant.schemes import ACCURACY_LEVELS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.targets import TARGETS
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+DESCRIPTION = ("Compile LLMs into ONNX Runtime (--target ort) or TensorRT (--target trt) artifacts, run them, and "
+               "check them against PyTorch. Exit codes: 0 success, 1 failed check, 2 bad input.")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends each option's default to its help, unless it is None / False or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and default is not None and default is not False and default is not argparse.SUPPRESS
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _subcommand(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -37,41 +59,46 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeforge", description=__doc__)
+    parser = argparse.ArgumentParser(prog="moeforge", description=DESCRIPTION, formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"moeforge {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="generate text from an artifact, a checkpoint, a .gguf or a preset")
+    run = _subcommand(sub, "run", "generate text from an artifact, a checkpoint, a .gguf or a preset")
     run.add_argument("model", help="artifact directory, HF folder, .gguf file, or a preset / built-in name")
     run.add_argument("--backend", choices=["torch", "onnxruntime"], default=None,
-                     help="onnxruntime for artifacts (default), torch (the PyTorch reference) for checkpoints")
+                     help="onnxruntime for artifacts (default; a TensorRT artifact runs its engine on a CUDA GPU), "
+                          "torch (the PyTorch reference) for checkpoints")
     run.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     prompt = run.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenised with the model's tokenizer)")
     prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids, e.g. 1,2,3")
-    run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     run.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     run.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     run.add_argument("--mla-impl", choices=["absorb", "naive"], default="absorb", help="MLA cache layout")
     run.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    run.add_argument("--no-weight-check", dest="check_weights", action="store_false",
+                     help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
 
-    comp = sub.add_parser("compile", help="compile a model into an ONNX Runtime artifact directory")
+    comp = _subcommand(sub, "compile", "compile a model into an artifact directory: an ONNX Runtime graph "
+                       "(--target ort) or a TensorRT engine (--target trt)")
     comp.add_argument("model", help="HF folder, .gguf file, or a preset / built-in name")
     comp.add_argument("-o", "--output", required=True, help="artifact directory to create")
     comp.add_argument("--target", choices=list(TARGETS), default="ort",
-                      help="ort (ONNX Runtime, CPU by default) or trt (TensorRT engine)")
+                      help="ort (an ONNX Runtime graph; runs on CPU) or trt (a TensorRT engine; runs on an "
+                           "NVIDIA GPU with TensorRT)")
     comp.add_argument("--trt-impl", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
                       help="trt: full TensorRT (builds for the local GPU) or TensorRT-RTX (ahead of time, "
-                      "no GPU needed)")
+                      "no GPU needed); auto: full TensorRT if installed, else TensorRT-RTX")
     comp.add_argument("--sm", type=int, default=None,
-                      help="trt: target compute capability, e.g. 89 (TensorRT-RTX default; "
-                      "full TensorRT: the local GPU)")
+                      help="trt: target compute capability, e.g. 89 (default: 89 with TensorRT-RTX; full "
+                      "TensorRT builds for the local GPU)")
     comp.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16", help="trt: engine precision (default fp16)")
     comp.add_argument("--max-batch", type=int, default=8, help="trt: largest decode batch of the engine's profile")
     comp.add_argument("--max-seq-len", type=int, default=None,
@@ -101,28 +128,32 @@ def build_parser() -> argparse.ArgumentParser:
                       help="w8a8: comma-separated weight-name patterns whose MatMul activations stay fp32 "
                            "(default down_proj, where Llama-style models put massive activations; w8a8-fp8 and "
                            "'': none)")
-    comp.add_argument("--kv-quant", choices=list(KV_SCHEMES), default=None,
+    comp.add_argument("--kv-quant", choices=KV_CHOICES, default=None,
                       help="int8: KV cache stored as int8 with per-head scales calibrated on --calib, read and "
-                           "written by GroupQueryAttention (4x smaller than fp32; works with or without --quant). "
-                           "fp8: refused on ONNX Runtime CPU (no float8 cache kernel)")
+                           "written by GroupQueryAttention (4x smaller than fp32; works with or without --quant) "
+                           "(default: the activations' type)")
     comp.add_argument("--lm-head", choices=LM_HEAD_KINDS, default=None,
                       help="precision of the LM head under --quant (default: int8 for int4 schemes, which costs "
                            "decode speed but keeps top-1 agreement; otherwise the scheme's own)")
-    comp.add_argument("--accuracy-level", type=int, choices=ACCURACY_LEVELS, default=None,
-                      help="ONNX Runtime MatMulNBits/QMoE compute type: 4 = int8 activations inside the kernel "
-                           "(fastest, the default), 0 = fp32 activations (exact w.r.t. the quantised weights)")
+    comp.add_argument("--accuracy-level", type=int, choices=list(ACCURACY_LEVELS), default=None,
+                      help="ONNX Runtime MatMulNBits/QMoE compute type: "
+                           + "; ".join(f"{level} = {what}" for level, what in ACCURACY_LEVELS.items())
+                           + " (default: 4; ONNX Runtime's levels 1-3 compute in fp32 on CPU, like 0)")
+    comp.add_argument("--no-weight-check", dest="check_weights", action="store_false",
+                      help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
     comp.add_argument("--keep-fp", type=float, default=0.0, metavar="FRACTION",
                       help="keep this fraction of weights, the most quantisation-sensitive on --calib, in fp32")
 
-    insp = sub.add_parser("inspect", help="print an artifact's manifest, op counts and KV bytes per token")
+    insp = _subcommand(sub, "inspect", "print an artifact's manifest, op counts and KV bytes per token")
     insp.add_argument("artifact", help="artifact directory")
     insp.add_argument("--json", action="store_true", help="print the manifest as JSON")
     insp.add_argument("--no-verify", action="store_true", help="skip checking file hashes")
 
-    par = sub.add_parser("parity", help="compare an artifact with the PyTorch model, teacher-forced")
+    par = _subcommand(sub, "parity", "compare an artifact with the PyTorch model, teacher-forced (ONNX Runtime), "
+                      "or a TensorRT artifact's engine with its golden logits (--backend tensorrt, GPU)")
     par.add_argument("artifact", help="artifact directory")
     par.add_argument("--model", help="the model to compare with (default: the artifact's source)")
-    par.add_argument("--prompt-len", type=int, default=16)
+    par.add_argument("--prompt-len", type=int, default=16, help="tokens of the random prompt")
     par.add_argument("--steps", type=int, default=16, help="decode steps after the prefill")
     par.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     par.add_argument("--per-layer", action="store_true",
@@ -130,19 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
                      help="tensorrt: run the artifact's engine (GPU) on its golden inputs and compare")
     par.add_argument("--json", action="store_true")
+    par.add_argument("--no-weight-check", dest="check_weights", action="store_false",
+                     help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
 
-    bench = sub.add_parser("bench", help="prefill/decode tokens/s, TTFT, RSS; compared with PyTorch, "
-                           "transformers and onnxruntime-genai on the same work")
+    bench = _subcommand(sub, "bench", "prefill/decode tokens/s, TTFT, RSS; compared with PyTorch, "
+                        "transformers and onnxruntime-genai on the same work")
     bench.add_argument("artifact", help="artifact directory")
-    bench.add_argument("--batch", type=int, default=1)
-    bench.add_argument("--prompt-len", type=int, default=64)
-    bench.add_argument("--new-tokens", type=int, default=64)
-    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--batch", type=int, default=1, help="concurrent requests")
+    bench.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    bench.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request")
+    bench.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     bench.add_argument("--no-compare", action="store_true", help="measure only moeforge")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--save", action="store_true", help="also write benchmarks/results/bench_<model>_b<B>.json")
 
-    cfg = sub.add_parser("config", help="print a model's config, parameter count and KV bytes per token")
+    cfg = _subcommand(sub, "config", "print a model's config, parameter count and KV bytes per token")
     cfg.add_argument("model", help="HF folder, .gguf file, or a preset name (full-size presets included)")
     cfg.add_argument("--json", action="store_true")
     return parser
@@ -172,17 +205,49 @@ def _is_artifact(path: str) -> bool:
     return (Path(path) / "manifest.json").is_file()
 
 
+# The engine and the PyTorch reference name the field (max_tokens, max_new_tokens, perhaps followed by the flag in
+# parentheses); the user typed the flag.
+_MAX_TOKENS_FIELD = re.compile(r"\bmax_(?:new_)?tokens\b(?: \(the CLI's --max-new-tokens\))?")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except MoeforgeError as exc:
+        message = _MAX_TOKENS_FIELD.sub("--max-new-tokens", str(exc))
+        if message == str(exc):
+            raise
+        raise MoeforgeError(message) from exc
+
+
+def _run(args: argparse.Namespace) -> int:
     artifact = _is_artifact(args.model)
     backend = args.backend or ("onnxruntime" if artifact else "torch")
     if backend == "onnxruntime":
         if not artifact:
             raise MoeforgeError(f"{args.model} is not an artifact directory; compile it first "
                                 "(moeforge compile MODEL -o DIR) or use --backend torch")
+        manifest = load_artifact(args.model, verify=False).manifest  # sizes only: the engine verifies hashes
+        if manifest.engine is not None and args.backend == "onnxruntime":
+            raise MoeforgeError(_tensorrt_only(args.model, manifest.source, "ONNX Runtime does not run its engine"))
+        if manifest.engine is not None and not torch.cuda.is_available():
+            raise MoeforgeError(_tensorrt_only(args.model, manifest.source, _NO_GPU))
         return _run_artifact(args)
     if artifact:
         raise MoeforgeError("--backend torch runs checkpoints; for an artifact use --backend onnxruntime")
     return _run_torch(args)
+
+
+_NO_GPU = "its engine (model.plan) needs a CUDA GPU with TensorRT, and this host has none"
+
+
+def _tensorrt_only(path: str, source: str, why: str) -> str:
+    """Why a TensorRT artifact cannot run or be compared here, and what does work (its model.onnx is the graph
+    lowered for TensorRT, which the engine and golden files are built from, not an ONNX Runtime artifact)."""
+    return (f"{path} is a TensorRT artifact (--target trt): {why}. To run or check this model on CPU, compile it "
+            f"for ONNX Runtime: moeforge compile {source} -o DIR --target ort. On a host with a CUDA GPU and "
+            f"TensorRT, 'moeforge run {path}' runs the engine and 'moeforge parity {path} --backend tensorrt' "
+            "checks it against the golden logits saved at compile time")
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer | None, model: str) -> list[int]:
@@ -244,7 +309,7 @@ def _run_artifact(args: argparse.Namespace) -> int:
 
 
 def _run_torch(args: argparse.Namespace) -> int:
-    loaded = load_model(args.model, mla_impl=args.mla_impl)
+    loaded = load_model(args.model, mla_impl=args.mla_impl, check_finite=args.check_weights)
     tokenizer = loaded.tokenizer
     prompt_ids = _prompt_ids(args, tokenizer, args.model)
     stop_ids: tuple[int, ...] = ()
@@ -297,9 +362,9 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         return _golden_parity_tensorrt(args)
     artifact = load_artifact(args.artifact)
     if artifact.manifest.engine is not None:
-        raise MoeforgeError(f"{args.artifact} is a TensorRT artifact: compare its engine with the saved golden "
-                            "logits on a GPU host with --backend tensorrt")
-    loaded = load_model(args.model or artifact.manifest.source, mla_impl="absorb")
+        raise MoeforgeError(_tensorrt_only(args.artifact, artifact.manifest.source,
+                                           "parity against PyTorch runs ONNX Runtime artifacts, not engines"))
+    loaded = load_model(args.model or artifact.manifest.source, mla_impl="absorb", check_finite=args.check_weights)
     if args.prompt_len < 1 or args.steps < 0:
         raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
     if args.prompt_len + args.steps + 1 > artifact.manifest.kv_cache.max_seq_len:
@@ -325,6 +390,11 @@ def _cmd_parity(args: argparse.Namespace) -> int:
 
 
 def _golden_parity_tensorrt(args: argparse.Namespace) -> int:
+    manifest = load_artifact(args.artifact, verify=False).manifest  # check_engine verifies the hashes
+    if manifest.engine is None:
+        raise MoeforgeError(f"{args.artifact} is an ONNX Runtime artifact (no engine): drop --backend tensorrt")
+    if not torch.cuda.is_available():
+        raise MoeforgeError(_tensorrt_only(args.artifact, manifest.source, _NO_GPU))
     check, tolerance = check_engine(args.artifact)
     passed = check.max_abs_err <= tolerance
     result = {"backend": "tensorrt", "max_abs_err": check.max_abs_err, "tolerance": tolerance,
@@ -376,7 +446,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return EXIT_OK
     print(f"{config.name} ({config.model_type}, {config.attention_kind}"
-          f"{', MoE' if config.moe else ''}): {params / 1e9:.3f} B parameters")
+          f"{', MoE' if config.moe else ''}): {_count(params)} parameters")
     print(f"  layers {config.num_hidden_layers}, hidden {config.hidden_size}, heads "
           f"{config.num_attention_heads}/{config.num_key_value_heads}, vocab {config.vocab_size}")
     if config.moe:
@@ -389,6 +459,15 @@ def _cmd_config(args: argparse.Namespace) -> int:
     else:
         print(f"  KV cache per token (fp16, all layers): {kv} B")
     return EXIT_OK
+
+
+def _count(n: int) -> str:
+    """``n`` with a K/M/B unit and 3 significant digits: 671B, 135M, 82.4K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.3g}{unit}" if value < 1000 else f"{value:,.0f}{unit}"
+    return str(n)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
     bar = tqdm(total=5, desc="compile", unit="stage", disable=not options.progress, leave=False)
     try:
         bar.set_postfix_str("load checkpoint")
-        loaded = load_model(options.model, mla_impl="absorb")
+        loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
         job = CompileJob(options, loaded, _max_seq_len(options, loaded), _prompts(options.quant, loaded))
         if options.quant.scheme is not None:  # before the export: a block size that does not fit fails fast
             check_block_size(options.quant, in_features(job.config), job.config.name or options.model)

@@ -49,6 +49,7 @@ class CompileOptions:
     check: bool = False  # parity against PyTorch before publishing (ONNX Runtime target)
     check_steps: int = 16
     progress: bool = True
+    check_weights: bool = True  # refuse NaN/Inf weights at load (--no-weight-check skips the scan)
     kv: KVOptions = field(default_factory=KVOptions)
     quant: QuantSpec = field(default_factory=QuantSpec)
     trt: TrtOptions = field(default_factory=TrtOptions)

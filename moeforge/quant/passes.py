@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,8 +34,9 @@ from moeforge.graph_passes.quant_math import awq_search
 from moeforge.graph_passes.quant_weights import QuantConfig, QuantTarget, WeightQuantization, quant_targets
 from moeforge.quant.act_calibration import ActivationPlan, activation_name, weight_array
 from moeforge.quant.kv_calibration import CalibratedKVQuantization
+from moeforge.quant.schemes import SCHEMES
 from moeforge.quant.sensitivity import choose_kept, measure
-from moeforge.quant.spec import QuantError, QuantSpec
+from moeforge.quant.spec import BLOCK_SIZES, QuantError, QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +58,48 @@ def in_features(config: ModelConfig) -> list[int]:
     return sorted(dims)
 
 
-def check_block_size(spec: QuantSpec, dims: list[int], where: str) -> None:
-    """Refuse a block size that does not divide every input dimension, suggesting one that does."""
-    block = spec.block
-    bad = [d for d in dims if block is not None and d % block]
-    if bad:
-        fits = [b for b in (256, 128, 64, 32, 16) if all(d % b == 0 for d in dims)]
-        hint = f"use --block-size {fits[0]}" if fits else "no block size from 16 to 256 divides them all"
-        raise QuantError(f"--block-size {block} does not divide the input dimension {bad[0]} of {where} "
+def resolve_block_size(spec: QuantSpec, dims: list[int], where: str) -> int | None:
+    """The block the weights of ``dims`` (their input dimensions) get: ``--block-size`` when given, else the
+    scheme's default, or the largest smaller block size that divides every dimension when the default does not.
+    Raises ``QuantError`` when an explicit ``--block-size`` does not divide them all, or when no block size does."""
+    block, scheme = spec.block, spec.scheme
+    if block is None or not [d for d in dims if d % block]:
+        return block
+    fits = [b for b in sorted(BLOCK_SIZES, reverse=True) if all(d % b == 0 for d in dims)]
+    bad = next(d for d in dims if d % block)
+    if spec.block_size is not None or scheme is None:
+        hint = f"use --block-size {fits[0]}" if fits else _no_block_fits(dims)
+        raise QuantError(f"--block-size {block} does not divide the input dimension {bad} of {where} "
                          f"(input dimensions: {dims}); {hint}")
+    smaller = [b for b in fits if b < block]
+    if not smaller:
+        raise QuantError(f"--quant {scheme.name} quantises in blocks along the input dimension, but neither its "
+                         f"default block size {block} nor a smaller one down to {min(BLOCK_SIZES)} divides the input "
+                         f"dimension {bad} of {where} (input dimensions: {dims}); {_no_block_fits(dims)}")
+    return smaller[0]
+
+
+def _no_block_fits(dims: list[int]) -> str:
+    per_channel = [s.name for s in SCHEMES.values() if s.default_block is None]
+    return (f"no block size from {min(BLOCK_SIZES)} to {max(BLOCK_SIZES)} divides them all: use a per-channel "
+            f"scheme ({', '.join(per_channel)})")
+
+
+def check_block_size(spec: QuantSpec, dims: list[int], where: str) -> None:
+    """Refuse, before the export, a block size that cannot be used (see ``resolve_block_size``)."""
+    resolve_block_size(spec, dims, where)
+
+
+def resolved_spec(spec: QuantSpec, dims: list[int], where: str) -> QuantSpec:
+    """``spec`` with the block ``resolve_block_size`` picks, warning when it is not the scheme's default."""
+    block = resolve_block_size(spec, dims, where)
+    if block == spec.block:
+        return spec
+    assert spec.scheme is not None
+    log.warning("--quant %s: the default block size %d does not divide every input dimension of %s (%s); using "
+                "block size %d, the largest that does (the manifest's quantization.block_size records it)",
+                spec.scheme.name, spec.block, where, dims, block)
+    return replace(spec, block_size=block)
 
 
 def checkpoint_is_fp8(source_location: str) -> bool:
@@ -80,12 +114,15 @@ def checkpoint_is_fp8(source_location: str) -> bool:
     return str(quant.get("quant_method", "")).lower() == "fp8"
 
 
-def trt_weight_config(spec: QuantSpec) -> QuantConfig | None:
+def trt_weight_config(spec: QuantSpec, dims: list[int] | None = None, where: str = "the model") -> QuantConfig | None:
     """The TensorRT target's weight quantisation: symmetric weight-only Q/DQ (what strongly typed TensorRT takes;
-    ``validate`` refused the rest)."""
-    if spec.scheme is None:
+    ``validate`` refused the rest). ``dims``: the input dimensions (``in_features``), to resolve the block size."""
+    scheme = spec.scheme
+    if scheme is None:
         return None
-    return QuantConfig(kind=spec.scheme.weights, block_size=spec.block, head_kind=spec.head_kind)
+    if dims is not None:
+        spec = resolved_spec(spec, dims, where)
+    return QuantConfig(kind=scheme.weights, block_size=spec.block, head_kind=spec.head_kind)
 
 
 @dataclass
@@ -111,7 +148,7 @@ class QuantPlan:
             return
         self.targets = quant_targets(model)
         self.heads = frozenset(t.name for t in self.targets if t.is_lm_head)
-        check_block_size(self.spec, sorted({t.in_features for t in self.targets}), "a weight")
+        self.spec = resolved_spec(self.spec, sorted({t.in_features for t in self.targets}), "the weights")
         if self.fp8_source and self.kind != "fp8":
             log.warning("the checkpoint stores FP8 weights: they were dequantised to fp32 and are requantised to %s "
                         "(a second rounding); --quant fp8 keeps the checkpoint's FP8 values exactly", self.kind)

@@ -92,7 +92,13 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("w8a8-fp8", "fp8", None, _judged_by_agreement(0.7, 0.04), "w8a8 in float8 e4m3", activations="fp8"),
 )}
 LM_HEAD_KINDS = ("int8", "int4", "fp8", "fp32")  # --lm-head
-ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits/QMoE compute type of the activations
+# MatMulNBits/QMoE ``accuracy_level`` (--accuracy-level): the least precise type the kernel may compute the
+# activations in. ONNX Runtime's levels 1-3 (fp32, fp16, bf16) fall back to the most accurate type its CPU kernels
+# have, fp32 on x86 (measured: outputs identical to level 0), so only 0 and 4 are offered.
+ACCURACY_LEVELS: dict[int, str] = {
+    0: "fp32 activations, exact w.r.t. the quantised weights",
+    4: "int8 activations, quantised per block inside the kernel (fastest)",
+}
 DEFAULT_ACCURACY_LEVEL = 4  # int8 activations inside the kernel: the fast path
 
 
@@ -118,6 +124,7 @@ KV_SCHEMES: dict[str, KVScheme] = {s.name: s for s in (
              unavailable="ONNX Runtime 1.32's CPU GroupQueryAttention has no float8e4m3fn cache kernel (only its CUDA "
                          "kernel has one)"),
 )}
+KV_CHOICES = tuple(s.name for s in KV_SCHEMES.values() if s.unavailable is None)  # what --kv-quant offers
 
 THRESHOLDS: dict[str, Thresholds] = {"fp32": FP32_THRESHOLDS, **{s.name: s.thresholds for s in SCHEMES.values()}}
 

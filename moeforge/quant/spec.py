@@ -9,7 +9,15 @@ from pathlib import Path
 from moeforge.calibration import read_prompts
 from moeforge.errors import MoeforgeError
 from moeforge.quant.act_calibration import ActivationSpec, check_options
-from moeforge.quant.schemes import ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, KV_SCHEMES, LM_HEAD_KINDS, SCHEMES, Scheme
+from moeforge.quant.schemes import (
+    ACCURACY_LEVELS,
+    DEFAULT_ACCURACY_LEVEL,
+    KV_CHOICES,
+    KV_SCHEMES,
+    LM_HEAD_KINDS,
+    SCHEMES,
+    Scheme,
+)
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 WEIGHT_FLAGS = ("--block-size", "--keep-fp", "--lm-head", "--accuracy-level")
@@ -142,8 +150,9 @@ def _check_weights(spec: QuantSpec, scheme: Scheme, target: str) -> None:
             raise QuantError(f"--lm-head int4 needs blocks but --quant {scheme.name} is per channel: "
                              "add --block-size 32 (or 64, 128)")
     if spec.level not in ACCURACY_LEVELS:
-        raise QuantError(f"--accuracy-level {spec.level} must be 0 (fp32), 1 (fp32), 2 (fp16), 3 (bf16) "
-                         "or 4 (int8): MatMulNBits' compute type for the activations")
+        levels = " or ".join(f"{level} ({what})" for level, what in ACCURACY_LEVELS.items())
+        raise QuantError(f"--accuracy-level {spec.level} must be {levels}: MatMulNBits' compute type for the "
+                         "activations (ONNX Runtime's levels 1-3 compute in fp32 on CPU, like 0)")
     if not 0.0 <= spec.keep_fp < 1.0:
         raise QuantError(f"--keep-fp {spec.keep_fp} must be a fraction in [0, 1)")
     if target == "trt" and (spec.keep_fp or spec.lm_head == "fp32"):
@@ -153,8 +162,7 @@ def _check_weights(spec: QuantSpec, scheme: Scheme, target: str) -> None:
 def _check_kv_cache(spec: QuantSpec, *, target: str, paged: bool) -> None:
     kv = KV_SCHEMES.get(spec.kv_cache or "")
     if kv is None:
-        raise KVQuantError(f"--kv-quant {spec.kv_cache!r} is unknown; choose one of "
-                           + ", ".join(s.name for s in KV_SCHEMES.values() if s.unavailable is None))
+        raise KVQuantError(f"--kv-quant {spec.kv_cache!r} is unknown; choose one of {', '.join(KV_CHOICES)}")
     if kv.unavailable is not None:
         raise KVQuantError(f"--kv-quant {kv.name} is not available: {kv.unavailable}; use --kv-quant int8")
     if paged:

@@ -11,13 +11,13 @@ from typing import Any
 from moeforge.errors import MoeforgeError
 from moeforge.golden import write_golden
 from moeforge.graph_passes.base import GraphPass, PassReport
-from moeforge.graph_passes.quant_weights import WeightQuantization
+from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization
 from moeforge.graph_passes.trt_lowering import trt_pipeline
 from moeforge.kv_layout import KVCacheSpec, paged_spec, static_spec
 from moeforge.manifest import MODEL_FILE, Manifest
 from moeforge.options import CompileOptions
 from moeforge.parity import ParityReport, default_prompt
-from moeforge.quant.passes import trt_weight_config
+from moeforge.quant.passes import in_features, trt_weight_config
 from moeforge.targets.base import GOLDEN_PROMPT_LEN, GOLDEN_PROMPT_SEED, CompileJob
 from moeforge.trt.adapter import TensorRT, load_tensorrt
 from moeforge.trt.build import BuildOptions, build_engine
@@ -35,7 +35,7 @@ class TrtTarget:
 
     def __init__(self, options: CompileOptions) -> None:
         self.options = options
-        self.weights = trt_weight_config(options.quant)
+        self.weights: QuantConfig | None = None  # set by passes(), once the model's dimensions are known
         self.trt: TensorRT | None = None
         self.sm: int | None = None
         self.parity: ParityReport | None = None  # --check is refused: the engine runs only on a GPU
@@ -57,7 +57,8 @@ class TrtTarget:
         self.trt = trt
 
     def passes(self, job: CompileJob) -> list[GraphPass]:
-        kv = self.options.kv
+        kv, config = self.options.kv, job.config
+        self.weights = trt_weight_config(self.options.quant, in_features(config), config.name or self.options.model)
         return trt_pipeline(self.options.trt.dtype, kv.layout, kv.block_size, self.weights)
 
     def kv_spec(self, job: CompileJob) -> KVCacheSpec:

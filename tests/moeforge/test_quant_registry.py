@@ -12,7 +12,7 @@ from moeforge.cli import build_parser
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.quant import schemes
 from moeforge.quant.passes import AwqScales, PlannedWeightQuantization, quant_passes
-from moeforge.quant.schemes import KV_SCHEMES, LM_HEAD_KINDS, SCHEMES, Scheme, precision_name, thresholds_for
+from moeforge.quant.schemes import KV_CHOICES, LM_HEAD_KINDS, SCHEMES, Scheme, precision_name, thresholds_for
 from moeforge.quant.spec import QuantError, QuantSpec, validate
 from moeforge.targets import TARGETS
 
@@ -26,7 +26,7 @@ def _choices(flag: str) -> list[object]:
 
 def test_cli_choices_come_from_the_registries():
     assert _choices("--quant") == list(SCHEMES)
-    assert _choices("--kv-quant") == list(KV_SCHEMES)
+    assert _choices("--kv-quant") == list(KV_CHOICES)
     assert _choices("--lm-head") == list(LM_HEAD_KINDS)
     assert _choices("--target") == list(TARGETS)
 
