@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -15,12 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeforge.artifact import load_artifact
+from moeforge.artifact import KVCacheSpec, load_artifact
+from moeforge.errors import MoeforgeError
 from moeforge.export.loader import load_model
 from moeforge.export.model import CausalLM
 from moeforge.genai_config import genai_greedy
+from moeforge.inspect import format_bytes
 from moeforge.manifest import tool_versions
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import EngineConfig, LLMEngine, available_memory
 from moeforge.runtime.sampler import SamplingParams
 
 
@@ -106,6 +109,8 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     assert first_tokens_at is not None
     ttfts = [o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None]
     rss = peak_rss_mib()  # before the profiled engine below is loaded
+    del engine  # free its caches first: one engine's memory at a time (what check_bench_memory assumes)
+    gc.collect()
     # Attention's share of kernel time, from a separate profiled run (profiling perturbs the timings).
     profiled = LLMEngine.from_artifact(artifact_dir, EngineConfig(max_num_seqs=batch, threads=threads, profile=True,
                                                                   max_num_batched_tokens=batch * prompt_len))
@@ -192,11 +197,44 @@ def bench_genai(artifact_dir: str | Path, batch: int, prompt_len: int, new_token
             "decode_tokens_per_s": batch * (new_tokens - 1) / max(total - prefill, 1e-9)}
 
 
+def bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int) -> int:
+    """Bytes each engine of ``bench_engine`` allocates at least, counted as ``runtime.engine.check_host_memory``
+    counts them: the KV cache of ``batch`` sequences of ``max_seq_len`` tokens (whole blocks when paged) and the
+    float32 logits of one full step of ``batch * prompt_len`` tokens. Weights and activations come on top."""
+    if kv.paged:
+        block = kv.block_size or 1
+        cache = kv.bytes_for(-(-kv.max_seq_len // block) * block, batch)
+    else:
+        cache = kv.bytes_for(kv.max_seq_len, batch)
+    return cache + 4 * vocab * batch * min(prompt_len, kv.max_seq_len)
+
+
+def check_bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int,
+                       available: int | None = None) -> None:
+    """Refuse (``MoeforgeError``, naming both numbers and the largest batch that fits) a benchmark whose
+    ``bench_memory`` exceeds ``available`` (default: ``available_memory()``; unknown: no check). The engine
+    would refuse it too, but in its own terms (max_num_seqs); this names the bench's flag."""
+    available = available_memory() if available is None else available
+    need = bench_memory(kv, vocab, batch, prompt_len)
+    if available is None or need <= available:
+        return
+    fits = available // bench_memory(kv, vocab, 1, prompt_len)
+    hint = f"lower --batch to at most {fits}" if fits >= 1 else "this artifact does not fit even at --batch 1"
+    raise MoeforgeError(
+        f"--batch {batch} needs {format_bytes(need)} ({need} bytes) for the KV cache ({kv.bytes_per_token} B per "
+        f"token x max_seq_len {kv.max_seq_len} x {batch} sequences) and the logits of one step, more than the "
+        f"{format_bytes(available)} of memory available; {hint}"
+    )
+
+
 def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
               threads: int | None = None, compare: bool = True) -> dict[str, Any]:
-    """All measurements of ``moeforge bench`` in one run, with ratios to our engine."""
+    """All measurements of ``moeforge bench`` in one run, with ratios to our engine. A batch whose cache and
+    logits do not fit in the available memory is refused before anything is allocated."""
     artifact = load_artifact(artifact_dir)
     vocab = int(artifact.manifest.model_config["vocab_size"])
+    if artifact.manifest.engine is None:  # a TensorRT engine's cache lives in GPU memory, sized by its profiles
+        check_bench_memory(artifact.manifest.kv_cache, vocab, batch, prompt_len)
     result: dict[str, Any] = {"artifact": str(artifact_dir), "model": artifact.manifest.model_config.get("name"),
                               "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
                               "moeforge_onnxruntime": bench_engine(artifact_dir, batch, prompt_len, new_tokens,

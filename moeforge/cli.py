@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from moeforge import __version__
-from moeforge.artifact import load_artifact
+from moeforge.artifact import load_artifact, restore_interrupted
 from moeforge.bench import run_bench, write_result
 from moeforge.compile import CompileOptions, ParityCheckFailed, compile_model
 from moeforge.errors import MoeforgeError
@@ -202,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _is_artifact(path: str) -> bool:
+    restore_interrupted(path)  # a compile killed mid-replace left the artifact aside: put it back first
     return (Path(path) / "manifest.json").is_file()
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -43,15 +45,27 @@ def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None
         options.intra_op_num_threads = threads
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    folder = None
     if profile:
         options.enable_profiling = True
-        options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="moeforge-profile-")) / "ort")
+        folder = tempfile.mkdtemp(prefix="moeforge-profile-")
+        options.profile_file_prefix = str(Path(folder) / "ort")
     source: str | bytes = str(model_path)
     if graph is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(Path(model_path).parent))
         source = graph.SerializeToString()
-    return ort.InferenceSession(source, options, providers=providers or default_providers())
+    try:
+        session = ort.InferenceSession(source, options, providers=providers or default_providers())
+    except BaseException:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    if folder is not None:
+        # The profile (megabytes per run) is read through end_profiling() while the session lives; its folder
+        # goes with the session (or at interpreter exit), so profiled runs leave nothing in the temp dir.
+        weakref.finalize(session, shutil.rmtree, folder, ignore_errors=True)
+    return session
 
 
 def check_session(session: ort.InferenceSession, kv: KVCacheSpec, graph: str) -> None:

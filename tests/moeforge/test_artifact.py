@@ -58,11 +58,14 @@ def _tiny_onnx() -> bytes:
 
 def _manifest(config=LLAMA) -> Manifest:
     kv = kv_cache_spec(config, max_seq_len=64)
+    # The graph I/O lists the cache tensors kv_cache names (Manifest.check cross-checks them on load).
+    past = [TensorSpec(n, kv.dtype, list(kv.shape)) for names in kv.past_input_names for n in names]
+    present = [TensorSpec(n, kv.dtype, list(kv.shape)) for names in kv.present_output_names for n in names]
     return Manifest(
         model_config=config.to_dict(),
         inputs=[TensorSpec("input_ids", "int64", ["batch_size", "sequence_length"]),
-                TensorSpec("attention_mask", "int64", ["batch_size", "total_sequence_length"])],
-        outputs=[TensorSpec("logits", "float32", ["batch_size", "sequence_length", config.vocab_size])],
+                TensorSpec("attention_mask", "int64", ["batch_size", "total_sequence_length"]), *past],
+        outputs=[TensorSpec("logits", "float32", ["batch_size", "sequence_length", config.vocab_size]), *present],
         kv_cache=kv,
         passes=[{"name": "fuse_gqa", "matches": 2, "seconds": 0.25},
                 {"name": "cleanup", "matches": 0, "seconds": 0.01}],
