@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -190,7 +191,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "parity": _cmd_parity, "bench": _cmd_bench}
     try:
         if args.command in commands:
-            return commands[args.command](args)
+            code = commands[args.command](args)
+            sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
+            return code
+    except BrokenPipeError:
+        # The reader went away (`moeforge inspect DIR | head`): what it wanted was written. Point stdout at
+        # /dev/null so the interpreter's final flush cannot fail again (Python docs, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except MoeforgeError as exc:
         print(f"moeforge {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -234,7 +234,9 @@ def test_real_sigint_during_payload(tmp_path):
         except KeyboardInterrupt:
             sys.exit(130)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    # cwd outside the checkout: `python -c` puts the cwd first on sys.path, where the source folder `moeforge/`
+    # would shadow the installed package (whose subpackages map to the top-level folders).
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path.parent)
     try:
         assert proc.stdout.readline().strip() == "ready"
         assert len(list(tmp_path.iterdir())) == 1  # the hidden temporary directory

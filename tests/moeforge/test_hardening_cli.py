@@ -37,7 +37,8 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     stderr of its process: pytest cannot capture it in this one), and what the compile printed to stderr."""
     out = tmp_path_factory.mktemp("hardening_cli") / "tiny"
     proc = subprocess.run([sys.executable, "-m", "moeforge.cli", "compile", "tiny-llama", "-o", str(out),
-                           "--max-seq-len", "64", "--quiet"], capture_output=True, text=True, timeout=600)
+                           "--max-seq-len", "64", "--quiet"], capture_output=True, text=True, timeout=600,
+                          cwd=out.parent)  # not the checkout, whose moeforge/ folder would shadow the package
     assert proc.returncode == 0, proc.stderr
     return out, proc.stderr
 
@@ -229,3 +230,16 @@ def test_only_the_exporters_torchvision_skips_are_silenced() -> None:
     finally:
         logger.removeHandler(records)
     assert records.messages == ["another exporter warning", "torchvision is not installed. Skipping outside the export"]
+
+
+def test_a_closed_pipe_ends_quietly(tiny_artifact: tuple[Path, str], tmp_path: Path) -> None:
+    """`moeforge inspect DIR | head -1`: the reader closes the pipe; no BrokenPipeError traceback, exit 0."""
+    code = "import sys; from moeforge.cli import main; sys.exit(main(sys.argv[1:]))"
+    with subprocess.Popen([sys.executable, "-c", code, "inspect", "--json", str(tiny_artifact[0])], cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.close()  # like `head` exiting: closed before the child (still importing) writes anything
+        err = child.stderr.read().decode()
+        child.wait(timeout=60)
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+    assert child.returncode == 0
