@@ -409,10 +409,16 @@ def _tokenizer_and_eos(artifact: Artifact) -> tuple[Tokenizer | None, tuple[int,
     return tokenizer, eos
 
 
+# (limit, usage) files of a container's memory cgroup: v2, then v1 (v1 says "no limit" with a huge number).
+CGROUP_MEMORY_FILES = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+                       (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                        Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+
+
 def available_memory() -> int | None:
     """Bytes of host memory this process can still allocate, None where unknown: Linux's MemAvailable (free
-    plus reclaimable cache), else the free pages (``SC_AVPHYS_PAGES``), lowered to what a cgroup v2 limit (a
-    container's) leaves."""
+    plus reclaimable cache), else the free pages (``SC_AVPHYS_PAGES``), lowered to what a cgroup limit (a
+    container's, v2 or v1) leaves."""
     found = []
     try:
         meminfo = Path("/proc/meminfo").read_text()
@@ -424,12 +430,13 @@ def available_memory() -> int | None:
             found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         except (ValueError, OSError):  # not every platform has these names
             pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
-    except (OSError, ValueError):  # no cgroup v2 limit
-        pass
+    for limit_file, usage_file in CGROUP_MEMORY_FILES:
+        try:
+            limit = limit_file.read_text().strip()
+            if limit != "max":
+                found.append(int(limit) - int(usage_file.read_text()))
+        except (OSError, ValueError):  # no such cgroup, or no limit
+            pass
     return min(found) if found else None
 
 

@@ -246,3 +246,23 @@ def test_engine_config_refuses_non_positive_or_non_integer_sizes(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(EngineConfigError, match=rf"EngineConfig\({name}="):
         EngineConfig(**kwargs)
+
+
+def test_a_container_memory_limit_lowers_the_available_memory(tmp_path, monkeypatch):
+    """cgroup v2 ("max" = none) and v1 (a huge number = none) limits: the tightest of them and the host's wins."""
+    monkeypatch.setattr(engine_module, "CGROUP_MEMORY_FILES", ((tmp_path / "missing", tmp_path / "missing"),))
+    host = engine_module.available_memory()  # /proc/meminfo alone
+    assert host is not None and host > 0
+    files = []
+    for name, limit, usage in (("v2", "max", "0"), ("v1", str(3 * 2**30), str(2**30))):
+        limit_file, usage_file = tmp_path / f"{name}.limit", tmp_path / f"{name}.usage"
+        limit_file.write_text(limit + "\n")
+        usage_file.write_text(usage + "\n")
+        files.append((limit_file, usage_file))
+    monkeypatch.setattr(engine_module, "CGROUP_MEMORY_FILES", tuple(files))
+    limited = engine_module.available_memory()
+    assert limited is not None and limited <= 2 * 2**30  # v1: 3 GiB limit - 1 GiB used
+    assert limited == 2 * 2**30 or host < 2.5 * 2**30  # (MemAvailable moves between reads: compare loosely)
+    files[1][0].write_text(str(2**63 - 4096))  # v1's "no limit"
+    unlimited = engine_module.available_memory()
+    assert unlimited is not None and (unlimited > 2 * 2**30 or host < 2.5 * 2**30)
