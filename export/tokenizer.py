@@ -164,9 +164,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; special tokens are kept unless ``skip_special_tokens``."""
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        vocab_size = self.vocab_size  # a call into the backend: once, not per id
+        bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
-            raise TokenizerError(f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+            raise TokenizerError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:

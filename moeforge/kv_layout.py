@@ -36,6 +36,9 @@ DEFAULT_DTYPE = "float32"  # the cache in the graph's activation type (a quantis
 
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 POOL_PREFIX, POOL_OUT_PREFIX = "kv_pool.", "kv_pool_out."
+# An optional int64 [1] input (default 0 = all positions): logits of only the last k positions (graph_passes/
+# last_token_logits.py); fed by the backends when a prefill needs only its last token's logits.
+LOGITS_TO_KEEP = "logits_to_keep"
 # Named dynamic axes of the buffers.
 BATCH_AXIS, MAX_SEQ_AXIS, POOL_AXIS = "batch_size", "max_sequence_length", "num_blocks"
 

@@ -23,6 +23,7 @@ configuration whose caches cannot fit in host memory before allocating them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import logging
@@ -54,17 +55,25 @@ DEFAULT_PARAMS = SamplingParams()
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step: all generated ids so far, the new ones, text if a tokenizer exists."""
+    """A request's state after a step: all generated ids so far, the new ones, and (``text``) their text when the
+    artifact has a tokenizer."""
 
     request_id: int
     token_ids: list[int]
     new_token_ids: list[int]
-    text: str | None
     finished: bool
     finish_reason: str | None
     error: str | None = None
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # per token, when SamplingParams.logprobs is set
     metrics: RequestMetrics | None = None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob) pairs
+    tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def text(self) -> str | None:
+        """The generated text (special tokens skipped), None without a tokenizer. Decoded on first access, so a
+        step that nobody reads the text of costs no detokenisation."""
+        return None if self.tokenizer is None else self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
 
 
 @dataclass
@@ -103,12 +112,20 @@ class EngineConfig:
     long_prefill_chunk: int | None = None
     threads: int | None = None
     providers: tuple[str, ...] | None = None  # ONNX Runtime execution providers (default: CPU)
+    # ONNX Runtime session config entries, e.g. (("session.intra_op.allow_spinning", "0"),): what a service tunes
+    # (benchmarks/session_options.py measures the common ones).
+    session_config: tuple[tuple[str, str], ...] = ()
     profile: bool = False  # time kernels (costs a little) so attention_time_share() can answer
 
     def __post_init__(self) -> None:
         def is_int(value: object) -> bool:
             return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
+        entries = self.session_config
+        if not isinstance(entries, tuple) or not all(
+                isinstance(e, tuple) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in entries):
+            raise EngineConfigError(f"EngineConfig(session_config={entries!r}) must be a tuple of (key, value) string "
+                                    "pairs, e.g. (('session.intra_op.allow_spinning', '0'),)")
         if self.kv_blocks is not None and not (is_int(self.kv_blocks) and self.kv_blocks >= 1):
             raise EngineConfigError(f"EngineConfig(kv_blocks={self.kv_blocks!r}): give at least 1 block, "
                                     "or None for the default (every slot can reach max_seq_len)")
@@ -193,12 +210,13 @@ class LLMEngine:
             check_host_memory(config, kv, vocab_size, num_blocks)
             backend = PagedOrtBackend(artifact.model_path, kv_cache=kv, num_blocks=num_blocks,
                                       num_slots=config.max_num_seqs, vocab_size=vocab_size, threads=config.threads,
-                                      providers=providers, profile=config.profile)
+                                      providers=providers, profile=config.profile,
+                                      session_config=config.session_config)
         else:
             check_host_memory(config, kv, vocab_size)
             backend = OrtBackend(artifact.model_path, kv_cache=kv, num_slots=config.max_num_seqs,
                                  max_seq_len=kv.max_seq_len, vocab_size=vocab_size, threads=config.threads,
-                                 providers=providers, profile=config.profile)
+                                 providers=providers, profile=config.profile, session_config=config.session_config)
         tokenizer, eos = _tokenizer_and_eos(artifact)
         return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
 
@@ -279,11 +297,14 @@ class LLMEngine:
         else:
             done = self.scheduler.update(plan, sampled)
         now = time.perf_counter()
-        for request_id, logprob in logprobs.items():
+        for request_id in sampled:
             request = self.requests[request_id]
-            request.logprobs.append(logprob)
             if request.metrics.first_token is None:
                 request.metrics.first_token = now
+        for request_id, (logprob, top) in logprobs.items():
+            request = self.requests[request_id]
+            request.logprobs.append(logprob)
+            request.top_logprobs.append(top)
         touched = {item.request_id: self.requests[item.request_id] for item in plan.scheduled}
         touched.update((request.request_id, request) for request in ended)
         self._apply_stop_strings(touched.values())
@@ -298,8 +319,10 @@ class LLMEngine:
                 del self.requests[request_id]  # its final output is in ``outputs``
         return outputs
 
-    def _execute(self, plan: SchedulerOutput) -> tuple[dict[int, int], dict[int, float]]:
-        """Run the backend on ``plan`` and sample; returns {request id: token} and {request id: logprob}."""
+    def _execute(self, plan: SchedulerOutput
+                 ) -> tuple[dict[int, int], dict[int, tuple[float, list[tuple[int, float]]]]]:
+        """Run the backend on ``plan`` and sample; returns {request id: token} and, for requests that asked for
+        logprobs, {request id: (logprob, top logprobs)}."""
         rows = []
         for item in plan.scheduled:
             request = self.requests[item.request_id]
@@ -320,11 +343,14 @@ class LLMEngine:
             return {}, {}
         requests = [self.requests[plan.scheduled[i].request_id] for i in sample_rows]
         out = self.sampler.sample(
-            logits[sample_rows], [r.params for r in requests], [r.generator for r in requests],
+            logits if len(sample_rows) == len(logits) else logits[sample_rows],  # no copy in steady decode
+            [r.params for r in requests], [r.generator for r in requests],
             [r.output_token_ids for r in requests], [r.prompt_token_ids for r in requests],
         )
         tokens = {r.request_id: int(t) for r, t in zip(requests, out.token_ids, strict=True)}
-        logprobs = {r.request_id: float(lp) for r, lp in zip(requests, out.logprobs, strict=True)}
+        logprobs = {r.request_id: (float(lp), top)
+                    for r, lp, top in zip(requests, out.logprobs, out.top_logprobs, strict=True)
+                    if r.params.logprobs is not None}
         return tokens, logprobs
 
     def _apply_stop_strings(self, requests: Iterable[Request]) -> None:
@@ -350,9 +376,9 @@ class LLMEngine:
         request.num_reported_tokens = len(ids)
         if request.is_finished and request.metrics.finished is None:
             request.metrics.finished = time.perf_counter()
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return RequestOutput(request.request_id, ids, new, text, request.is_finished, request.finish_reason,
-                             request.error, list(request.logprobs), request.metrics)
+        return RequestOutput(request.request_id, ids, new, request.is_finished, request.finish_reason,
+                             request.error, list(request.logprobs), request.metrics, list(request.top_logprobs),
+                             self.tokenizer)
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -373,7 +399,7 @@ class LLMEngine:
             try:
                 checked.append(self._check_request(prompt, p))
             except MoeforgeError as exc:
-                checked.append(RequestOutput(-1, [], [], None, True, "error", f"prompt {index}: {exc}"))
+                checked.append(RequestOutput(-1, [], [], True, "error", f"prompt {index}: {exc}"))
         order = [item if isinstance(item, RequestOutput) else self._queue(*item) for item in checked]
         results: dict[int, RequestOutput] = {}
         try:

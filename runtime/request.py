@@ -121,7 +121,9 @@ class Request:
     # samples the same tokens whatever else is in its batch.
     generator: np.random.Generator | None = field(init=False)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival=time.perf_counter()))
-    logprobs: list[float] = field(default_factory=list)  # [num_output_tokens] of each sampled token
+    # With ``params.logprobs`` set: per output token, its logprob and the top ``params.logprobs`` (token, logprob).
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     slot: int | None = None  # the backend cache row (``RowInput.slot``) while it holds one
     num_reported_tokens: int = 0  # output tokens already returned to the caller (streaming deltas)
 
@@ -145,6 +147,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt then output tokens (a new list)."""
         return [*self.prompt_token_ids, *self.output_token_ids]
+
+    def token_ids(self, start: int, end: int | None = None) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list: a decode step's slice costs O(slice),
+        not O(sequence length)."""
+        prompt = len(self.prompt_token_ids)
+        end = self.num_tokens if end is None else end
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:end - prompt]
+        return [*self.prompt_token_ids[start:end], *self.output_token_ids[:max(end - prompt, 0)]]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -58,9 +58,9 @@ class SamplingParamsError(MoeforgeError, ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters. temperature 0 is greedy; top_k 0, top_p 1.0, min_p 0.0,
-    repetition_penalty 1.0 and presence_penalty 0.0 are off. ``logprobs`` is how many top logprobs
-    to return (0: only the chosen token's). ``max_tokens``, the stop fields and ``ignore_eos`` are
-    read by the engine, not by the sampler."""
+    repetition_penalty 1.0 and presence_penalty 0.0 are off. ``logprobs`` (vLLM's meaning): None returns no
+    logprobs (and costs nothing per step); N >= 0 returns the chosen token's and the N most likely ones'.
+    ``max_tokens``, the stop fields and ``ignore_eos`` are read by the engine, not by the sampler."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -72,7 +72,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
-    logprobs: int = 0
+    logprobs: int | None = None
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -115,8 +115,9 @@ class SamplingParams:
               f"must be None or an integer in [0, 2**64 - 1], got {self.seed!r}")
         check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
               f"must be an integer >= 1, got {self.max_tokens!r}")
-        check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-              f"must be an integer in [0, {MAX_LOGPROBS}] (0 = only the chosen token's), got {self.logprobs!r}")
+        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+              f"must be None (none) or an integer in [0, {MAX_LOGPROBS}] (0 = only the chosen token's), "
+              f"got {self.logprobs!r}")
         bad = [t for t in self.stop_token_ids if not (is_int(t) and 0 <= t < vocab_size)]
         check(not bad, "stop_token_ids", f"must be token ids in [0, {vocab_size}), got {bad[:5]}")
         check(all(isinstance(s, str) and s for s in self.stop_strings), "stop_strings",
@@ -133,9 +134,10 @@ class SamplingParams:
 
 @dataclass
 class SampleOutput:
-    """token_ids [B] int64; logprobs [B] float32: the chosen tokens' raw-distribution logprobs;
-    top_logprobs: per row, the ``params.logprobs`` most likely (token, logprob) pairs of the raw
-    distribution, most likely first (ties: lower id first); empty for rows that asked for none."""
+    """token_ids [B] int64; logprobs [B] float32: the chosen tokens' raw-distribution logprobs (NaN in rows whose
+    ``params.logprobs`` is None: not computed); top_logprobs: per row, the ``params.logprobs`` most likely
+    (token, logprob) pairs of the raw distribution, most likely first (ties: lower id first); empty for rows
+    that asked for none."""
 
     token_ids: np.ndarray
     logprobs: np.ndarray
@@ -233,6 +235,14 @@ def apply_min_p(logits: np.ndarray, min_p: np.ndarray) -> np.ndarray:
     return out
 
 
+def logsumexp(logits: np.ndarray, row_max: np.ndarray) -> np.ndarray:
+    """log(sum(exp(logits))) per row of logits [B, V] -> [B] float64, given each row's max [B]: the exponentials
+    in float32 (the logits' precision), their sum accumulated in float64."""
+    shifted = np.exp(logits - row_max[:, None].astype(logits.dtype))
+    result: np.ndarray = row_max.astype(np.float64) + np.log(shifted.sum(axis=-1, dtype=np.float64))
+    return result
+
+
 def raw_logprobs(logits: np.ndarray) -> np.ndarray:
     """log-softmax over the last axis, accumulated in float64."""
     x = logits.astype(np.float64)
@@ -298,16 +308,34 @@ class Sampler:
         and not at all when it is greedy. ``output_tokens``/``prompt_tokens``: tokens so far per row."""
         if len(generators) != len(params):
             raise ValueError(f"generators has {len(generators)} rows, params has {len(params)}")
-        x = self.process(logits, params, output_tokens, prompt_tokens)
-        tokens = x.argmax(axis=-1).astype(np.int64)  # the greedy rows' answer; sampled rows overwritten
-        rows = np.array([i for i, q in enumerate(params) if not q.greedy], dtype=np.int64)
-        if rows.size:
-            u = np.array([(self._rng if generators[i] is None else generators[i]).random() for i in rows])
-            tokens[rows] = _inverse_cdf(x[rows], u)
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
+        for name, seq in (("params", params), ("output_tokens", output_tokens), ("prompt_tokens", prompt_tokens)):
+            if len(seq) != logits.shape[0]:
+                raise ValueError(f"{name} has {len(seq)} rows, logits has {logits.shape[0]}")
+        row_max = logits.max(axis=-1)  # [B]; NaN when the row holds one
+        if np.isnan(row_max).any():
+            bad = np.flatnonzero(np.isnan(row_max)).tolist()
+            raise ValueError(f"logits rows {bad[:5]} contain NaN")
+        if all(q.greedy and q.repetition_penalty == 1.0 and q.presence_penalty == 0.0 for q in params):
+            # The serving hot path: plain greedy needs no processed copy of the logits, only argmax.
+            tokens = logits.argmax(axis=-1).astype(np.int64)
+        else:
+            x = self.process(logits, params, output_tokens, prompt_tokens)
+            tokens = x.argmax(axis=-1).astype(np.int64)  # the greedy rows' answer; sampled rows overwritten
+            rows = np.array([i for i, q in enumerate(params) if not q.greedy], dtype=np.int64)
+            if rows.size:
+                u = np.array([(self._rng if generators[i] is None else generators[i]).random() for i in rows])
+                tokens[rows] = _inverse_cdf(x[rows], u)
 
-        logprobs = raw_logprobs(logits)  # [B, V] float64
-        chosen = logprobs[np.arange(len(tokens)), tokens].astype(np.float32)
-        top = [_top_n(logprobs[i], q.logprobs) for i, q in enumerate(params)]
+        # Logprobs only for rows that asked: the exponentials over the vocabulary cost more than the rest of a
+        # greedy step's host work.
+        chosen = np.full(len(tokens), np.nan, np.float32)
+        wanted = np.array([i for i, q in enumerate(params) if q.logprobs is not None], dtype=np.int64)
+        if wanted.size:
+            picked = logits[wanted, tokens[wanted]].astype(np.float64)
+            chosen[wanted] = picked - logsumexp(logits[wanted], row_max[wanted])
+        top = [_top_n(raw_logprobs(logits[i]), q.logprobs) if q.logprobs else [] for i, q in enumerate(params)]
         return SampleOutput(tokens, chosen, top)
 
 

@@ -227,7 +227,7 @@ class Scheduler:
             else:
                 # The cache manager learns a sampled token when the decode that feeds it is scheduled,
                 # so it lags by at most that one token: [] or [last sample].
-                new_token_ids = request.all_token_ids[self.kv.num_known_tokens(request.request_id):]
+                new_token_ids = request.token_ids(self.kv.num_known_tokens(request.request_id))
                 self.kv.append(request.request_id, num_new, new_token_ids)
                 out.scheduled.append(self._scheduled(request, num_new, is_prefill=not new_token_ids))
                 budget -= num_new
@@ -328,7 +328,7 @@ class Scheduler:
         end = start + num_new
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.token_ids(start, end),
             start=start,
             is_prefill_chunk=is_prefill,
             completes_prompt=end == request.num_tokens,

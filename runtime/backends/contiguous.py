@@ -73,7 +73,19 @@ class ContiguousBackend(ABC):
         return None
 
     def execute(self, step: StepInput) -> np.ndarray:
-        """Run each prefill chunk alone and the decodes batched; logits [rows, V] of each row's last token."""
+        """Run each prefill chunk alone and the decodes batched; logits [rows, V] of each row's last token. A
+        step of decodes only, on slots lo..hi-1 in row order (steady-state decode), returns the run's logits
+        buffer itself, without a copy: valid until the next ``execute``."""
+        slots = [row.slot for row in step.rows]
+        in_order = bool(slots) and slots == list(range(slots[0], slots[-1] + 1))
+        if (in_order and all(len(row.token_ids) == 1 for row in step.rows)
+                and (self.max_decode_batch is None or len(slots) <= self.max_decode_batch)):
+            for row in step.rows:
+                self._check(row)
+            logits = self._run(slots[0], slots[-1] + 1, {row.slot: row.token_ids for row in step.rows})
+            for slot in slots:
+                self.lengths[slot] += 1
+            return logits[:, -1]  # [B, V], a view
         out = np.empty((len(step.rows), self._vocab), np.float32)
         decodes = []
         for index, row in enumerate(step.rows):

@@ -18,7 +18,9 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,7 @@ import onnx
 import onnxruntime as ort
 
 from moeforge.errors import ArtifactError
-from moeforge.kv_layout import KVCacheSpec
+from moeforge.kv_layout import LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import CacheBinding, GraphTensor, cache_bindings, check_graph
 
@@ -36,13 +38,20 @@ ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(
 
 
 def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None, threads: int | None = None,
-                 providers: list[str] | None = None, optimize: bool = True,
-                 profile: bool = False) -> ort.InferenceSession:
+                 providers: list[str] | None = None, optimize: bool = True, profile: bool = False,
+                 session_config: Sequence[tuple[str, str]] = ()) -> ort.InferenceSession:
     """An ONNX Runtime session of the graph at ``model_path``, or of ``graph``: an edited in-memory copy whose
-    external weights are still read next to ``model_path``."""
+    external weights are still read next to ``model_path``. ``session_config``: ONNX Runtime session config
+    entries (``session.intra_op.allow_spinning`` = "0", ``session.disable_prepacking`` = "1", ...), applied as
+    given."""
     options = ort.SessionOptions()
+    # Errors only: ONNX Runtime warns at every load that an input with a default (``logits_to_keep``) is not
+    # constant-folded, which is the point of it; its other warnings on these graphs are advice for exporters.
+    options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
+    for key, value in session_config:
+        options.add_session_config_entry(key, value)
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     folder = None
@@ -74,15 +83,35 @@ def check_session(session: ort.InferenceSession, kv: KVCacheSpec, graph: str) ->
     check_graph(kv, inputs, {o.name for o in session.get_outputs()}, graph)
 
 
+@dataclass
+class DecodeBinding:
+    """A reusable IOBinding for decode runs (one new token per row) on cache rows lo..hi-1.
+
+    Everything but the attention mask is bound once: the cache views (as past inputs and present outputs), the
+    ids and positions arrays (refilled in place each step) and the logits buffer. A steady-state decode step
+    then does no Python work per layer and allocates nothing the size of the vocabulary.
+    """
+
+    io: ort.IOBinding
+    ids: np.ndarray  # [B, 1] int64, bound as input_ids
+    positions: np.ndarray  # [B, 1] int64, bound as position_ids (when the graph has it)
+    ones: np.ndarray  # [L] int64 ones: batch 1's attention mask [1, T] is a view of its first T
+    logits: np.ndarray  # [B, 1, V] float32, bound as the logits output (overwritten by the next run)
+    values: list[ort.OrtValue]  # the cache views, kept alive with the binding
+
+
 class OrtSession:
     """An artifact graph in an ONNX Runtime session, with in-place cache buffers bound as ``kv_cache`` names them.
 
-    ``forward`` runs one step for a batch of right-padded rows and returns logits [B, S, V].
+    ``forward`` runs one step for a batch of right-padded rows and returns logits [B, S, V]; ``decode`` runs one
+    token per row on a range of cache rows through a cached ``DecodeBinding`` (the serving hot path).
     """
+
+    MAX_DECODE_BINDINGS = 64  # slot ranges whose bindings are kept (least recently used dropped first)
 
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, threads: int | None = None,
                  providers: list[str] | None = None, optimize: bool = True, graph: onnx.ModelProto | None = None,
-                 profile: bool = False) -> None:
+                 profile: bool = False, session_config: Sequence[tuple[str, str]] = ()) -> None:
         """``kv_cache``: the artifact's ``manifest.kv_cache`` (contiguous). ``graph``: an edited in-memory copy of
         the graph at ``model_path`` (its weights are still read from the external data next to ``model_path``)."""
         if kv_cache.paged:
@@ -90,17 +119,68 @@ class OrtSession:
                                 "OrtSession binds contiguous caches: use onnxruntime_paged.PagedOrtBackend")
         self.model_path = Path(model_path)
         self.session = make_session(model_path, graph=graph, threads=threads, providers=providers, optimize=optimize,
-                                    profile=profile)
+                                    profile=profile, session_config=session_config)
         check_session(self.session, kv_cache, str(model_path))
         self.bindings: list[CacheBinding] = cache_bindings(kv_cache)
-        self.input_names = {i.name for i in self.session.get_inputs()}
+        # Overridable initializers are inputs with a default (``logits_to_keep``): fed only when wanted.
+        self.input_names = {i.name for i in (*self.session.get_inputs(), *self.session.get_overridable_initializers())}
         self.buffers: list[np.ndarray] = []
         self._ort_values: list[ort.OrtValue] = []
+        self._decode_bindings: OrderedDict[tuple[int, int], DecodeBinding] = OrderedDict()
+        logits = next((o for o in self.session.get_outputs() if o.name == "logits"), None)
+        self.vocab_size = logits.shape[-1] if logits is not None and isinstance(logits.shape[-1], int) else None
 
     def allocate(self, batch: int, max_len: int) -> None:
         """(Re)allocate zeroed cache buffers [B, H, L, D] for ``batch`` rows of up to ``max_len`` tokens."""
         self.buffers = [np.zeros((batch, b.heads, max_len, b.head_dim), b.dtype) for b in self.bindings]
         self._ort_values = [ort.OrtValue.ortvalue_from_numpy(buf) for buf in self.buffers]  # zero-copy on CPU
+        self._decode_bindings.clear()  # they bound the old buffers
+
+    def decode_binding(self, lo: int, hi: int) -> DecodeBinding:
+        """The ``DecodeBinding`` of cache rows lo..hi-1, made on first use and kept (``MAX_DECODE_BINDINGS``)."""
+        key = (lo, hi)
+        found = self._decode_bindings.get(key)
+        if found is not None:
+            self._decode_bindings.move_to_end(key)
+            return found
+        if self.vocab_size is None:
+            raise ArtifactError(f"{self.model_path}: the logits output has no static vocabulary size to bind")
+        batch = hi - lo
+        io = self.session.io_binding()
+        ids, positions = np.zeros((batch, 1), np.int64), np.zeros((batch, 1), np.int64)
+        logits = np.empty((batch, 1, self.vocab_size), np.float32)
+        values = self.views(lo, hi)
+        io.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(ids))
+        if "position_ids" in self.input_names:
+            io.bind_ortvalue_input("position_ids", ort.OrtValue.ortvalue_from_numpy(positions))
+        for binding, value in zip(self.bindings, values, strict=True):
+            io.bind_ortvalue_input(binding.input_name, value)
+            for output in binding.output_names:
+                io.bind_ortvalue_output(output, value)  # same buffer: updated in place
+        io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        made = DecodeBinding(io, ids, positions, np.ones(self.capacity, np.int64), logits, values)
+        self._decode_bindings[key] = made
+        if len(self._decode_bindings) > self.MAX_DECODE_BINDINGS:
+            self._decode_bindings.popitem(last=False)
+        return made
+
+    def decode(self, lo: int, hi: int, ids: np.ndarray, positions: np.ndarray, totals: np.ndarray) -> np.ndarray:
+        """One token per cache row lo..hi-1: ids/positions [B] int64, totals [B] tokens each row attends to
+        (its past + 1). Returns logits [B, 1, V], a view the next ``decode`` on this range overwrites."""
+        bound = self.decode_binding(lo, hi)
+        bound.ids[:, 0] = ids
+        bound.positions[:, 0] = positions
+        width = int(totals.max())
+        if width > self.capacity:
+            raise ValueError(f"{width} tokens exceed the cache capacity {self.capacity}")
+        if "attention_mask" in self.input_names:
+            if len(totals) == 1:
+                mask = bound.ones[:width].reshape(1, width)  # all ones: no work per step
+            else:
+                mask = (np.arange(width) < totals[:, None]).astype(np.int64)  # [B, T]
+            bound.io.bind_cpu_input("attention_mask", mask)
+        self.session.run_with_iobinding(bound.io)
+        return bound.logits
 
     @property
     def capacity(self) -> int:
@@ -124,17 +204,23 @@ class OrtSession:
         return [ort.OrtValue.ortvalue_from_numpy(buf[lo:hi]) for buf in self.buffers]
 
     def forward_on(self, values: list[ort.OrtValue], input_ids: np.ndarray, position_ids: np.ndarray,
-                   attention_mask: np.ndarray) -> np.ndarray:
-        """``forward`` with caches bound to ``values`` (e.g. ``views``); logits [B, S, V]."""
-        return self._run(values, input_ids, position_ids, attention_mask, ())[0]
+                   attention_mask: np.ndarray, *, last_only: bool = False) -> np.ndarray:
+        """``forward`` with caches bound to ``values`` (e.g. ``views``); logits [B, S, V], or with ``last_only``
+        [B, 1, V] of each row's last position where the graph has a ``logits_to_keep`` input (else [B, S, V])."""
+        return self._run(values, input_ids, position_ids, attention_mask, (), last_only=last_only)[0]
 
     def _run(self, values: list[ort.OrtValue], input_ids: np.ndarray, position_ids: np.ndarray,
-             attention_mask: np.ndarray, extra_outputs: tuple[str, ...]) -> list[np.ndarray]:
+             attention_mask: np.ndarray, extra_outputs: tuple[str, ...], *, last_only: bool = False
+             ) -> list[np.ndarray]:
         io = self.session.io_binding()
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        if last_only:
+            feeds[LOGITS_TO_KEEP] = np.ones(1, np.int64)
         for name, array in feeds.items():
             if name in self.input_names:
-                io.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.int64))
+                # An OrtValue, not bind_cpu_input: ONNX Runtime binds an input with a default (logits_to_keep)
+                # only this way.
+                io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, np.int64)))
         for binding, value in zip(self.bindings, values, strict=True):
             io.bind_ortvalue_input(binding.input_name, value)
             for output in binding.output_names:
@@ -170,10 +256,10 @@ class OrtBackend(ContiguousBackend):
 
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_slots: int, max_seq_len: int,
                  vocab_size: int, threads: int | None = None, providers: list[str] | None = None,
-                 profile: bool = False) -> None:
+                 profile: bool = False, session_config: Sequence[tuple[str, str]] = ()) -> None:
         super().__init__(kv_cache, num_slots=num_slots, max_seq_len=max_seq_len, vocab_size=vocab_size)
         self._session = OrtSession(model_path, kv_cache=kv_cache, threads=threads, providers=providers,
-                                   profile=profile)
+                                   profile=profile, session_config=session_config)
         self._profiling = profile
         self._session.allocate(num_slots, max_seq_len)
 
@@ -185,9 +271,13 @@ class OrtBackend(ContiguousBackend):
         return kernel_time_shares(self._session.session.end_profiling())
 
     def _forward(self, batch: SlotBatch) -> np.ndarray:
+        if batch.ids.shape[1] == 1:  # a decode run: the cached binding of this slot range
+            return self._session.decode(batch.lo, batch.hi, batch.ids[:, 0], batch.positions[:, 0], batch.totals)
         mask = (np.arange(int(batch.totals.max())) < batch.totals[:, None]).astype(np.int64)  # [B, T]
         values = self._session.views(batch.lo, batch.hi)
-        return self._session.forward_on(values, batch.ids, batch.positions, mask)
+        # A prefill run (one row) needs only its last token's logits: the graph then projects one row, not S.
+        last_only = batch.hi - batch.lo == 1
+        return self._session.forward_on(values, batch.ids, batch.positions, mask, last_only=last_only)
 
 
 def kernel_time_shares(profile_path: str | Path) -> dict[str, float]:

@@ -105,10 +105,11 @@ def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[
 
 
 def _session(model_path: Path, *, threads: int | None, providers: list[str] | None, lower: bool = True,
-             profile: bool = False) -> ort.InferenceSession:
+             profile: bool = False, session_config: Sequence[tuple[str, str]] = ()) -> ort.InferenceSession:
     """A session of a paged graph, its PagedAttention nodes lowered for ONNX Runtime unless ``lower`` is False."""
     graph = lower_for_ort(onnx.load(str(model_path), load_external_data=False)) if lower else None
-    return make_session(model_path, graph=graph, threads=threads, providers=providers, profile=profile)
+    return make_session(model_path, graph=graph, threads=threads, providers=providers, profile=profile,
+                        session_config=session_config)
 
 
 def _spec_pools(session: ort.InferenceSession, kv: KVCacheSpec, num_blocks: int, graph: str) -> BlockPools:
@@ -124,16 +125,36 @@ def _block_size(kv: KVCacheSpec, model_path: str | Path) -> int:
     return kv.block_size
 
 
-def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray], pools: BlockPools) -> np.ndarray:
-    """One run with ``pools`` bound in place; the logits."""
-    io = session.io_binding()
-    for name, array in feeds.items():
-        io.bind_cpu_input(name, np.ascontiguousarray(array))
-    pools.bind(io)
-    io.bind_output("logits", "cpu")
-    session.run_with_iobinding(io)
-    logits: np.ndarray = io.get_outputs()[-1].numpy()  # binding order: pools first, logits last
-    return logits
+class PagedRunner:
+    """Runs a paged session with its pools bound once: one IOBinding for the session's life, so a step binds only
+    the few packed inputs and the logits buffer, with no Python work per layer. Logits land in a buffer the
+    runner keeps (grown when a step has more rows) and are returned as a view of it."""
+
+    def __init__(self, session: ort.InferenceSession, pools: BlockPools) -> None:
+        self.session = session
+        self.io = session.io_binding()
+        pools.bind(self.io)
+        logits = next((o for o in session.get_outputs() if o.name == "logits"), None)
+        vocab = logits.shape[-1] if logits is not None else None
+        self._vocab = vocab if isinstance(vocab, int) else None
+        self._logits = np.empty((0, self._vocab or 0), np.float32)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """One run on ``feeds`` (``packed_feeds``); logits [rows, V], valid until the next ``run``."""
+        for name, array in feeds.items():
+            self.io.bind_cpu_input(name, np.ascontiguousarray(array))
+        if self._vocab is None:  # no static vocabulary to preallocate for: ONNX Runtime allocates
+            self.io.bind_output("logits", "cpu")
+            self.session.run_with_iobinding(self.io)
+            logits: np.ndarray = self.io.get_outputs()[-1].numpy()  # binding order: pools first, logits last
+            return logits
+        rows = len(feeds["logits_indices"])
+        if self._logits.shape[0] < rows:
+            self._logits = np.empty((max(rows, 2 * self._logits.shape[0]), self._vocab), np.float32)
+        out = self._logits[:rows]
+        self.io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(out))
+        self.session.run_with_iobinding(self.io)
+        return out
 
 
 class PagedOrtBackend:
@@ -142,11 +163,13 @@ class PagedOrtBackend:
 
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_blocks: int, num_slots: int,
                  vocab_size: int, threads: int | None = None, providers: list[str] | None = None, lower: bool = True,
-                 profile: bool = False) -> None:
+                 profile: bool = False, session_config: Sequence[tuple[str, str]] = ()) -> None:
         self.block_size = _block_size(kv_cache, model_path)
-        self.session = _session(Path(model_path), threads=threads, providers=providers, lower=lower, profile=profile)
+        self.session = _session(Path(model_path), threads=threads, providers=providers, lower=lower, profile=profile,
+                                session_config=session_config)
         self._pools = _spec_pools(self.session, kv_cache, num_blocks, str(model_path))
         self.pools = self._pools.arrays
+        self._runner = PagedRunner(self.session, self._pools)
         self._profiling = profile
         self.kv = kv_cache
         self.num_blocks = num_blocks
@@ -189,11 +212,12 @@ class PagedOrtBackend:
         return kernel_time_shares(self.session.end_profiling())
 
     def execute(self, step: StepInput) -> np.ndarray:
-        """Run all rows in one packed step; logits [rows, V] of each row's last token."""
+        """Run all rows in one packed step; logits [rows, V] of each row's last token, valid until the next
+        ``execute`` (a view of the runner's buffer: no copy per step)."""
         for row in step.rows:
             self._check(row)
         self._pools.zero_blocks(self._first_written_blocks(step.rows))
-        return _run(self.session, packed_feeds(step.rows), self._pools)
+        return self._runner.run(packed_feeds(step.rows))
 
     def _first_written_blocks(self, rows: Sequence[RowInput]) -> list[int]:
         """Blocks whose slot 0 a row writes this step: new to their sequence, so their old content is stale."""
@@ -226,10 +250,11 @@ class PagedSequenceSession:
         self.session = _session(Path(model_path), threads=threads, providers=None)
         self._pools = _spec_pools(self.session, kv_cache, num_blocks, str(model_path))
         self.pools = self._pools.arrays
+        self._runner = PagedRunner(self.session, self._pools)
         self.block_table = tuple(range(num_blocks))
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """input_ids/position_ids [1, S] (positions start .. start+S-1) -> logits [1, S, V] of every token."""
         ids = tuple(int(t) for t in np.asarray(input_ids).reshape(-1))
         row = RowInput(0, ids, int(np.asarray(position_ids).reshape(-1)[0]), self.block_table)
-        return _run(self.session, packed_feeds([row], all_logits=True), self._pools)[None]
+        return self._runner.run(packed_feeds([row], all_logits=True))[None].copy()  # callers keep each step's

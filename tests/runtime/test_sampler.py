@@ -319,7 +319,7 @@ def test_sampled_frequencies_match_the_processed_distribution(params):
 def test_logprobs_are_the_raw_distribution_at_the_chosen_token():
     rng = np.random.default_rng(8)
     logits = _tied_logits(rng, 5, 40)
-    params = [SamplingParams(), SamplingParams(temperature=0.6, top_k=3, repetition_penalty=2.0, logprobs=5),
+    params = [SamplingParams(logprobs=0), SamplingParams(temperature=0.6, top_k=3, repetition_penalty=2.0, logprobs=5),
               SamplingParams(temperature=1.7, top_p=0.5, presence_penalty=1.0, logprobs=MAX_LOGPROBS),
               SamplingParams(temperature=1.0, min_p=0.3, logprobs=1), SamplingParams(logprobs=3, seed=3)]
     outputs = [rng.integers(0, 40, size=4).tolist() for _ in params]
@@ -332,6 +332,16 @@ def test_logprobs_are_the_raw_distribution_at_the_chosen_token():
         np.testing.assert_allclose([lp for _, lp in out.top_logprobs[i]], ref[expected_top], atol=1e-6)
     assert out.logprobs.dtype == np.float32 and out.token_ids.dtype == np.int64
     assert out.top_logprobs[0] == []
+
+
+def test_logprobs_none_computes_none():
+    """The default (None) returns no logprobs, greedy or sampled; 0 returns only the chosen token's."""
+    logits = _tied_logits(np.random.default_rng(9), 3, 40)
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(logprobs=0)]
+    out = _sample(Sampler(seed=0), logits, params, [q.make_generator() for q in params], [[], [], []])
+    assert np.isnan(out.logprobs[:2]).all() and out.top_logprobs[:2] == [[], []]
+    ref = np.log(_softmax(logits[2].astype(np.float64)))
+    assert out.logprobs[2] == pytest.approx(ref[out.token_ids[2]], abs=1e-6) and out.top_logprobs[2] == []
 
 
 def test_raw_logprobs_handle_large_logits():
@@ -351,7 +361,7 @@ _params = st.builds(
     repetition_penalty=st.one_of(st.just(1.0), st.floats(0.1, 3.0)),
     presence_penalty=st.floats(-2.0, 2.0),
     seed=st.one_of(st.none(), st.integers(0, 2**32)),
-    logprobs=st.integers(0, MAX_LOGPROBS),
+    logprobs=st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)),
 )
 
 
@@ -384,7 +394,9 @@ def test_chosen_token_always_survives_the_filters(batch):
     assert np.isfinite(processed[rows, out.token_ids]).all()  # non-zero probability after filtering
     # the most likely penalised token is never filtered out
     assert np.isfinite(processed[rows, processed.argmax(-1)]).all()
-    np.testing.assert_allclose(out.logprobs, raw_logprobs(logits)[rows, out.token_ids], atol=1e-6)
+    asked = np.array([q.logprobs is not None for q in params])
+    np.testing.assert_allclose(out.logprobs[asked], raw_logprobs(logits)[rows, out.token_ids][asked], atol=1e-6)
+    assert np.isnan(out.logprobs[~asked]).all()
 
 
 @settings(max_examples=60, deadline=None)
