@@ -28,6 +28,7 @@ from moeforge.parity import default_prompt, layer_table, run_layer_parity, run_p
 from moeforge.quant.schemes import ACCURACY_LEVELS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
+from moeforge.server import ServeOptions, serve
 from moeforge.targets import TARGETS
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -179,6 +180,32 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = _subcommand(sub, "config", "print a model's config, parameter count and KV bytes per token")
     cfg.add_argument("model", help="HF folder, .gguf file, or a preset name (full-size presets included)")
     cfg.add_argument("--json", action="store_true")
+
+    srv = _subcommand(sub, "serve", "serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, "
+                      "/v1/chat/completions, /v1/models, /health, /metrics) until SIGTERM")
+    srv.add_argument("artifact", help="artifact directory")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOEFORGE_API_KEY, which keeps "
+                          "the key out of the process list; no authentication if neither is set)")
+    srv.add_argument("--max-num-seqs", type=int, default=8, help="requests in the running batch at most")
+    srv.add_argument("--max-queued", type=int, default=256,
+                     help="requests that may wait beyond the running ones; more get 429 with Retry-After")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
+    srv.add_argument("--kv-blocks", type=int, default=None,
+                     help="KV-cache blocks (default: every running request can reach max_seq_len)")
+    srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    srv.add_argument("--chat-template", type=Path, default=None,
+                     help="Jinja chat template file to use instead of the tokenizer's")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients pass (default: the artifact directory's name)")
+    srv.add_argument("--shutdown-timeout", type=int, default=30,
+                     help="seconds in-flight requests may run on after SIGTERM before they are aborted")
+    srv.add_argument("--profile-steps", type=int, default=0,
+                     help="profile the first N engine steps for moeforge:attention_time_share (0 = off)")
+    srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                     help="uvicorn's log level")
     return parser
 
 
@@ -188,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     commands = {"run": _cmd_run, "config": _cmd_config, "compile": _cmd_compile, "inspect": _cmd_inspect,
-                "parity": _cmd_parity, "bench": _cmd_bench}
+                "parity": _cmd_parity, "bench": _cmd_bench, "serve": _cmd_serve}
     try:
         if args.command in commands:
             code = commands[args.command](args)
@@ -437,6 +464,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for name, ratio in result.get("decode_speedup_vs", {}).items():
         print(f"decode speed vs {name}: {ratio:.2f}x")
     return EXIT_OK
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if not _is_artifact(args.artifact):
+        raise MoeforgeError(f"{args.artifact} is not an artifact directory; compile it first (moeforge compile "
+                            "MODEL -o DIR)")
+    return serve(ServeOptions(
+        artifact=Path(args.artifact), host=args.host, port=args.port, max_queued=args.max_queued,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("MOEFORGE_API_KEY") or None,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_blocks=args.kv_blocks, threads=args.threads, chat_template=args.chat_template,
+        served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
+        profile_steps=args.profile_steps, log_level=args.log_level))
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

@@ -1,0 +1,147 @@
+"""Prometheus metrics of the server, named as vLLM names its own (``vllm:x`` -> ``moeforge:x``).
+
+Each app gets its own ``CollectorRegistry`` (several servers can live in one process, as in the tests). The
+engine loop thread writes every metric (prometheus_client is thread-safe); ``/metrics`` renders the registry.
+
+vLLM names kept: ``num_requests_running`` / ``num_requests_waiting`` (gauges), ``request_success_total
+{finished_reason}``, ``prompt_tokens_total``, ``generation_tokens_total``, ``time_to_first_token_seconds``,
+``inter_token_latency_seconds``, ``e2e_request_latency_seconds`` (histograms), ``kv_cache_usage_perc``,
+``prefix_cache_queries_total`` / ``prefix_cache_hits_total``, ``num_preemptions_total``. Ours on top:
+``kv_cache_blocks_in_use`` / ``kv_cache_blocks_capacity``, ``prefix_cache_hit_rate``, ``request_rejected_total
+{reason}``, ``engine_steps_total`` and ``attention_time_share`` (only with ``--profile-steps``). Prefix-cache
+queries and hits count KV blocks (the engine's unit), where vLLM counts tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from moeforge.runtime.block_pool import KVCacheStats
+
+PREFIX = "moeforge:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Buckets of vLLM's histograms (seconds), so dashboards built for it read ours the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("queue_full", "invalid", "unauthorized", "shutting_down")
+
+
+@dataclass
+class _Cumulative:
+    """The engine's running totals as last seen, so counters advance by the difference."""
+
+    preemptions: int = 0
+    prefix_hits: int = 0
+    prefix_queries: int = 0
+    steps: int = 0
+
+
+class ServerMetrics:
+    """Every metric the server exports, in one registry."""
+
+    def __init__(self, model_name: str) -> None:
+        # No ``*_created`` series (a timestamp per counter and histogram): vLLM turns them off too. The switch is
+        # process-wide in prometheus_client; nothing else in moeforge exports metrics.
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ("model_name",)
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + extra, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch (they hold KV blocks).")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to run (new or preempted).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.kv_blocks_in_use = gauge("kv_cache_blocks_in_use", "KV-cache blocks held by requests.")
+        self.kv_blocks_total = gauge("kv_cache_blocks_capacity", "KV-cache blocks in the pool (used or free).")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits / lookups (full prompt blocks), "
+                                     "over the server's life; 0 while there were no lookups.")
+        self.attention_share = gauge("attention_time_share", "Attention's share of kernel time over the profiled "
+                                     "first steps (--profile-steps); absent without profiling.")
+        self.prefix_queries = counter("prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Full prompt blocks found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (their KV dropped, recomputed later).")
+        self.steps = counter("engine_steps", "Engine steps run (one batched model call each).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
+        self.rejected = counter("request_rejected", "Requests refused before they ran, by reason.", ("reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the final token.", E2E_BUCKETS)
+        self._model = model_name
+        self._seen = _Cumulative()
+        # Every labelled series exists from the start (at 0), so a scrape before the first request shows them.
+        for metric in (self.running, self.waiting, self.kv_usage, self.kv_blocks_in_use, self.kv_blocks_total,
+                       self.prefix_hit_rate, self.prefix_queries, self.prefix_hits, self.preemptions, self.steps,
+                       self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
+            metric.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(model_name, reason)
+
+    # ---- written by the engine loop thread
+    def update_engine(self, *, running: int, waiting: int, kv: KVCacheStats, num_blocks: int, preemptions: int,
+                      steps: int) -> None:
+        """Gauges and cumulative counters from the engine's state after a step."""
+        m = self._model
+        self.running.labels(m).set(running)
+        self.waiting.labels(m).set(waiting)
+        self.kv_blocks_in_use.labels(m).set(kv.blocks_in_use)
+        self.kv_blocks_total.labels(m).set(num_blocks)
+        self.kv_usage.labels(m).set(kv.blocks_in_use / num_blocks if num_blocks else 0.0)
+        self.prefix_hit_rate.labels(m).set(kv.hit_rate)
+        seen = self._seen
+        queries = kv.hits + kv.misses
+        self.prefix_queries.labels(m).inc(max(queries - seen.prefix_queries, 0))
+        self.prefix_hits.labels(m).inc(max(kv.hits - seen.prefix_hits, 0))
+        self.preemptions.labels(m).inc(max(preemptions - seen.preemptions, 0))
+        self.steps.labels(m).inc(max(steps - seen.steps, 0))
+        self._seen = _Cumulative(preemptions, kv.hits, queries, steps)
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self._model).inc(prompt_tokens)
+
+    def tokens(self, count: int, *, ttft: float | None, itl: float | None) -> None:
+        """``count`` new tokens of one request; ``ttft`` when they include its first, else the time since its
+        previous tokens (``itl``), spread over them."""
+        m = self._model
+        self.generation_tokens.labels(m).inc(count)
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+        elif itl is not None and count:
+            for _ in range(count):
+                self.itl.labels(m).observe(itl / count)
+
+    def finished(self, reason: str, e2e: float) -> None:
+        m = self._model
+        self.success.labels(m, reason if reason in FINISH_REASONS else "error").inc()
+        self.e2e.labels(m).observe(e2e)
+
+    def set_attention_share(self, share: float) -> None:
+        self.attention_share.labels(self._model).set(share)
+
+    # ---- written by the request handlers
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self._model, reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
