@@ -14,7 +14,9 @@ Why this order (ONNX Runtime target):
 8. cleanup        drops what the rewrites left dead (old masks, cos/sin math, transposes).
 9. gqa_packed_qkv needs (5), (6) and (8) (no dead readers left on the Split): GroupQueryAttention reads the
                   packed q/k/v, its Split dropped.
-10. last_token_logits  an optional ``logits_to_keep`` input slicing the LM head's input (contiguous graphs; paged
+10. expert_load   MoE graphs: an ``expert_hits`` output (which experts each token chose per layer, read from the
+                  lowered router), for the expert-load metrics.
+11. last_token_logits  an optional ``logits_to_keep`` input slicing the LM head's input (contiguous graphs; paged
                   ones select rows with ``logits_indices``); after cleanup, whose constant folding must not
                   see the input's default initializer as a constant.
 """
@@ -28,6 +30,7 @@ import onnx_ir as ir
 
 from moeforge.graph_passes.base import GraphPass, PassContext, PassReport
 from moeforge.graph_passes.cleanup import Cleanup
+from moeforge.graph_passes.expert_load import ExpertLoadOutput
 from moeforge.graph_passes.gqa_packed_qkv import GqaPackedQkv
 from moeforge.graph_passes.kv_cache import KVCacheInsertion
 from moeforge.graph_passes.last_token_logits import LastTokenLogits
@@ -52,6 +55,7 @@ def ort_pipeline(kv_cache: str = "contiguous", block_size: int = DEFAULT_BLOCK_S
         MoELowering(),
         Cleanup(),
         GqaPackedQkv(),
+        ExpertLoadOutput(),
         LastTokenLogits(),
     ]
 

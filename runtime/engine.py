@@ -115,6 +115,9 @@ class EngineConfig:
     # ONNX Runtime session config entries, e.g. (("session.intra_op.allow_spinning", "0"),): what a service tunes
     # (benchmarks/session_options.py measures the common ones).
     session_config: tuple[tuple[str, str], ...] = ()
+    # MoE artifacts: count routed tokens per layer and expert (LLMEngine.expert_load); costs a small output
+    # fetch per step, so off by default.
+    track_expert_load: bool = False
     profile: bool = False  # time kernels (costs a little) so attention_time_share() can answer
 
     def __post_init__(self) -> None:
@@ -211,12 +214,14 @@ class LLMEngine:
             backend = PagedOrtBackend(artifact.model_path, kv_cache=kv, num_blocks=num_blocks,
                                       num_slots=config.max_num_seqs, vocab_size=vocab_size, threads=config.threads,
                                       providers=providers, profile=config.profile,
-                                      session_config=config.session_config)
+                                      session_config=config.session_config,
+                                      track_expert_load=config.track_expert_load)
         else:
             check_host_memory(config, kv, vocab_size)
             backend = OrtBackend(artifact.model_path, kv_cache=kv, num_slots=config.max_num_seqs,
                                  max_seq_len=kv.max_seq_len, vocab_size=vocab_size, threads=config.threads,
-                                 providers=providers, profile=config.profile, session_config=config.session_config)
+                                 providers=providers, profile=config.profile, session_config=config.session_config,
+                                 track_expert_load=config.track_expert_load)
         tokenizer, eos = _tokenizer_and_eos(artifact)
         return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
 
@@ -269,6 +274,13 @@ class LLMEngine:
         if shares is None:
             return None
         return sum(share for op, share in shares.items() if "Attention" in op)
+
+    def expert_load(self) -> np.ndarray | None:
+        """Tokens routed to each expert of each MoE layer so far, [L_moe, E] int64 (prompt and generated tokens
+        the model ran, recomputed ones again), when the backend tracks them (``EngineConfig(track_expert_load=True)``
+        on a MoE artifact); None otherwise."""
+        counter = getattr(self.backend, "expert_load", None)
+        return counter() if counter is not None else None
 
     @property
     def kv_blocks_in_use(self) -> int:

@@ -228,6 +228,9 @@ class EngineLoop:
             self.metrics.update_engine(running=state.running, waiting=state.waiting, kv=kv,
                                        num_blocks=engine.kv.config.num_blocks,
                                        preemptions=engine.metrics.preemptions, steps=engine.metrics.steps)
+            load = engine.expert_load()  # a fresh copy; None unless the artifact routes to experts
+            if load is not None:
+                self.metrics.set_expert_load(load)
         if self._profile_steps and engine.metrics.steps >= self._profile_steps:
             self._profile_steps = 0  # profiling ends with the first read
             share = engine.attention_time_share()

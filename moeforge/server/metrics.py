@@ -9,15 +9,23 @@ vLLM names kept: ``num_requests_running`` / ``num_requests_waiting`` (gauges), `
 ``prefix_cache_queries_total`` / ``prefix_cache_hits_total``, ``num_preemptions_total``. Ours on top:
 ``kv_cache_blocks_in_use`` / ``kv_cache_blocks_capacity``, ``prefix_cache_hit_rate``, ``request_rejected_total
 {reason}``, ``engine_steps_total`` and ``attention_time_share`` (only with ``--profile-steps``). Prefix-cache
-queries and hits count KV blocks (the engine's unit), where vLLM counts tokens.
+queries and hits count KV blocks (the engine's unit), where vLLM counts tokens. MoE artifacts add
+``expert_routed_tokens_total{layer, expert}`` (tokens the router sent to each expert of each MoE layer, read
+from the graph's routing output) and ``expert_load_imbalance{layer}`` (max / mean of that layer's counts; 1 =
+perfectly balanced). Those are built at scrape time from the loop thread's latest snapshot (``ExpertLoad``):
+DeepSeek-V3 has 58 x 256 of them, too many to update one by one after every step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from moeforge.runtime.block_pool import KVCacheStats
 
@@ -32,6 +40,33 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = ("queue_full", "invalid", "unauthorized", "shutting_down")
+
+
+class ExpertLoad(Collector):
+    """Expert-load metrics from the latest [L_moe, E] routed-token counts (``LLMEngine.expert_load``). The loop
+    thread replaces the snapshot (a new array, never written afterwards); a scrape reads whichever is current."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: np.ndarray | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.snapshot
+        if counts is None:
+            return
+        routed = CounterMetricFamily(PREFIX + "expert_routed_tokens", "Tokens the router sent to each expert of "
+                                     "each MoE layer (prompt and generated tokens the model ran).",
+                                     labels=("model_name", "layer", "expert"))
+        imbalance = GaugeMetricFamily(PREFIX + "expert_load_imbalance", "Max / mean of a MoE layer's routed-token "
+                                      "counts over its experts (1 = balanced; 0 before any token).",
+                                      labels=("model_name", "layer"))
+        for layer, row in enumerate(counts.tolist()):
+            for expert, count in enumerate(row):
+                routed.add_metric((self.model_name, str(layer), str(expert)), count)
+            mean = sum(row) / len(row)
+            imbalance.add_metric((self.model_name, str(layer)), max(row) / mean if mean else 0.0)
+        yield routed
+        yield imbalance
 
 
 @dataclass
@@ -85,6 +120,8 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
                              ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the final token.", E2E_BUCKETS)
+        self.expert_load = ExpertLoad(model_name)
+        r.register(self.expert_load)
         self._model = model_name
         self._seen = _Cumulative()
         # Every labelled series exists from the start (at 0), so a scrape before the first request shows them.
@@ -134,6 +171,10 @@ class ServerMetrics:
         m = self._model
         self.success.labels(m, reason if reason in FINISH_REASONS else "error").inc()
         self.e2e.labels(m).observe(e2e)
+
+    def set_expert_load(self, counts: np.ndarray) -> None:
+        """The engine's routed-token counts [L_moe, E] after a step (a copy the caller no longer writes)."""
+        self.expert_load.snapshot = counts
 
     def set_attention_share(self, share: float) -> None:
         self.attention_share.labels(self._model).set(share)

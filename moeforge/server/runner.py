@@ -77,7 +77,8 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
             raise MoeforgeError(f"cannot read --chat-template {options.chat_template}: {exc}") from None
     engine = LLMEngine.from_artifact(options.artifact, EngineConfig(
         max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-        kv_blocks=options.kv_blocks, threads=options.threads, profile=options.profile_steps > 0))
+        kv_blocks=options.kv_blocks, threads=options.threads, profile=options.profile_steps > 0,
+        track_expert_load=True))  # a no-op on artifacts without MoE layers
     name = options.served_model_name or model_name(options.artifact)
     app = create_app(engine, ServerConfig(model_name=name, max_queued=options.max_queued, api_key=options.api_key,
                                           chat_template=template, profile_steps=options.profile_steps))

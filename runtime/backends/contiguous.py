@@ -32,6 +32,7 @@ class SlotBatch:
     positions: np.ndarray  # [B, W] int64; row b: past[b] .. past[b] + W - 1
     past: np.ndarray  # [B] int64, tokens each slot held before the run
     totals: np.ndarray  # [B] int64, past + the row's real tokens (its attention-mask width)
+    real: np.ndarray | None = None  # [B] bool, rows with work (False: an idle slot's dummy token); None: all
 
 
 class ContiguousBackend(ABC):
@@ -70,6 +71,10 @@ class ContiguousBackend(ABC):
         self.lengths[slot] = 0
 
     def op_time_shares(self) -> dict[str, float] | None:
+        return None
+
+    def expert_load(self) -> np.ndarray | None:
+        """Routed tokens per MoE layer and expert so far, [L_moe, E] int64, where the backend tracks them."""
         return None
 
     def execute(self, step: StepInput) -> np.ndarray:
@@ -133,12 +138,15 @@ class ContiguousBackend(ABC):
         ids = np.zeros((batch, width), np.int64)
         past = np.array(self.lengths[lo:hi], np.int64)
         totals = past.copy()
+        real = np.ones(batch, bool)
         for b, slot in enumerate(range(lo, hi)):
-            tokens = work.get(slot, (0,))  # dummy: written at the slot's next free position, overwritten later
+            tokens = work.get(slot)
+            if tokens is None:
+                tokens, real[b] = (0,), False  # dummy: written at the slot's next free position, overwritten later
             ids[b, :len(tokens)] = tokens
             totals[b] += len(tokens)
         positions = past[:, None] + np.arange(width, dtype=np.int64)  # [B, W]
-        return self._forward(SlotBatch(lo, hi, ids, positions, past, totals))
+        return self._forward(SlotBatch(lo, hi, ids, positions, past, totals, real))
 
     @abstractmethod
     def _forward(self, batch: SlotBatch) -> np.ndarray:

@@ -28,7 +28,7 @@ import onnx
 import onnxruntime as ort
 
 from moeforge.errors import ArtifactError
-from moeforge.kv_layout import LOGITS_TO_KEEP, KVCacheSpec
+from moeforge.kv_layout import EXPERT_HITS, LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import CacheBinding, GraphTensor, cache_bindings, check_graph
 
@@ -127,6 +127,9 @@ class OrtSession:
         self.buffers: list[np.ndarray] = []
         self._ort_values: list[ort.OrtValue] = []
         self._decode_bindings: OrderedDict[tuple[int, int], DecodeBinding] = OrderedDict()
+        # MoE graphs' routing output, fetched after each run when expert load is tracked (see ExpertCounter).
+        self.expert_hits: np.ndarray | None = None
+        self.track_experts = False
         logits = next((o for o in self.session.get_outputs() if o.name == "logits"), None)
         self.vocab_size = logits.shape[-1] if logits is not None and isinstance(logits.shape[-1], int) else None
 
@@ -158,6 +161,8 @@ class OrtSession:
             for output in binding.output_names:
                 io.bind_ortvalue_output(output, value)  # same buffer: updated in place
         io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        if self.track_experts:
+            io.bind_output(EXPERT_HITS, "cpu")  # bound last: the last of get_outputs()
         made = DecodeBinding(io, ids, positions, np.ones(self.capacity, np.int64), logits, values)
         self._decode_bindings[key] = made
         if len(self._decode_bindings) > self.MAX_DECODE_BINDINGS:
@@ -180,6 +185,8 @@ class OrtSession:
                 mask = (np.arange(width) < totals[:, None]).astype(np.int64)  # [B, T]
             bound.io.bind_cpu_input("attention_mask", mask)
         self.session.run_with_iobinding(bound.io)
+        if self.track_experts:
+            self.expert_hits = bound.io.get_outputs()[-1].numpy()
         return bound.logits
 
     @property
@@ -228,9 +235,14 @@ class OrtSession:
         io.bind_output("logits", "cpu")
         for name in extra_outputs:
             io.bind_output(name, "cpu")
+        if self.track_experts:
+            io.bind_output(EXPERT_HITS, "cpu")
         self.session.run_with_iobinding(io)
-        # Outputs come back in binding order: caches first, then logits and the extras.
+        # Outputs come back in binding order: caches first, then logits, the extras and the routing.
         outputs = io.get_outputs()
+        if self.track_experts:
+            self.expert_hits = outputs[-1].numpy()
+            outputs = outputs[:-1]
         first = len(outputs) - 1 - len(extra_outputs)
         return [o.numpy() for o in outputs[first:]]
 
@@ -256,10 +268,13 @@ class OrtBackend(ContiguousBackend):
 
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_slots: int, max_seq_len: int,
                  vocab_size: int, threads: int | None = None, providers: list[str] | None = None,
-                 profile: bool = False, session_config: Sequence[tuple[str, str]] = ()) -> None:
+                 profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
+                 track_expert_load: bool = False) -> None:
         super().__init__(kv_cache, num_slots=num_slots, max_seq_len=max_seq_len, vocab_size=vocab_size)
         self._session = OrtSession(model_path, kv_cache=kv_cache, threads=threads, providers=providers,
                                    profile=profile, session_config=session_config)
+        self._experts = ExpertCounter.for_session(self._session.session) if track_expert_load else None
+        self._session.track_experts = self._experts is not None
         self._profiling = profile
         self._session.allocate(num_slots, max_seq_len)
 
@@ -270,14 +285,45 @@ class OrtBackend(ContiguousBackend):
         self._profiling = False
         return kernel_time_shares(self._session.session.end_profiling())
 
+    def expert_load(self) -> np.ndarray | None:
+        return None if self._experts is None else self._experts.counts.copy()
+
     def _forward(self, batch: SlotBatch) -> np.ndarray:
         if batch.ids.shape[1] == 1:  # a decode run: the cached binding of this slot range
-            return self._session.decode(batch.lo, batch.hi, batch.ids[:, 0], batch.positions[:, 0], batch.totals)
-        mask = (np.arange(int(batch.totals.max())) < batch.totals[:, None]).astype(np.int64)  # [B, T]
-        values = self._session.views(batch.lo, batch.hi)
-        # A prefill run (one row) needs only its last token's logits: the graph then projects one row, not S.
-        last_only = batch.hi - batch.lo == 1
-        return self._session.forward_on(values, batch.ids, batch.positions, mask, last_only=last_only)
+            logits = self._session.decode(batch.lo, batch.hi, batch.ids[:, 0], batch.positions[:, 0], batch.totals)
+        else:
+            mask = (np.arange(int(batch.totals.max())) < batch.totals[:, None]).astype(np.int64)  # [B, T]
+            values = self._session.views(batch.lo, batch.hi)
+            # A prefill run (one row) needs only its last token's logits: the graph then projects one row, not S.
+            last_only = batch.hi - batch.lo == 1
+            logits = self._session.forward_on(values, batch.ids, batch.positions, mask, last_only=last_only)
+        if self._experts is not None and self._session.expert_hits is not None:
+            rows = batch.real if batch.real is not None else np.ones(len(batch.ids), bool)
+            self._experts.add(self._session.expert_hits, np.repeat(rows, batch.ids.shape[1]))
+        return logits
+
+
+class ExpertCounter:
+    """Routed tokens per MoE layer and expert, [L_moe, E] int64, summed from the graph's ``expert_hits`` output
+    (graph_passes/expert_load.py) over the tokens that are real: a backend passes which rows of T those are."""
+
+    def __init__(self, layers: int, experts: int) -> None:
+        self.counts = np.zeros((layers, experts), np.int64)
+
+    @classmethod
+    def for_session(cls, session: ort.InferenceSession) -> ExpertCounter | None:
+        """A counter shaped by the session's ``expert_hits`` output [L, T, E]; None when the graph has none."""
+        found = next((o for o in session.get_outputs() if o.name == EXPERT_HITS), None)
+        if found is None:
+            return None
+        layers, experts = found.shape[0], found.shape[-1]
+        if not isinstance(layers, int) or not isinstance(experts, int):
+            raise ArtifactError(f"{EXPERT_HITS} has shape {found.shape}: its layer and expert dims must be static")
+        return cls(layers, experts)
+
+    def add(self, hits: np.ndarray, real: np.ndarray) -> None:
+        """hits [L, T, E] bool; real [T] bool, the tokens to count."""
+        self.counts += hits[:, real].sum(axis=1, dtype=np.int64)
 
 
 def kernel_time_shares(profile_path: str | Path) -> dict[str, float]:

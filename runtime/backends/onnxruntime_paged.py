@@ -29,11 +29,11 @@ import onnx
 import onnxruntime as ort
 
 from moeforge.errors import ArtifactError
-from moeforge.kv_layout import KVCacheSpec
+from moeforge.kv_layout import EXPERT_HITS, KVCacheSpec
 from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
 from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
 from moeforge.runtime.backends.kv_bindings import cache_bindings
-from moeforge.runtime.backends.onnxruntime import check_session, kernel_time_shares, make_session
+from moeforge.runtime.backends.onnxruntime import ExpertCounter, check_session, kernel_time_shares, make_session
 
 # ONNX Runtime input type -> numpy dtype of a pool (bfloat16 has no numpy dtype to wrap zero-copy).
 _POOL_DTYPES: dict[str, type[np.floating[Any]]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -130,10 +130,11 @@ class PagedRunner:
     the few packed inputs and the logits buffer, with no Python work per layer. Logits land in a buffer the
     runner keeps (grown when a step has more rows) and are returned as a view of it."""
 
-    def __init__(self, session: ort.InferenceSession, pools: BlockPools) -> None:
+    def __init__(self, session: ort.InferenceSession, pools: BlockPools, experts: ExpertCounter | None = None) -> None:
         self.session = session
         self.io = session.io_binding()
         pools.bind(self.io)
+        self.experts = experts  # count the routing of every packed token (all are real)
         logits = next((o for o in session.get_outputs() if o.name == "logits"), None)
         vocab = logits.shape[-1] if logits is not None else None
         self._vocab = vocab if isinstance(vocab, int) else None
@@ -143,10 +144,14 @@ class PagedRunner:
         """One run on ``feeds`` (``packed_feeds``); logits [rows, V], valid until the next ``run``."""
         for name, array in feeds.items():
             self.io.bind_cpu_input(name, np.ascontiguousarray(array))
+        if self.experts is not None:
+            self.io.bind_output(EXPERT_HITS, "cpu")
         if self._vocab is None:  # no static vocabulary to preallocate for: ONNX Runtime allocates
             self.io.bind_output("logits", "cpu")
             self.session.run_with_iobinding(self.io)
-            logits: np.ndarray = self.io.get_outputs()[-1].numpy()  # binding order: pools first, logits last
+            outputs = self.io.get_outputs()  # binding order: pools, then the routing (if bound), logits last
+            self._count(outputs[-2] if self.experts is not None else None)
+            logits: np.ndarray = outputs[-1].numpy()
             return logits
         rows = len(feeds["logits_indices"])
         if self._logits.shape[0] < rows:
@@ -154,7 +159,14 @@ class PagedRunner:
         out = self._logits[:rows]
         self.io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(out))
         self.session.run_with_iobinding(self.io)
+        if self.experts is not None:
+            self._count(self.io.get_outputs()[-2])  # the routing, bound before the logits
         return out
+
+    def _count(self, hits: ort.OrtValue | None) -> None:
+        if self.experts is not None and hits is not None:
+            array = hits.numpy()  # [L, T, E]
+            self.experts.add(array, np.ones(array.shape[1], bool))
 
 
 class PagedOrtBackend:
@@ -163,13 +175,15 @@ class PagedOrtBackend:
 
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_blocks: int, num_slots: int,
                  vocab_size: int, threads: int | None = None, providers: list[str] | None = None, lower: bool = True,
-                 profile: bool = False, session_config: Sequence[tuple[str, str]] = ()) -> None:
+                 profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
+                 track_expert_load: bool = False) -> None:
         self.block_size = _block_size(kv_cache, model_path)
         self.session = _session(Path(model_path), threads=threads, providers=providers, lower=lower, profile=profile,
                                 session_config=session_config)
         self._pools = _spec_pools(self.session, kv_cache, num_blocks, str(model_path))
         self.pools = self._pools.arrays
-        self._runner = PagedRunner(self.session, self._pools)
+        self._experts = ExpertCounter.for_session(self.session) if track_expert_load else None
+        self._runner = PagedRunner(self.session, self._pools, self._experts)
         self._profiling = profile
         self.kv = kv_cache
         self.num_blocks = num_blocks
@@ -202,6 +216,10 @@ class PagedOrtBackend:
 
     def release(self, slot: int) -> None:
         """Nothing to do: blocks belong to the engine's KVCacheManager."""
+
+    def expert_load(self) -> np.ndarray | None:
+        """Routed tokens per MoE layer and expert so far, [L_moe, E] (with ``track_expert_load``), else None."""
+        return None if self._experts is None else self._experts.counts.copy()
 
     def op_time_shares(self) -> dict[str, float] | None:
         """Share of kernel time per op type so far (needs ``profile=True``; ends profiling). The paged

@@ -1,0 +1,63 @@
+"""Expert load: the engine's routed-token counts per MoE layer and expert equal a count taken from the PyTorch
+router on the same tokens, for contiguous (idle decode rows must not count) and paged artifacts."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moeforge.compile import CompileOptions, compile_model
+from moeforge.export.loader import load_model
+from moeforge.export.moe import MoERouter
+from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.sampler import SamplingParams
+
+
+@pytest.fixture(scope="module", params=["contiguous", "paged"])
+def artifact(request, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp(f"ds3-{request.param}") / "artifact"
+    compile_model(CompileOptions.from_flags(model="tiny-deepseek-v3", output_dir=out, max_seq_len=64,
+                                            kv_cache=request.param, progress=False))
+    return out
+
+
+def _torch_counts(sequences: list[list[int]]) -> np.ndarray:
+    """Per MoE layer and expert, how many of ``sequences``' tokens the PyTorch router sent there."""
+    model = load_model("tiny-deepseek-v3").model
+    routers = [m for m in model.modules() if isinstance(m, MoERouter)]
+    counts = np.zeros((len(routers), routers[0].weight.shape[0]), np.int64)
+
+    def hook(index: int):
+        def record(module, inputs, output):
+            ids = output[0].reshape(-1).numpy()
+            counts[index] += np.bincount(ids, minlength=counts.shape[1])
+        return record
+
+    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
+    with torch.no_grad():
+        for tokens in sequences:
+            model(torch.tensor([tokens]), torch.arange(len(tokens))[None])
+    for handle in handles:
+        handle.remove()
+    return counts
+
+
+def test_expert_load_equals_the_pytorch_router(artifact):
+    engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=3, track_expert_load=True))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (9, 4, 13)]
+    # Different lengths: once the middle request ends, slots 0 and 2 decode with slot 1 idle in the run.
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (7, 2, 6)]
+    outputs = engine.generate(prompts, params)
+    # The model ran every prompt token and every sampled token but the last.
+    ran = [p + o.token_ids[:-1] for p, o in zip(prompts, outputs, strict=True)]
+    got = engine.expert_load()
+    assert got is not None
+    np.testing.assert_array_equal(got, _torch_counts(ran))
+    top_k = load_model("tiny-deepseek-v3").config.moe.num_experts_per_tok
+    assert (got.sum(axis=1) == top_k * sum(len(r) for r in ran)).all()  # every real token once per layer
+
+
+def test_expert_load_is_off_by_default(artifact):
+    assert LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=1)).expert_load() is None
