@@ -7,6 +7,7 @@ load never holds more than one full copy of the weights.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,7 +180,9 @@ def build_from_tensors(
 
 def _check_finite(name: str, stored: torch.Tensor, value: torch.Tensor) -> None:
     """Raise CheckpointError naming ``name`` when ``value`` (``stored`` cast for the model) has NaN/Inf."""
-    if bool(torch.isfinite(value).all()):
+    # A finite sum proves every element finite (a NaN or Inf term never sums to a finite value) and is ~20x
+    # faster than isfinite().all(); only an overflowing sum of finite values takes the exact check.
+    if math.isfinite(float(value.sum())) or bool(torch.isfinite(value).all()):
         return
     nan, inf = int(torch.isnan(value).sum()), int(torch.isinf(value).sum())
     # Finite in the file but not after the cast: the weights exceed the range of the requested dtype.
@@ -198,3 +201,16 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
     else:
         module._buffers[attr] = tensor
+
+
+def release_weights(model: nn.Module) -> None:
+    """Replace every parameter and buffer of ``model`` by an empty one on the meta device (the module objects
+    stay, the model can no longer run). Storage that something else still holds survives, e.g. the weights an
+    exported graph's initializers view; the rest is freed now rather than when the model is."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to("meta")

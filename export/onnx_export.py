@@ -9,6 +9,7 @@ Dynamic axes: batch and sequence. Weights are stored as external data by the art
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import warnings
@@ -18,6 +19,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 import torch.nn.functional as F
+from onnxscript import rewriter
 from torch import nn
 
 from moeforge.export import moe_op
@@ -92,6 +94,30 @@ def _quiet_torchvision_skips() -> Iterator[None]:
         logger.removeFilter(_not_torchvision_skip)
 
 
+# onnxscript's default rewrite rule that replaces Slice(x, 0, n/2), Slice(x, n/2, n) by a Split.
+_SLICES_SPLIT = "SlicesSplit"
+
+
+@contextlib.contextmanager
+def _without_slices_split() -> Iterator[None]:
+    """Leave SlicesSplit out of the rules the exporter's optimizer applies (``optimize_ir`` reads
+    ``onnxscript.rewriter._DEFAULT_REWRITE_RULES`` when it runs).
+
+    Its pattern has two output nodes, which onnxscript (0.7) matches by scanning the whole graph for every node:
+    quadratic in the graph size, a third of SmolLM2's export time. And it never fires here: its pattern is the
+    4-input Slice, the exporter writes 5-input ones (with steps). Without the attribute this changes nothing.
+    """
+    rules = getattr(rewriter, "_DEFAULT_REWRITE_RULES", None)
+    if not isinstance(rules, tuple):
+        yield
+        return
+    rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in rules if getattr(r, "name", None) != _SLICES_SPLIT)
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
+
+
 @contextlib.contextmanager
 def _moe_boundaries(model: CausalLM) -> Iterator[None]:
     # Swap in place (no model copy: a copy would double memory) and always restore.
@@ -120,7 +146,8 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
     # Example sizes must not be 0 or 1: torch.export specialises such dims to constants.
     example = (torch.zeros(2, 3, dtype=torch.int64), torch.arange(3, dtype=torch.int64).expand(2, 3).contiguous())
-    with _moe_boundaries(model), _quiet_torchvision_skips(), warnings.catch_warnings(), torch.no_grad():
+    with (_moe_boundaries(model), _quiet_torchvision_skips(), _without_slices_split(), warnings.catch_warnings(),
+          torch.no_grad()):
         warnings.simplefilter("ignore")  # the exporter is chatty about deprecated pytree APIs
         program = torch.onnx.export(
             _StatelessLM(model, mark_layers), example, dynamo=True, opset_version=OPSET, verbose=False,
@@ -143,7 +170,22 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
     if mark_layers:
         _add_layer_markers(onnx_model)
     _name_dims(onnx_model)
+    _forget_former_inputs(onnx_model.graph)
     return onnx_model
+
+
+def _forget_former_inputs(graph: ir.Graph) -> None:
+    """Drop the references onnx-ir (1.1) keeps to values that are no longer graph inputs.
+
+    ``GraphInputs`` counts each input in a ``Counter`` that keeps a zero entry for every value ever removed. The
+    exporter makes every weight an input, then moves it to the initializers as a new value, so without this each
+    original weight stays pinned until the graph dies: the torch copy of weights the passes replace (packing's
+    concatenations), and the graph's own weights while ONNX Runtime loads the saved artifact.
+    """
+    counter = getattr(graph.inputs, "_ref_counter", None)
+    if isinstance(counter, collections.Counter):
+        for value in [value for value, count in counter.items() if count <= 0]:
+            del counter[value]
 
 
 def _add_layer_markers(model: ir.Model) -> None:

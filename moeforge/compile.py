@@ -5,10 +5,16 @@ target's own ``check``) and the output location; load; export; the target's orde
 included); one manifest; write. The artifact is written to a temporary directory and renamed at the end
 (``artifact.write_artifact``), so a failed or interrupted compile leaves nothing behind. What differs
 between ONNX Runtime and TensorRT lives in ``moeforge/targets/``.
+
+Memory: never two full copies of the weights at once. The graph's initializers view the torch tensors; the
+torch model is released once ``target.passes(job)`` returns (a target takes what it needs of it there, e.g.
+``--check``'s PyTorch reference), and the graph's weights once it is saved, before ONNX Runtime loads its own.
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,7 +25,7 @@ from tqdm import tqdm
 from moeforge.artifact import check_output_dir, write_artifact
 from moeforge.calibration import read_prompts, tokenize_prompts
 from moeforge.errors import MoeforgeError
-from moeforge.export.loader import LoadedModel, load_model
+from moeforge.export.loader import LoadedModel, load_model, release_weights
 from moeforge.export.onnx_export import export_stateless, unmark_layers
 from moeforge.graph_passes.base import PassReport
 from moeforge.graph_passes.pipeline import run_passes
@@ -32,6 +38,8 @@ from moeforge.quant.spec import QuantSpec, validate
 from moeforge.targets import TARGETS, CompileJob, Target
 
 DATA_FILE = "model.onnx.data"
+# glibc's malloc_trim(pad): returns freed heap pages to the OS. None elsewhere (freed memory then stays ours).
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
 
 __all__ = ["CompileOptions", "CompileResult", "KVOptions", "ParityCheckFailed", "QuantSpec", "TrtOptions",
            "compile_model"]
@@ -65,6 +73,9 @@ def compile_model(options: CompileOptions) -> CompileResult:
         bar.update()
 
         passes = target.passes(job)
+        # The graph holds what it needs of the weights (its initializers view them); the torch copy of the rest
+        # (e.g. the q/k/v and gate/up weights packing concatenates) would only add to the peak from here on.
+        release_weights(loaded.model)
         bar.total += len(passes)
 
         def pass_done(report: PassReport) -> None:
@@ -77,6 +88,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
 
         def payload(folder: Path) -> None:
             ir.save(model, folder / MODEL_FILE, external_data=DATA_FILE)
+            _release_initializers(model.graph)  # saved: ONNX Runtime (golden, --check) loads its own copy
             if loaded.tokenizer is not None:
                 loaded.tokenizer.save(folder)
             bar.update()
@@ -88,6 +100,16 @@ def compile_model(options: CompileOptions) -> CompileResult:
         return CompileResult(out, manifest, target.parity)
     finally:
         bar.close()
+
+
+def _release_initializers(graph: ir.Graph) -> None:
+    """Free the weights of a graph that is saved and no longer needed. Explicitly: dropping our reference is not
+    enough, as onnxscript's rewrite rules keep the last graph they matched. Then hand the pages back to the OS:
+    glibc keeps freed heap blocks (most weights are heap blocks, below its adaptive mmap threshold) otherwise."""
+    for value in graph.initializers.values():
+        value.const_value = None
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _target(options: CompileOptions) -> Target:

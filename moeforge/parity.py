@@ -93,7 +93,36 @@ def _compare(step: int, kind: str, ours: np.ndarray, ref: np.ndarray, limits: Th
     return StepReport(step, kind, float(diff.max()), float(diff.mean()), float(cos.min()), top1, used)
 
 
+@dataclass(frozen=True)
+class TorchReference:
+    """What PyTorch generated greedily from ``prompt_ids``: the logits of every step (prefill [P, V], then one
+    [1, V] per decode step) and the greedy token each step chose. A few MB: it outlives the model's weights."""
+
+    prompt_ids: list[int]
+    logits: list[np.ndarray]
+    tokens: list[int]
+
+    @property
+    def decode_steps(self) -> int:
+        return len(self.logits) - 1
+
+
 @torch.inference_mode()
+def torch_reference(torch_model: CausalLM, prompt_ids: list[int], decode_steps: int = 16) -> TorchReference:
+    """Prefill ``prompt_ids`` and decode ``decode_steps`` greedy tokens with ``torch_model`` (its own cache)."""
+    prompt_len = len(prompt_ids)
+    out = torch_model(torch.tensor([prompt_ids], dtype=torch.int64), torch.arange(prompt_len)[None])
+    logits = [out.logits[0].numpy()]  # [P, V]
+    past = out.past_key_values
+    tokens = [int(out.logits[0, -1].argmax())]
+    for step in range(decode_steps):
+        out = torch_model(torch.tensor([[tokens[-1]]]), torch.tensor([[prompt_len + step]]), past)
+        past = out.past_key_values
+        logits.append(out.logits[0].numpy())
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return TorchReference(list(prompt_ids), logits, tokens)
+
+
 def run_parity(
     model_path: str | Path,
     kv_cache: KVCacheSpec,
@@ -105,6 +134,21 @@ def run_parity(
 ) -> ParityReport:
     """Teacher-forced comparison of the graph at ``model_path`` (its cache as ``kv_cache`` says) against
     ``torch_model``."""
+    reference = torch_reference(torch_model, prompt_ids, decode_steps)
+    return compare_with_reference(model_path, kv_cache, reference, precision=precision, threads=threads)
+
+
+def compare_with_reference(
+    model_path: str | Path,
+    kv_cache: KVCacheSpec,
+    reference: TorchReference,
+    precision: str = "fp32",
+    threads: int | None = None,
+) -> ParityReport:
+    """``run_parity`` against a reference taken earlier (``torch_reference``), e.g. before the torch weights
+    were released: the graph is fed the reference's tokens and its logits are compared at every step."""
+    prompt_ids, decode_steps, tokens, ref_logits = (reference.prompt_ids, reference.decode_steps, reference.tokens,
+                                                    reference.logits)
     prompt_len = len(prompt_ids)
     session: PagedSequenceSession | OrtSession
     if kv_cache.paged:  # --kv-cache paged: one sequence over block pools, same comparison
@@ -112,18 +156,6 @@ def run_parity(
     else:
         session = OrtSession(model_path, kv_cache=kv_cache, threads=threads)
         session.allocate(batch=1, max_len=prompt_len + decode_steps + 1)
-
-    ids = torch.tensor([prompt_ids], dtype=torch.int64)
-    out = torch_model(ids, torch.arange(prompt_len)[None])
-    ref_logits = [out.logits[0].numpy()]  # [P, V]
-    past = out.past_key_values
-    tokens = [int(out.logits[0, -1].argmax())]
-    for step in range(decode_steps):
-        pos = prompt_len + step
-        out = torch_model(torch.tensor([[tokens[-1]]]), torch.tensor([[pos]]), past)
-        past = out.past_key_values
-        ref_logits.append(out.logits[0].numpy())
-        tokens.append(int(out.logits[0, -1].argmax()))
 
     ours = [session.forward(np.array([prompt_ids], np.int64), np.arange(prompt_len)[None],
                             np.ones((1, prompt_len), np.int64))[0]]

@@ -71,5 +71,7 @@ class Target(Protocol):
 
     def write_payload(self, job: CompileJob, folder: Path, manifest: Manifest) -> None:
         """Write the target's own files (golden logits, runtime configs, engines) into ``folder``; may record
-        what it built in ``manifest`` (e.g. ``engine``). Raises to abandon the artifact."""
+        what it built in ``manifest`` (e.g. ``engine``). Raises to abandon the artifact. By now the PyTorch
+        model's weights are released (compile.py keeps peak memory down): anything a target needs from PyTorch
+        (the ``--check`` reference logits) it computes in ``passes``."""
         ...

@@ -15,7 +15,14 @@ from moeforge.graph_passes.pipeline import ort_pipeline
 from moeforge.kv_layout import DEFAULT_DTYPE, KVCacheSpec, contiguous_spec, paged_spec
 from moeforge.manifest import GENAI_CONFIG_FILE, MODEL_FILE, Manifest
 from moeforge.options import CompileOptions
-from moeforge.parity import ParityCheckFailed, ParityReport, default_prompt, run_parity
+from moeforge.parity import (
+    ParityCheckFailed,
+    ParityReport,
+    TorchReference,
+    compare_with_reference,
+    default_prompt,
+    torch_reference,
+)
 from moeforge.quant.kv_calibration import CalibratedKVQuantization
 from moeforge.quant.passes import QuantPlan, checkpoint_is_fp8, quant_passes
 from moeforge.quant.schemes import KV_SCHEMES, precision_name
@@ -32,11 +39,17 @@ class OrtTarget:
         self.plan: QuantPlan | None = None
         self.kv_quant: CalibratedKVQuantization | None = None
         self.parity: ParityReport | None = None  # set by --check
+        self.reference: TorchReference | None = None  # --check: PyTorch's logits, taken in passes()
 
     def check(self) -> None:
         """Nothing beyond the shared checks (``quant.spec.validate``, the KV options)."""
 
     def passes(self, job: CompileJob) -> list[GraphPass]:
+        """The pass list; with ``--check`` also the PyTorch reference, taken now: ``compile_model`` releases the
+        torch weights once the passes are known, so that they never sit beside ONNX Runtime's copy."""
+        if self.options.check:
+            prompt = default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN)
+            self.reference = torch_reference(job.loaded.model, prompt, self.options.check_steps)
         kv = self.options.kv
         quant, self.plan, self.kv_quant = quant_passes(
             self.options.quant, job.prompts, fp8_source=checkpoint_is_fp8(job.loaded.source.location))
@@ -70,8 +83,8 @@ class OrtTarget:
         write_golden(folder, model_path, manifest.kv_cache,
                      default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN, seed=GOLDEN_PROMPT_SEED))
         if self.options.check:
-            self.parity = run_parity(model_path, manifest.kv_cache, job.loaded.model,
-                                     default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN),
-                                     decode_steps=self.options.check_steps, precision=manifest.precision)
+            assert self.reference is not None, "passes() takes the reference"
+            self.parity = compare_with_reference(model_path, manifest.kv_cache, self.reference,
+                                                 precision=manifest.precision)
             if not self.parity.passed:
                 raise ParityCheckFailed(self.parity)

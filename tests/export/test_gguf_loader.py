@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from moeforge.errors import CheckpointError, ConfigError
+from moeforge.export import gguf_loader
 from moeforge.export.config import ModelConfig
 from moeforge.export.gguf_loader import GGUFCheckpoint, find_smollm2_gguf, read_gguf
 
@@ -166,6 +167,16 @@ def test_every_type_dequantises_like_gguf(tmp_path: Path) -> None:
         np.testing.assert_array_equal(ours.numpy(), expected, err_msg=name)
         np.testing.assert_allclose(ours.numpy(), original, rtol=0, atol=atol[qtype], err_msg=name)
     assert seen_types == set(atol)
+
+
+def test_dequantising_in_row_chunks_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, types=MIXED_TYPES)
+    whole = {name: tensor.clone() for name, tensor in read_gguf(path).tensors.items()}
+    monkeypatch.setattr(gguf_loader, "_DEQUANT_CHUNK_VALUES", 330)  # 3-5 rows a step, a partial last step
+    chunked = read_gguf(path).tensors
+    for name, tensor in whole.items():
+        torch.testing.assert_close(chunked[name], tensor, rtol=0, atol=0, msg=name)
 
 
 def test_qk_permutation_round_trips_exactly(tmp_path: Path) -> None:
