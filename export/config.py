@@ -1,4 +1,5 @@
-"""One typed model configuration for DeepSeek-V2/V3 (MLA + MoE) and Llama/Qwen2/Mistral (GQA).
+"""One typed model configuration for DeepSeek-V2/V3 and Kimi-K2 (MLA + MoE), Qwen3-MoE, GLM-4.5 MoE, Mixtral and
+OLMoE (GQA + MoE), and Llama/Qwen2/Mistral (GQA).
 
 Built from a Hugging Face ``config.json`` (``ModelConfig.from_hf_dict``), from GGUF metadata
 (``moeforge.export.gguf_loader``) or from a named preset (``moeforge.export.presets``). Every
@@ -10,17 +11,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast, overload
 
 from moeforge.errors import ConfigError
 
-Family = Literal["deepseek_v3", "deepseek_v2", "llama", "qwen2", "mistral"]
+Family = Literal["deepseek_v3", "deepseek_v2", "llama", "qwen2", "mistral", "qwen3_moe", "glm4_moe", "mixtral", "olmoe"]
 RopeScaling = Literal["default", "linear", "yarn", "llama3"]
 ScoringFunc = Literal["softmax", "sigmoid"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("deepseek_v3", "deepseek_v2", "llama", "qwen2", "mistral")
+QKNorm = Literal["none", "head", "projection"]
+MLA_FAMILIES: tuple[str, ...] = ("deepseek_v3", "deepseek_v2")
+# GQA attention with routed experts in every MoE layer (a config without experts is refused: use the dense family).
+MOE_GQA_FAMILIES: tuple[str, ...] = ("qwen3_moe", "glm4_moe", "mixtral", "olmoe")
+DENSE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*MLA_FAMILIES, *DENSE_FAMILIES, *MOE_GQA_FAMILIES)
+# config.json model_type values that name one of our families under another name. Kimi-K2 ships
+# "kimi_k2" with the DeepSeek-V3 architecture and DeepSeek-V3's keys (transformers maps it the same way).
+MODEL_TYPE_ALIASES: dict[str, Family] = {"kimi_k2": "deepseek_v3"}
 
 # Inclusive bounds for every size in a config. They sit far above any released model (DeepSeek-V3: 61 layers,
 # hidden 7168, 128 heads, 256 experts, vocab 129280, 163840 positions) yet low enough that no loop or
@@ -146,7 +156,8 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """DeepSeekMoE: routed + shared SwiGLU experts with (group-limited) top-k routing."""
+    """Routed (+ shared) SwiGLU experts with (group-limited) top-k routing: DeepSeekMoE, and the softmax
+    top-k routers of Qwen3-MoE / Mixtral / OLMoE (greedy, one group, no shared experts)."""
 
     n_routed_experts: int
     n_shared_experts: int
@@ -159,6 +170,9 @@ class MoEConfig:
     topk_group: int = 1
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+    # Layers >= first_k_dense_replace that still use the dense MLP (Qwen3-MoE's mlp_only_layers and the layers
+    # decoder_sparse_step skips), ascending.
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def group_scoring(self) -> Literal["max", "top2_sum"]:
@@ -188,6 +202,14 @@ class ModelConfig:
     qkv_bias: bool = False
     o_proj_bias: bool = False
     sliding_window: int | None = None
+    # GQA only. q/k RMSNorm before RoPE: "head" over each head's D dims (Qwen3, GLM use_qk_norm), "projection"
+    # over the whole q [Hq*D] / k [Hkv*D] projection (OLMoE).
+    qk_norm: QKNorm = "none"
+    # GQA only: dims of each head RoPE rotates (the first ones, rotate_half within them); None = head_dim.
+    # GLM: head_dim * partial_rotary_factor.
+    rotary_dim: int | None = None
+    # GQA only: q, k, v clamped to [-clip_qkv, clip_qkv] after the projections and q/k norms (OLMoE).
+    clip_qkv: float | None = None
     rope: RopeConfig = field(default_factory=RopeConfig)
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
@@ -206,10 +228,13 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """Number of dimensions each rotary embedding rotates."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return self.moe is not None and layer_idx >= self.moe.first_k_dense_replace
+        return (self.moe is not None and layer_idx >= self.moe.first_k_dense_replace
+                and layer_idx not in self.moe.dense_layers)
 
     @property
     def softmax_scale(self) -> float:
@@ -252,6 +277,10 @@ class ModelConfig:
                 total += h * (q + 2 * kv) + q * h
                 if self.qkv_bias:
                     total += q + 2 * kv
+                if self.o_proj_bias:
+                    total += h
+                if self.qk_norm != "none":
+                    total += 2 * self.head_dim if self.qk_norm == "head" else q + kv
             if self.is_moe_layer(i):
                 moe = self.moe
                 assert moe is not None
@@ -297,11 +326,18 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})",
                 field="num_key_value_heads",
             )
-        if self.model_type.startswith("deepseek"):
+        if self.model_type in MLA_FAMILIES:
             if self.mla is None:
                 raise ConfigError(f"{self.model_type} needs MLA dimensions (kv_lora_rank, ...)", field="kv_lora_rank")
+        elif self.model_type in MOE_GQA_FAMILIES:
+            if self.mla is not None:
+                raise ConfigError(f"{self.model_type} is a GQA MoE model; it takes no MLA fields", field="model_type")
+            if self.moe is None:
+                raise ConfigError(f"{self.model_type} needs its routed experts (num_experts / n_routed_experts >= 1)",
+                                  field="num_experts")
         elif self.mla is not None or self.moe is not None:
             raise ConfigError(f"{self.model_type} is a dense GQA model; it takes no MLA/MoE fields", field="model_type")
+        self._validate_gqa_options()
         if self.mla is not None:
             if not isinstance(self.mla, MLAConfig):
                 raise ConfigError(f"mla must be an MLAConfig, got {_show(self.mla)}", field="mla")
@@ -316,6 +352,22 @@ class ModelConfig:
             if not isinstance(self.moe, MoEConfig):
                 raise ConfigError(f"moe must be a MoEConfig, got {_show(self.moe)}", field="moe")
             self._validate_moe(self.moe)
+
+    def _validate_gqa_options(self) -> None:
+        """q/k norm, partial rotary and q/k/v clipping: GQA options, each checked for type and range."""
+        if not isinstance(self.qk_norm, str) or self.qk_norm not in ("none", "head", "projection"):
+            raise ConfigError(f"qk_norm {_show(self.qk_norm)} is not one of none, head, projection", field="qk_norm")
+        if self.rotary_dim is not None:
+            check_int(self.rotary_dim, "rotary_dim", "head_dim")
+            if self.rotary_dim > self.head_dim:
+                raise ConfigError(f"the rotary dimension ({self.rotary_dim}) exceeds head_dim ({self.head_dim}); "
+                                  "partial_rotary_factor must be <= 1", field="partial_rotary_factor")
+        if self.clip_qkv is not None:
+            check_float(self.clip_qkv, "clip_qkv", positive=True)
+        gqa_only = self.qk_norm != "none" or self.rotary_dim is not None or self.clip_qkv is not None
+        if self.mla is not None and gqa_only:
+            raise ConfigError(f"{self.model_type}: qk_norm, partial rotary and clip_qkv apply to GQA attention only",
+                              field="qk_norm")
 
     @staticmethod
     def _validate_rope(rope: RopeConfig) -> None:
@@ -405,6 +457,14 @@ class ModelConfig:
                 f"first_k_dense_replace ({moe.first_k_dense_replace}) must be in 0..num_hidden_layers",
                 field="first_k_dense_replace",
             )
+        if not isinstance(moe.dense_layers, tuple):
+            raise ConfigError(f"dense_layers must be a tuple of layer indices, got {_show(moe.dense_layers)}",
+                              field="mlp_only_layers")
+        for layer in moe.dense_layers:
+            check_int(layer, "mlp_only_layers", None)
+            if not 0 <= layer < self.num_hidden_layers:
+                raise ConfigError(f"mlp_only_layers names layer {layer}, outside 0..num_hidden_layers-1 "
+                                  f"({self.num_hidden_layers - 1})", field="mlp_only_layers")
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -420,7 +480,10 @@ class ModelConfig:
             data = dict(data)
             data["rope"] = RopeConfig(**data.get("rope", {}))
             data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
-            data["moe"] = MoEConfig(**data["moe"]) if data.get("moe") else None
+            moe = dict(data["moe"]) if data.get("moe") else None
+            if moe is not None and "dense_layers" in moe:
+                moe["dense_layers"] = tuple(moe["dense_layers"])  # JSON gives a list
+            data["moe"] = MoEConfig(**moe) if moe is not None else None
             data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
             return cls(**data)
         except (TypeError, ValueError, AttributeError) as exc:  # unknown or missing keys, a non-dict section
@@ -457,9 +520,13 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type is None:
             raise ConfigError("config.json has no model_type field", field="model_type")
+        declared = model_type  # names the model when nothing else does (kimi_k2, not deepseek_v3)
+        if isinstance(model_type, str) and model_type in MODEL_TYPE_ALIASES:
+            model_type = MODEL_TYPE_ALIASES[model_type]
         if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"model_type {_show(model_type)} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
+                f"model_type {_show(model_type)} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+                f"(and {', '.join(f'{k} as {v}' for k, v in MODEL_TYPE_ALIASES.items())})",
                 field="model_type",
             )
 
@@ -493,9 +560,9 @@ class ModelConfig:
             tie_word_embeddings=_opt_bool(hf, "tie_word_embeddings", False),
             bos_token_id=bos,
             eos_token_ids=eos_ids,
-            name=name or (default_name if isinstance(default_name, str) else "") or model_type,
+            name=name or (default_name if isinstance(default_name, str) else "") or declared,
         )
-        deepseek = model_type.startswith("deepseek")
+        deepseek = model_type in MLA_FAMILIES
         common["rope"] = _rope_from_hf(hf, common["max_position_embeddings"], interleaved_default=deepseek)
         attention_bias = _opt_bool(hf, "attention_bias", False)
         if deepseek:
@@ -538,6 +605,10 @@ class ModelConfig:
             )
 
         head_dim = _opt_int(hf, "head_dim") or hidden // heads
+        if common["rope"].interleaved:
+            raise ConfigError("interleaved rope weights are only read for DeepSeek", field="rope_interleave")
+        if model_type in MOE_GQA_FAMILIES:
+            return cls(**common, **_moe_gqa_fields(hf, model_type, head_dim, need))
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False  # Qwen2 always has q/k/v biases and no o_proj bias
             window = None
@@ -551,8 +622,6 @@ class ModelConfig:
         else:
             qkv_bias = o_bias = attention_bias
             window = _opt_int(hf, "sliding_window") or None
-        if common["rope"].interleaved:
-            raise ConfigError("interleaved rope weights are only read for DeepSeek", field="rope_interleave")
         return cls(
             **common,
             intermediate_size=need("intermediate_size"),
@@ -561,6 +630,92 @@ class ModelConfig:
             o_proj_bias=o_bias,
             sliding_window=window,
         )
+
+
+# ---------------------------------------------------------------------------------------- GQA + MoE families
+def _moe_gqa_fields(hf: dict[str, Any], model_type: str, head_dim: int, need: Callable[..., int]) -> dict[str, Any]:
+    """The ModelConfig fields (beyond ``common``) of Qwen3-MoE, GLM-4.5 MoE, Mixtral and OLMoE, as transformers v5
+    builds each (modeling_<family>.py): biases, q/k norm, partial rotary, clipping, sliding window, experts."""
+    layers = need("num_hidden_layers", "num_hidden_layers")  # bounded: the dense-layer scan loops over it
+    attention_bias = _opt_bool(hf, "attention_bias", False)
+    fields: dict[str, Any] = {"head_dim": head_dim, "intermediate_size": need("intermediate_size")}
+    experts = _expert_count(hf, model_type)
+    moe: dict[str, Any] = {"n_routed_experts": experts, "num_experts_per_tok": need("num_experts_per_tok"),
+                           "n_shared_experts": 0, "scoring_func": "softmax", "topk_method": "greedy"}
+    if model_type == "qwen3_moe":
+        fields.update(qkv_bias=attention_bias, o_proj_bias=attention_bias, qk_norm="head")
+        if _opt_bool(hf, "use_sliding_window", False):
+            fields["sliding_window"] = need("sliding_window")  # every layer, as transformers v5 does
+        step = _opt_int(hf, "decoder_sparse_step", 1)
+        if step < 1:
+            raise ConfigError(f"decoder_sparse_step must be >= 1, got {step}", field="decoder_sparse_step")
+        only = hf.get("mlp_only_layers") or []
+        if not isinstance(only, list):
+            raise ConfigError(f"mlp_only_layers must be a list of layer indices, got {_show(only)}",
+                              field="mlp_only_layers")
+        # A layer is MoE iff it is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+        dense = {check_int(i, "mlp_only_layers") for i in only} | {i for i in range(layers) if (i + 1) % step}
+        moe.update(moe_intermediate_size=need("moe_intermediate_size"), dense_layers=tuple(sorted(dense)),
+                   norm_topk_prob=_opt_bool(hf, "norm_topk_prob", False))
+    elif model_type == "glm4_moe":
+        # q/k/v carry attention_bias, o_proj never does; RoPE rotates the first head_dim * partial_rotary_factor
+        # dims (0.5 when absent: transformers' default); sigmoid + correction bias routing as DeepSeek-V3's.
+        fields.update(qkv_bias=attention_bias, o_proj_bias=False,
+                      qk_norm="head" if _opt_bool(hf, "use_qk_norm", False) else "none")
+        params = _opt_dict(hf, "rope_parameters")
+        factor = _opt_float(params, "partial_rotary_factor", None, "rope_parameters.")
+        if factor is None:
+            factor = _opt_float(hf, "partial_rotary_factor", 0.5)
+        if not 0 < factor <= 1:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {factor}", field="partial_rotary_factor")
+        rotary = int(head_dim * factor)
+        fields["rotary_dim"] = None if rotary == head_dim else rotary
+        moe.update(moe_intermediate_size=need("moe_intermediate_size"),
+                   n_shared_experts=_opt_int(hf, "n_shared_experts", 1),
+                   first_k_dense_replace=_opt_int(hf, "first_k_dense_replace", 1),
+                   scoring_func="sigmoid", topk_method="noaux_tc",
+                   n_group=_opt_int(hf, "n_group") or 1, topk_group=_opt_int(hf, "topk_group") or 1,
+                   norm_topk_prob=_opt_bool(hf, "norm_topk_prob", True),
+                   routed_scaling_factor=_opt_float(hf, "routed_scaling_factor", 1.0))
+    elif model_type == "mixtral":
+        # softmax over all experts, top-k, renormalised (= softmax over the top-k logits); experts sized
+        # intermediate_size; no attention biases.
+        fields.update(qkv_bias=False, o_proj_bias=False, sliding_window=_opt_int(hf, "sliding_window") or None)
+        moe.update(moe_intermediate_size=fields["intermediate_size"], norm_topk_prob=True)
+    else:  # olmoe
+        # q_norm / k_norm are RMSNorms over the whole projections [Hq*D], [Hkv*D] (transformers sizes q_norm by
+        # hidden_size, so D must be hidden / heads); q, k, v clamped to clip_qkv after them.
+        heads = need("num_attention_heads")
+        if head_dim * heads != need("hidden_size"):
+            raise ConfigError(f"olmoe needs head_dim * num_attention_heads == hidden_size (its q_norm spans "
+                              f"hidden_size), got head_dim {head_dim}", field="head_dim")
+        fields.update(qkv_bias=attention_bias, o_proj_bias=attention_bias, qk_norm="projection",
+                      clip_qkv=_opt_float(hf, "clip_qkv", None, positive=True),
+                      sliding_window=_opt_int(hf, "sliding_window") or None)
+        moe.update(moe_intermediate_size=fields["intermediate_size"],
+                   norm_topk_prob=_opt_bool(hf, "norm_topk_prob", False))
+    fields["moe"] = MoEConfig(**moe)  # checked by ModelConfig.validate(), with messages naming the fields
+    return fields
+
+
+# Where each family's config.json keeps its routed-expert count (transformers v5 writes num_local_experts for
+# every one of them; released checkpoints use the family's own key).
+_EXPERT_KEYS: dict[str, tuple[str, ...]] = {
+    "qwen3_moe": ("num_experts", "num_local_experts"), "olmoe": ("num_experts", "num_local_experts"),
+    "glm4_moe": ("n_routed_experts", "num_local_experts"), "mixtral": ("num_local_experts", "num_experts"),
+}
+
+
+def _expert_count(hf: dict[str, Any], model_type: str) -> int:
+    keys = _EXPERT_KEYS[model_type]
+    for key in keys:
+        if hf.get(key) is not None:
+            count = check_int(hf[key], key)
+            if count < 1:
+                raise ConfigError(f"{key} is {count}: a {model_type} config without routed experts has no MoE "
+                                  "layers; this family needs >= 1 (a dense model is another model_type)", field=key)
+            return count
+    raise ConfigError(f"config.json is missing the required field {keys[0]!r} ({model_type})", field=keys[0])
 
 
 # ---------------------------------------------------------------------------------------- typed HF reads

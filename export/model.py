@@ -1,4 +1,5 @@
-"""The decoder-only model: DeepSeek-V2/V3 (MLA + MoE) and Llama/Qwen2/Mistral (GQA), one definition.
+"""The decoder-only model, one definition: DeepSeek-V2/V3 and Kimi-K2 (MLA + MoE), Qwen3-MoE, GLM-4.5 MoE,
+Mixtral and OLMoE (GQA + MoE), Llama/Qwen2/Mistral (GQA).
 
 forward(input_ids [B, S], position_ids [B, S], past_key_values) -> (logits [B, S, V], present).
 Positions and the cache are explicit inputs; nothing is read from globals; the only Python loops

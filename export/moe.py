@@ -1,4 +1,5 @@
-"""DeepSeekMoE block: router ("gate"), stacked routed SwiGLU experts, shared experts.
+"""MoE block (DeepSeekMoE and the GQA MoE families): router ("gate"), stacked routed SwiGLU experts, optional
+shared experts.
 
 Dimension letters: B batch, S tokens, T = B*S, H hidden, I expert intermediate, E experts, K top-k.
 """

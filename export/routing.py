@@ -1,4 +1,4 @@
-"""DeepSeek expert routing for a model's MoEConfig: a thin adapter over the MoERouter op's reference.
+"""Expert routing for a model's MoEConfig (every MoE family): a thin adapter over the MoERouter op's reference.
 
 Dimension letters: T tokens, E routed experts, K experts per token. The semantics (scores, bias on
 the choice only, -inf group mask, tie rule) live in ``moeforge.plugins.moe_router.reference``.

@@ -16,6 +16,11 @@ Layouts accepted for routed experts of MoE layer i (E experts, intermediate I, h
 Both become our stacked ``mlp.experts.gate_proj`` [E, I, H], ``up_proj`` [E, I, H], ``down_proj``
 [E, H, I].
 
+Family names read as ours (``_canonical_names``): Mixtral's original layout, which transformers v5
+``save_pretrained`` writes back, ``model.layers.i.block_sparse_moe.{gate, experts.{e}.w1|w3|w2}`` is our
+``mlp.{gate, experts.{e}.gate_proj|up_proj|down_proj}`` (w1 = gate, w3 = up, w2 = down). q/k norms
+(Qwen3-MoE, GLM-4.5 with use_qk_norm, OLMoE) are ``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight``.
+
 FP8 (DeepSeek-V3): a float8_e4m3fn tensor ``X`` with a float32 sibling ``X_scale_inv`` is dequantised
 block-wise (``moeforge.export.fp8``); ``_scale_inv`` tensors never appear in our naming.
 
@@ -54,6 +59,13 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d{1,9})\.")
 _EXPERT_RE = re.compile(r"^model\.layers\.\d{1,9}\.mlp\.experts\.(\d{1,9})\.")
 _ROUTED_EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+# Mixtral checkpoint names -> ours: (pattern, replacement), applied in order to every stored name.
+_MIXTRAL_NAMES = (
+    (re.compile(r"^(model\.layers\.\d{1,9})\.block_sparse_moe\."), r"\1.mlp."),
+    (re.compile(r"^(model\.layers\.\d{1,9}\.mlp\.experts\.\d{1,9})\.w1\."), r"\1.gate_proj."),
+    (re.compile(r"^(model\.layers\.\d{1,9}\.mlp\.experts\.\d{1,9})\.w3\."), r"\1.up_proj."),
+    (re.compile(r"^(model\.layers\.\d{1,9}\.mlp\.experts\.\d{1,9})\.w2\."), r"\1.down_proj."),
+)
 _MAX_LISTED = 8  # names listed in one error message
 
 
@@ -78,6 +90,8 @@ def _attention_keys(config: ModelConfig) -> list[str]:
         keys = [f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         if qkv_bias:
             keys += ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+        if config.qk_norm != "none":
+            keys += ["q_norm.weight", "k_norm.weight"]
     else:
         # MLA: HF puts attention_bias on q_a_proj and kv_a_proj_with_mqa only (q_proj/q_b/kv_b never).
         if config.mla.q_lora_rank is None:
@@ -116,6 +130,7 @@ class _Info:
     file: Path
     dtype: str  # safetensors dtype string, e.g. "F32", "BF16", "F8_E4M3"
     shape: tuple[int, ...]
+    key: str  # its name in the file (what is read), which may differ from ours (_canonical_names)
 
 
 @dataclass(frozen=True)
@@ -163,7 +178,7 @@ class HFCheckpoint:
         self.config = config
         self.dtype = dtype
         self.fp8_block = _fp8_block_size(self.folder)
-        infos = _scan(self.folder)
+        infos = _canonical_names(_scan(self.folder), config)
         self.files: tuple[Path, ...] = tuple(sorted({i.file for i in infos.values()}))
         _check_counts_present(self.folder, infos, config)
         self._plan = _make_plan(infos, config, self.fp8_block)
@@ -243,7 +258,7 @@ def _read_header(path: Path) -> dict[str, _Info]:
             out = {}
             for key in f.keys():
                 sl = f.get_slice(key)
-                out[key] = _Info(path, sl.get_dtype(), tuple(sl.get_shape()))
+                out[key] = _Info(path, sl.get_dtype(), tuple(sl.get_shape()), key)
             return out
     except SafetensorError as exc:
         raise _open_error(path, exc) from None
@@ -298,6 +313,24 @@ def _scan(folder: Path) -> dict[str, _Info]:
             )
         infos[key] = headers[shard][key]
     return infos
+
+
+def _canonical_names(infos: dict[str, _Info], config: ModelConfig) -> dict[str, _Info]:
+    """``infos`` keyed by our names (each _Info keeps the stored one); two stored names for one of ours is an error."""
+    if config.model_type != "mixtral":
+        return infos
+    out: dict[str, _Info] = {}
+    for key, info in infos.items():
+        name = key
+        for pattern, replacement in _MIXTRAL_NAMES:
+            name = pattern.sub(replacement, name)
+        if name in out:
+            raise CheckpointError(
+                f"{info.file.name}: {key} and {out[name].key} are the same tensor ({name}) in two naming schemes; "
+                "a checkpoint must use one (Mixtral's block_sparse_moe.experts.E.w1/w2/w3 or mlp.experts...)"
+            )
+        out[name] = info
+    return out
 
 
 def _check_counts_present(folder: Path, infos: dict[str, _Info], config: ModelConfig) -> None:
@@ -531,14 +564,14 @@ class _Reader(contextlib.AbstractContextManager["_Reader"]):
                 raise _open_error(path, exc) from None
         return self._handles[path]
 
-    def _get(self, info: _Info, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+    def _get(self, info: _Info, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         try:
             f = self._handle(info.file)
-            tensor: torch.Tensor = f.get_tensor(key) if index is None else f.get_slice(key)[index]
+            tensor: torch.Tensor = f.get_tensor(info.key) if index is None else f.get_slice(info.key)[index]
             return tensor
         except SafetensorError as exc:
             raise CheckpointError(
-                f"{info.file}: cannot read tensor {key} ({exc}); re-download the file"
+                f"{info.file}: cannot read tensor {info.key} ({exc}); re-download the file"
             ) from None
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
@@ -548,11 +581,11 @@ class _Reader(contextlib.AbstractContextManager["_Reader"]):
 
     def read(self, src: _Source) -> torch.Tensor:
         """The whole stored tensor, dequantised when FP8, in the requested dtype."""
-        t = self._get(src.info, src.key)
+        t = self._get(src.info)
         if src.scale_key is None:
             return self._cast(t)
         assert src.scale_info is not None
-        scale = self._get(src.scale_info, src.scale_key)
+        scale = self._get(src.scale_info)
         return dequantize_fp8_blockwise(t, scale, self.block, dtype=self.dtype or torch.float32)
 
     def materialise(self, plan: _Plan) -> torch.Tensor:
@@ -563,7 +596,7 @@ class _Reader(contextlib.AbstractContextManager["_Reader"]):
             rows = slice(0, two_i // 2) if plan.half == 0 else slice(two_i // 2, two_i)
             if plan.src.scale_key is None:
                 # Read only the needed half ([E, I, H]) straight from the mapped file.
-                return self._cast(self._get(plan.src.info, plan.src.key, (slice(None), rows)).contiguous())
+                return self._cast(self._get(plan.src.info, (slice(None), rows)).contiguous())
             # FP8 blocks may straddle the gate/up boundary: dequantise all [E, 2I, H], then slice.
             return self.read(plan.src)[:, rows].contiguous()
         # Per-expert: fill one [E, ...] buffer so only one expert is transient besides the result.

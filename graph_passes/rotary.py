@@ -28,6 +28,13 @@ by the CPU kernel).
 The old angle computation (Unsqueeze/Cast/Mul of position_ids, Cos, Sin, amplitude Muls) becomes dead
 and is removed here.
 
+Partial rotary (GLM: RoPE on the first R < D dims of each head, rotate_half within them) is exported as
+``Concat(rotate(Slice(x, 0:R)), Slice(x, R:), axis=-1)``; after the rewrite above the rotated slice is one
+RotaryEmbedding over R dims, and ``_fold_partial_rotary`` then makes the whole head one node, as the contrib
+op rotates the first ``rotary_embedding_dim`` dims and passes the rest through:
+    y = Reshape(RotaryEmbedding(Reshape(x, [0, 0, H*D]), ..., num_heads=H, rotary_embedding_dim=R), [0, 0, H, D])
+(two Slices and a Concat fewer per application; half layout only, the one partial-rotary family uses).
+
 A match is rewritten only when its cos/sin provably come from ``position_ids`` and the configured
 rope (inverse frequencies and amplitude equal the config's), its layout equals
 ``config.rope.interleaved`` and D equals ``config.rope_dim``; otherwise it is left untouched (the
@@ -82,6 +89,8 @@ class RotaryFusion:
             return 0
         ensure_opset(model, MS_DOMAIN, 1)
         _remove_dead(graph, state.replaced)
+        if ctx.config.mla is None and state.rope_dim < ctx.config.head_dim and not state.interleaved:
+            _fold_partial_rotary(graph, state.rope_dim)
         # Constants only the replaced arithmetic read (inv_freq, slice bounds, amplitude).
         for value in used_before:
             if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
@@ -347,7 +356,7 @@ def _ints(value: ir.Value | None) -> list[int] | None:
     return [int(v) for v in np.asarray(tensor.numpy()).reshape(-1)]
 
 
-def _slice_of(params: tuple[ir.Value, ...], open_end: int | None = None) -> tuple[int, int, int] | None:
+def _slice_of(params: tuple[ir.Value | None, ...], open_end: int | None = None) -> tuple[int, int, int] | None:
     """(start, end, step) of a Slice on the last axis of a 4D tensor; an end >= open_end reads as open_end.
 
     torch exports an open-ended slice (x[..., D/2:], x[..., 1::2]) with end INT64_MAX.
@@ -380,6 +389,75 @@ def _shared_initializer(graph: ir.Graph, name: str, table: np.ndarray) -> tuple[
                      const_value=ir.tensor(table, name=name))
     graph.register_initializer(value)
     return value, True
+
+
+def _fold_partial_rotary(graph: ir.Graph, rotary_dim: int) -> int:
+    """Concat(Reshape(RotaryEmbedding(Reshape(Slice(x, 0:R)))), Slice(x, R:)) -> one RotaryEmbedding over the whole
+    head [B, S, H, D] with rotary_embedding_dim=R; returns the applications folded (a shape that does not fit is
+    left as it is: the unfolded form is exact too)."""
+    folded = 0
+    for concat in [n for n in graph if n.op_type == "Concat" and n.domain == ""]:
+        match = _partial_rotary_match(concat, rotary_dim)
+        if match is None:
+            continue
+        x, rotary, chain = match
+        assert x.shape is not None  # checked by the match
+        h, d = x.shape[2], x.shape[3]
+        assert isinstance(h, int) and isinstance(d, int)
+        shape3 = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([0, 0, h * d], np.int64))})
+        flat = ir.node("Reshape", [x, shape3.outputs[0]])
+        flat.outputs[0].shape, flat.outputs[0].type = ir.Shape([x.shape[0], x.shape[1], h * d]), x.type
+        attributes = {"interleaved": 0, "num_heads": h, "rotary_embedding_dim": rotary_dim}
+        rotated = ir.node("RotaryEmbedding", [flat.outputs[0], *rotary.inputs[1:]], attributes=attributes,
+                          domain=MS_DOMAIN)
+        rotated.outputs[0].shape, rotated.outputs[0].type = flat.outputs[0].shape, x.type
+        shape4 = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([0, 0, h, d], np.int64))})
+        y = ir.node("Reshape", [rotated.outputs[0], shape4.outputs[0]])
+        old = concat.outputs[0]
+        y.outputs[0].shape, y.outputs[0].type = old.shape, old.type
+        graph.insert_before(concat, [shape3, flat, rotated, shape4, y])
+        ir.convenience.replace_all_uses_with(old, y.outputs[0], replace_graph_outputs=True)
+        name, old.name = old.name, None
+        y.outputs[0].name = name
+        _remove_dead(graph, [concat, *chain])
+        folded += 1
+    return folded
+
+
+def _partial_rotary_match(concat: ir.Node, rotary_dim: int) -> tuple[ir.Value, ir.Node, list[ir.Node]] | None:
+    """(x [B, S, H, D], its RotaryEmbedding node over x[..., :R], the nodes the fold replaces), or None."""
+    if len(concat.inputs) != 2 or concat.attributes.get_int("axis", 0) not in (-1, 3):
+        return None
+    head, tail = concat.inputs
+    back = _single_use_producer(head, "Reshape")
+    rotary = _single_use_producer(back.inputs[0] if back is not None else None, "RotaryEmbedding", MS_DOMAIN)
+    flat = _single_use_producer(rotary.inputs[0] if rotary is not None else None, "Reshape")
+    first = _single_use_producer(flat.inputs[0] if flat is not None else None, "Slice")
+    second = _single_use_producer(tail, "Slice")
+    if back is None or rotary is None or flat is None or first is None or second is None:
+        return None
+    if len(first.inputs) != 5 or len(second.inputs) != 5:  # data, starts, ends, axes, steps
+        return None
+    x = first.inputs[0]
+    if x is None or second.inputs[0] is not x or x.shape is None or len(x.shape) != 4:
+        return None
+    d = x.shape[3]
+    if not isinstance(x.shape[2], int) or not isinstance(d, int) or x.dtype != ir.DataType.FLOAT:
+        return None
+    if (rotary.attributes.get_int("interleaved", 0) != 0
+            or rotary.attributes.get_int("rotary_embedding_dim", 0) != rotary_dim
+            or _slice_of(tuple(first.inputs[1:5]), open_end=d) != (0, rotary_dim, 1)
+            or _slice_of(tuple(second.inputs[1:5]), open_end=d) != (rotary_dim, d, 1)):
+        return None
+    return x, rotary, [back, rotary, flat, first, second]
+
+
+def _single_use_producer(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
+    # The fold removes the chain, so each value in it must feed only the next node of it.
+    if value is None or len(value.uses()) != 1 or value.is_graph_output():
+        return None
+    node = value.producer()
+    return node if node is not None and node.op_type == op_type and node.domain == domain else None
 
 
 def _remove_dead(graph: ir.Graph, candidates: list[ir.Node]) -> None:
