@@ -1,7 +1,8 @@
 """Which ONNX Runtime session settings help the engine's decode: measured, alternating, in one run.
 
 `python benchmarks/session_options.py ARTIFACT [--rounds 3] [--batch 1] [--new-tokens 128]` decodes greedily with
-each variant below, the variants interleaved round by round (so a busy machine slows all of them alike), and writes
+each variant below, the variants interleaved round by round in a rotating order (so a busy machine slows all of
+them alike), and writes
 the median decode tokens/s per variant, with its ratio to the default, to
 benchmarks/results/session_options_<artifact>.json (machine described):
 
@@ -70,9 +71,11 @@ def main() -> None:
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for engine in engines.values():
         decode_rate(engine, args.batch, 8)  # warm-up
-    for _ in range(args.rounds):
-        for name, engine in engines.items():
-            rates[name].append(decode_rate(engine, args.batch, args.new_tokens))
+    order = list(engines)
+    for round_index in range(args.rounds):
+        shift = round_index % len(order)  # rotate who goes first, so no variant always follows the same one
+        for name in order[shift:] + order[:shift]:
+            rates[name].append(decode_rate(engines[name], args.batch, args.new_tokens))
     default = statistics.median(rates["default"])
     results = {name: {"decode_tokens_per_s": [round(r, 1) for r in values],
                       "median": round(statistics.median(values), 1),

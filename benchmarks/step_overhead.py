@@ -9,7 +9,10 @@ artifact and times every engine step in parts, by wrapping the engine's own obje
 - ``schedule``: ``Scheduler.schedule``; ``sample``: ``Sampler.sample``; ``update``: ``Scheduler.update``;
 - ``engine_other``: the rest of ``LLMEngine.step`` (stop strings, outputs, bookkeeping).
 
-Host overhead per step = step - ort_run. Medians over the decode steps (prefill steps are skipped) are written
+Host overhead per step = step - ort_run. In situ it includes what the kernels cost the host code around them
+(caches they evicted, their threads winding down), so a second number isolates the host code: ``host_only_ms``,
+the same decode steps with ``run_with_iobinding`` replaced by a no-op (the logits buffer keeps the last real step's
+values, so sampling still sees real logits). Medians over the decode steps (prefill steps are skipped) are written
 to benchmarks/results/step_overhead.json with the machine described, and printed as a table.
 """
 
@@ -69,8 +72,11 @@ class TimedSession:
 
     def __init__(self, session: ort.InferenceSession, timer: StepTimer) -> None:
         self._session, self._timer = session, timer
+        self.skip = False  # True: the run is a no-op (host_only_ms)
 
     def run_with_iobinding(self, *args: Any, **kwargs: Any) -> Any:
+        if self.skip:
+            return None
         start = time.perf_counter()
         try:
             return self._session.run_with_iobinding(*args, **kwargs)
@@ -81,17 +87,21 @@ class TimedSession:
         return getattr(self._session, name)
 
 
-def instrument(engine: LLMEngine, timer: StepTimer) -> None:
-    """Wrap the engine's scheduler, sampler, backend and ONNX Runtime session(s) with ``timer``."""
+def instrument(engine: LLMEngine, timer: StepTimer) -> list[TimedSession]:
+    """Wrap the engine's scheduler, sampler, backend and ONNX Runtime session(s) with ``timer``; returns the
+    session proxies."""
     backend = engine.backend
+    proxies = []
     for holder in [backend, *(v for v in vars(backend).values() if hasattr(v, "__dict__"))]:
         for key, value in list(vars(holder).items()):
             if isinstance(value, ort.InferenceSession):
-                setattr(holder, key, TimedSession(value, timer))
+                proxies.append(TimedSession(value, timer))
+                setattr(holder, key, proxies[-1])
     timer.wrap(backend, "execute", "execute")
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.scheduler, "update", "update")
     timer.wrap(engine.sampler, "sample", "sample")
+    return proxies
 
 
 def measure(artifact: str, batch: int, steps: int, prompt_len: int) -> dict[str, Any]:
@@ -102,7 +112,7 @@ def measure(artifact: str, batch: int, steps: int, prompt_len: int) -> dict[str,
     prompts = [[(7 * b + 3 * i) % engine.backend.vocab_size + 10 for i in range(prompt_len)] for b in range(batch)]
     engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     timer = StepTimer()
-    instrument(engine, timer)
+    proxies = instrument(engine, timer)
     for prompt in prompts:
         engine.add_request(prompt, params)
     rows: list[dict[str, float]] = []
@@ -123,8 +133,26 @@ def measure(artifact: str, batch: int, steps: int, prompt_len: int) -> dict[str,
     for part in (*PARTS, "step"):
         result[f"{part}_ms"] = round(1e3 * statistics.median(r.get(part, 0.0) for r in rows), 4)
     result["host_overhead_ms"] = round(result["step_ms"] - result["ort_run_ms"], 4)
+    result["host_only_ms"] = round(1e3 * host_only(engine, proxies, prompts, steps), 4)
     result["decode_tokens_per_s"] = round(batch / (result["step_ms"] / 1e3), 1)
     return result
+
+
+def host_only(engine: LLMEngine, proxies: list[TimedSession], prompts: list[list[int]], steps: int) -> float:
+    """Median seconds of a decode step with ONNX Runtime's run a no-op (the prefill runs for real)."""
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+    engine.step()  # the prefill, real
+    for proxy in proxies:
+        proxy.skip = True
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for proxy in proxies:
+        proxy.skip = False
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -136,7 +164,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     results = [measure(a, b, args.steps, args.prompt_len) for a in args.artifacts for b in args.batch]
-    header = ["artifact", "batch", "step_ms", "ort_run_ms", "host_overhead_ms", *(f"{p}_ms" for p in PARTS[1:])]
+    header = ["artifact", "batch", "step_ms", "ort_run_ms", "host_overhead_ms", "host_only_ms",
+              *(f"{p}_ms" for p in PARTS[1:])]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in results:

@@ -313,13 +313,15 @@ class Sampler:
         for name, seq in (("params", params), ("output_tokens", output_tokens), ("prompt_tokens", prompt_tokens)):
             if len(seq) != logits.shape[0]:
                 raise ValueError(f"{name} has {len(seq)} rows, logits has {logits.shape[0]}")
-        row_max = logits.max(axis=-1)  # [B]; NaN when the row holds one
-        if np.isnan(row_max).any():
-            bad = np.flatnonzero(np.isnan(row_max)).tolist()
-            raise ValueError(f"logits rows {bad[:5]} contain NaN")
         if all(q.greedy and q.repetition_penalty == 1.0 and q.presence_penalty == 0.0 for q in params):
-            # The serving hot path: plain greedy needs no processed copy of the logits, only argmax.
+            # The serving hot path: plain greedy needs no processed copy of the logits, only argmax -- which
+            # returns a row's first NaN if it holds one (NaN compares as the maximum), so the NaN check costs
+            # one gather, not another pass over the vocabulary.
             tokens = logits.argmax(axis=-1).astype(np.int64)
+            if np.isnan(logits[np.arange(len(tokens)), tokens]).any():
+                _raise_nan(logits)
+            if all(q.logprobs is None for q in params):
+                return SampleOutput(tokens, np.full(len(tokens), np.nan, np.float32), [[] for _ in params])
         else:
             x = self.process(logits, params, output_tokens, prompt_tokens)
             tokens = x.argmax(axis=-1).astype(np.int64)  # the greedy rows' answer; sampled rows overwritten
@@ -333,10 +335,16 @@ class Sampler:
         chosen = np.full(len(tokens), np.nan, np.float32)
         wanted = np.array([i for i, q in enumerate(params) if q.logprobs is not None], dtype=np.int64)
         if wanted.size:
-            picked = logits[wanted, tokens[wanted]].astype(np.float64)
-            chosen[wanted] = picked - logsumexp(logits[wanted], row_max[wanted])
+            rows = logits[wanted]
+            picked = rows[np.arange(len(wanted)), tokens[wanted]].astype(np.float64)
+            chosen[wanted] = picked - logsumexp(rows, rows.max(axis=-1))
         top = [_top_n(raw_logprobs(logits[i]), q.logprobs) if q.logprobs else [] for i, q in enumerate(params)]
         return SampleOutput(tokens, chosen, top)
+
+
+def _raise_nan(logits: np.ndarray) -> None:
+    bad = np.flatnonzero(np.isnan(logits).any(axis=-1)).tolist()
+    raise ValueError(f"logits rows {bad[:5]} contain NaN")
 
 
 def _inverse_cdf(logits: np.ndarray, u: np.ndarray) -> np.ndarray:

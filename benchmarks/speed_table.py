@@ -1,0 +1,109 @@
+"""README's speed section, regenerated from the committed benchmark results (never typed by hand).
+
+`python benchmarks/speed_table.py` reads benchmarks/results/genai_compare.json (moeforge vs onnxruntime-genai's
+builder models and llama.cpp, one alternating run), heldout_accuracy.json (top-1 / KL on a text the project did
+not write), step_overhead.json (host time per decode step) and compile_time.json, and rewrites the part of
+README.md between ``<!-- speed:start -->`` and ``<!-- speed:end -->``. ``--print`` only prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+START, END = "<!-- speed:start -->", "<!-- speed:end -->"
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _machine(payload: dict[str, Any]) -> str:
+    m = payload["machine"]
+    return f"{m['cpu']}, {m['usable_cores']} cores, {payload['date_utc'][:10]}"
+
+
+def speed_section() -> str:
+    """The markdown of the section."""
+    lines: list[str] = []
+    compare = _load("genai_compare.json")
+    if compare is not None:
+        r = compare["results"]
+        batches = r["batches"]
+        lines += [f"SmolLM2-135M, {r['rounds']} alternating rounds in one run, medians "
+                  f"({_machine(compare)}; `benchmarks/genai_compare.py`): greedy decode of {r['new_tokens']} tokens "
+                  f"from {r['prompt_len']}-token prompts, prefill of one {r['prefill_len']}-token prompt. "
+                  "onnxruntime-genai runs models made by its own builder from the same weights; llama.cpp runs the "
+                  "GGUF itself (Q4_1, batch 1 only).", ""]
+        header = ["system", *(f"decode b{b} tok/s" for b in batches), "TTFT b1 ms", f"prefill {r['prefill_len']} tok/s"]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for system, by_batch in r["medians"].items():
+            cells = [system]
+            for b in batches:
+                row = by_batch.get(f"b{b}")
+                cells.append(f"{row['decode_tokens_per_s']:.1f}" if row else "-")
+            first = by_batch.get("b1", {})
+            cells += [f"{first['ttft_ms']:.0f}" if first.get("ttft_ms") else "-",
+                      f"{first['prefill_tokens_per_s']:.0f}" if first.get("prefill_tokens_per_s") else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", "| ratio (same run) | value |", "|---|---|"]
+        lines += [f"| {name} | {value:.2f} |" for name, value in r["ratios"].items()
+                  if name.startswith(("decode", "prefill", "batch"))]
+        lines.append("")
+    accuracy = _load("heldout_accuracy.json")
+    if accuracy is not None:
+        a = accuracy["results"]
+        lines += [f"Accuracy on held-out text ({a['tokens']} tokens of `{a['text']}`, teacher-forced, vs "
+                  f"{a['reference']}; `benchmarks/heldout_accuracy.py`):", "",
+                  "| model | top-1 agreement | mean KL |", "|---|---|---|"]
+        for name, row in a["results"].items():
+            if "top1_agreement" in row:
+                lines.append(f"| {name} | {row['top1_agreement']:.3f} | {row['mean_kl']:.2g} |")
+        lines.append("")
+    overhead = _load("step_overhead.json")
+    if overhead is not None:
+        lines += [f"Host time per decode step outside ONNX Runtime (`benchmarks/step_overhead.py`, "
+                  f"{_machine(overhead)}; in situ = step minus `run_with_iobinding`, host code = the same steps "
+                  "with the kernels made no-ops):", "",
+                  "| artifact | batch | step ms | ONNX Runtime ms | host in situ ms | host code ms |",
+                  "|---|---|---|---|---|---|"]
+        for row in overhead["results"]["runs"]:
+            lines.append(f"| {Path(row['artifact']).name} | {row['batch']} | {row['step_ms']:.2f} | "
+                         f"{row['ort_run_ms']:.2f} | {row['host_overhead_ms']:.3f} | "
+                         f"{row.get('host_only_ms', 0):.3f} |")
+        lines.append("")
+    compile_time = _load("compile_time.json")
+    if compile_time is not None:
+        for row in compile_time["results"]["rows"]:
+            if row["model"] == "smollm2-135m":
+                check = " --check" if row["check"] else ""
+                lines += [f"`moeforge compile smollm2-135m{check}`: {row['seconds']:.0f} s "
+                          f"wall, peak RSS {row['peak_rss_mib']:.0f} MiB = {row['peak_rss_over_fp32_weights']:.2f}x "
+                          f"the fp32 weights (`benchmarks/compile_time.py`, {_machine(compile_time)}).", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--print", action="store_true", help="print the section instead of rewriting README.md")
+    args = parser.parse_args()
+    section = speed_section()
+    if args.print:
+        print(section)
+        return
+    text = README.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"README.md has no {START} ... {END} markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(f"{head}{START}\n{section}{END}{tail}")
+
+
+if __name__ == "__main__":
+    main()
