@@ -242,3 +242,25 @@ def test_many_requests_ending_every_way_leave_nothing_behind():
     assert not engine.scheduler.waiting and not engine.scheduler.running
     assert not any(request_id in engine.kv for request_id in added) and engine.kv.stats().blocks_in_use == 0
     assert backend.slots_in_use == set()
+
+
+def test_a_thousand_requests_leave_no_state_behind():
+    """Issue 16's leak check: after 1,000 requests (served in waves, a tenth aborted mid-run, some with logprobs)
+    the engine, its scheduler, cache manager and backend hold nothing for any of them."""
+    backend = FakePagedBackend(num_blocks=64)
+    engine = LLMEngine(backend, config=EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    rng = np.random.default_rng(1)
+    finished = 0
+    for wave in range(100):
+        ids = [engine.add_request(rng.integers(0, VOCAB, int(rng.integers(2, 12))).tolist(),
+                                  SamplingParams(max_tokens=int(rng.integers(1, 6)), ignore_eos=True,
+                                                 logprobs=2 if wave % 2 else None)) for _ in range(10)]
+        finished += sum(out.finished for out in engine.step())
+        if ids[wave % 10] in engine.requests:
+            engine.abort(ids[wave % 10])  # mid-run: it still ends exactly once
+        while engine.has_unfinished():
+            finished += sum(out.finished for out in engine.step())
+    assert finished == 1000
+    assert not engine.requests and not engine.scheduler.requests and not engine.scheduler.running
+    assert engine.kv.stats().blocks_in_use == 0 and backend.slots_in_use == set()
+    assert len(engine._free_slots) == backend.num_slots
