@@ -1,4 +1,4 @@
-"""One typed model configuration for DeepSeek-V2/V3 and Kimi-K2 (MLA + MoE), Qwen3-MoE, GLM-4.5 MoE, Mixtral and
+"""One typed model configuration for DeepSeek-V2/V3/V3.2 and Kimi-K2 (MLA + MoE), Qwen3-MoE, GLM-4.5 MoE, Mixtral and
 OLMoE (GQA + MoE), and Llama/Qwen2/Mistral (GQA).
 
 Built from a Hugging Face ``config.json`` (``ModelConfig.from_hf_dict``), from GGUF metadata
@@ -18,12 +18,15 @@ from typing import Any, Literal, cast, overload
 
 from moeforge.errors import ConfigError
 
-Family = Literal["deepseek_v3", "deepseek_v2", "llama", "qwen2", "mistral", "qwen3_moe", "glm4_moe", "mixtral", "olmoe"]
+Family = Literal["deepseek_v3", "deepseek_v32", "deepseek_v2", "llama", "qwen2", "mistral", "qwen3_moe", "glm4_moe",
+                 "mixtral", "olmoe"]
 RopeScaling = Literal["default", "linear", "yarn", "llama3"]
 ScoringFunc = Literal["softmax", "sigmoid"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 QKNorm = Literal["none", "head", "projection"]
-MLA_FAMILIES: tuple[str, ...] = ("deepseek_v3", "deepseek_v2")
+MLA_FAMILIES: tuple[str, ...] = ("deepseek_v3", "deepseek_v32", "deepseek_v2")
+# MLA families whose attention is DeepSeek Sparse Attention (a lightning indexer picks top-k cached tokens).
+DSA_FAMILIES: tuple[str, ...] = ("deepseek_v32",)
 # GQA attention with routed experts in every MoE layer (a config without experts is refused: use the dense family).
 MOE_GQA_FAMILIES: tuple[str, ...] = ("qwen3_moe", "glm4_moe", "mixtral", "olmoe")
 DENSE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral")
@@ -48,6 +51,8 @@ SIZE_LIMITS: dict[str, tuple[int, int]] = {
     "n_routed_experts": (1, 2**14), "n_shared_experts": (0, 2**14), "num_experts_per_tok": (1, 2**14),
     "moe_intermediate_size": (1, 2**20), "first_k_dense_replace": (0, 1024), "n_group": (1, 2**14),
     "topk_group": (1, 2**14),
+    # DSA (DeepSeek-V3.2)
+    "index_topk": (1, 2**24), "index_head_dim": (1, 2**12), "index_n_heads": (1, 2**12),
     "token_id": (0, 2**31 - 1),
 }
 
@@ -155,6 +160,15 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention (V3.2): the lightning indexer's sizes and how many tokens MLA attends to."""
+
+    index_topk: int
+    index_head_dim: int
+    index_n_heads: int
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """Routed (+ shared) SwiGLU experts with (group-limited) top-k routing: DeepSeekMoE, and the softmax
     top-k routers of Qwen3-MoE / Mixtral / OLMoE (greedy, one group, no shared experts)."""
@@ -213,6 +227,8 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    # DeepSeek-V3.2 only: the indexer of DeepSeek Sparse Attention.
+    dsa: DSAConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -251,9 +267,10 @@ class ModelConfig:
     def kv_cache_values_per_token(self, mla_impl: Literal["absorb", "naive"] = "absorb") -> int:
         """Cached scalars per token per layer (keys + values, or the MLA latent)."""
         if self.mla is not None:
+            indexer = self.dsa.index_head_dim if self.dsa is not None else 0  # the indexer's key cache
             if mla_impl == "absorb":
-                return self.mla.latent_dim
-            return self.num_attention_heads * (self.mla.qk_head_dim + self.mla.v_head_dim)
+                return self.mla.latent_dim + indexer
+            return self.num_attention_heads * (self.mla.qk_head_dim + self.mla.v_head_dim) + indexer
         return 2 * self.num_key_value_heads * self.head_dim
 
     def num_parameters(self) -> int:
@@ -271,6 +288,10 @@ class ModelConfig:
                 total += h * m.latent_dim + m.kv_lora_rank
                 total += m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
                 total += n * m.v_head_dim * h
+                if self.dsa is not None:  # indexer: wq_b, wk, k_norm (weight + bias), weights_proj
+                    d = self.dsa
+                    total += (m.q_lora_rank or 0) * d.index_n_heads * d.index_head_dim
+                    total += h * d.index_head_dim + 2 * d.index_head_dim + h * d.index_n_heads
             else:
                 q = self.num_attention_heads * self.head_dim
                 kv = self.num_key_value_heads * self.head_dim
@@ -338,6 +359,7 @@ class ModelConfig:
         elif self.mla is not None or self.moe is not None:
             raise ConfigError(f"{self.model_type} is a dense GQA model; it takes no MLA/MoE fields", field="model_type")
         self._validate_gqa_options()
+        self._validate_dsa()
         if self.mla is not None:
             if not isinstance(self.mla, MLAConfig):
                 raise ConfigError(f"mla must be an MLAConfig, got {_show(self.mla)}", field="mla")
@@ -368,6 +390,29 @@ class ModelConfig:
         if self.mla is not None and gqa_only:
             raise ConfigError(f"{self.model_type}: qk_norm, partial rotary and clip_qkv apply to GQA attention only",
                               field="qk_norm")
+
+    def _validate_dsa(self) -> None:
+        """DSA fields: present exactly for deepseek_v32, sizes bounded, the indexer's RoPE fits its head."""
+        if self.model_type not in DSA_FAMILIES:
+            if self.dsa is not None:
+                raise ConfigError(f"{self.model_type} has no sparse attention; index_topk / index_head_dim / "
+                                  "index_n_heads belong to deepseek_v32", field="index_topk")
+            return
+        if not isinstance(self.dsa, DSAConfig):
+            raise ConfigError(f"{self.model_type} needs its indexer sizes (index_topk, index_head_dim, "
+                              f"index_n_heads), got {_show(self.dsa)}", field="index_topk")
+        for name in ("index_topk", "index_head_dim", "index_n_heads"):
+            check_int(getattr(self.dsa, name), name, name)
+        if self.mla is None or self.mla.q_lora_rank is None:
+            raise ConfigError(f"{self.model_type}: the indexer's query reads the q-LoRA residual, so q_lora_rank "
+                              "must be set", field="q_lora_rank")
+        if self.mla.qk_rope_head_dim > self.dsa.index_head_dim:
+            raise ConfigError(f"qk_rope_head_dim ({self.mla.qk_rope_head_dim}) exceeds index_head_dim "
+                              f"({self.dsa.index_head_dim}): the indexer rotates its first qk_rope_head_dim dims; "
+                              "raise index_head_dim", field="index_head_dim")
+        if not self.rope.interleaved:
+            raise ConfigError(f"{self.model_type}: MLA's RoPE is interleaved in DeepSeek-V3.2 weights; "
+                              "rope_interleave must not be false", field="rope_interleave")
 
     @staticmethod
     def _validate_rope(rope: RopeConfig) -> None:
@@ -484,6 +529,7 @@ class ModelConfig:
             if moe is not None and "dense_layers" in moe:
                 moe["dense_layers"] = tuple(moe["dense_layers"])  # JSON gives a list
             data["moe"] = MoEConfig(**moe) if moe is not None else None
+            data["dsa"] = DSAConfig(**data["dsa"]) if data.get("dsa") else None
             data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
             return cls(**data)
         except (TypeError, ValueError, AttributeError) as exc:  # unknown or missing keys, a non-dict section
@@ -576,8 +622,9 @@ class ModelConfig:
             moe = None
             n_experts = _opt_int(hf, "n_routed_experts")
             if n_experts:
-                default_method = "noaux_tc" if model_type == "deepseek_v3" else "greedy"
-                default_scoring = "sigmoid" if model_type == "deepseek_v3" else "softmax"
+                v3 = model_type in ("deepseek_v3", "deepseek_v32")
+                default_method = "noaux_tc" if v3 else "greedy"
+                default_scoring = "sigmoid" if v3 else "softmax"
                 moe = MoEConfig(
                     n_routed_experts=n_experts,
                     n_shared_experts=_opt_int(hf, "n_shared_experts") or 0,
@@ -602,6 +649,7 @@ class ModelConfig:
                 o_proj_bias=attention_bias,
                 mla=mla,
                 moe=moe,
+                dsa=_dsa_from_hf(hf, need) if model_type in DSA_FAMILIES else None,
             )
 
         head_dim = _opt_int(hf, "head_dim") or hidden // heads
@@ -696,6 +744,13 @@ def _moe_gqa_fields(hf: dict[str, Any], model_type: str, head_dim: int, need: Ca
                    norm_topk_prob=_opt_bool(hf, "norm_topk_prob", False))
     fields["moe"] = MoEConfig(**moe)  # checked by ModelConfig.validate(), with messages naming the fields
     return fields
+
+
+def _dsa_from_hf(hf: dict[str, Any], need: Callable[..., int]) -> DSAConfig:
+    """DeepSeek-V3.2's indexer sizes (config.json: index_topk, index_head_dim, index_n_heads; all required)."""
+    return DSAConfig(index_topk=need("index_topk", "index_topk"),
+                     index_head_dim=need("index_head_dim", "index_head_dim"),
+                     index_n_heads=need("index_n_heads", "index_n_heads"))
 
 
 # Where each family's config.json keeps its routed-expert count (transformers v5 writes num_local_experts for

@@ -1,4 +1,4 @@
-"""The decoder-only model, one definition: DeepSeek-V2/V3 and Kimi-K2 (MLA + MoE), Qwen3-MoE, GLM-4.5 MoE,
+"""The decoder-only model, one definition: DeepSeek-V2/V3/V3.2 and Kimi-K2 (MLA + MoE), Qwen3-MoE, GLM-4.5 MoE,
 Mixtral and OLMoE (GQA + MoE), Llama/Qwen2/Mistral (GQA).
 
 forward(input_ids [B, S], position_ids [B, S], past_key_values) -> (logits [B, S, V], present).
@@ -47,8 +47,12 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                past: LayerCache | None) -> tuple[torch.Tensor, LayerCache]:
-        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+                past: LayerCache | None, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerCache]:
+        # positions [B, S]: read by DSA's indexer only (its causal limit per query)
+        if isinstance(self.self_attn, MLAttention) and self.self_attn.indexer is not None:
+            attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, positions)
+        else:
+            attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), present
 
@@ -97,13 +101,17 @@ class CausalLM(nn.Module):
         present: list[LayerCache] = []
         hidden: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
-            x, layer_cache = layer(x, cos, sin, mask, None if past_key_values is None else past_key_values[i])
+            x, layer_cache = layer(x, cos, sin, mask, None if past_key_values is None else past_key_values[i],
+                                   position_ids)
             present.append(layer_cache)
             if output_hidden_states:
                 hidden.append(x)
-        x = self.model.norm(x)
-        logits = F.linear(x, self.output_embedding).to(torch.float32)
+        logits = self.lm_logits(self.model.norm(x))
         return ModelOutput(logits, tuple(present), tuple(hidden) if output_hidden_states else None)
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head: x [B, S, H] -> logits [B, S, V] float32 (a tensor-parallel rank overrides it)."""
+        return F.linear(x, self.output_embedding).to(torch.float32)
 
     def reset_buffers(self) -> None:
         """Recompute derived buffers (after building on the meta device and loading weights)."""

@@ -64,13 +64,31 @@ class RoutedExperts(nn.Module):
         return apply_experts(x, expert_ids, weights, self.gate_proj, self.up_proj, self.down_proj)
 
 
+def hold_local_experts(expert_ids: torch.Tensor, weights: torch.Tensor, first: int,
+                       count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert-parallel rank holds experts first .. first+count-1: ids [T, K] become local (0 .. count-1); a slot
+    routed to another rank's expert gets id ``count`` (no expert of this rank) and weight 0, so it runs nothing
+    here (its rank adds it)."""
+    local = expert_ids - first
+    held = (local >= 0) & (local < count)
+    return torch.where(held, local, count), torch.where(held, weights, 0.0)
+
+
 class MoEBlock(nn.Module):
-    """out = sum_k w_k * expert_k(x) + shared_experts(x)."""
+    """out = sum_k w_k * expert_k(x) + shared_experts(x).
+
+    On a tensor-parallel rank (``export/parallel.py``) the block holds a part of the experts (``first_expert``
+    onwards, or a slice of every expert's intermediate) and of the shared experts, and ``reduce`` (an AllReduce
+    over the ranks) sums the parts: one collective per MoE layer.
+    """
+
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         moe = config.moe
         assert moe is not None
+        self.first_expert = 0  # expert parallelism: the global id of this block's first routed expert
+        self.reduce: nn.Module | None = None  # tensor parallelism: sums the ranks' partial outputs
         self.gate = MoERouter(config)
         self.experts = RoutedExperts(moe.n_routed_experts, config.hidden_size, moe.moe_intermediate_size)
         self.shared_experts = (
@@ -83,7 +101,9 @@ class MoEBlock(nn.Module):
         # x: [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
         expert_ids, weights = self.gate(flat)
+        if self.experts.num_experts != self.gate.moe.n_routed_experts:
+            expert_ids, weights = hold_local_experts(expert_ids, weights, self.first_expert, self.experts.num_experts)
         out: torch.Tensor = self.experts(flat, expert_ids, weights).view_as(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return out if self.reduce is None else self.reduce(out)

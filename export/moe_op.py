@@ -79,14 +79,20 @@ def experts_local_function(opset: int = 23) -> onnx.FunctionProto:
         nodes.append(helper.make_node(op, inputs, [output], **kw))
         return output
 
-    # dense_w [T, E]: zeros, the K weights scattered at their expert ids.
-    t_dim = node("Shape", ["x"], "t_dim", start=0, end=1)
+    # dense_w [T, E] = sum_k w[:, k] * (ids[:, k] == e): Equal, not ScatterElements, so that an id that matches no
+    # expert (an expert-parallel rank's id for another rank's expert) adds nothing and repeated ids add up, with
+    # ops every runtime (TensorRT included) imports.
     e_dim = node("Shape", ["gate_proj"], "e_dim", start=0, end=1)
-    te = node("Concat", [t_dim, e_dim], "te_shape", axis=0)
-    zeros = node("ConstantOfShape", [te], "zeros_te", value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
-    ids = node("Cast", ["expert_ids"], "ids64", to=TensorProto.INT64)
+    zero = helper.make_tensor("zero64", TensorProto.INT64, [], [0])
+    one = helper.make_tensor("one64", TensorProto.INT64, [], [1])
+    experts = node("Range", [node("Constant", [], "r0", value=zero),
+                             node("Squeeze", [e_dim], "e_scalar"), node("Constant", [], "r1", value=one)], "experts")
+    ids = node("Unsqueeze", [node("Cast", ["expert_ids"], "ids64", to=TensorProto.INT64),
+                             node("Constant", [], "axis2", value=helper.make_tensor("a2", TensorProto.INT64, [1],
+                                                                                    [2]))], "ids_tk1")
+    chosen = node("Cast", [node("Equal", [ids, experts], "chosen_b")], "chosen", to=TensorProto.FLOAT)  # [T, K, E]
     wf = node("Cast", ["expert_weights"], "wf", to=TensorProto.FLOAT)
-    dense_w = node("ScatterElements", [zeros, ids, wf], "dense_w", axis=1)  # [T, E]
+    dense_w = node("Einsum", [chosen, wf], "dense_w", equation="tke,tk->te")  # [T, E]
     gate = node("Einsum", ["x", "gate_proj"], "gate", equation="th,eih->eti")  # [E, T, I]
     up = node("Einsum", ["x", "up_proj"], "up", equation="th,eih->eti")
     h = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate], "sg")], "silu"), up], "h")

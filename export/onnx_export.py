@@ -22,12 +22,16 @@ import torch.nn.functional as F
 from onnxscript import rewriter
 from torch import nn
 
-from moeforge.export import moe_op
+from moeforge.export import collectives, moe_op
+from moeforge.export.mla import MLAttention
 from moeforge.export.model import CausalLM, ModelOutput
-from moeforge.export.moe import MoEBlock
+from moeforge.export.moe import MoEBlock, hold_local_experts
 from moeforge.export.routing import router_attributes
 from moeforge.plugins.moe_router import function as router_function
 from moeforge.plugins.moe_router import torch_op as router_op
+from moeforge.plugins.sparse_mla import function as sparse_mla_function
+from moeforge.plugins.sparse_mla import torch_op as sparse_mla_op
+from moeforge.plugins.sparse_mla.schema import SparseMLAAttrs
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +71,15 @@ class _MoEBoundary(nn.Module):
         logits = F.linear(flat.to(torch.float32), gate.weight.to(torch.float32))  # [T, E]
         expert_ids, weights = router_op.call(logits, gate.e_score_correction_bias, self.router)  # [T, K] each
         experts = self.block.experts
+        if experts.num_experts != gate.moe.n_routed_experts:  # an expert-parallel rank: its experts only
+            expert_ids, weights = hold_local_experts(expert_ids, weights, self.block.first_expert,
+                                                     experts.num_experts)
         routed: torch.Tensor = torch.ops.moeforge.moe_experts(flat, expert_ids, weights, experts.gate_proj,
                                                               experts.up_proj, experts.down_proj)
         out = routed.view_as(x)
         if self.block.shared_experts is not None:
             out = out + self.block.shared_experts(x)
-        return out
+        return out if self.block.reduce is None else self.block.reduce(out)
 
 
 # torch.onnx logs one warning per torchvision op it cannot register (torchvision is not a dependency here).
@@ -119,6 +126,19 @@ def _without_slices_split() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _sparse_mla_nodes(model: CausalLM) -> Iterator[None]:
+    """DSA layers (DeepSeek-V3.2) export their selection + sparse attention as one moeforge.SparseMLA node."""
+    attns = [m for m in model.modules() if isinstance(m, MLAttention) and m.indexer is not None]
+    try:
+        for attn in attns:
+            attn.export_op = True
+        yield
+    finally:
+        for attn in attns:
+            attn.export_op = False
+
+
+@contextlib.contextmanager
 def _moe_boundaries(model: CausalLM) -> Iterator[None]:
     # Swap in place (no model copy: a copy would double memory) and always restore.
     swapped: list[tuple[nn.Module, MoEBlock]] = []
@@ -146,7 +166,8 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
     # Example sizes must not be 0 or 1: torch.export specialises such dims to constants.
     example = (torch.zeros(2, 3, dtype=torch.int64), torch.arange(3, dtype=torch.int64).expand(2, 3).contiguous())
-    with (_moe_boundaries(model), _quiet_torchvision_skips(), _without_slices_split(), warnings.catch_warnings(),
+    with (_moe_boundaries(model), _sparse_mla_nodes(model), _quiet_torchvision_skips(), _without_slices_split(),
+          warnings.catch_warnings(),
           torch.no_grad()):
         warnings.simplefilter("ignore")  # the exporter is chatty about deprecated pytree APIs
         program = torch.onnx.export(
@@ -156,7 +177,9 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
                                        if mark_layers],
             dynamic_shapes={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}},
             custom_translation_table={torch.ops.moeforge.moe_experts.default: moe_op.moe_experts_to_onnx,
-                                      torch.ops.moeforge.moe_router.default: router_op.onnx_translation},
+                                      torch.ops.moeforge.moe_router.default: router_op.onnx_translation,
+                                      torch.ops.moeforge.sparse_mla.default: sparse_mla_op.onnx_translation,
+                                      **collectives.TRANSLATIONS},
         )
     assert program is not None  # dynamo=True always returns the program
     onnx_model = program.model
@@ -167,6 +190,11 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
         router_function.check_nodes(onnx_model)
         fn = ir.serde.deserialize_function(moe_op.experts_local_function(OPSET))
         onnx_model.functions[fn.identifier()] = fn
+    config = model.config
+    if config.dsa is not None and config.mla is not None:
+        attrs = SparseMLAAttrs(config.dsa.index_topk, config.softmax_scale, config.dsa.index_head_dim**-0.5,
+                               config.mla.kv_lora_rank)
+        sparse_mla_function.attach_function(onnx_model, attrs, "stateless")
     if mark_layers:
         _add_layer_markers(onnx_model)
     _name_dims(onnx_model)

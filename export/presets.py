@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeforge.errors import ConfigError
-from moeforge.export.config import Family, MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from moeforge.export.config import DSAConfig, Family, MLAConfig, ModelConfig, MoEConfig, RopeConfig
 
 # Byte-level tokenizer of the tiny presets: bytes are ids 0..255, then the special tokens.
 TINY_BOS, TINY_EOS = 256, 257
@@ -47,6 +47,14 @@ def _tiny_deepseek_v3() -> ModelConfig:
                       first_k_dense_replace=1, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4,
                       topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
     )
+
+
+def _tiny_deepseek_v32() -> ModelConfig:
+    """tiny-deepseek-v3 plus DSA: a 16-head indexer of 16 dims (its first 8 rotated) keeping the top 16 tokens.
+
+    16 heads: a token whose ReLU scores are all 0 (an exact tie that top-k may break either way) is 2^-16 rare."""
+    return _tiny_deepseek_v3().replace(model_type="deepseek_v32", name="tiny-deepseek-v3.2",
+                                       dsa=DSAConfig(index_topk=16, index_head_dim=16, index_n_heads=16))
 
 
 def _tiny_deepseek_v2() -> ModelConfig:
@@ -144,6 +152,12 @@ def _deepseek_v3() -> ModelConfig:
     )
 
 
+def _deepseek_v32() -> ModelConfig:
+    """DeepSeek-V3.2(-Exp): V3's shapes plus the indexer (64 heads of 128, top 2048 tokens)."""
+    return _deepseek_v3().replace(model_type="deepseek_v32", name="deepseek-v3.2",
+                                  dsa=DSAConfig(index_topk=2048, index_head_dim=128, index_n_heads=64))
+
+
 def _kimi_k2() -> ModelConfig:
     # moonshotai/Kimi-K2-Instruct config.json (model_type kimi_k2, the DeepSeek-V3 architecture): 64 heads,
     # 384 experts in one group, 1 dense layer, YaRN x32 with beta 1/1 over rope_theta 50000.
@@ -207,6 +221,7 @@ def _olmoe_1b_7b() -> ModelConfig:
 
 PRESETS: dict[str, Preset] = {
     "tiny-deepseek-v3": Preset(_tiny_deepseek_v3(), 3, "3 layers, MLA with q_lora, sigmoid noaux_tc routing"),
+    "tiny-deepseek-v3.2": Preset(_tiny_deepseek_v32(), 9, "tiny-deepseek-v3 + DSA indexer (16 heads x 16, top-16)"),
     "tiny-deepseek-v2": Preset(_tiny_deepseek_v2(), 2, "3 layers, MLA without q_lora, softmax group-limited"),
     "tiny-llama": Preset(_tiny_llama(), 1, "2 layers, GQA 4/2 heads"),
     "tiny-kimi-k2": Preset(_tiny_kimi_k2(), 4, "2 layers, Kimi-K2 routing: MLA, sigmoid noaux_tc in one group"),
@@ -216,6 +231,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-olmoe": Preset(_tiny_olmoe(), 8, "2 MoE layers, q/k norm over the projection, softmax top-2"),
     "deepseek-v2-lite": Preset(_deepseek_v2_lite(), None, "DeepSeek-V2-Lite 16B shapes, no weights"),
     "deepseek-v3": Preset(_deepseek_v3(), None, "DeepSeek-V3 671B shapes, no weights"),
+    "deepseek-v3.2": Preset(_deepseek_v32(), None, "DeepSeek-V3.2 671B shapes (+ DSA indexer), no weights"),
     "kimi-k2": Preset(_kimi_k2(), None, "Kimi-K2 1T shapes (DeepSeek-V3 architecture), no weights"),
     "qwen3-30b-a3b": Preset(_qwen3_30b_a3b(), None, "Qwen3-30B-A3B shapes, no weights"),
     "glm-4.5-air": Preset(_glm45_air(), None, "GLM-4.5-Air 106B shapes, no weights"),

@@ -20,6 +20,8 @@ Family names read as ours (``_canonical_names``): Mixtral's original layout, whi
 ``save_pretrained`` writes back, ``model.layers.i.block_sparse_moe.{gate, experts.{e}.w1|w3|w2}`` is our
 ``mlp.{gate, experts.{e}.gate_proj|up_proj|down_proj}`` (w1 = gate, w3 = up, w2 = down). q/k norms
 (Qwen3-MoE, GLM-4.5 with use_qk_norm, OLMoE) are ``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight``.
+DeepSeek-V3.2's indexer: ``self_attn.indexer.{wq_b,wk,weights_proj}.weight``, ``self_attn.indexer.k_norm.{weight,
+bias}``.
 
 FP8 (DeepSeek-V3): a float8_e4m3fn tensor ``X`` with a float32 sibling ``X_scale_inv`` is dequantised
 block-wise (``moeforge.export.fp8``); ``_scale_inv`` tensors never appear in our naming.
@@ -103,6 +105,9 @@ def _attention_keys(config: ModelConfig) -> list[str]:
         keys += ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
         if qkv_bias:
             keys.append("kv_a_proj_with_mqa.bias")
+        if config.dsa is not None:  # DeepSeek-V3.2's lightning indexer (wq_b / wk FP8 in the release, as V3's)
+            keys += [f"indexer.{k}" for k in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias",
+                                              "weights_proj.weight")]
     if o_bias:
         keys.append("o_proj.bias")
     return keys

@@ -12,6 +12,7 @@ Graph inputs added (names follow onnxruntime-genai so it can run GQA artifacts):
   attention_mask [B, T] int64 (1 = real token; right padding)
   GQA: past_key_values.{i}.key / .value [B, Hkv, L, D]  ->  present.{i}.key / .value
   absorbed MLA: past_key_values.{i}.latent [B, 1, L, R+Dr] -> present.{i}.latent (+ present.{i}.latent_v)
+  DSA (DeepSeek-V3.2): latent + past_key_values.{i}.index [B, 1, L, Di] around moeforge.SparseMLA (dsa_cache.py)
 Absorbed MLA is multi-query attention whose value is the first R dims of the key, so K = V = the
 latent and the output is sliced to R: the cache holds only R + Dr values per token. GQA wants a
 separate value buffer, so the runtime binds ONE buffer to the latent input and both outputs (the
@@ -26,6 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.graph_passes.base import MS_DOMAIN, PassContext, ensure_opset, required
+from moeforge.graph_passes.dsa_cache import insert_dsa_caches
 from moeforge.kv_layout import MAX_SEQ_AXIS, cache_names
 
 ATTENTION_MASK = "attention_mask"
@@ -50,6 +52,8 @@ class KVCacheInsertion:
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         graph = model.graph
+        if ctx.config.dsa is not None:  # DeepSeek-V3.2: moeforge.SparseMLA nodes, not Attention (dsa_cache.py)
+            return insert_dsa_caches(model, ctx)
         attentions = layer_attentions(model, ctx.config.num_hidden_layers, {MS_DOMAIN: 1})
         if not attentions:
             return 0

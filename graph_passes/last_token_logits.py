@@ -8,8 +8,9 @@ plain ``InferenceSession.run`` -- see the graph they always saw. The engine feed
 needs only the last token's logits, so a 512-token prompt costs one row of the vocabulary projection (the largest
 matrix of a small model: 49152 x 576 for SmolLM2) and a [1, 1, V] output, not 512 of each.
 
-Paged graphs select their logits rows with ``logits_indices`` already and are left alone, as is a graph whose
-``logits`` output does not come straight from a MatMul-like LM head.
+On a tensor-parallel rank the LM head's logits [B, S, V/N] reach ``logits`` through an AllGather; the Slice goes
+in front of the LM head all the same. Paged graphs select their logits rows with ``logits_indices`` already and
+are left alone, as is a graph whose ``logits`` output does not come straight from a MatMul-like LM head.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class LastTokenLogits:
             return 0
         logits = next((value for value in graph.outputs if value.name == "logits"), None)
         head = logits.producer() if logits is not None else None
+        if head is not None and (head.domain, head.op_type) == ("com.microsoft", "AllGather") and head.inputs[0]:
+            head = head.inputs[0].producer()  # a tensor-parallel rank: its vocabulary rows, then the gather
         if head is None or (head.domain, head.op_type) not in LM_HEAD_OPS or head.inputs[0] is None:
             return 0
         hidden = head.inputs[0]

@@ -11,6 +11,7 @@ Graph I/O after this pass (before it: input_ids/position_ids [batch, seq] -> log
     sequence that samples), so a prefill does not pay T x V
   GQA: kv_pool.{i}.key / .value [N, Bs, Hkv, D] -> kv_pool_out.{i}.key / .value
   absorbed MLA: kv_pool.{i}.latent [N, Bs, 1, R+Dr] -> kv_pool_out.{i}.latent  (value = first R dims)
+  DSA (DeepSeek-V3.2): + kv_pool.{i}.index [N, Bs, 1, Di], around moeforge.SparseMLAPaged (dsa_cache.py)
   logits [K, V]
 Everything but attention is per token, so the rest of the graph runs unchanged with the packed tokens as
 the batch: [T, 1, ...] (batch T, one token each; not [1, T], which would make ONNX Runtime's
@@ -23,6 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.graph_passes.base import PassContext, required
+from moeforge.graph_passes.dsa_cache import insert_dsa_pools
 from moeforge.graph_passes.kv_cache import (
     _is_prefix_slice_of,
     _replace_bhsd_output,
@@ -50,6 +52,8 @@ class PagedKVInsertion:
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         graph = model.graph
+        if ctx.config.dsa is not None:  # DeepSeek-V3.2: moeforge.SparseMLA nodes, not Attention (dsa_cache.py)
+            return insert_dsa_pools(model, ctx, self.block_size, self.pack_token_inputs, self.select_logits)
         attentions = layer_attentions(model, ctx.config.num_hidden_layers, {DOMAIN: 1, "": OPSET})
         if not attentions:
             return 0
@@ -59,17 +63,17 @@ class PagedKVInsertion:
         step = [ir.Value(name=BLOCK_TABLES, shape=ir.Shape(["num_seqs", "max_blocks"]), type=int32),
                 ir.Value(name=SEQ_LENS, shape=ir.Shape(["num_seqs"]), type=int32),
                 ir.Value(name=QUERY_START_LOC, shape=ir.Shape(["num_seqs_plus_1"]), type=int32)]
-        self._pack_token_inputs(graph)
+        self.pack_token_inputs(graph)
         graph.inputs.extend(step)
         for layer, node in enumerate(attentions):
             self._rewrite(graph, node, layer, block_size, mla, step, ctx.config.sliding_window or 0)
-        self._select_logits(graph)
+        self.select_logits(graph)
         opset = model.opset_imports.get("", OPSET)
         model.functions[(DOMAIN, OP_TYPE, "")] = ir.serde.deserialize_function(
             build_function(latent=mla, core="matmul", opset=opset))
         return len(attentions)
 
-    def _pack_token_inputs(self, graph: ir.Graph) -> None:
+    def pack_token_inputs(self, graph: ir.Graph) -> None:
         """input_ids / position_ids [batch, seq] -> [T], unsqueezed to [T, 1] for the per-token graph."""
         for index, value in enumerate(list(graph.inputs)):
             if value.name not in ("input_ids", "position_ids"):
@@ -118,17 +122,20 @@ class PagedKVInsertion:
         graph.outputs.extend(outs[1:])
         graph.remove(node, safe=True)  # the old causal mask becomes dead code (cleanup drops it)
 
-    def _select_logits(self, graph: ir.Graph) -> None:
+    def select_logits(self, graph: ir.Graph) -> None:
         """logits = lm_head(hidden[logits_indices]) [K, V] instead of [T, 1, V]."""
         logits = next(v for v in graph.outputs if v.name == "logits")
         head = logits.producer()
-        if head is None or head.op_type != "MatMul":
+        matmul = head
+        if head is not None and (head.domain, head.op_type) == ("com.microsoft", "AllGather") and head.inputs[0]:
+            matmul = head.inputs[0].producer()  # a tensor-parallel rank: its vocabulary rows, then the gather
+        if head is None or matmul is None or matmul.op_type != "MatMul":
             raise ValueError(f"expected logits to come from the lm_head MatMul, found {head and head.op_type}")
         indices = ir.Value(name=LOGITS_INDICES, shape=ir.Shape(["num_logits"]), type=ir.TensorType(ir.DataType.INT64))
         graph.inputs.append(indices)
-        gather = ir.node("Gather", [head.inputs[0], indices], attributes={"axis": 0})  # [K, 1, H]
-        graph.insert_before(head, gather)
-        head.replace_input_with(0, gather.outputs[0])
+        gather = ir.node("Gather", [matmul.inputs[0], indices], attributes={"axis": 0})  # [K, 1, H]
+        graph.insert_before(matmul, gather)
+        matmul.replace_input_with(0, gather.outputs[0])
         vocab = logits.shape[-1] if logits.shape is not None else "vocab_size"
         logits.name = LOGITS_3D
         axes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([1], np.int64))})

@@ -19,7 +19,8 @@ zero point cannot carry, so the portable form is
 
 (standard ONNX; ``quant_lowering`` turns it into MatMulNBits with float zero points).
 Not quantised: the embedding Gather (a table lookup), the MoE
-router (its MatMul picks experts: kept fp32 like norms and softmax, which have no weights here), and
+router (its MatMul picks experts: kept fp32 like norms and softmax, which have no weights here), DSA's indexer
+projections (they pick the tokens sparse attention reads; ``indexer_matmuls``), and
 every weight named in ``QuantConfig.keep`` (mixed precision). AWQ scales ``s`` [K] multiply the
 weight rows before quantising; a ``Mul(x, 1/s)`` on the activation keeps the product unchanged.
 """
@@ -109,15 +110,40 @@ def fold_transposed_weights(model: ir.Model) -> int:
     return count
 
 
+def indexer_matmuls(model: ir.Model) -> set[ir.Node]:
+    """The MatMuls feeding DSA's indexer (DeepSeek-V3.2: wq_b, wk, weights_proj, or the packed projection that
+    holds them): the first MatMul up each path from a moeforge.SparseMLA* node's index_q / index_w / index_k.
+    Kept fp32 like the router: their scores pick which tokens attention reads, and a flipped pick is no small
+    error."""
+    found: set[ir.Node] = set()
+    for node in model.graph:
+        if node.domain != "moeforge" or not node.op_type.startswith("SparseMLA"):
+            continue
+        stack = [v for v in node.inputs[2:5] if v is not None]
+        seen: set[ir.Value] = set()
+        while stack:
+            value = stack.pop()
+            producer = value.producer()
+            if value in seen or producer is None:
+                continue
+            seen.add(value)
+            if producer.op_type == "MatMul" and _const(producer.inputs[1]) is not None:
+                found.add(producer)
+            else:
+                stack.extend(v for v in producer.inputs if v is not None)
+    return found
+
+
 def quant_targets(model: ir.Model) -> list[QuantTarget]:
-    """The weights the pass quantises, in graph order (router weights excluded)."""
+    """The weights the pass quantises, in graph order (router and DSA indexer weights excluded)."""
     fold_transposed_weights(model)
     targets = []
+    indexer = indexer_matmuls(model)
     for node in model.graph:
         if node.op_type == "MatMul" and node.domain == "":
             weight = node.inputs[1]
             if (weight is None or _const(weight) is None or weight.shape is None or len(weight.shape) != 2
-                    or ROUTER_WEIGHT.search(weight.name or "")):
+                    or ROUTER_WEIGHT.search(weight.name or "") or node in indexer):
                 continue
             name = required(weight.name, f"{node.name}: weight name")
             targets.append(QuantTarget(name, _label(node, weight), node, 1, weight.shape.numpy()))

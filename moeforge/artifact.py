@@ -41,7 +41,7 @@ from moeforge.manifest import FORMAT_VERSION, MANIFEST_FILE, MAX_MANIFEST_BYTES,
 
 # The artifact API is one import: the manifest types a loader needs come with load_artifact.
 __all__ = ["FORMAT_VERSION", "MANIFEST_FILE", "MODEL_FILE", "Artifact", "ArtifactError", "KVCacheSpec", "Manifest",
-           "check_output_dir", "load_artifact", "restore_interrupted", "write_artifact"]
+           "check_output_dir", "install_directory", "load_artifact", "restore_interrupted", "write_artifact"]
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +259,12 @@ def check_output_dir(out_dir: str | Path, force: bool = False) -> Path:
 def _install(tmp: Path, out: Path, force: bool) -> None:
     """Rename the finished ``tmp`` to ``out``; an existing artifact is moved aside first, then deleted."""
     _check_destination(out, force)
+    install_directory(tmp, out)
+
+
+def install_directory(tmp: Path, out: Path) -> None:
+    """Rename the finished directory ``tmp`` to ``out`` (the caller checked that ``out`` may be replaced); what is
+    at ``out`` is moved aside first and deleted once the new one is in place, so ``out`` is never half written."""
     if not os.path.lexists(out):
         os.rename(tmp, out)
         _fsync_dir(out.parent)

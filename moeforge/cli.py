@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,11 +26,21 @@ from moeforge.export.tokenizer import Tokenizer
 from moeforge.golden import check_engine
 from moeforge.inspect import summarize
 from moeforge.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
-from moeforge.parity import default_prompt, layer_table, run_layer_parity, run_parity
+from moeforge.launch import World, open_rank_backend, open_rank_session, run_worker, sharded_backend, start_world
+from moeforge.parity import (
+    compare_with_reference,
+    default_prompt,
+    layer_table,
+    run_layer_parity,
+    run_parity,
+    torch_reference,
+)
 from moeforge.quant.schemes import ACCURACY_LEVELS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.server import ServeOptions, serve
+from moeforge.server.runner import engine_config, model_name
+from moeforge.sharded import is_sharded, rank_dir, read_sharded
 from moeforge.targets import TARGETS
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -109,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="KV-cache layout: per-sequence buffers, or block pools (paged attention)")
     comp.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                       help="tokens per KV block (--kv-cache paged)")
+    comp.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel ranks: write one artifact per rank (DIR/rank0 ..) and DIR/sharded.json; "
+                           "run it with moeforge run/serve/parity, which start one process per rank")
+    comp.add_argument("--ep", type=int, default=1,
+                      help="expert-parallel ranks with --tp: 1 (each expert split over the ranks) or equal to --tp "
+                           "(whole experts per rank)")
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
     comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -238,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _is_artifact(path: str) -> bool:
     restore_interrupted(path)  # a compile killed mid-replace left the artifact aside: put it back first
-    return (Path(path) / "manifest.json").is_file()
+    return (Path(path) / "manifest.json").is_file() or is_sharded(path)
 
 
 # The engine and the PyTorch reference name the field (max_tokens, max_new_tokens, perhaps followed by the flag in
@@ -259,6 +277,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     artifact = _is_artifact(args.model)
     backend = args.backend or ("onnxruntime" if artifact else "torch")
+    if backend == "onnxruntime" and is_sharded(args.model):
+        return _run_artifact(args)
     if backend == "onnxruntime":
         if not artifact:
             raise MoeforgeError(f"{args.model} is not an artifact directory; compile it first "
@@ -328,7 +348,34 @@ class _Printer:
 
 
 def _run_artifact(args: argparse.Namespace) -> int:
-    engine = LLMEngine.from_artifact(args.model, EngineConfig(max_num_seqs=1, threads=args.threads))
+    config = EngineConfig(max_num_seqs=1, threads=args.threads)
+    if is_sharded(args.model):
+        return _sharded(args.model, lambda world: open_rank_backend(args.model, world, config)[0],
+                        lambda backend: _generate(args, LLMEngine.from_artifact(Path(args.model) / rank_dir(0), config,
+                                                                                backend=backend)),
+                        lambda world: sharded_backend(args.model, world, config)[0])
+    return _generate(args, LLMEngine.from_artifact(args.model, config))
+
+
+def _sharded(path: str, worker: Callable[[World], Any], main: Callable[[Any], int],
+             rank0: Callable[[World], Any]) -> int:
+    """Run a command on a sharded artifact: start or join the ranks; rank 0 opens its side (``rank0``) and runs
+    ``main`` on it, the others serve it (``worker`` opens their side). Always tells the ranks to stop."""
+    world = start_world(path)
+    if world.rank != 0:
+        return run_worker(worker(world), world)
+    side, code = None, EXIT_BAD_INPUT
+    try:
+        side = rank0(world)
+        code = main(side)
+    finally:  # on an error too: stop the other ranks and wait for them (the error propagates)
+        if side is not None:
+            side.close()
+        code = world.finish(code)
+    return code
+
+
+def _generate(args: argparse.Namespace, engine: LLMEngine) -> int:
     prompt = _prompt_ids(args, engine.tokenizer, args.model)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
@@ -396,6 +443,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_parity(args: argparse.Namespace) -> int:
     if args.backend == "tensorrt":
         return _golden_parity_tensorrt(args)
+    if is_sharded(args.artifact):
+        return _sharded_parity(args)
     artifact = load_artifact(args.artifact)
     if artifact.manifest.engine is not None:
         raise MoeforgeError(_tensorrt_only(args.artifact, artifact.manifest.source,
@@ -423,6 +472,32 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         passed = passed and first is None
     print(json.dumps(result, indent=2) if args.json else report.table() + layer_text)
     return EXIT_OK if passed else EXIT_CHECK_FAILED
+
+
+def _sharded_parity(args: argparse.Namespace) -> int:
+    """``moeforge parity DIR`` on a sharded artifact: its ranks against the unsharded PyTorch model."""
+    sharded = read_sharded(args.artifact)
+    if args.per_layer:
+        raise MoeforgeError("--per-layer reads one graph's intermediate values; a sharded artifact has one graph per "
+                            "rank: check it without --per-layer")
+    if args.prompt_len < 1 or args.steps < 0:
+        raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
+    max_len = args.prompt_len + args.steps + 1
+
+    def main(session: Any) -> int:
+        manifest = load_artifact(Path(args.artifact) / rank_dir(0), verify=False).manifest
+        loaded = load_model(args.model or sharded.source, mla_impl="absorb", check_finite=args.check_weights)
+        prompt = default_prompt(loaded.config.vocab_size, args.prompt_len, args.seed)
+        reference = torch_reference(loaded.model, prompt, args.steps)
+        report = compare_with_reference(Path(args.artifact) / rank_dir(0) / "model.onnx", manifest.kv_cache,
+                                        reference, precision=manifest.precision, session=session)
+        result = {**report.to_dict(), "tp": sharded.tp, "ep": sharded.ep}
+        print(json.dumps(result, indent=2) if args.json else
+              f"sharded tp {sharded.tp} ep {sharded.ep}\n" + report.table())
+        return EXIT_OK if report.passed else EXIT_CHECK_FAILED
+
+    return _sharded(args.artifact, lambda world: open_rank_session(args.artifact, world, max_len)[0], main,
+                    lambda world: open_rank_session(args.artifact, world, max_len)[0])
 
 
 def _golden_parity_tensorrt(args: argparse.Namespace) -> int:
@@ -467,16 +542,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    if not _is_artifact(args.artifact):
+    if is_sharded(args.artifact):
+        return _sharded_serve(args)
+    return serve(_serve_options(args))
+
+
+def _sharded_serve(args: argparse.Namespace) -> int:
+    options = _serve_options(args, check=False)
+    options = dataclasses.replace(options, served_model_name=options.served_model_name or model_name(options.artifact))
+    config = engine_config(options)
+    return _sharded(args.artifact, lambda world: open_rank_backend(args.artifact, world, config)[0],
+                    lambda backend: serve(dataclasses.replace(options, artifact=Path(args.artifact) / rank_dir(0),
+                                                              backend=backend)),
+                    lambda world: sharded_backend(args.artifact, world, config)[0])
+
+
+def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions:
+    if check and not _is_artifact(args.artifact):
         raise MoeforgeError(f"{args.artifact} is not an artifact directory; compile it first (moeforge compile "
                             "MODEL -o DIR)")
-    return serve(ServeOptions(
+    return ServeOptions(
         artifact=Path(args.artifact), host=args.host, port=args.port, max_queued=args.max_queued,
         api_key=args.api_key if args.api_key is not None else os.environ.get("MOEFORGE_API_KEY") or None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_blocks=args.kv_blocks, threads=args.threads, chat_template=args.chat_template,
         served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
-        profile_steps=args.profile_steps, log_level=args.log_level))
+        profile_steps=args.profile_steps, log_level=args.log_level)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -503,6 +594,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(f"  experts {m.n_routed_experts} routed + {m.n_shared_experts} shared, top-{m.num_experts_per_tok}, "
               f"{m.scoring_func} {m.topk_method} (groups {m.topk_group}/{m.n_group})")
     kv = summary["kv_cache_bytes_per_token_fp16"]
+    if config.dsa is not None and isinstance(kv, dict):  # DeepSeek-V3.2: the indexer's keys are cached too
+        d, index_bytes = config.dsa, 2 * config.dsa.index_head_dim * config.num_hidden_layers
+        print(f"  sparse attention (DSA): indexer {d.index_n_heads} heads x {d.index_head_dim}, top-{d.index_topk} "
+              f"tokens; absorbed cache = latent {kv['absorb'] - index_bytes} B + indexer {index_bytes} B")
     if isinstance(kv, dict):
         print(f"  KV cache per token (fp16, all layers): absorbed MLA {kv['absorb']} B, naive {kv['naive']} B")
     else:

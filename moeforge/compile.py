@@ -6,43 +6,31 @@ included); one manifest; write. The artifact is written to a temporary directory
 (``artifact.write_artifact``), so a failed or interrupted compile leaves nothing behind. What differs
 between ONNX Runtime and TensorRT lives in ``moeforge/targets/``.
 
-Memory: never two full copies of the weights at once. The graph's initializers view the torch tensors; the
-torch model is released once ``target.passes(job)`` returns (a target takes what it needs of it there, e.g.
-``--check``'s PyTorch reference), and the graph's weights once it is saved, before ONNX Runtime loads its own.
+The stages after loading are ``build.py``'s (shared with ``sharded.py``, which runs them once per rank for
+``--tp``). Memory: never two full copies of the weights at once (see ``build.py``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
-import onnx_ir as ir
 from tqdm import tqdm
 
-from moeforge.artifact import check_output_dir, write_artifact
-from moeforge.calibration import read_prompts, tokenize_prompts
+from moeforge.artifact import check_output_dir
+from moeforge.build import DATA_FILE, build_artifact, make_job
 from moeforge.errors import MoeforgeError
-from moeforge.export.loader import LoadedModel, load_model, release_weights
-from moeforge.export.onnx_export import export_stateless, unmark_layers
-from moeforge.graph_passes.base import PassReport
-from moeforge.graph_passes.pipeline import run_passes
+from moeforge.export.loader import load_model
 from moeforge.kv_layout import KV_CACHE_KINDS
-from moeforge.manifest import MODEL_FILE, Manifest, TensorSpec, tool_versions
-from moeforge.options import DEFAULT_MAX_SEQ_LEN, CompileOptions, KVOptions, TrtOptions
+from moeforge.manifest import Manifest
+from moeforge.options import CompileOptions, KVOptions, TrtOptions
 from moeforge.parity import ParityCheckFailed, ParityReport
-from moeforge.quant.passes import CALIB_MAX_TOKENS, check_block_size, in_features
 from moeforge.quant.spec import QuantSpec, validate
-from moeforge.targets import TARGETS, CompileJob, Target
+from moeforge.sharded import ShardedCompileResult, compile_sharded
+from moeforge.targets import TARGETS, Target
 
-DATA_FILE = "model.onnx.data"
-# glibc's malloc_trim(pad): returns freed heap pages to the OS. None elsewhere (freed memory then stays ours).
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
-
-__all__ = ["CompileOptions", "CompileResult", "KVOptions", "ParityCheckFailed", "QuantSpec", "TrtOptions",
-           "compile_model"]
+__all__ = ["DATA_FILE", "CompileOptions", "CompileResult", "KVOptions", "ParityCheckFailed", "QuantSpec",
+           "ShardedCompileResult", "TrtOptions", "compile_model"]
 
 
 @dataclass
@@ -52,64 +40,27 @@ class CompileResult:
     parity: ParityReport | None
 
 
-def compile_model(options: CompileOptions) -> CompileResult:
-    """Run every stage; raise MoeforgeError (bad input) or ParityCheckFailed, leaving nothing written."""
+def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResult:
+    """Run every stage; raise MoeforgeError (bad input) or ParityCheckFailed, leaving nothing written.
+    With ``options.tp`` > 1 the artifact is sharded: one artifact per rank (``moeforge.sharded``)."""
     target = _target(options)
     _check_options(options)
     validate(options.quant, target=options.target, kv_cache=options.kv.layout)
     target.check()
+    if options.tp > 1 or options.ep > 1:
+        return compile_sharded(options)
     check_output_dir(options.output_dir, force=options.force)  # before the expensive stages
 
     bar = tqdm(total=5, desc="compile", unit="stage", disable=not options.progress, leave=False)
     try:
         bar.set_postfix_str("load checkpoint")
         loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
-        job = CompileJob(options, loaded, _max_seq_len(options, loaded), _prompts(options.quant, loaded))
-        if options.quant.scheme is not None:  # before the export: a block size that does not fit fails fast
-            check_block_size(options.quant, in_features(job.config), job.config.name or options.model)
+        job = make_job(options, loaded)
         bar.update()
-        bar.set_postfix_str("export to ONNX")
-        model = export_stateless(loaded.model, mark_layers=True)
-        bar.update()
-
-        passes = target.passes(job)
-        # The graph holds what it needs of the weights (its initializers view them); the torch copy of the rest
-        # (e.g. the q/k/v and gate/up weights packing concatenates) would only add to the peak from here on.
-        release_weights(loaded.model)
-        bar.total += len(passes)
-
-        def pass_done(report: PassReport) -> None:
-            bar.set_postfix_str(f"pass {report.name}: {report.matches}")
-            bar.update()
-
-        reports = run_passes(model, job.context, passes, on_pass_done=pass_done)
-        manifest = _manifest(model, job, target, reports)
-        bar.set_postfix_str("write artifact")
-
-        def payload(folder: Path) -> None:
-            ir.save(model, folder / MODEL_FILE, external_data=DATA_FILE)
-            _release_initializers(model.graph)  # saved: ONNX Runtime (golden, --check) loads its own copy
-            if loaded.tokenizer is not None:
-                loaded.tokenizer.save(folder)
-            bar.update()
-            target.write_payload(job, folder, manifest)
-            bar.update()
-
-        out = write_artifact(options.output_dir, write_payload=payload, manifest=manifest, force=options.force)
-        bar.update()
+        out, manifest = build_artifact(job, target, options.output_dir, bar)
         return CompileResult(out, manifest, target.parity)
     finally:
         bar.close()
-
-
-def _release_initializers(graph: ir.Graph) -> None:
-    """Free the weights of a graph that is saved and no longer needed. Explicitly: dropping our reference is not
-    enough, as onnxscript's rewrite rules keep the last graph they matched. Then hand the pages back to the OS:
-    glibc keeps freed heap blocks (most weights are heap blocks, below its adaptive mmap threshold) otherwise."""
-    for value in graph.initializers.values():
-        value.const_value = None
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 def _target(options: CompileOptions) -> Target:
@@ -128,46 +79,3 @@ def _check_options(options: CompileOptions) -> None:
         raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv.block_size}")
 
 
-def _max_seq_len(options: CompileOptions, loaded: LoadedModel) -> int:
-    limit = loaded.config.max_position_embeddings
-    max_seq_len = options.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, limit)
-    if max_seq_len > limit:
-        raise MoeforgeError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings ({limit})")
-    return max_seq_len
-
-
-def _prompts(spec: QuantSpec, loaded: LoadedModel) -> list[list[int]]:
-    """The ``--calib`` prompts, tokenised once for every calibration pass ([] without ``--calib``)."""
-    if spec.calib is None:
-        return []
-    return tokenize_prompts(read_prompts(spec.calib), loaded.tokenizer, CALIB_MAX_TOKENS)
-
-
-def _tensor_specs(values: list[ir.Value]) -> list[TensorSpec]:
-    specs = []
-    for value in values:
-        shape = [d if isinstance(d, int) else str(d.value if isinstance(d, ir.SymbolicDim) else d)
-                 for d in (value.shape or [])]
-        dtype = str(value.dtype.numpy()) if value.dtype is not None else "unknown"  # numpy names: float32
-        specs.append(TensorSpec(name=value.name or "", dtype=dtype, shape=shape))
-    return specs
-
-
-def _manifest(model: ir.Model, job: CompileJob, target: Target, reports: list[PassReport]) -> Manifest:
-    loaded = job.loaded
-    layer_outputs = unmark_layers(model)  # first: the markers are graph outputs until then
-    return Manifest(
-        model_config=job.config.to_dict(),
-        inputs=_tensor_specs(list(model.graph.inputs)),
-        outputs=_tensor_specs(list(model.graph.outputs)),
-        kv_cache=target.kv_spec(job),
-        passes=[r.to_dict() for r in reports],
-        target=target.name,
-        precision=target.precision(),
-        quantization=target.quantization(reports),
-        tool_versions=tool_versions(),
-        files={},
-        source=job.options.model if loaded.source.kind == "preset" else str(Path(loaded.source.location).resolve()),
-        created_utc=datetime.now(UTC).isoformat(timespec="seconds"),
-        layer_outputs=layer_outputs,  # values inside model.onnx, for parity --per-layer
-    )

@@ -71,7 +71,9 @@ def cache_feeds(kv: KVCacheSpec, prompt_len: int) -> dict[str, np.ndarray]:
         if prompt_len > length:
             raise ValueError(f"the golden prompt ({prompt_len} tokens) exceeds the golden cache ({length})")
         shape = [1, int(kv.shape[1]), length, int(kv.shape[3])]
-    return {name: np.zeros(shape, dtype) for names in kv.past_input_names for name in names}
+    # Each buffer its own width (DSA: the latent and the indexer's keys).
+    return {name: np.zeros([*shape[:-1], int(kv.buffer_shape(j)[-1])], dtype)
+            for names in kv.past_input_names for j, name in enumerate(names)}
 
 
 def token_feeds(kv: KVCacheSpec, prompt_ids: list[int], *, for_engine: bool) -> dict[str, np.ndarray]:

@@ -94,10 +94,11 @@ def summarize(artifact: Artifact) -> str:
     lines += _table([[t.name, t.dtype, _shape_str(t.shape)] for t in m.outputs])
 
     kv = m.kv_cache
-    buffers = "key + value" if kv.layout == "gqa" else "latent"
+    buffers = {"gqa": "key + value", "mla_dsa": "latent + indexer keys"}.get(kv.layout, "latent")
     lines.append("")
     lines.append(f"KV cache   {kv.layout}: {kv.num_layers} layers x {buffers}, {kv.dtype} "
-                 f"{_shape_str(kv.shape)} per buffer")
+                 f"{_shape_str(kv.shape)} per buffer"
+                 + (f" (last dims {' / '.join(map(str, kv.buffer_widths))})" if kv.buffer_widths else ""))
     lines.append(f"           {kv.values_per_token_per_layer} values/token/layer, {format_bytes(kv.bytes_per_token)} "
                  f"per token (all layers), {format_bytes(kv.bytes_for(kv.max_seq_len))} per sequence at "
                  f"max_seq_len {kv.max_seq_len}")

@@ -12,6 +12,11 @@ R kv_lora_rank, Dr rope dims, N pool blocks, Bs block size.
 |---------------|--------------------------------------------|-----------------------------------|
 | ``gqa``       | key, value [B, Hkv, L, D]                  | key, value [N, Bs, Hkv, D]        |
 | ``mla_latent``| latent [B, 1, L, R+Dr] (absorbed MLA)      | latent [N, Bs, 1, R+Dr]           |
+| ``mla_dsa``   | latent [B, 1, L, R+Dr], index [B, 1, L, Di] | latent [N, Bs, 1, R+Dr], index [N, Bs, 1, Di] |
+
+``mla_dsa`` is DeepSeek-V3.2's sparse attention: the latent plus the lightning indexer's keys (Di =
+index_head_dim). Buffers of one layer may differ in width: ``KVCacheSpec.buffer_widths`` gives each one's last
+dim (``shape`` is the first buffer's).
 
 Names (onnxruntime-genai's for contiguous caches, so it can run GQA artifacts):
 ``past_key_values.{i}.key|value|latent`` -> ``present.{i}.key|value|latent`` (ONNX Runtime's GroupQueryAttention
@@ -28,8 +33,8 @@ from typing import Any, Literal
 from moeforge.errors import ArtifactError
 from moeforge.export.config import ModelConfig
 
-KVLayout = Literal["gqa", "mla_latent"]
-KV_LAYOUTS: tuple[str, ...] = ("gqa", "mla_latent")
+KVLayout = Literal["gqa", "mla_latent", "mla_dsa"]
+KV_LAYOUTS: tuple[str, ...] = ("gqa", "mla_latent", "mla_dsa")
 KV_CACHE_KINDS = ("contiguous", "paged")  # --kv-cache
 DEFAULT_BLOCK_SIZE = 16  # --kv-block-size
 DEFAULT_DTYPE = "float32"  # the cache in the graph's activation type (a quantised cache has its own)
@@ -67,8 +72,13 @@ class CacheNames:
     present: tuple[str, ...]
 
 
-def cache_names(layer: int, mla: bool) -> CacheNames:
-    """Contiguous cache names of ``layer``; absorbed MLA has GroupQueryAttention's second output ``latent_v``."""
+def cache_names(layer: int, mla: bool, indexed: bool = False) -> CacheNames:
+    """Contiguous cache names of ``layer``; absorbed MLA has GroupQueryAttention's second output ``latent_v``;
+    ``indexed`` (DSA): the latent and the indexer's keys, one output each (moeforge.SparseMLACache)."""
+    if indexed:
+        kinds = ("latent", "index")
+        return CacheNames(tuple(f"{PAST_PREFIX}{layer}.{k}" for k in kinds),
+                          tuple(f"{PRESENT_PREFIX}{layer}.{k}" for k in kinds))
     if mla:
         latent = f"{PRESENT_PREFIX}{layer}.latent"
         return CacheNames((f"{PAST_PREFIX}{layer}.latent",), (latent, latent + "_v"))
@@ -76,9 +86,9 @@ def cache_names(layer: int, mla: bool) -> CacheNames:
                       (f"{PRESENT_PREFIX}{layer}.key", f"{PRESENT_PREFIX}{layer}.value"))
 
 
-def pool_names(layer: int, mla: bool) -> CacheNames:
-    """Paged pool names of ``layer``: ``kv_pool.{i}.*`` in, ``kv_pool_out.{i}.*`` out."""
-    kinds = ("latent",) if mla else ("key", "value")
+def pool_names(layer: int, mla: bool, indexed: bool = False) -> CacheNames:
+    """Paged pool names of ``layer``: ``kv_pool.{i}.*`` in, ``kv_pool_out.{i}.*`` out (DSA: latent and index)."""
+    kinds = ("latent", "index") if indexed else ("latent",) if mla else ("key", "value")
     return CacheNames(tuple(f"{POOL_PREFIX}{layer}.{k}" for k in kinds),
                       tuple(f"{POOL_OUT_PREFIX}{layer}.{k}" for k in kinds))
 
@@ -107,6 +117,9 @@ class KVCacheSpec:
     bytes_per_token: int
     max_seq_len: int
     block_size: int | None = None  # paged artifacts only
+    # Last dim of each of a layer's buffers, in past-input order, when they differ (mla_dsa: [R+Dr, Di]);
+    # None: every buffer is ``shape``.
+    buffer_widths: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -122,7 +135,13 @@ class KVCacheSpec:
 
     @property
     def buffers_per_layer(self) -> int:
-        return 2 if self.layout == "gqa" else 1
+        return 1 if self.layout == "mla_latent" else 2
+
+    def buffer_shape(self, index: int) -> list[int | str]:
+        """The shape of a layer's ``index``-th buffer (``shape`` with that buffer's width)."""
+        if self.buffer_widths is None:
+            return list(self.shape)
+        return [*self.shape[:-1], self.buffer_widths[index]]
 
     def bytes_for(self, seq_len: int, batch_size: int = 1) -> int:
         """Bytes of cache for ``batch_size`` sequences of ``seq_len`` tokens (all layers)."""
@@ -138,13 +157,18 @@ class KVCacheSpec:
                 raise ArtifactError(f"kv_cache.{what} has {len(names)} layers, num_layers is {self.num_layers}")
             for i, per_layer in enumerate(names):
                 n = len(per_layer)
-                # MLA: exactly one past input; present outputs all alias that one buffer.
-                ok = n == 2 if self.layout == "gqa" else (n == 1 or (what == "present_output_names" and n >= 1))
+                # MLA: exactly one past input; present outputs all alias that one buffer. GQA / DSA: two and two.
+                ok = n == 2 if self.layout != "mla_latent" else (n == 1 or (what == "present_output_names" and n >= 1))
                 if not ok:
                     raise ArtifactError(
                         f"kv_cache.{what}[{i}] has {n} names; layout {self.layout} has "
                         f"{self.buffers_per_layer} buffer(s) per layer"
                     )
+        if self.buffer_widths is not None and (
+                len(self.buffer_widths) != self.buffers_per_layer
+                or not all(isinstance(w, int) and w > 0 for w in self.buffer_widths)):
+            raise ArtifactError(f"kv_cache.buffer_widths {self.buffer_widths} must give {self.buffers_per_layer} "
+                                "positive widths, one per buffer of a layer")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | ({"bytes_per_block": self.bytes_per_block} if self.paged else {})
@@ -162,6 +186,7 @@ class KVCacheSpec:
             bytes_per_token=int(data["bytes_per_token"]),
             max_seq_len=int(data["max_seq_len"]),
             block_size=None if data.get("block_size") is None else int(data["block_size"]),
+            buffer_widths=None if data.get("buffer_widths") is None else [int(w) for w in data["buffer_widths"]],
         )
 
 
@@ -170,8 +195,13 @@ def _spec(config: ModelConfig, names: list[CacheNames], shape: list[int | str], 
     heads, width = _head_shape(config)
     per_layer = width if config.mla is not None else 2 * heads * width  # the MLA latent is key and value at once
     layers = config.num_hidden_layers
+    widths = None
+    layout: KVLayout = "mla_latent" if config.mla is not None else "gqa"
+    if config.dsa is not None:  # DSA: + the indexer's keys per token
+        widths, layout = [width, config.dsa.index_head_dim], "mla_dsa"
+        per_layer += config.dsa.index_head_dim
     return KVCacheSpec(
-        layout="mla_latent" if config.mla is not None else "gqa", num_layers=layers,
+        layout=layout, num_layers=layers, buffer_widths=widths,
         past_input_names=[list(n.past) for n in names], present_output_names=[list(n.present) for n in names],
         shape=shape, dtype=dtype,
         values_per_token_per_layer=per_layer, bytes_per_token=per_layer * layers * dtype_size(dtype),
@@ -187,13 +217,14 @@ def contiguous_spec(config: ModelConfig, *, max_seq_len: int, dtype: str = DEFAU
     """Per-sequence buffers ``[batch_size, H, max_sequence_length, D]`` (ONNX Runtime GroupQueryAttention)."""
     mla = config.mla is not None
     heads, width = _head_shape(config)
-    names = [cache_names(i, mla) for i in range(config.num_hidden_layers)]
+    names = [cache_names(i, mla, config.dsa is not None) for i in range(config.num_hidden_layers)]
     return _spec(config, names, [BATCH_AXIS, heads, MAX_SEQ_AXIS, width], max_seq_len=max_seq_len, dtype=dtype)
 
 
 def static_spec(config: ModelConfig, *, max_seq_len: int, dtype: str) -> KVCacheSpec:
     """TensorRT's contiguous cache: the buffer length is ``max_seq_len`` (its KV-cache update needs a static
     length) and an MLA layer has one present output (no GroupQueryAttention duplicate)."""
+    _refuse_dsa(config, "the TensorRT target")
     spec = contiguous_spec(config, max_seq_len=max_seq_len, dtype=dtype)
     spec.shape = [max_seq_len if d == MAX_SEQ_AXIS else d for d in spec.shape]
     if spec.layout == "mla_latent":
@@ -202,9 +233,16 @@ def static_spec(config: ModelConfig, *, max_seq_len: int, dtype: str) -> KVCache
 
 
 def paged_spec(config: ModelConfig, *, max_seq_len: int, block_size: int, dtype: str = DEFAULT_DTYPE) -> KVCacheSpec:
-    """Block pools ``[num_blocks, block_size, H, D]`` read and written by ``moeforge::PagedAttention``."""
+    """Block pools ``[num_blocks, block_size, H, D]`` read and written by ``moeforge::PagedAttention`` (DSA:
+    ``moeforge::SparseMLAPaged``)."""
     mla = config.mla is not None
     heads, width = _head_shape(config)
-    names = [pool_names(i, mla) for i in range(config.num_hidden_layers)]
+    names = [pool_names(i, mla, config.dsa is not None) for i in range(config.num_hidden_layers)]
     return _spec(config, names, [POOL_AXIS, block_size, heads, width], max_seq_len=max_seq_len, dtype=dtype,
                  block_size=block_size)
+
+
+def _refuse_dsa(config: ModelConfig, what: str) -> None:
+    if config.dsa is not None:
+        raise ArtifactError(f"{config.name or config.model_type}: DeepSeek-V3.2 sparse attention (DSA) compiles for "
+                            f"ONNX Runtime only; {what} is not supported for it yet: use --target ort")

@@ -135,6 +135,10 @@ def _kv_cache(value: object) -> KVCacheSpec:
         max_seq_len=_int(data["max_seq_len"], "kv_cache.max_seq_len", 1, MAX_SEQ_LEN),
         block_size=None if block_size is None else _int(block_size, "kv_cache.block_size", 1, MAX_BLOCK_SIZE),
     )
+    widths = data.get("buffer_widths")
+    if widths is not None:  # DSA: the latent and the indexer's keys
+        fields["buffer_widths"] = [_int(w, f"kv_cache.buffer_widths[{i}]", 1, MAX_SEQ_LEN)
+                                   for i, w in enumerate(_list(widths, "kv_cache.buffer_widths"))]
     try:
         return KVCacheSpec(**fields)
     except ArtifactError as exc:  # KVCacheSpec.validate: the layout, dtype and per-layer name counts
@@ -200,6 +204,8 @@ class Manifest:
     # TensorRT target: the engine plan beside the ONNX (moeforge/trt/build.py EngineInfo.to_dict()).
     engine: dict[str, Any] | None = None
     quantization: dict[str, Any] | None = None  # moeforge/quant/ summary: scheme, block, per-weight choices
+    # One rank of a sharded artifact (moeforge/sharded.py): rank, tp, ep and the heads/vocab/experts it holds.
+    sharding: dict[str, Any] | None = None
 
     def config(self) -> ModelConfig:
         """The model config as a ``moeforge.export.config.ModelConfig``."""
@@ -222,6 +228,7 @@ class Manifest:
             "layer_outputs": list(self.layer_outputs),
             **({"engine": self.engine} if self.engine is not None else {}),
             "quantization": self.quantization,
+            **({"sharding": self.sharding} if self.sharding is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -262,6 +269,7 @@ class Manifest:
                                for n in _list(data.get("layer_outputs", []), "layer_outputs")],
                 engine=None if data.get("engine") is None else _engine(data["engine"]),
                 quantization=None if quantization is None else dict(_dict(quantization, "quantization")),
+                sharding=None if data.get("sharding") is None else dict(_dict(data["sharding"], "sharding")),
             )
         except KeyError as exc:
             raise ArtifactError(f"manifest is missing the field {_show(exc.args[0])}; {_FIX}") from None
@@ -314,7 +322,7 @@ class Manifest:
         """The buffer shape is the layout's ([B, Hkv, L, D] or pool [N, Bs, Hkv, D]) with the model's heads
         and head size, and the per-token counts follow from it (they size every cache allocation)."""
         kv = self.kv_cache
-        layout = "mla_latent" if config.mla is not None else "gqa"
+        layout = ("mla_dsa" if config.dsa is not None else "mla_latent") if config.mla is not None else "gqa"
         if kv.layout != layout:
             raise ArtifactError(f"manifest kv_cache.layout is {kv.layout}, the model's attention caches {layout}; "
                                 f"{_FIX}")
@@ -330,6 +338,11 @@ class Manifest:
             raise ArtifactError(f"manifest kv_cache.shape is {_show(kv.shape)}; this model's {kv.layout} cache is "
                                 f"{expected}; {_FIX}")
         values = kv.buffers_per_layer * heads * width
+        if config.dsa is not None:  # the latent + the indexer's keys, each its own width
+            if kv.buffer_widths != [width, config.dsa.index_head_dim]:
+                raise ArtifactError(f"manifest kv_cache.buffer_widths is {_show(kv.buffer_widths)}; this model's "
+                                    f"{kv.layout} buffers are {[width, config.dsa.index_head_dim]} wide; {_FIX}")
+            values = width + config.dsa.index_head_dim
         if kv.values_per_token_per_layer != values:
             raise ArtifactError(f"manifest kv_cache.values_per_token_per_layer is {kv.values_per_token_per_layer}, "
                                 f"the shape gives {values}; {_FIX}")

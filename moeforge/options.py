@@ -50,6 +50,8 @@ class CompileOptions:
     check_steps: int = 16
     progress: bool = True
     check_weights: bool = True  # refuse NaN/Inf weights at load (--no-weight-check skips the scan)
+    tp: int = 1  # tensor-parallel ranks: > 1 writes one artifact per rank (moeforge/sharded.py)
+    ep: int = 1  # expert-parallel ranks: 1 (each expert split tp ways) or tp (whole experts per rank)
     kv: KVOptions = field(default_factory=KVOptions)
     quant: QuantSpec = field(default_factory=QuantSpec)
     trt: TrtOptions = field(default_factory=TrtOptions)

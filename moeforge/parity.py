@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -144,14 +145,18 @@ def compare_with_reference(
     reference: TorchReference,
     precision: str = "fp32",
     threads: int | None = None,
+    session: Any = None,
 ) -> ParityReport:
     """``run_parity`` against a reference taken earlier (``torch_reference``), e.g. before the torch weights
-    were released: the graph is fed the reference's tokens and its logits are compared at every step."""
+    were released: the graph is fed the reference's tokens and its logits are compared at every step.
+    ``session``: a whole-sequence session opened already (``forward`` as ``OrtSession``'s; a sharded
+    artifact's ``ShardedSession``), long enough for the prompt and the steps."""
     prompt_ids, decode_steps, tokens, ref_logits = (reference.prompt_ids, reference.decode_steps, reference.tokens,
                                                     reference.logits)
     prompt_len = len(prompt_ids)
-    session: PagedSequenceSession | OrtSession
-    if kv_cache.paged:  # --kv-cache paged: one sequence over block pools, same comparison
+    if session is not None:
+        pass
+    elif kv_cache.paged:  # --kv-cache paged: one sequence over block pools, same comparison
         session = PagedSequenceSession(model_path, prompt_len + decode_steps + 1, kv_cache=kv_cache, threads=threads)
     else:
         session = OrtSession(model_path, kv_cache=kv_cache, threads=threads)

@@ -125,6 +125,10 @@ def _check(config: ModelConfig, tp: int, ep: int) -> None:
     if config.num_attention_heads % tp:
         raise ShardingError(f"--tp {tp} does not divide the {config.num_attention_heads} attention heads of "
                             f"{config.name}: use a divisor of {config.num_attention_heads}")
+    if tp > 1 and config.qk_norm == "projection":
+        raise ShardingError(f"{config.name} normalises q and k over all heads at once (OLMoE's qk_norm), which a "
+                            "rank holding some heads cannot compute without another collective: compile it "
+                            "unsharded (--tp 1)")
     kv = config.num_key_value_heads
     if config.mla is None and kv % tp and tp % kv:
         raise ShardingError(f"--tp {tp} and the {kv} kv heads of {config.name}: one must divide the other (each "

@@ -17,3 +17,11 @@ def register_schema(op_type: str, version: int, domain: str, build: Callable[[],
     registry refuses a second registration, and every import of an op module would make one)."""
     if not onnx.defs.has(op_type, version, domain):
         onnx.defs.register_schema(build())
+
+
+def plugin_attributes(version: str, namespace: str) -> list[OpSchema.Attribute]:
+    """The two schema attributes every plugin op carries for TensorRT's plugin lookup (with their defaults)."""
+    return [OpSchema.Attribute("plugin_version", onnx.helper.make_attribute("plugin_version", version),
+                               "TensorRT plugin version"),
+            OpSchema.Attribute("plugin_namespace", onnx.helper.make_attribute("plugin_namespace", namespace),
+                               "TensorRT plugin namespace")]

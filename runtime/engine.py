@@ -39,7 +39,7 @@ from moeforge.artifact import Artifact, load_artifact
 from moeforge.errors import MoeforgeError
 from moeforge.export.tokenizer import Tokenizer
 from moeforge.kv_layout import KVCacheSpec
-from moeforge.runtime.backends.base import Backend, RowInput, StepInput
+from moeforge.runtime.backends.base import Backend, FatalBackendError, RowInput, StepInput
 from moeforge.runtime.backends.onnxruntime import OrtBackend
 from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
 from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
@@ -191,18 +191,21 @@ class LLMEngine:
         self._free_slots = list(range(backend.num_slots))  # a heap: the lowest free slot first
 
     @classmethod
-    def from_artifact(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+    def from_artifact(cls, path: str | Path, config: EngineConfig | None = None,
+                      backend: Backend | None = None) -> LLMEngine:
         """Open an artifact directory (hashes verified) on ONNX Runtime, CPU by default. Raises
         ``EngineConfigError`` before allocating anything when ``config`` needs more host memory than is
-        available (see ``check_host_memory``)."""
+        available (see ``check_host_memory``). ``backend``: one already opened on this artifact (a sharded
+        artifact's ``ShardedBackend``, with ``path`` its rank 0): only the tokenizer is read here."""
         config = config or EngineConfig()
         artifact = load_artifact(path)
         manifest = artifact.manifest
         kv = manifest.kv_cache
         vocab_size = int(manifest.model_config["vocab_size"])
         providers = list(config.providers) if config.providers else None
-        backend: Backend
-        if manifest.engine is not None:  # --target trt: the engine plan on a GPU
+        if backend is not None:
+            pass
+        elif manifest.engine is not None:  # --target trt: the engine plan on a GPU
             from moeforge.runtime.backends.tensorrt import TensorRTBackend  # lazy: needs TensorRT and a GPU
 
             # Its caches are device memory, which TensorRT/torch account for; the host check does not apply.
@@ -301,6 +304,8 @@ class LLMEngine:
             self._release_slot(request)
         try:
             sampled, logprobs = self._execute(plan) if plan.scheduled else ({}, {})
+        except FatalBackendError:  # the backend itself is gone (a sharded rank died): nothing more can run
+            raise
         except Exception as exc:  # any failure of the model step: fail its requests, keep serving
             log.exception("engine step failed; its %d requests finish with an error", len(plan.scheduled))
             self.metrics.failed_steps += 1

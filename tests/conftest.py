@@ -1,6 +1,8 @@
 """Test-wide settings: no network, deterministic threads."""
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -21,3 +23,19 @@ def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "artifact"
     return compile_model(CompileOptions(model="smollm2-135m", output_dir=out, max_seq_len=512,
                                         progress=False)).output_dir
+
+
+def wait_healthy(process: "subprocess.Popen[str]", url: str, timeout_s: float = 120) -> None:
+    """Wait until the server ``process`` answers ``url``/health with 200; fail if it exits or takes too long."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)

@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from moeforge.errors import MoeforgeError
+from moeforge.runtime.backends.base import Backend
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.server.app import DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
 
@@ -41,6 +42,7 @@ class ServeOptions:
     shutdown_timeout: int = 30  # seconds
     profile_steps: int = 0
     log_level: str = "info"
+    backend: Backend | None = None  # opened already (a sharded artifact's ShardedBackend); artifact is its rank 0
 
 
 class _Server(uvicorn.Server):
@@ -61,6 +63,13 @@ def model_name(artifact: Path) -> str:
     return artifact.resolve().name
 
 
+def engine_config(options: ServeOptions) -> EngineConfig:
+    """The engine settings ``options`` ask for (expert-load tracking is a no-op on artifacts without MoE)."""
+    return EngineConfig(max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+                        kv_blocks=options.kv_blocks, threads=options.threads, profile=options.profile_steps > 0,
+                        track_expert_load=True)
+
+
 def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
     """The app and its state for ``options`` (engine built, not started)."""
     if options.shutdown_timeout < 0:
@@ -75,10 +84,7 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
             template = options.chat_template.read_text()
         except OSError as exc:
             raise MoeforgeError(f"cannot read --chat-template {options.chat_template}: {exc}") from None
-    engine = LLMEngine.from_artifact(options.artifact, EngineConfig(
-        max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-        kv_blocks=options.kv_blocks, threads=options.threads, profile=options.profile_steps > 0,
-        track_expert_load=True))  # a no-op on artifacts without MoE layers
+    engine = LLMEngine.from_artifact(options.artifact, engine_config(options), backend=options.backend)
     name = options.served_model_name or model_name(options.artifact)
     app = create_app(engine, ServerConfig(model_name=name, max_queued=options.max_queued, api_key=options.api_key,
                                           chat_template=template, profile_steps=options.profile_steps))

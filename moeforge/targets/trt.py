@@ -87,12 +87,14 @@ class TrtTarget:
         assert trt is not None, "check() runs first"
         opts, kv = self.options.trt, self.options.kv
         model_path = folder / MODEL_FILE
-        write_golden(folder, model_path, manifest.kv_cache,
-                     default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN, seed=GOLDEN_PROMPT_SEED), for_engine=True)
+        if self.options.tp == 1:  # a rank of a sharded artifact runs only beside its peers: no golden of its own
+            write_golden(folder, model_path, manifest.kv_cache,
+                         default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN, seed=GOLDEN_PROMPT_SEED),
+                         for_engine=True)
         build = BuildOptions(impl=trt.impl, sm=self.sm, max_batch=opts.max_batch,
                              max_prefill_tokens=min(opts.max_prefill_tokens, job.max_seq_len),
                              optimization_level=opts.optimization_level,
                              paged_block_size=kv.block_size if kv.paged else None, max_seq_len=job.max_seq_len,
-                             timing_cache=folder / TIMING_CACHE_FILE)
+                             timing_cache=folder / TIMING_CACHE_FILE, num_ranks=self.options.tp)
         manifest.engine = build_engine(model_path, folder / PLAN_FILE, build, trt).to_dict()
         manifest.tool_versions[trt.impl] = trt.version

@@ -22,6 +22,7 @@ import onnx
 
 from moeforge.errors import MoeforgeError
 from moeforge.trt.adapter import TensorRT, load_tensorrt
+from moeforge.trt.collectives import insert_collectives, placeholder_graph
 from moeforge.trt.paged_profiles import paged_profiles
 from moeforge.trt.profiles import ProfileSpec
 
@@ -48,6 +49,7 @@ class BuildOptions:
     optimization_level: int | None = None  # builder optimisation level 0..5 (None: TensorRT's default, 3)
     paged_block_size: int | None = None  # paged graph (--kv-cache paged): profiles by dimension name
     max_seq_len: int | None = None  # paged: the longest sequence (block-table width = ceil(max_seq_len / Bs))
+    num_ranks: int = 1  # > 1: one rank of a sharded artifact (collectives -> IDistCollectiveLayer)
 
     def profiles(self) -> list[ProfileSpec]:
         """Decode and prefill profiles: by batch and tokens, or by dimension name for a paged graph."""
@@ -85,15 +87,26 @@ class EngineInfo:
 class ParsedNetwork:
     """A parsed INetworkDefinition with the builder and parser that must outlive it."""
 
-    def __init__(self, trt: TensorRT, onnx_path: Path, verbose: bool = False) -> None:
+    def __init__(self, trt: TensorRT, onnx_path: Path, verbose: bool = False, num_ranks: int = 1) -> None:
+        """``num_ranks`` > 1: the graph is one rank of a sharded artifact; its AllReduce / AllGather nodes become
+        TensorRT distributed collective layers (``trt/collectives.py``)."""
         self.trt = trt
         self.logger = trt.logger(verbose)
         self.builder = trt.module.Builder(self.logger)
         self.network = self.builder.create_network(trt.network_flags())
         self.parser = trt.module.OnnxParser(self.network, self.logger)
-        if not self.parser.parse_from_file(str(onnx_path)):
+        self.collectives = 0
+        if num_ranks > 1:
+            graph = onnx.load(str(onnx_path), load_external_data=False)
+            placeholders = placeholder_graph(graph)
+            parsed = self.parser.parse(graph.SerializeToString(), str(onnx_path))
+        else:
+            parsed = self.parser.parse_from_file(str(onnx_path))
+        if not parsed:
             errors = [str(self.parser.get_error(i)) for i in range(self.parser.num_errors)]
             raise _parse_error(onnx_path, errors)
+        if num_ranks > 1:
+            self.collectives = insert_collectives(trt, self.network, placeholders, num_ranks)
 
     def layers(self) -> list[tuple[str, str]]:
         """(name, type) of every layer, e.g. ("node_RotaryEmbedding_12", "ROTARY_EMBEDDING")."""
@@ -177,7 +190,7 @@ def build_engine(onnx_path: Path, plan_path: Path, options: BuildOptions, trt: T
     """Parse ``onnx_path`` (weights as external data beside it), build, write the plan; return its description."""
     trt = trt or load_tensorrt(options.impl)
     start = time.perf_counter()
-    parsed = ParsedNetwork(trt, onnx_path, options.verbose)
+    parsed = ParsedNetwork(trt, onnx_path, options.verbose, options.num_ranks)
     config = parsed.builder.create_builder_config()
     target = trt.set_target(config, options.sm)
     if options.optimization_level is not None:
@@ -199,6 +212,9 @@ def build_engine(onnx_path: Path, plan_path: Path, options: BuildOptions, trt: T
                          "shapes": {n: [list(s) for s in triple] for n, triple in shapes.items()}})
 
     notes = []
+    if parsed.collectives:
+        notes.append(f"{parsed.collectives} DistCollective layers over {options.num_ranks} ranks (NCCL at run time): "
+                     "the graph's AllReduce / AllGather")
     timing_cache = None
     if trt.aot:  # TensorRT-RTX tunes kernels at run time; its timing-cache calls are documented no-ops
         notes.append(f"no timing cache: timing-cache operations are no-ops in {trt.impl} {trt.version}")

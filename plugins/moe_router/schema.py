@@ -139,9 +139,7 @@ def op_schema() -> OpSchema:
             attr("group_scoring", onnx.helper.make_attribute("group_scoring", "max"), "'max' or 'top2_sum'"),
             attr("norm_topk_prob", onnx.helper.make_attribute("norm_topk_prob", 0), "renormalise the k weights"),
             attr("routed_scaling_factor", onnx.helper.make_attribute("routed_scaling_factor", 1.0), "weight scale"),
-            attr("plugin_version", onnx.helper.make_attribute("plugin_version", PLUGIN_VERSION), "TensorRT plugin"),
-            attr("plugin_namespace", onnx.helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
-                 "TensorRT plugin namespace"),
+            *registration.plugin_attributes(PLUGIN_VERSION, PLUGIN_NAMESPACE),
         ],
     )
     schema.set_type_and_shape_inference_function(_infer)

@@ -110,8 +110,7 @@ def op_schema() -> OpSchema:
         attr("block_size", OpSchema.AttrType.INT, "Bs, tokens per pool block"),
         attr("sliding_window", onnx.helper.make_attribute("sliding_window", 0), "0 = none"),
         attr("head_size_v", OpSchema.AttrType.INT, "Dv (latent mode: the value prefix R of the latent)"),
-        attr("plugin_version", onnx.helper.make_attribute("plugin_version", PLUGIN_VERSION), "TensorRT"),
-        attr("plugin_namespace", onnx.helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE), "TensorRT"),
+        *registration.plugin_attributes(PLUGIN_VERSION, PLUGIN_NAMESPACE),
     ]
     schema = OpSchema(
         OP_TYPE, DOMAIN, VERSION, doc="Paged attention over a block pool; see plugins/paged_attention/README.md",

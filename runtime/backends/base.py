@@ -18,6 +18,13 @@ from typing import Protocol
 
 import numpy as np
 
+from moeforge.errors import MoeforgeError
+
+
+class FatalBackendError(MoeforgeError):
+    """The backend cannot run another step (a rank of a sharded artifact died): the engine re-raises it rather
+    than failing one step's requests and serving on."""
+
 
 @dataclass(frozen=True)
 class RowInput:

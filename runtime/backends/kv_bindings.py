@@ -1,6 +1,7 @@
 """The KV-cache buffers a backend binds, read from the artifact's ``KVCacheSpec`` (``manifest.kv_cache``).
 
-A layer has one buffer per past input (GQA: key, value; absorbed MLA: one latent). Each buffer is bound as its
+A layer has one buffer per past input (GQA: key, value; absorbed MLA: one latent; DSA: the latent and the
+indexer's keys, each its own width from ``kv.buffer_widths``). Each buffer is bound as its
 past input and as every present output aliasing it, so the graph writes new tokens in place: GQA pairs outputs
 with inputs in order (key -> key, value -> value); an MLA latent takes all of its layer's outputs (ONNX
 Runtime's GroupQueryAttention writes the latent twice, as present key and value). The graph is read only to
@@ -44,11 +45,12 @@ def cache_bindings(kv: KVCacheSpec) -> list[CacheBinding]:
     heads, head_dim = (kv.shape[2 if kv.paged else 1], kv.shape[3]) if len(kv.shape) == 4 else (None, None)
     if not isinstance(heads, int) or not isinstance(head_dim, int):
         raise ArtifactError(f"kv_cache.shape {kv.shape} does not give the heads and head size of a buffer as numbers")
+    widths = kv.buffer_widths or [head_dim] * len(kv.past_input_names[0] if kv.past_input_names else [])
     bindings = []
     for past, present in zip(kv.past_input_names, kv.present_output_names, strict=True):
         aliases = [tuple(present)] if len(past) == 1 else [(name,) for name in present]
-        bindings += [CacheBinding(name, outputs, heads, head_dim, kv.dtype)
-                     for name, outputs in zip(past, aliases, strict=True)]
+        bindings += [CacheBinding(name, outputs, heads, width, kv.dtype)
+                     for name, outputs, width in zip(past, aliases, widths, strict=True)]
     return bindings
 
 
@@ -56,19 +58,21 @@ def check_graph(kv: KVCacheSpec, inputs: Mapping[str, GraphTensor], outputs: Col
     """Raise ``ArtifactError`` at the first cache tensor where ``kv`` and the graph (``graph`` names it in the
     message) disagree: a missing input or output, another dtype, another static dim after the first."""
     hint = "the manifest does not describe this graph: recompile the artifact"
-    for binding in cache_bindings(kv):
+    per_layer = max(1, len(kv.past_input_names[0])) if kv.past_input_names else 1
+    for position, binding in enumerate(cache_bindings(kv)):
         name = binding.input_name
+        expected = kv.buffer_shape(position % per_layer)
         tensor = inputs.get(name)
         if tensor is None:
             raise ArtifactError(f"{graph} has no input {name!r}, which the manifest's kv_cache names; {hint}")
         if tensor.dtype != kv.dtype:
             raise ArtifactError(f"{graph}: KV-cache input {name!r} is {tensor.dtype} in the graph, {kv.dtype} in the "
                                 f"manifest's kv_cache; {hint}")
-        same_rank = len(tensor.shape) == len(kv.shape)
+        same_rank = len(tensor.shape) == len(expected)
         if not same_rank or any(isinstance(g, int) and g >= 0 and isinstance(s, int) and g != s
-                                for g, s in zip(tensor.shape[1:], kv.shape[1:], strict=True)):
+                                for g, s in zip(tensor.shape[1:], expected[1:], strict=True)):
             raise ArtifactError(f"{graph}: KV-cache input {name!r} has shape {list(tensor.shape)} in the graph, "
-                                f"{kv.shape} in the manifest's kv_cache; {hint}")
+                                f"{expected} in the manifest's kv_cache; {hint}")
         missing = [o for o in binding.output_names if o not in outputs]
         if missing:
             raise ArtifactError(f"{graph} has no output {missing[0]!r}, which the manifest's kv_cache names as "

@@ -31,6 +31,7 @@ from moeforge.errors import ArtifactError
 from moeforge.kv_layout import EXPERT_HITS, LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import CacheBinding, GraphTensor, cache_bindings, check_graph
+from moeforge.runtime.collectives import prepare_session
 
 # ONNX Runtime type names -> numpy dtype names (the manifest's), for the types a KV cache can have.
 ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
@@ -39,11 +40,12 @@ ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(
 
 def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None, threads: int | None = None,
                  providers: list[str] | None = None, optimize: bool = True, profile: bool = False,
-                 session_config: Sequence[tuple[str, str]] = ()) -> ort.InferenceSession:
+                 session_config: Sequence[tuple[str, str]] = (), collectives: bool = False) -> ort.InferenceSession:
     """An ONNX Runtime session of the graph at ``model_path``, or of ``graph``: an edited in-memory copy whose
     external weights are still read next to ``model_path``. ``session_config``: ONNX Runtime session config
     entries (``session.intra_op.allow_spinning`` = "0", ``session.disable_prepacking`` = "1", ...), applied as
-    given."""
+    given. ``collectives``: the graph is one rank of a sharded artifact; on CPU its AllReduce / AllGather nodes
+    run on torch.distributed (``runtime/collectives.py``; the process group must be initialised)."""
     options = ort.SessionOptions()
     # Errors only: ONNX Runtime warns at every load that an input with a default (``logits_to_keep``) is not
     # constant-folded, which is the point of it; its other warnings on these graphs are advice for exporters.
@@ -60,6 +62,8 @@ def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None
         folder = tempfile.mkdtemp(prefix="moeforge-profile-")
         options.profile_file_prefix = str(Path(folder) / "ort")
     source: str | bytes = str(model_path)
+    if collectives:
+        graph = prepare_session(model_path, graph, options, providers or default_providers())
     if graph is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(Path(model_path).parent))
@@ -111,15 +115,17 @@ class OrtSession:
 
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, threads: int | None = None,
                  providers: list[str] | None = None, optimize: bool = True, graph: onnx.ModelProto | None = None,
-                 profile: bool = False, session_config: Sequence[tuple[str, str]] = ()) -> None:
+                 profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
+                 collectives: bool = False) -> None:
         """``kv_cache``: the artifact's ``manifest.kv_cache`` (contiguous). ``graph``: an edited in-memory copy of
-        the graph at ``model_path`` (its weights are still read from the external data next to ``model_path``)."""
+        the graph at ``model_path`` (its weights are still read from the external data next to ``model_path``).
+        ``collectives``: see ``make_session``."""
         if kv_cache.paged:
             raise ArtifactError(f"{model_path} has paged KV pools (kv_cache.block_size {kv_cache.block_size}); "
                                 "OrtSession binds contiguous caches: use onnxruntime_paged.PagedOrtBackend")
         self.model_path = Path(model_path)
         self.session = make_session(model_path, graph=graph, threads=threads, providers=providers, optimize=optimize,
-                                    profile=profile, session_config=session_config)
+                                    profile=profile, session_config=session_config, collectives=collectives)
         check_session(self.session, kv_cache, str(model_path))
         self.bindings: list[CacheBinding] = cache_bindings(kv_cache)
         # Overridable initializers are inputs with a default (``logits_to_keep``): fed only when wanted.
@@ -269,10 +275,10 @@ class OrtBackend(ContiguousBackend):
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_slots: int, max_seq_len: int,
                  vocab_size: int, threads: int | None = None, providers: list[str] | None = None,
                  profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-                 track_expert_load: bool = False) -> None:
+                 track_expert_load: bool = False, collectives: bool = False) -> None:
         super().__init__(kv_cache, num_slots=num_slots, max_seq_len=max_seq_len, vocab_size=vocab_size)
         self._session = OrtSession(model_path, kv_cache=kv_cache, threads=threads, providers=providers,
-                                   profile=profile, session_config=session_config)
+                                   profile=profile, session_config=session_config, collectives=collectives)
         self._experts = ExpertCounter.for_session(self._session.session) if track_expert_load else None
         self._session.track_experts = self._experts is not None
         self._profiling = profile

@@ -105,11 +105,12 @@ def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[
 
 
 def _session(model_path: Path, *, threads: int | None, providers: list[str] | None, lower: bool = True,
-             profile: bool = False, session_config: Sequence[tuple[str, str]] = ()) -> ort.InferenceSession:
+             profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
+             collectives: bool = False) -> ort.InferenceSession:
     """A session of a paged graph, its PagedAttention nodes lowered for ONNX Runtime unless ``lower`` is False."""
     graph = lower_for_ort(onnx.load(str(model_path), load_external_data=False)) if lower else None
     return make_session(model_path, graph=graph, threads=threads, providers=providers, profile=profile,
-                        session_config=session_config)
+                        session_config=session_config, collectives=collectives)
 
 
 def _spec_pools(session: ort.InferenceSession, kv: KVCacheSpec, num_blocks: int, graph: str) -> BlockPools:
@@ -176,10 +177,10 @@ class PagedOrtBackend:
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_blocks: int, num_slots: int,
                  vocab_size: int, threads: int | None = None, providers: list[str] | None = None, lower: bool = True,
                  profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-                 track_expert_load: bool = False) -> None:
+                 track_expert_load: bool = False, collectives: bool = False) -> None:
         self.block_size = _block_size(kv_cache, model_path)
         self.session = _session(Path(model_path), threads=threads, providers=providers, lower=lower, profile=profile,
-                                session_config=session_config)
+                                session_config=session_config, collectives=collectives)
         self._pools = _spec_pools(self.session, kv_cache, num_blocks, str(model_path))
         self.pools = self._pools.arrays
         self._experts = ExpertCounter.for_session(self.session) if track_expert_load else None
@@ -263,9 +264,9 @@ class PagedSequenceSession:
     pools (as ``kv_cache`` names them) hold ``ceil(max_len / Bs)`` blocks and its block table is all of them."""
 
     def __init__(self, model_path: str | Path, max_len: int, *, kv_cache: KVCacheSpec,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, collectives: bool = False) -> None:
         num_blocks = -(-max_len // _block_size(kv_cache, model_path))
-        self.session = _session(Path(model_path), threads=threads, providers=None)
+        self.session = _session(Path(model_path), threads=threads, providers=None, collectives=collectives)
         self._pools = _spec_pools(self.session, kv_cache, num_blocks, str(model_path))
         self.pools = self._pools.arrays
         self._runner = PagedRunner(self.session, self._pools)

@@ -154,15 +154,10 @@ def test_prefill_and_cached_decode_match_transformers(saved: tuple[str, Any, Pat
     loaded = load_model(str(folder))
     assert loaded.config.model_type == CASES[case][1]
     model = loaded.model
-    out = model(ids, torch.arange(PROMPT_LEN)[None])
-    past, decode = out.past_key_values, []
-    for step, token in enumerate(hf_tokens[:-1]):
-        step_out = model(torch.tensor([[token]]), torch.tensor([[PROMPT_LEN + step]]), past)
-        past = step_out.past_key_values
-        decode.append(step_out.logits[0, 0])
+    prefill, decode = cached_logits(model, ids, hf_tokens[:-1])
     assert hf_prefill.abs().max() > 0.5  # logits with a real spread
-    torch.testing.assert_close(out.logits[0], hf_prefill, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.stack(decode), hf_decode, atol=1e-4, rtol=0)
+    torch.testing.assert_close(prefill, hf_prefill, atol=1e-4, rtol=0)
+    torch.testing.assert_close(decode, hf_decode, atol=1e-4, rtol=0)
     ours = generate(model, ids[0].tolist(), SamplingConfig(max_new_tokens=STEPS))
     assert ours.token_ids == hf_tokens
     assert len(set(hf_tokens)) > 2  # not a degenerate repeat that would hide a wrong step
@@ -334,3 +329,16 @@ def saved_glm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("glm_cli")
     save_hf_model("glm4_moe", folder)
     return folder
+
+
+def cached_logits(model: Any, ids: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our model's prefill logits [P, V] for ``ids`` [1, P], then one cached decode step per token of ``tokens``:
+    their logits stacked [len(tokens), V]."""
+    prompt_len = ids.shape[1]
+    out = model(ids, torch.arange(prompt_len)[None])
+    past, decode = out.past_key_values, []
+    for step, token in enumerate(tokens):
+        step_out = model(torch.tensor([[token]]), torch.tensor([[prompt_len + step]]), past)
+        past = step_out.past_key_values
+        decode.append(step_out.logits[0, 0])
+    return out.logits[0], torch.stack(decode)

@@ -8,10 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from tests.conftest import wait_healthy
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_artifact: Path, tmp_path: Path) -> None:
@@ -25,16 +26,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_artifact: Path, tmp_
          "--shutdown-timeout", "20", "--log-level", "warning"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.communicate()[0]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_healthy(process, url)
 
         body = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 120, "temperature": 0, "stream": True,
                 "ignore_eos": True, "return_token_ids": True}

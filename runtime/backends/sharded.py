@@ -1,0 +1,292 @@
+"""``ShardedBackend``: a sharded artifact's ranks behind the ordinary ``Backend`` protocol.
+
+Rank 0 owns the engine, scheduler, KV manager, sampler and tokenizer, unchanged. Its backend is a
+``ShardedBackend`` around rank 0's own ONNX Runtime backend: before each step it broadcasts the ``StepInput``
+(and each slot release) to the other ranks, then runs its graph. Every other rank runs ``serve_rank``: receive,
+run the same step on its own graph and cache, repeat. The graphs' AllReduce / AllGather nodes meet inside the
+step, so every rank computes the same logits; rank 0 returns them to the engine.
+
+Control messages are int64 tensors broadcast from rank 0 on the same gloo group (no pickling):
+    header [3] = (op, payload length, sequence number); payload [length]
+    EXECUTE: n_rows, then per row: slot, start, n_tokens, n_blocks (-1: contiguous), tokens..., blocks...
+    RELEASE: slot.   FORWARD: B, S, T, input_ids [B*S], position_ids [B*S], attention_mask [B*T] (a whole
+    sequence session's ``forward``, for parity).   HEARTBEAT: nothing (sent while idle, so an idle rank's wait
+    never times out).   STOP.
+
+Failures are fatal to the whole world, never a hang: a rank that dies or hangs makes the next collective fail
+on the others (the group's timeout bounds the wait); rank 0 raises ``RankFailure`` (the engine does not swallow
+it) and the other ranks exit with an error naming the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moeforge.runtime.backends.base import Backend, FatalBackendError, PoolInfo, RowInput, StepInput
+
+log = logging.getLogger(__name__)
+
+EXECUTE, RELEASE, HEARTBEAT, STOP, FORWARD = 1, 2, 3, 4, 5
+_OPS = {EXECUTE: "execute", RELEASE: "release", HEARTBEAT: "heartbeat", STOP: "stop", FORWARD: "forward"}
+
+
+class RankFailure(FatalBackendError):
+    """A rank of a sharded artifact failed (died, hung past the timeout, or its step raised): the group cannot
+    run another step; every rank stops with an error."""
+
+
+def encode_step(step: StepInput) -> np.ndarray:
+    """``step`` as the int64 payload of an EXECUTE message."""
+    out: list[int] = [len(step.rows)]
+    for row in step.rows:
+        blocks = row.block_table
+        out += [row.slot, row.start, len(row.token_ids), -1 if blocks is None else len(blocks)]
+        out += row.token_ids
+        out += blocks or ()
+    return np.asarray(out, dtype=np.int64)
+
+
+def decode_step(payload: np.ndarray) -> StepInput:
+    """The inverse of ``encode_step``."""
+    values = payload.tolist()
+    rows, at = [], 1
+    for _ in range(values[0]):
+        slot, start, n_tokens, n_blocks = values[at: at + 4]
+        at += 4
+        tokens = tuple(values[at: at + n_tokens])
+        at += n_tokens
+        blocks = None if n_blocks < 0 else tuple(values[at: at + n_blocks])
+        at += max(n_blocks, 0)
+        rows.append(RowInput(slot=slot, token_ids=tokens, start=start, block_table=blocks))
+    return StepInput(tuple(rows))
+
+
+@dataclass(frozen=True)
+class Message:
+    op: int
+    payload: np.ndarray
+    seq: int
+
+
+class Channel:
+    """Rank 0 -> all ranks, on the default process group. ``send`` on rank 0, ``receive`` elsewhere."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def send(self, op: int, payload: np.ndarray | None = None) -> None:
+        body = np.zeros(0, np.int64) if payload is None else payload
+        self.seq += 1
+        dist.broadcast(torch.tensor([op, body.size, self.seq], dtype=torch.int64), src=0)
+        if body.size:
+            dist.broadcast(torch.from_numpy(body), src=0)
+
+    def receive(self) -> Message:
+        header = torch.zeros(3, dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        op, size, seq = (int(v) for v in header)
+        if op not in _OPS or size < 0 or seq != self.seq + 1:
+            raise RankFailure(f"rank {dist.get_rank()} received a malformed control message (op {op}, {size} values, "
+                              f"sequence {seq} after {self.seq}): the ranks are out of step")
+        self.seq = seq
+        body = torch.zeros(size, dtype=torch.int64)
+        if size:
+            dist.broadcast(body, src=0)
+        return Message(op, body.numpy(), seq)
+
+
+class ShardedBackend:
+    """Rank 0's ``Backend``: broadcasts each step and release, then runs its own rank's backend (``local``)."""
+
+    def __init__(self, local: Backend, world_size: int, heartbeat_s: float) -> None:
+        self.local = local
+        self.world_size = world_size
+        self._channel = Channel()
+        self._lock = threading.Lock()  # one collective sequence at a time: steps, releases and heartbeats
+        self._failure: str | None = None
+        self._stopped = False
+        self._last_sent = time.monotonic()
+        self._heartbeat_s = heartbeat_s
+        self._beat = threading.Thread(target=self._heartbeats, name="moeforge-heartbeat", daemon=True)
+        self._beat.start()
+
+    # Backend protocol: sizes from rank 0's backend (every rank allocated the same, see open_rank_backend).
+    @property
+    def num_slots(self) -> int:
+        return self.local.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.local.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.local.vocab_size
+
+    @property
+    def kv_pool(self) -> PoolInfo | None:
+        return getattr(self.local, "kv_pool", None)
+
+    def op_time_shares(self) -> dict[str, float] | None:
+        return self.local.op_time_shares()
+
+    def expert_load(self) -> np.ndarray | None:
+        """Rank 0's expert counts (every rank runs the same router on the same tokens)."""
+        counts = getattr(self.local, "expert_load", None)
+        return counts() if counts is not None else None
+
+    def execute(self, step: StepInput) -> np.ndarray:
+        with self._lock:
+            self._check_alive()
+            try:
+                self._channel.send(EXECUTE, encode_step(step))
+                logits = self.local.execute(step)
+            except Exception as exc:
+                raise self._fail(f"the step failed on rank 0 or a peer ({type(exc).__name__}: {exc})") from exc
+            self._last_sent = time.monotonic()
+            return logits
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._check_alive()
+            try:
+                self._channel.send(RELEASE, np.asarray([slot], np.int64))
+            except Exception as exc:
+                raise self._fail(f"a peer did not take a release ({type(exc).__name__}: {exc})") from exc
+            self.local.release(slot)
+            self._last_sent = time.monotonic()
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (once); they leave ``serve_rank`` and exit 0."""
+        with self._lock:
+            if self._stopped or self._failure is not None:
+                self._stopped = True
+                return
+            self._stopped = True
+            try:
+                self._channel.send(STOP)
+            except Exception as exc:
+                self._failure = f"a peer did not take the stop ({type(exc).__name__}: {exc})"
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise RankFailure(f"the sharded backend stopped after a failure: {self._failure}")
+        if self._stopped:
+            raise RankFailure("the sharded backend is closed")
+
+    def _fail(self, why: str) -> RankFailure:
+        self._failure = why
+        log.error("sharded backend: %s", why)
+        return RankFailure(f"{why}; every rank stops (a rank died, hung past the timeout, or runs another artifact)")
+
+    def _heartbeats(self) -> None:
+        while True:
+            time.sleep(self._heartbeat_s / 4)
+            if self._stopped or self._failure is not None:
+                return
+            if time.monotonic() - self._last_sent < self._heartbeat_s or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if not self._stopped and self._failure is None:
+                    self._channel.send(HEARTBEAT)
+                    self._last_sent = time.monotonic()
+            except Exception as exc:
+                self._fail(f"a peer did not take a heartbeat ({type(exc).__name__}: {exc})")
+            finally:
+                self._lock.release()
+
+
+def encode_forward(input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """A FORWARD message's payload: ids and positions [B, S], mask [B, T]."""
+    (b, s), t = input_ids.shape, attention_mask.shape[1]
+    return np.concatenate([np.array([b, s, t], np.int64), input_ids.reshape(-1), position_ids.reshape(-1),
+                           attention_mask.reshape(-1)]).astype(np.int64)
+
+
+def decode_forward(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    b, s, t = (int(v) for v in payload[:3])
+    ids = payload[3: 3 + b * s].reshape(b, s)
+    positions = payload[3 + b * s: 3 + 2 * b * s].reshape(b, s)
+    return ids, positions, payload[3 + 2 * b * s: 3 + 2 * b * s + b * t].reshape(b, t)
+
+
+class ShardedSession:
+    """Rank 0's whole-sequence session (``OrtSession`` / ``PagedSequenceSession`` interface: ``forward`` returns
+    every position's logits), for ``moeforge parity`` on a sharded artifact: broadcast, then run its own rank."""
+
+    def __init__(self, local: Any) -> None:
+        self.local = local
+        self._channel = Channel()
+
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        try:
+            self._channel.send(FORWARD, encode_forward(input_ids, position_ids, attention_mask))
+            out: np.ndarray = self.local.forward(input_ids, position_ids, attention_mask)
+        except Exception as exc:
+            raise RankFailure(f"the forward failed on rank 0 or a peer ({type(exc).__name__}: {exc})") from exc
+        return out
+
+    def close(self) -> None:
+        self._channel.send(STOP)
+
+
+def serve_rank(local: Any) -> None:
+    """A rank other than 0: run every step rank 0 broadcasts on ``local`` (a ``Backend``, or a session for
+    FORWARD) until STOP. Raises ``RankFailure`` when a peer dies, a step fails, or messages arrive out of order."""
+    channel = Channel()
+    while True:
+        try:
+            message = channel.receive()
+        except RankFailure:
+            raise
+        except Exception as exc:
+            raise RankFailure(f"rank {dist.get_rank()} lost rank 0 ({type(exc).__name__}: {exc})") from exc
+        if message.op == STOP:
+            return
+        if message.op == HEARTBEAT:
+            continue
+        try:
+            if message.op == RELEASE:
+                local.release(int(message.payload[0]))
+            elif message.op == FORWARD:
+                local.forward(*decode_forward(message.payload))
+            else:
+                local.execute(decode_step(message.payload))
+        except Exception as exc:
+            raise RankFailure(f"rank {dist.get_rank()}: step {message.seq} ({_OPS[message.op]}) failed "
+                              f"({type(exc).__name__}: {exc})") from exc
+
+
+def agree(values: Sequence[int]) -> list[int]:
+    """Rank 0's ``values`` on every rank (a broadcast of a small int64 vector)."""
+    tensor = torch.tensor(list(values), dtype=torch.int64)
+    dist.broadcast(tensor, src=0)
+    return [int(v) for v in tensor]
+
+
+def gather_status(message: str, limit: int = 480) -> list[str]:
+    """Every rank's ``message`` ("" = fine), in rank order, on every rank (UTF-8 bytes, truncated to ``limit``)."""
+    data = message.encode("utf-8")[:limit]
+    tensor = torch.zeros(limit + 2, dtype=torch.uint8)
+    tensor[0], tensor[1] = len(data) // 256, len(data) % 256
+    tensor[2: 2 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else tensor[2:2]
+    parts = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    out = []
+    for part in parts:
+        size = int(part[0]) * 256 + int(part[1])
+        out.append(bytes(part[2: 2 + size].tolist()).decode("utf-8", "replace"))
+    return out

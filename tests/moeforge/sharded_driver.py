@@ -1,0 +1,72 @@
+"""One rank of a sharded-engine test, started by torchrun (or by the tests with torchrun's variables).
+
+    torchrun --nproc-per-node 2 tests/moeforge/sharded_driver.py DIR OUT.json [--die-after N]
+
+Rank 0 runs 8 concurrent greedy requests through ``LLMEngine`` on a ``ShardedBackend`` and writes their tokens to
+OUT.json; every other rank serves the steps. ``--die-after N``: rank 1 exits abruptly after N steps (a rank dying
+mid-step), which must make rank 0 fail with an error, not hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from moeforge.errors import MoeforgeError
+from moeforge.launch import open_rank_backend, run_worker, sharded_backend, start_world
+from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.sampler import SamplingParams
+from moeforge.sharded import rank_dir
+
+PROMPTS = [[1 + (7 * i + 3 * j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
+
+
+class DyingBackend:
+    """Runs ``after`` steps, then ends the process without a word (a crashed rank)."""
+
+    def __init__(self, inner: Any, after: int) -> None:
+        self.inner, self.after = inner, after
+
+    def execute(self, step: Any) -> Any:
+        if self.after <= 0:
+            os._exit(17)
+        self.after -= 1
+        return self.inner.execute(step)
+
+    def release(self, slot: int) -> None:
+        self.inner.release(slot)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("artifact")
+    parser.add_argument("out")
+    parser.add_argument("--die-after", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    args = parser.parse_args()
+    config = EngineConfig(max_num_seqs=8, threads=1)
+    world = start_world(args.artifact, timeout_s=30)
+    if world.rank != 0:
+        local, _ = open_rank_backend(args.artifact, world, config)
+        if args.die_after is not None and world.rank == 1:
+            local = DyingBackend(local, args.die_after)
+        return run_worker(local, world)
+    backend, _ = sharded_backend(args.artifact, world, config)
+    try:
+        engine = LLMEngine.from_artifact(Path(args.artifact) / rank_dir(0), config, backend=backend)
+        outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+        Path(args.out).write_text(json.dumps([list(o.token_ids) for o in outputs]))
+    except MoeforgeError as exc:
+        print(f"rank 0: error: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        backend.close()
+    return world.finish(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
