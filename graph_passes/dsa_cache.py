@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import onnx_ir as ir
 
 from moeforge.graph_passes.base import PassContext, required
@@ -33,8 +34,13 @@ def sparse_mla_nodes(model: ir.Model) -> list[ir.Node]:
     return [n for n in model.graph if n.op_type == OP_TYPE and n.domain == DOMAIN]
 
 
-def insert_dsa_caches(model: ir.Model, ctx: PassContext) -> int:
-    """Rewrite every SparseMLA node to its cached form with contiguous buffers; returns the layers rewritten."""
+def insert_dsa_caches(model: ir.Model, ctx: PassContext, static_len: int | None = None,
+                      past_lengths: ir.Value | None = None) -> int:
+    """Rewrite every SparseMLA node to its cached form with contiguous buffers; returns the layers rewritten.
+
+    ``static_len`` and ``past_lengths`` [B] (the TensorRT target's contract, see trt_kv_cache.py): buffers of that
+    fixed length and no ``attention_mask`` input; the rows read back are 0 .. max(past_lengths) + S - 1 (the
+    indexer's position mask keeps each query to its own rows 0..position)."""
     nodes = sparse_mla_nodes(model)
     if not nodes:
         return 0
@@ -43,9 +49,20 @@ def insert_dsa_caches(model: ir.Model, ctx: PassContext) -> int:
     graph = model.graph
     ids = next(v for v in graph.inputs if v.name == "input_ids")
     batch = required(ids.shape, "input_ids: shape")[0]
-    mask = ir.Value(name=ATTENTION_MASK, shape=ir.Shape([batch, "total_sequence_length"]),
-                    type=ir.TensorType(ir.DataType.INT64))
-    graph.inputs.append(mask)
+    if static_len is None:
+        mask = ir.Value(name=ATTENTION_MASK, shape=ir.Shape([batch, "total_sequence_length"]),
+                        type=ir.TensorType(ir.DataType.INT64))
+        graph.inputs.append(mask)
+    else:  # ones [B, max(past_lengths) + S]: only its width is read
+        assert past_lengths is not None, "a static cache needs past_lengths"
+        tape = ir.tape.Tape()
+        longest = tape.op("Add", [tape.op("ReduceMax", [past_lengths], attributes={"keepdims": 1}),
+                                  tape.op("Shape", [ids], attributes={"start": 1, "end": 2})])  # [1]
+        rows = tape.op("Concat", [tape.op("Shape", [ids], attributes={"start": 0, "end": 1}), longest],
+                       attributes={"axis": 0})
+        mask = tape.op("ConstantOfShape", [rows], attributes={"value": ir.tensor(np.array([1], np.int64))})
+        mask.name = "dsa/rows_read"
+        graph.insert_before(nodes[0], tape.nodes)
     for layer, node in enumerate(nodes):
         latent, index_k = required(node.inputs[1], "SparseMLA latent"), required(node.inputs[4], "SparseMLA index_k")
         names = cache_names(layer, mla=True, indexed=True)
@@ -53,7 +70,7 @@ def insert_dsa_caches(model: ir.Model, ctx: PassContext) -> int:
         for name, value in zip(names.past, (latent, index_k), strict=True):
             width = required(value.shape, f"{value.name}: shape")[2]
             dtype = required(value.dtype, f"{value.name}: dtype")
-            past.append(ir.Value(name=name, shape=ir.Shape([batch, 1, MAX_SEQ_AXIS, width]),
+            past.append(ir.Value(name=name, shape=ir.Shape([batch, 1, static_len or MAX_SEQ_AXIS, width]),
                                  type=ir.TensorType(dtype)))
         graph.inputs.extend(past)
         cached = ir.Node(DOMAIN, CACHED_OP_TYPE, [*node.inputs, *past, mask], attributes=list(node.attributes.values()),

@@ -23,6 +23,9 @@ Why these choices (TensorRT-RTX 1.7, checked by parsing and building on CPU):
 - Attention with ``softmax_precision`` is rejected by the parser; the fused kernels keep softmax in fp32.
 The same graph runs in ONNX Runtime (CPU), which is how the lowering is checked without a GPU.
 
+DeepSeek-V3.2 (DSA) has no Attention node: each ``moeforge.SparseMLA`` becomes ``SparseMLACache`` over two static
+buffers per layer (latent, indexer keys) with the same ``past_lengths`` input (``dsa_cache.insert_dsa_caches``).
+
 Graph inputs added: ``past_lengths`` [B] int64 (tokens already cached per row) and per layer
 ``past_key_values.{i}.key/.value`` (GQA) or ``past_key_values.{i}.latent`` (MLA); outputs
 ``present.{i}.*`` of the same shape, which alias the inputs (a backend binds one buffer to both).
@@ -34,6 +37,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.graph_passes.base import PassContext, required
+from moeforge.graph_passes.dsa_cache import insert_dsa_caches
 from moeforge.graph_passes.kv_cache import _batch_dim, _const, _static, attention_qkv, layer_attentions
 from moeforge.kv_layout import cache_names
 
@@ -48,6 +52,12 @@ class TrtKVCache:
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         graph = model.graph
+        if ctx.config.dsa is not None:  # DeepSeek-V3.2: moeforge.SparseMLA nodes over static buffers (dsa_cache.py)
+            ids = next(v for v in graph.inputs if v.name == "input_ids")
+            lengths = ir.Value(name=PAST_LENGTHS, shape=ir.Shape([required(ids.shape, "input_ids")[0]]),
+                               type=ir.TensorType(ir.DataType.INT64))
+            graph.inputs.append(lengths)
+            return insert_dsa_caches(model, ctx, static_len=ctx.max_seq_len, past_lengths=lengths)
         attentions = layer_attentions(model, ctx.config.num_hidden_layers, {"": TENSOR_SCATTER_OPSET})
         if not attentions:
             return 0

@@ -224,7 +224,6 @@ def contiguous_spec(config: ModelConfig, *, max_seq_len: int, dtype: str = DEFAU
 def static_spec(config: ModelConfig, *, max_seq_len: int, dtype: str) -> KVCacheSpec:
     """TensorRT's contiguous cache: the buffer length is ``max_seq_len`` (its KV-cache update needs a static
     length) and an MLA layer has one present output (no GroupQueryAttention duplicate)."""
-    _refuse_dsa(config, "the TensorRT target")
     spec = contiguous_spec(config, max_seq_len=max_seq_len, dtype=dtype)
     spec.shape = [max_seq_len if d == MAX_SEQ_AXIS else d for d in spec.shape]
     if spec.layout == "mla_latent":
@@ -240,9 +239,3 @@ def paged_spec(config: ModelConfig, *, max_seq_len: int, block_size: int, dtype:
     names = [pool_names(i, mla, config.dsa is not None) for i in range(config.num_hidden_layers)]
     return _spec(config, names, [POOL_AXIS, block_size, heads, width], max_seq_len=max_seq_len, dtype=dtype,
                  block_size=block_size)
-
-
-def _refuse_dsa(config: ModelConfig, what: str) -> None:
-    if config.dsa is not None:
-        raise ArtifactError(f"{config.name or config.model_type}: DeepSeek-V3.2 sparse attention (DSA) compiles for "
-                            f"ONNX Runtime only; {what} is not supported for it yet: use --target ort")

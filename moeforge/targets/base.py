@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from moeforge.errors import ConfigError
 from moeforge.export.config import ModelConfig
 from moeforge.export.loader import LoadedModel
 from moeforge.graph_passes.base import GraphPass, PassContext, PassReport
@@ -34,14 +33,6 @@ class CompileJob:
     loaded: LoadedModel
     max_seq_len: int
     prompts: list[list[int]]
-
-    def __post_init__(self) -> None:
-        # Refused here, before the export: the targets DSA (DeepSeek-V3.2) has no lowering for yet.
-        if self.loaded.config.dsa is not None and self.options.target != "ort":
-            raise ConfigError(
-                f"{self.loaded.config.name or 'this model'}: DeepSeek-V3.2 sparse attention (DSA) compiles for ONNX "
-                f"Runtime only (contiguous or paged caches); --target {self.options.target} is not supported for it "
-                "yet: use --target ort")
 
     @property
     def config(self) -> ModelConfig:

@@ -141,7 +141,9 @@ def function_proto(attrs: SparseMLAAttrs, mode: Mode) -> onnx.FunctionProto:
         rowmap, _ = _paged_rows(body, positions)
         flat_index, _ = _flat(body, "index_pool_out", 3)  # [N*Bs, Di], the new rows written
         index_k = body.op("Gather", [flat_index, rowmap], axis=0)  # [T, L, Di]: this token's sequence
-    neg_inf = body.const(np.array(-np.inf, np.float32))
+    # Float constants take the activations' type (CastLike): a half-precision graph (TensorRT target) retypes the
+    # inputs, not the constants inside this body.
+    neg_inf = body.op("CastLike", [body.const(np.array(-np.inf, np.float32)), "query"])
     # 1. indexer scores [B, S, L] and the top-K rows. The keys [B, L, Di] are read once, untransposed: the small
     # queries are transposed instead, and the head-weighted sum runs on [B, L, S, Hi].
     length = body.dim(index_k, 1)  # [1]
@@ -151,7 +153,8 @@ def function_proto(attrs: SparseMLAAttrs, mode: Mode) -> onnx.FunctionProto:
     dots = body.op("Relu", [body.op("MatMul", [index_k, q_t])])  # [B, L, S*Hi]
     dots = body.op("Reshape", [dots, body.op("Concat", [body.ints(0, 0, -1), heads], axis=0)])  # [B, L, S, Hi]
     weights = body.op("Mul", [body.op("Unsqueeze", ["index_w", body.ints(1)]),
-                              body.const(np.array(attrs.index_scale, np.float32))])  # [B, 1, S, Hi]
+                              body.op("CastLike", [body.const(np.array(attrs.index_scale, np.float32)),
+                                                   "index_w"])])  # [B, 1, S, Hi]
     index = body.op("ReduceSum", [body.op("Mul", [dots, weights]), body.ints(3)], keepdims=0)  # [B, L, S]
     index = body.op("Transpose", [index], perm=[0, 2, 1])  # [B, S, L]
     key_pos = body.op("Range", [body.const(np.array(0, np.int64)), body.op("Squeeze", [length]),
@@ -179,7 +182,7 @@ def function_proto(attrs: SparseMLAAttrs, mode: Mode) -> onnx.FunctionProto:
     # 3. attention over the picked rows
     query = body.op("Transpose", ["query"], perm=[0, 2, 1, 3])  # [B, S, H, C]
     scores = body.op("MatMul", [query, body.op("Transpose", [picked], perm=[0, 1, 3, 2])])  # [B, S, H, K]
-    scores = body.op("Mul", [scores, body.const(np.array(attrs.scale, np.float32))])
+    scores = body.op("Mul", [scores, body.op("CastLike", [body.const(np.array(attrs.scale, np.float32)), "query"])])
     scores = body.op("Where", [body.op("Unsqueeze", [valid, body.ints(2)]), scores, neg_inf])
     probs = body.op("Softmax", [scores], axis=-1)
     values = body.op("Slice", [picked, body.ints(0), body.ints(attrs.kv_rank), body.ints(3)])  # [B, S, K, R]

@@ -19,7 +19,6 @@ import pytest
 from moeforge.artifact import load_artifact
 from moeforge.cli import main
 from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import MoeforgeError
 from moeforge.export.generate import SamplingConfig, generate
 from moeforge.export.loader import load_model
 from moeforge.parity import default_prompt, run_parity
@@ -104,7 +103,3 @@ def test_quantised_v32_passes_moeforge_parity(tmp_path: Path, quant: str, capsys
     code = main(["parity", str(out), "--json"])
     assert code == 0, capsys.readouterr().out  # within the scheme's thresholds (top-1 agreement, KL)
 
-
-def test_v32_for_tensorrt_is_refused_before_the_export(tmp_path: Path) -> None:
-    with pytest.raises(MoeforgeError, match=r"sparse attention \(DSA\) compiles for ONNX Runtime only"):
-        _compile(tmp_path, target="trt")

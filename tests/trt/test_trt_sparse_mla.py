@@ -1,7 +1,8 @@
 """DeepSeek-V3.2's ``moeforge.SparseMLA`` (stateless, contiguous-cache and paged forms) through TensorRT-RTX on
 CPU: with no plugin registered the parser inlines each local function (TopK with a dynamic K, Gather, ScatterND
-into the buffers) and an SM89 plan builds. The TensorRT *target* still refuses DSA models: its cache rewrite
-(TensorScatter into static buffers) has no DSA form yet (tests/moeforge/test_compile_dsa.py)."""
+into the buffers) and an SM89 plan builds. The TensorRT target compiles tiny-deepseek-v3.2 end to end (static
+buffers of max_seq_len rows, past_lengths; or block pools): its lowered graph run by ONNX Runtime matches
+PyTorch, and the plans build."""
 
 from __future__ import annotations
 
@@ -80,3 +81,39 @@ def test_sparse_mla_builds_with_tensorrt_rtx_on_cpu(form: str, tmp_path: Path) -
     config.add_optimization_profile(profile)
     plan = parsed.builder.build_serialized_network(parsed.network, config)
     assert plan is not None and plan.nbytes > 0
+
+
+@pytest.mark.heavy
+@needs_trt_rtx
+def test_v32_tensorrt_target_matches_pytorch_and_builds(tmp_path: Path) -> None:
+    """The fp32 TensorRT lowering of tiny-deepseek-v3.2 (top-16; a 24-token prefill, then decodes and a chunk) run
+    by ONNX Runtime equals PyTorch; ``compile --target trt`` builds contiguous and paged plans, and its fp16 graph
+    stays within half-precision error."""
+    import numpy as np
+
+    from moeforge.compile import CompileOptions, compile_model
+    from moeforge.export.loader import load_model
+    from moeforge.trt.reference import run_steps
+    from tests.trt.test_trt_lowering import _lower, _reference
+
+    loaded = load_model("tiny-deepseek-v3.2", mla_impl="absorb")
+    assert loaded.config.dsa is not None and loaded.config.dsa.index_topk < 24
+    counts = _lower(loaded, "fp32", tmp_path / "model.onnx")
+    assert counts["trt_kv_cache"] == loaded.config.num_hidden_layers
+    ids = np.random.default_rng(0).integers(0, loaded.config.vocab_size, size=(2, 40))
+    steps = [0, 24, 25, 27, 28, 40]
+    want = _reference(loaded, ids)
+    got = run_steps(tmp_path / "model.onnx", ids, steps)
+    assert np.abs(got - want).max() < 1e-4
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    for layout in ("contiguous", "paged"):
+        out = compile_model(CompileOptions.from_flags(model="tiny-deepseek-v3.2", output_dir=tmp_path / layout,
+                                                      target="trt", kv_cache=layout, max_seq_len=64,
+                                                      trt_impl="tensorrt-rtx", sm=89, max_prefill_tokens=32,
+                                                      progress=False))
+        engine = out.manifest.engine
+        assert engine is not None and (out.output_dir / engine["plan_file"]).stat().st_size > 0
+        assert out.manifest.kv_cache.layout == "mla_dsa"
+        if layout == "contiguous":
+            half = run_steps(out.output_dir / "model.onnx", ids, steps)
+            assert np.abs(half - want).max() < 2e-2 * np.abs(want).max()
