@@ -110,7 +110,7 @@ def solo_tokens(artifact: Path, clients: list[Client]) -> dict[int, list[int]]:
 
 
 def start_server(artifact: Path, port: int, max_num_seqs: int, clients: int, cwd: Path) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "moeforge.cli", "serve", str(artifact), "--host", HOST, "--port", str(port),
+    command = [sys.executable, "-P", "-m", "moeforge.cli", "serve", str(artifact), "--host", HOST, "--port", str(port),
                "--max-num-seqs", str(max_num_seqs), "--max-queued", str(clients), "--log-level", "warning"]
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ})

@@ -82,9 +82,11 @@ def start_world(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> World
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(size),
                "LOCAL_WORLD_SIZE": str(size)}
         os.environ.update(env, RANK="0", LOCAL_RANK="0")
+        # -P: no current directory on sys.path, so a checkout's top-level ``moeforge/`` folder cannot shadow the
+        # installed package when the command runs from the repository root.
         for child_rank in range(1, size):
             child_env = {**os.environ, "RANK": str(child_rank), "LOCAL_RANK": str(child_rank)}
-            children.append(subprocess.Popen([sys.executable, "-m", "moeforge.cli", *sys.argv[1:]], env=child_env,
+            children.append(subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", *sys.argv[1:]], env=child_env,
                                              stdout=subprocess.DEVNULL))
     if world != size:
         raise ArtifactError(f"{path} is sharded over {size} ranks but WORLD_SIZE is {world}: start it with "

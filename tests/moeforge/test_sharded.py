@@ -113,7 +113,7 @@ def test_sharded_parity_cli_within_1e4(case: tuple[str, int, int, str],
                                        sharded_artifacts: dict[str, tuple[Path, Path]]) -> None:
     """``moeforge parity DIR`` starts its own ranks; 64-token prompt, 16 cached decode steps."""
     sharded, _ = sharded_artifacts[_case_id(case)]
-    proc = subprocess.run([sys.executable, "-m", "moeforge.cli", "parity", str(sharded), "--json",
+    proc = subprocess.run([sys.executable, "-P", "-m", "moeforge.cli", "parity", str(sharded), "--json",
                            "--prompt-len", "64", "--steps", "16"],
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -234,7 +234,7 @@ def test_sharded_serve_answers_like_the_engine_and_stops_cleanly(sharded_artifac
 
     sharded, single = sharded_artifacts[_case_id(CASES[1])]
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moeforge.cli", "serve", str(sharded), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", "serve", str(sharded), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

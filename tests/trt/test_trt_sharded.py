@@ -34,7 +34,7 @@ def test_each_rank_gets_a_plan_with_distributed_collectives(preset: str, ep: int
         graph = onnx.load(str(out / f"rank{rank}" / "model.onnx"), load_external_data=False)
         ops = [n.op_type for n in graph.graph.node if n.domain == "com.microsoft"]
         assert ops.count("AllReduce") == 2 * layers + 1 and ops.count("AllGather") == 1  # the artifact keeps them
-    run = subprocess.run([sys.executable, "-m", "moeforge.cli", "run", str(out), "--prompt-ids", "1,2,3"],
+    run = subprocess.run([sys.executable, "-P", "-m", "moeforge.cli", "run", str(out), "--prompt-ids", "1,2,3"],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 2
     assert "holds TensorRT plans" in run.stderr and "--target ort" in run.stderr
