@@ -25,7 +25,6 @@ import onnx
 import onnxruntime as ort
 import torch
 import torch.distributed as dist
-from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op  # type: ignore[import-untyped]
 
 from moeforge.errors import MoeforgeError
 from moeforge.export.collectives import COLLECTIVE_OPS, MS_DOMAIN
@@ -63,6 +62,8 @@ _REGISTERED: list[str] = []
 def _library() -> str:
     """Register the CPU collectives with onnxruntime-extensions (once per process); its library path."""
     if not _REGISTERED:
+        # lazy: the extensions library takes ~1.5 s to import, and only a CPU session of a sharded rank needs it
+        from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op  # type: ignore[import-untyped]
 
         @onnx_op(op_type="AllReduce", inputs=[PyCustomOpDef.dt_float],  # type: ignore[untyped-decorator]
                  outputs=[PyCustomOpDef.dt_float])

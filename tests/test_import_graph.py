@@ -16,10 +16,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Third-party modules a function may import lazily: optional extras, or heavy imports only some commands need.
 LAZY_ALLOWED = ("tensorrt", "tensorrt_rtx", "transformers", "onnxruntime_genai", "polygraphy", "ml_dtypes",
-                "matplotlib", "hypothesis", "cuda", "jinja2")
-# moeforge modules whose import needs an optional dependency (TensorRT) or the GPU runtime.
+                "matplotlib", "hypothesis", "cuda", "jinja2", "onnxruntime_extensions")
+# moeforge modules whose import needs an optional dependency (TensorRT) or the GPU runtime, or costs seconds of
+# start-up that only some runs need (the sharded-rank collectives: torch.distributed).
 LAZY_INTERNAL = ("moeforge.runtime.backends.tensorrt", "moeforge.plugins.moe_router.tensorrt",
-                 "moeforge.plugins.paged_attention.tensorrt")
+                 "moeforge.plugins.paged_attention.tensorrt", "moeforge.runtime.collectives")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ from moeforge.errors import ArtifactError
 from moeforge.kv_layout import EXPERT_HITS, LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import CacheBinding, GraphTensor, cache_bindings, check_graph
-from moeforge.runtime.collectives import prepare_session
 
 # ONNX Runtime type names -> numpy dtype names (the manifest's), for the types a KV cache can have.
 ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
@@ -63,6 +62,9 @@ def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None
         options.profile_file_prefix = str(Path(folder) / "ort")
     source: str | bytes = str(model_path)
     if collectives:
+        # lazy: torch.distributed and onnxruntime-extensions cost seconds of start-up, needed by sharded ranks only
+        from moeforge.runtime.collectives import prepare_session
+
         graph = prepare_session(model_path, graph, options, providers or default_providers())
     if graph is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
