@@ -7,6 +7,8 @@ caches filled with random rows up to it (step time does not depend on their valu
 would take longer than the whole benchmark). The model is small but attention-heavy: 32 heads over a
 kv_lora_rank 256 + rope 64 latent, 2 layers, a dense MLP. Per step the sparse graph gathers and attends over 256
 latent rows whatever the context; only its indexer (4 heads x 64 dims per token) grows with the context.
+The sparse model is timed twice: through the ONNX Runtime lowering the backends use (``sparse``: MatMul core)
+and with the lowering's opset-23 Attention core (``sparse_attention_core``: one Attention node per layer).
 Writes benchmarks/results/sparse_attention.json with the machine described.
 """
 
@@ -19,12 +21,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from moeforge.artifact import load_artifact
 from moeforge.bench import write_result
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.export.config import DSAConfig, MLAConfig, ModelConfig
 from moeforge.export.presets import PRESETS, TINY_BOS, TINY_EOS, Preset, _deepseek_yarn
+from moeforge.plugins.sparse_mla.function import Core
+from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 RESULTS = Path(__file__).parent / "results" / "sparse_attention.json"
@@ -71,15 +76,23 @@ def main() -> None:
             out = compile_model(CompileOptions.from_flags(model=name, output_dir=Path(tmp) / name,
                                                           max_seq_len=longest, progress=False)).output_dir
             artifact = load_artifact(out)
-            session = OrtSession(artifact.model_path, kv_cache=artifact.manifest.kv_cache, threads=args.threads)
-            session.allocate(1, longest)
-            step_times(session, 64, 5, 0)  # warm-up
-            for context in args.contexts:
-                times = step_times(session, context, args.repeats, context)
-                rows[context][f"{label}_median_ms"] = round(1e3 * statistics.median(times), 3)
-                print(f"{label:6s} top-{topk:<6d} context {context:6d}: {rows[context][f'{label}_median_ms']} ms",
-                      flush=True)
-            del session
+            # What the backends run (the ONNX Runtime lowering, MatMul core) and, for the sparse model, the lowering
+            # with the opset-23 Attention core for comparison.
+            forms: dict[str, Core] = {label: "matmul"}
+            if label == "sparse":
+                forms[f"{label}_attention_core"] = "attention"
+            for form, core in forms.items():
+                graph = lower_for_ort(onnx.load(str(artifact.model_path), load_external_data=False), core)
+                session = OrtSession(artifact.model_path, kv_cache=artifact.manifest.kv_cache, threads=args.threads,
+                                     graph=graph, lower=False)
+                session.allocate(1, longest)
+                step_times(session, 64, 5, 0)  # warm-up
+                for context in args.contexts:
+                    times = step_times(session, context, args.repeats, context)
+                    rows[context][f"{form}_median_ms"] = round(1e3 * statistics.median(times), 3)
+                    print(f"{form:15s} top-{topk:<6d} context {context:6d}: {rows[context][f'{form}_median_ms']} ms",
+                          flush=True)
+                del session
     table = [rows[c] for c in args.contexts]
     first, last = table[0], table[-1]
     growth = {label: round(last[f"{label}_median_ms"] / first[f"{label}_median_ms"], 2) for label in variants}

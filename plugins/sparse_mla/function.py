@@ -18,7 +18,7 @@ The attribute values are baked into the body (one function per model; every laye
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnx
@@ -41,6 +41,7 @@ from moeforge.plugins.sparse_mla.schema import (
 )
 
 OPSET = 23
+Core = Literal["matmul", "attention"]
 ATTRIBUTE_NAMES = ("topk", "scale", "index_scale", "kv_rank", "plugin_version", "plugin_namespace")
 
 
@@ -125,8 +126,24 @@ def _flat(body: _Body, value: str, width_axis: int) -> tuple[str, str]:
     return body.op("Reshape", [value, body.op("Concat", [body.ints(-1), width], axis=0)]), width
 
 
-def function_proto(attrs: SparseMLAAttrs, mode: Mode) -> onnx.FunctionProto:
-    """The local function of one mode with ``attrs`` baked in."""
+def _attention_core(body: _Body, query: str, picked: str, values: str, valid: str, rows: str, scale: float) -> str:
+    """Step 3 as ONE opset-23 ``Attention`` node: every query (b, s) is its own batch entry with H query heads over
+    one shared key/value head of K picked rows (GQA-native, value head R != key head C). Returns [B, S, H, R]."""
+    heads, width = body.dim(query, 2), body.dim(query, 3)
+    k_rows = body.dim(rows, 2)  # [1]: K
+    q = body.op("Reshape", [query, body.op("Concat", [body.ints(-1), heads, body.ints(1), width], axis=0)])
+    k = body.op("Reshape", [picked, body.op("Concat", [body.ints(-1, 1), k_rows, width], axis=0)])  # [BS, 1, K, C]
+    v = body.op("Reshape", [values, body.op("Concat", [body.ints(-1, 1), k_rows, body.dim(values, 3)], axis=0)])
+    mask = body.op("Reshape", [valid, body.op("Concat", [body.ints(-1, 1, 1), k_rows], axis=0)])  # [BS, 1, 1, K]
+    out = body.op("Attention", [q, k, v, mask], scale=float(scale))  # [B*S, H, 1, R]
+    lead = body.op("Shape", [rows], start=0, end=2)  # [2]: B, S
+    return body.op("Reshape", [out, body.op("Concat", [lead, heads, body.ints(-1)], axis=0)])  # [B, S, H, R]
+
+
+def function_proto(attrs: SparseMLAAttrs, mode: Mode, core: Core = "matmul") -> onnx.FunctionProto:
+    """The local function of one mode with ``attrs`` baked in. ``core``: step 3 as MatMul / Where / Softmax /
+    MatMul (``matmul``: the body artifacts carry, any opset-23 runtime) or one opset-23 ``Attention`` node
+    (``attention``: the ONNX Runtime lowering, ort_lowering.py)."""
     body = _Body()
     inputs = list({"contiguous": CACHED_INPUTS, "paged": PAGED_INPUTS}.get(mode, INPUTS))
     outputs = list({"contiguous": CACHED_OUTPUTS, "paged": PAGED_OUTPUTS}.get(mode, OUTPUTS))
@@ -181,12 +198,16 @@ def function_proto(attrs: SparseMLAAttrs, mode: Mode) -> onnx.FunctionProto:
     picked = body.op("Reshape", [picked, body.op("Concat", [body.op("Shape", [rows]), width], axis=0)])  # [B,S,K,C]
     # 3. attention over the picked rows
     query = body.op("Transpose", ["query"], perm=[0, 2, 1, 3])  # [B, S, H, C]
-    scores = body.op("MatMul", [query, body.op("Transpose", [picked], perm=[0, 1, 3, 2])])  # [B, S, H, K]
-    scores = body.op("Mul", [scores, body.op("CastLike", [body.const(np.array(attrs.scale, np.float32)), "query"])])
-    scores = body.op("Where", [body.op("Unsqueeze", [valid, body.ints(2)]), scores, neg_inf])
-    probs = body.op("Softmax", [scores], axis=-1)
     values = body.op("Slice", [picked, body.ints(0), body.ints(attrs.kv_rank), body.ints(3)])  # [B, S, K, R]
-    out = body.op("MatMul", [probs, values])  # [B, S, H, R]
+    if core == "attention":
+        out = _attention_core(body, query, picked, values, valid, rows, attrs.scale)
+    else:
+        scores = body.op("MatMul", [query, body.op("Transpose", [picked], perm=[0, 1, 3, 2])])  # [B, S, H, K]
+        scores = body.op("Mul", [scores, body.op("CastLike", [body.const(np.array(attrs.scale, np.float32)),
+                                                              "query"])])
+        scores = body.op("Where", [body.op("Unsqueeze", [valid, body.ints(2)]), scores, neg_inf])
+        probs = body.op("Softmax", [scores], axis=-1)
+        out = body.op("MatMul", [probs, values])  # [B, S, H, R]
     body.op("Transpose", [out], outputs=["output"], perm=[0, 2, 1, 3])
     op_type = {"contiguous": CACHED_OP_TYPE, "paged": PAGED_OP_TYPE}.get(mode, OP_TYPE)
     return helper.make_function(DOMAIN, op_type, inputs, outputs, body.nodes, [helper.make_opsetid("", OPSET)],

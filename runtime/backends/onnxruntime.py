@@ -29,6 +29,7 @@ import onnxruntime as ort
 
 from moeforge.errors import ArtifactError
 from moeforge.kv_layout import EXPERT_HITS, LOGITS_TO_KEEP, KVCacheSpec
+from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import CacheBinding, GraphTensor, cache_bindings, check_graph
 
@@ -118,14 +119,18 @@ class OrtSession:
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, threads: int | None = None,
                  providers: list[str] | None = None, optimize: bool = True, graph: onnx.ModelProto | None = None,
                  profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-                 collectives: bool = False) -> None:
+                 collectives: bool = False, lower: bool = True) -> None:
         """``kv_cache``: the artifact's ``manifest.kv_cache`` (contiguous). ``graph``: an edited in-memory copy of
         the graph at ``model_path`` (its weights are still read from the external data next to ``model_path``).
-        ``collectives``: see ``make_session``."""
+        ``collectives``: see ``make_session``. ``lower``: run SparseMLA nodes (DeepSeek-V3.2) through
+        plugins/sparse_mla/ort_lowering.py rather than their local function."""
         if kv_cache.paged:
             raise ArtifactError(f"{model_path} has paged KV pools (kv_cache.block_size {kv_cache.block_size}); "
                                 "OrtSession binds contiguous caches: use onnxruntime_paged.PagedOrtBackend")
         self.model_path = Path(model_path)
+        if kv_cache.layout == "mla_dsa" and lower:  # DSA: SparseMLACache -> standard ops + one Attention per layer
+            source = graph if graph is not None else onnx.load(str(model_path), load_external_data=False)
+            graph = lower_sparse_mla(source)
         self.session = make_session(model_path, graph=graph, threads=threads, providers=providers, optimize=optimize,
                                     profile=profile, session_config=session_config, collectives=collectives)
         check_session(self.session, kv_cache, str(model_path))

@@ -31,6 +31,7 @@ import onnxruntime as ort
 from moeforge.errors import ArtifactError
 from moeforge.kv_layout import EXPERT_HITS, KVCacheSpec
 from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
+from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
 from moeforge.runtime.backends.kv_bindings import cache_bindings
 from moeforge.runtime.backends.onnxruntime import ExpertCounter, check_session, kernel_time_shares, make_session
@@ -107,8 +108,11 @@ def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[
 def _session(model_path: Path, *, threads: int | None, providers: list[str] | None, lower: bool = True,
              profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
              collectives: bool = False) -> ort.InferenceSession:
-    """A session of a paged graph, its PagedAttention nodes lowered for ONNX Runtime unless ``lower`` is False."""
-    graph = lower_for_ort(onnx.load(str(model_path), load_external_data=False)) if lower else None
+    """A session of a paged graph, its PagedAttention / SparseMLAPaged nodes lowered for ONNX Runtime unless ``lower``
+    is False."""
+    graph = None
+    if lower:  # PagedAttention and SparseMLAPaged nodes -> standard ops ONNX Runtime runs (their ort_lowering.py)
+        graph = lower_sparse_mla(lower_for_ort(onnx.load(str(model_path), load_external_data=False)))
     return make_session(model_path, graph=graph, threads=threads, providers=providers, profile=profile,
                         session_config=session_config, collectives=collectives)
 

@@ -10,6 +10,7 @@ import torch
 from onnx import TensorProto, helper
 
 from moeforge.plugins.sparse_mla import function, reference
+from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort, uses_sparse_mla
 from moeforge.plugins.sparse_mla.schema import (
     CACHED_INPUTS,
     CACHED_OP_TYPE,
@@ -25,7 +26,9 @@ B, H, C, R, HI, DI, LMAX = 2, 4, 40, 32, 16, 16, 24
 ATTRS = SparseMLAAttrs(topk=5, scale=0.2, index_scale=DI**-0.5, kv_rank=R)
 
 
-def _session(cached: bool) -> ort.InferenceSession:
+def _session(cached: bool, core: str | None = None) -> ort.InferenceSession:
+    """One node carrying its local function; ``core``: through ort_lowering with that step-3 core (inlined: no
+    moeforge node left)."""
     names, outs = (CACHED_INPUTS, CACHED_OUTPUTS) if cached else (INPUTS, ("output",))
     node = helper.make_node(CACHED_OP_TYPE if cached else OP_TYPE, list(names), list(outs), domain=DOMAIN,
                             **ATTRS.as_dict())
@@ -35,6 +38,10 @@ def _session(cached: bool) -> ort.InferenceSession:
                       for n in names], [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(DOMAIN, 1)],
                               functions=[function.function_proto(ATTRS, "contiguous" if cached else "stateless")])
+    if core is not None:
+        model = lower_for_ort(model, core)  # type: ignore[arg-type]
+        assert not uses_sparse_mla(model) and not model.functions
+        assert any(n.op_type == "Attention" for n in model.graph.node) == (core == "attention")
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
@@ -45,19 +52,21 @@ def _inputs(s: int, length: int, seed: int) -> list[torch.Tensor]:
             torch.randn(B, length, DI, generator=gen)]
 
 
+@pytest.mark.parametrize("core", [None, "matmul", "attention"], ids=["function", "lowered", "attention-core"])
 @torch.no_grad()
-def test_stateless_function_equals_reference() -> None:
+def test_stateless_function_equals_reference(core: str | None) -> None:
     s = 12
     query, latent, index_q, index_w, index_k = _inputs(s, s, 0)
     positions = torch.arange(s).expand(B, s).contiguous()
     expected = reference.sparse_mla(query, latent, index_q, index_w, index_k, positions, *ATTRS.as_dict().values())
     feeds = dict(zip(INPUTS, (t.numpy() for t in (query, latent, index_q, index_w, index_k, positions)), strict=True))
-    np.testing.assert_allclose(_session(False).run(None, feeds)[0], expected.numpy(), atol=1e-5)
+    np.testing.assert_allclose(_session(False, core).run(None, feeds)[0], expected.numpy(), atol=1e-5)
 
 
+@pytest.mark.parametrize("core", [None, "matmul", "attention"], ids=["function", "lowered", "attention-core"])
 @pytest.mark.parametrize("new", [7, 1], ids=["chunk", "decode"])
 @torch.no_grad()
-def test_cached_function_writes_in_place_and_equals_reference(new: int) -> None:
+def test_cached_function_writes_in_place_and_equals_reference(new: int, core: str | None) -> None:
     past_len = 9
     total = past_len + new
     query, _, index_q, index_w, _ = _inputs(new, total, 1)
@@ -68,7 +77,7 @@ def test_cached_function_writes_in_place_and_equals_reference(new: int) -> None:
     buffers = [np.full((B, 1, LMAX, w), np.nan, np.float32) for w in (C, DI)]  # rows past total stay unread
     for buffer, rows in zip(buffers, (latent_all, index_all), strict=True):
         buffer[:, 0, :past_len] = rows[:, :past_len].numpy()
-    session = _session(True)
+    session = _session(True, core)
     io = session.io_binding()
     values = [ort.OrtValue.ortvalue_from_numpy(b) for b in buffers]
     feeds = (query, latent_all[:, past_len:], index_q, index_w, index_all[:, past_len:], positions)
