@@ -52,6 +52,29 @@ def device_tensor(pointer: int, shape: Any, typestr: str) -> torch.Tensor:
     return torch.as_tensor(_DeviceArray(pointer, tuple(shape), typestr), device="cuda")
 
 
+# TensorRT DataType names -> CUDA array interface type strings (BF16 is viewed as bfloat16 after the fact).
+_TYPESTR = {"FLOAT": "<f4", "HALF": "<f2", "BF16": "<f2", "INT32": "<i4", "INT64": "<i8"}
+
+
+def desc_tensor(desc: Any, pointer: int) -> torch.Tensor:
+    """torch view of the tensor ``enqueue`` got as (PluginTensorDesc ``desc``, device ``pointer``)."""
+    dtype = str(desc.type).split(".")[-1]
+    tensor = device_tensor(pointer, tuple(desc.dims), _TYPESTR[dtype])
+    return tensor.view(torch.bfloat16) if dtype == "BF16" else tensor
+
+
+def linear_formats(trt: Any, in_out: Any, pos: int, int_types: dict[int, Any]) -> bool:
+    """``supports_format_combination`` of an attention-like plugin: every tensor LINEAR; positions in
+    ``int_types`` have that integer type; every other tensor one float type (fp32, fp16, bf16), input 0's."""
+    desc = in_out[pos].desc
+    if desc.format != trt.TensorFormat.LINEAR:
+        return False
+    if pos in int_types:
+        return bool(desc.type == int_types[pos])
+    floats = (trt.DataType.FLOAT, trt.DataType.HALF, trt.DataType.BF16)
+    return desc.type in floats and bool(desc.type == in_out[0].desc.type)
+
+
 @functools.cache
 def plugin_base(trt: Any, build_interface: Any) -> Any:
     """Base of a plugin class for the TensorRT module ``trt``: the IPluginV3 interfaces initialised, identity and

@@ -30,7 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeforge.plugins.tensorrt_plugin import PluginSpec, creator_class, device_tensor, plugin_base
+from moeforge.plugins.tensorrt_plugin import (
+    PluginSpec,
+    creator_class,
+    desc_tensor,
+    linear_formats,
+    plugin_base,
+)
 from moeforge.plugins.tensorrt_plugin import register as register_plugin
 
 PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE = "PagedAttention", "1", "moeforge"
@@ -101,8 +107,6 @@ def attrs_to_fields(trt: Any, attrs: PagedAttentionAttrs) -> tuple[Any, list[np.
     return trt.PluginFieldCollection(fields), arrays
 
 
-_TYPESTR = {"FLOAT": "<f4", "HALF": "<f2", "BF16": "<f2", "INT32": "<i4"}
-
 
 SPEC = PluginSpec(name=PLUGIN_NAME, num_outputs=3, default_attrs=PagedAttentionAttrs(1.0, 1, 1, 16),
                   from_fields=attrs_from_fields, to_fields=attrs_to_fields, version=PLUGIN_VERSION,
@@ -130,28 +134,18 @@ def plugin_classes(trt: Any) -> tuple[type, type]:
             return {1: 3, 2: 4}.get(output_index, -1)  # caches are updated in place
 
         def supports_format_combination(self, pos: int, in_out: Any, num_inputs: int) -> bool:
-            desc = in_out[pos].desc
-            if desc.format != trt.TensorFormat.LINEAR:
-                return False
-            if pos in (5, 6, 7):  # block_tables, seq_lens, query_start_loc
-                return bool(desc.type == trt.DataType.INT32)
-            floats = (trt.DataType.FLOAT, trt.DataType.HALF, trt.DataType.BF16)
-            return desc.type in floats and bool(desc.type == in_out[0].desc.type)
+            int32 = trt.DataType.INT32  # block_tables, seq_lens, query_start_loc
+            return linear_formats(trt, in_out, pos, {5: int32, 6: int32, 7: int32})
 
         def enqueue(self, input_desc: Any, output_desc: Any, inputs: Any, outputs: Any, workspace: Any,
                     stream: int) -> None:
-            def view(desc: Any, pointer: int) -> torch.Tensor:
-                dtype = str(desc.type).split(".")[-1]
-                tensor = device_tensor(pointer, tuple(desc.dims), _TYPESTR[dtype])
-                return tensor.view(torch.bfloat16) if dtype == "BF16" else tensor
-
             external = torch.cuda.ExternalStream(stream)  # type: ignore[no-untyped-call]  # unannotated in torch
             with torch.cuda.stream(external):
                 query, key, value, key_cache, value_cache, tables, lens, starts = (
-                    view(d, p) for d, p in zip(input_desc, inputs, strict=True))
+                    desc_tensor(d, p) for d, p in zip(input_desc, inputs, strict=True))
                 # Writes key_cache / value_cache: the buffers of the aliased outputs.
                 out = paged_attention(query, key, value, key_cache, value_cache, tables, lens, starts, self.attrs)
-                view(output_desc[0], outputs[0]).copy_(out)
+                desc_tensor(output_desc[0], outputs[0]).copy_(out)
 
     return PagedAttentionPlugin, creator_class(trt, PagedAttentionPlugin)
 

@@ -28,6 +28,18 @@ def have_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def full_tensorrt_with_gpu() -> bool:
+    """A GPU and full TensorRT: what running a Python plugin inside an engine needs (TensorRT-RTX 1.7's parser
+    aborts the process when it imports a node as a Python plugin)."""
+    if not have_cuda():
+        return False
+    try:
+        import tensorrt  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
 @pytest.fixture(scope="session")
 def trt_artifacts(tmp_path_factory) -> dict[str, Path]:
     if not have_tensorrt_rtx():

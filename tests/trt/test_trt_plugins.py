@@ -20,7 +20,7 @@ from moeforge.plugins.moe_router.tensorrt import RouterAttrs, route
 from moeforge.plugins.paged_attention import tensorrt as paged_plugin
 from moeforge.plugins.paged_attention.tensorrt import PagedAttentionAttrs, paged_attention
 
-from .conftest import have_cuda, needs_trt_rtx
+from .conftest import full_tensorrt_with_gpu, needs_trt_rtx
 
 V3 = MoEConfig(n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, moe_intermediate_size=8,
                scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True,
@@ -207,18 +207,8 @@ def test_plugin_convention_nodes_build_on_cpu(tmp_path):
     assert info.plan_bytes > 0 and info.compute_capability == "SM89"
 
 
-def _full_tensorrt_with_gpu() -> bool:
-    if not have_cuda():
-        return False
-    try:
-        import tensorrt  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _full_tensorrt_with_gpu(), reason="needs an NVIDIA GPU and full TensorRT (TensorRT-RTX 1.7 "
+@pytest.mark.skipif(not full_tensorrt_with_gpu(), reason="needs an NVIDIA GPU and full TensorRT (TensorRT-RTX 1.7 "
                     "aborts when its parser imports a Python plugin)")
 def test_router_plugin_runs_in_engine(tmp_path):
     import tensorrt as trt
