@@ -8,7 +8,8 @@ rows) are the portable body's; step 3 has two cores, chosen by measurement (benc
 ``sparse`` vs ``sparse_attention_core``):
 
 - ``matmul`` (default): MatMul / Where / Softmax / MatMul with the H heads of a query as the rows of one GEMM
-  against its K picked rows. Measured faster on CPU (4.9 vs 6.2 ms per decode step at 4K context, top-256).
+  against its K picked rows. Measured faster on CPU at 1K-4K contexts (6.3 vs 6.8 ms per decode step at 4K,
+  top-256; README.md has the table), within noise at 16K.
 - ``attention``: one opset-23 ``Attention`` node per layer, each query its own batch entry with H query heads over
   one key/value head (MQA). ONNX Runtime's CPU kernel broadcasts that one head to all H, which costs more than it
   saves here; kept for providers whose Attention kernel is fused (GPU).
