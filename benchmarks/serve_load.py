@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moeforge.bench import write_result
 from moeforge.compile import CompileOptions, compile_model
+from moeforge.launch import free_port
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 
@@ -141,9 +141,7 @@ def run(artifact: Path, num_clients: int, max_num_seqs: int, timeout: float, see
     manifest = json.loads((artifact / "manifest.json").read_text())
     vocab = int(manifest["model_config"]["vocab_size"])
     clients = workload(num_clients, vocab, seed)
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     url = f"http://{HOST}:{port}"
     with tempfile.TemporaryDirectory() as cwd:
         process = start_server(artifact, port, max_num_seqs, num_clients, Path(cwd))

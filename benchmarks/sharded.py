@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -76,9 +75,9 @@ def _rank_main(artifact: str, out: str) -> int:
 
 
 def measure_sharded(artifact: Path, world: int) -> dict[str, float]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from moeforge.launch import free_port
+
+    port = free_port()
     out = artifact.parent / f"{artifact.name}.json"
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(artifact), str(out)],
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",

@@ -62,7 +62,8 @@ class World:
         return code
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (the OS picks it): the rendezvous port of a world started here."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -79,7 +80,7 @@ def start_world(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> World
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
     else:
         rank, world = 0, size
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(size),
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(size),
                "LOCAL_WORLD_SIZE": str(size)}
         os.environ.update(env, RANK="0", LOCAL_RANK="0")
         # -P: no current directory on sys.path, so a checkout's top-level ``moeforge/`` folder cannot shadow the

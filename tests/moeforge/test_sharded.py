@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.errors import MoeforgeError
 from moeforge.export.loader import load_model
+from moeforge.launch import free_port
 from moeforge.parity import torch_reference
 from moeforge.runtime.collectives import _library, cpu_graph
 from moeforge.runtime.engine import EngineConfig, LLMEngine
@@ -63,16 +63,9 @@ def sharded_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tup
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _launch(artifact: Path, out: Path, *extra: str, world: int = 2) -> list[tuple[int, str]]:
     """Start the driver as ``world`` ranks with torchrun's environment (what torchrun sets); (status, stderr)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -233,7 +226,7 @@ def test_sharded_serve_answers_like_the_engine_and_stops_cleanly(sharded_artifac
     import httpx
 
     sharded, single = sharded_artifacts[_case_id(CASES[1])]
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", "serve", str(sharded), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

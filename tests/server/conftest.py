@@ -6,7 +6,6 @@ tiny-llama's tokenizer (byte-level) has no chat template, so the chat tests give
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+from moeforge.launch import free_port
 from moeforge.runtime.backends.base import StepInput
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.server import ServerConfig, create_app
@@ -34,13 +34,6 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("serve") / "tiny-llama"
     return compile_model(CompileOptions(model=MODEL, output_dir=out, max_seq_len=128, progress=False)).output_dir
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class SlowBackend:

@@ -5,20 +5,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 
+from moeforge.launch import free_port
 from tests.conftest import wait_healthy
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_artifact: Path, tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     # Run from outside the checkout: the installed package, as a user runs it.
     process = subprocess.Popen(
