@@ -97,12 +97,17 @@ class MoEBlock(nn.Module):
             else None
         )
 
+    def local_routing(self, expert_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's global choices [T, K] as this block's: unchanged when it holds every routed expert, else
+        (an expert-parallel rank) ``hold_local_experts``."""
+        if self.experts.num_experts == self.gate.moe.n_routed_experts:
+            return expert_ids, weights
+        return hold_local_experts(expert_ids, weights, self.first_expert, self.experts.num_experts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, S, H]
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        expert_ids, weights = self.gate(flat)
-        if self.experts.num_experts != self.gate.moe.n_routed_experts:
-            expert_ids, weights = hold_local_experts(expert_ids, weights, self.first_expert, self.experts.num_experts)
+        expert_ids, weights = self.local_routing(*self.gate(flat))
         out: torch.Tensor = self.experts(flat, expert_ids, weights).view_as(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -25,7 +25,7 @@ from torch import nn
 from moeforge.export import collectives, moe_op
 from moeforge.export.mla import MLAttention
 from moeforge.export.model import CausalLM, ModelOutput
-from moeforge.export.moe import MoEBlock, hold_local_experts
+from moeforge.export.moe import MoEBlock
 from moeforge.export.routing import router_attributes
 from moeforge.plugins.moe_router import function as router_function
 from moeforge.plugins.moe_router import torch_op as router_op
@@ -70,10 +70,8 @@ class _MoEBoundary(nn.Module):
         gate = self.block.gate
         logits = F.linear(flat.to(torch.float32), gate.weight.to(torch.float32))  # [T, E]
         expert_ids, weights = router_op.call(logits, gate.e_score_correction_bias, self.router)  # [T, K] each
+        expert_ids, weights = self.block.local_routing(expert_ids, weights)  # an expert-parallel rank: its own
         experts = self.block.experts
-        if experts.num_experts != gate.moe.n_routed_experts:  # an expert-parallel rank: its experts only
-            expert_ids, weights = hold_local_experts(expert_ids, weights, self.block.first_expert,
-                                                     experts.num_experts)
         routed: torch.Tensor = torch.ops.moeforge.moe_experts(flat, expert_ids, weights, experts.gate_proj,
                                                               experts.up_proj, experts.down_proj)
         out = routed.view_as(x)

@@ -29,9 +29,12 @@ ATTENTION_MASK = "attention_mask"  # as kv_cache.py: [B, T], T = cached + new to
 BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC = PAGED_ATTENTION_INPUTS[5:8]
 
 
-def sparse_mla_nodes(model: ir.Model) -> list[ir.Node]:
-    """The stateless ``moeforge.SparseMLA`` nodes, one per layer, in layer order."""
-    return [n for n in model.graph if n.op_type == OP_TYPE and n.domain == DOMAIN]
+def sparse_mla_nodes(model: ir.Model, ctx: PassContext) -> list[ir.Node]:
+    """The stateless ``moeforge.SparseMLA`` nodes in layer order: none (not a DSA model), or one per layer."""
+    nodes = [n for n in model.graph if n.op_type == OP_TYPE and n.domain == DOMAIN]
+    if nodes and len(nodes) != ctx.config.num_hidden_layers:
+        raise ValueError(f"expected one SparseMLA node per layer ({ctx.config.num_hidden_layers}), found {len(nodes)}")
+    return nodes
 
 
 def insert_dsa_caches(model: ir.Model, ctx: PassContext, static_len: int | None = None,
@@ -41,11 +44,9 @@ def insert_dsa_caches(model: ir.Model, ctx: PassContext, static_len: int | None 
     ``static_len`` and ``past_lengths`` [B] (the TensorRT target's contract, see trt_kv_cache.py): buffers of that
     fixed length and no ``attention_mask`` input; the rows read back are 0 .. max(past_lengths) + S - 1 (the
     indexer's position mask keeps each query to its own rows 0..position)."""
-    nodes = sparse_mla_nodes(model)
+    nodes = sparse_mla_nodes(model, ctx)
     if not nodes:
         return 0
-    if len(nodes) != ctx.config.num_hidden_layers:
-        raise ValueError(f"expected one SparseMLA node per layer ({ctx.config.num_hidden_layers}), found {len(nodes)}")
     graph = model.graph
     ids = next(v for v in graph.inputs if v.name == "input_ids")
     batch = required(ids.shape, "input_ids: shape")[0]
@@ -89,11 +90,9 @@ def insert_dsa_pools(model: ir.Model, ctx: PassContext, block_size: int, pack_to
     """Paged form: every SparseMLA node -> ``moeforge.SparseMLAPaged`` over a latent pool [N, Bs, 1, C] and an
     indexer pool [N, Bs, 1, Di] per layer (``kv_pool.{i}.latent|index`` -> ``kv_pool_out.{i}.*``), with the
     packed-token inputs of ``paged_kv.py`` (its ``pack_token_inputs`` and ``select_logits``, passed in)."""
-    nodes = sparse_mla_nodes(model)
+    nodes = sparse_mla_nodes(model, ctx)
     if not nodes:
         return 0
-    if len(nodes) != ctx.config.num_hidden_layers:
-        raise ValueError(f"expected one SparseMLA node per layer ({ctx.config.num_hidden_layers}), found {len(nodes)}")
     graph = model.graph
     int32 = ir.TensorType(ir.DataType.INT32)
     step = [ir.Value(name=BLOCK_TABLES, shape=ir.Shape(["num_seqs", "max_blocks"]), type=int32),
