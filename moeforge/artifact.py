@@ -189,6 +189,10 @@ def _hash_tree(root: Path) -> dict[str, dict[str, Any]]:
     return {rel: {"sha256": sha, "bytes": size} for rel, (sha, size) in zip(rels, results, strict=True)}
 
 
+SHARDED_FILE = "sharded.json"  # a sharded artifact's own record, beside its rank directories (moeforge/sharded.py)
+_RANK_DIR = re.compile(r"rank\d+")
+
+
 def _check_replaceable(out: Path) -> None:
     """With --force we only delete an earlier artifact (or an empty directory), never arbitrary data: ``out``
     must hold a manifest that reads as a moeforge one (``Manifest.from_json``), and nothing it does not list."""
@@ -197,6 +201,14 @@ def _check_replaceable(out: Path) -> None:
     if not any(out.iterdir()):
         return
     refuse = "refusing to delete it even with --force: remove it yourself or choose another output path"
+    if (out / SHARDED_FILE).is_file():  # a sharded artifact (moeforge/sharded.py): rank directories, each an artifact
+        extra = [p.name for p in out.iterdir() if p.name != SHARDED_FILE and not _RANK_DIR.fullmatch(p.name)]
+        if extra:
+            raise ArtifactError(f"{out} is a sharded moeforge artifact but also holds {', '.join(extra[:5])}; {refuse}")
+        for rank in out.iterdir():
+            if rank.name != SHARDED_FILE:
+                _check_replaceable(rank)
+        return
     try:
         manifest = _read_manifest(out)
     except ArtifactError:

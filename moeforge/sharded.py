@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from moeforge.artifact import (
     MANIFEST_FILE,
+    SHARDED_FILE,
     Artifact,
     check_output_dir,
     install_directory,
@@ -45,7 +46,6 @@ from moeforge.sharding import plan_sharding
 from moeforge.targets import TARGETS, Target
 from moeforge.targets.ort import OrtTarget
 
-SHARDED_FILE = "sharded.json"
 SHARDED_FORMAT = 1
 # Where the ranks meet, in graph order (what sharded.json records for a reader; the graphs hold the nodes).
 COLLECTIVE_POINTS = (
@@ -204,29 +204,12 @@ def _check(options: CompileOptions) -> None:
                             "use a scheme without calibration (int8, int4, int4-asym, fp8)")
 
 
-def _sharded_destination(out: Path, force: bool) -> None:
-    """Refuse an existing output unless ``force`` and it is an earlier artifact (sharded or not)."""
-    if not os.path.lexists(out):
-        check_output_dir(out)
-        return
-    if not force:
-        raise ArtifactError(f"{out} already exists; pass --force to replace it")
-    if is_sharded(out):
-        read_sharded(out)  # only a readable sharded manifest is ours to delete
-        extra = [p.name for p in out.iterdir() if p.name != SHARDED_FILE and not p.name.startswith("rank")]
-        if extra:
-            raise ArtifactError(f"{out} is a sharded artifact but also holds {', '.join(extra[:5])}; refusing to "
-                                "delete it even with --force: remove it yourself or choose another output path")
-        return
-    check_output_dir(out, force=True)
-
-
 def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
     """Compile ``options.model`` into ``options.tp`` rank artifacts plus ``sharded.json``; nothing is left behind
     on failure. Raises ``ShardingError`` (a split the model cannot take) or ``MoeforgeError``."""
     _check(options)
     out = Path(options.output_dir).expanduser().absolute()
-    _sharded_destination(out, options.force)
+    check_output_dir(out, force=options.force)  # a sharded or unsharded artifact may be replaced
     tp, ep = options.tp, options.ep
     bar = tqdm(total=1 + 2 * tp, desc=f"compile tp{tp}", unit="stage", disable=not options.progress, leave=False)
     scratch = out.parent / f".{out.name}.moeforge-sharded-tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"

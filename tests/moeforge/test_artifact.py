@@ -18,6 +18,7 @@ from onnx import TensorProto, helper
 from moeforge.artifact import (
     FORMAT_VERSION,
     MANIFEST_FILE,
+    SHARDED_FILE,
     Artifact,
     ArtifactError,
     KVCacheSpec,
@@ -433,3 +434,24 @@ def test_genai_config_none_for_mla():
 def test_no_scratch_dirs_left_anywhere(tmp_path):
     write_artifact(tmp_path / "x", write_payload=_payload, manifest=_manifest())
     assert sorted(os.listdir(tmp_path)) == ["x"]
+
+
+def test_force_replaces_a_sharded_artifact_and_refuses_one_holding_other_data(tmp_path):
+    """A sharded artifact (sharded.json + rank directories, each an artifact) may be replaced by an unsharded
+    compile with --force; one that also holds a file it did not write may not."""
+    sharded = tmp_path / "sharded"
+    for rank in ("rank0", "rank1"):
+        write_artifact(sharded / rank, write_payload=_payload, manifest=_manifest())
+    (sharded / SHARDED_FILE).write_text("{}")
+    (sharded / "notes.txt").write_text("mine")
+    with pytest.raises(ArtifactError, match=r"sharded moeforge artifact but also holds notes\.txt"):
+        write_artifact(sharded, write_payload=_payload, manifest=_manifest(), force=True)
+    assert (sharded / "notes.txt").read_text() == "mine" and load_artifact(sharded / "rank1")
+    (sharded / "notes.txt").unlink()
+    (sharded / "rank1" / "stray.bin").write_bytes(b"x")  # inside a rank: not listed by its manifest
+    with pytest.raises(ArtifactError, match=r"stray\.bin"):
+        check_output_dir(sharded, force=True)
+    (sharded / "rank1" / "stray.bin").unlink()
+    write_artifact(sharded, write_payload=_payload, manifest=_manifest(), force=True)
+    assert not (sharded / SHARDED_FILE).exists() and load_artifact(sharded)
+    assert _leftovers(tmp_path) == []
