@@ -103,3 +103,21 @@ def test_quantised_v32_passes_moeforge_parity(tmp_path: Path, quant: str, capsys
     code = main(["parity", str(out), "--json"])
     assert code == 0, capsys.readouterr().out  # within the scheme's thresholds (top-1 agreement, KL)
 
+
+
+def test_engine_preempts_v32_and_recomputes_what_pytorch_does(dsa_artifact: Callable[[str], Path]) -> None:
+    """A third of the blocks all requests need at once: sequences are preempted (their latent and indexer blocks
+    freed together) and recomputed, and every output is still PyTorch's."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(12, 40, 8)]
+    model = load_model(MODEL).model
+    expected = [generate(model, p, SamplingConfig(max_new_tokens=10)).token_ids for p in prompts]
+    artifact = dsa_artifact("paged")
+    block = load_artifact(artifact).manifest.kv_cache.block_size
+    assert block is not None
+    need = sum(-(-(len(p) + 10) // block) for p in prompts)
+    engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                            kv_blocks=max(need // 3, 4)))
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == expected
+    assert engine.metrics.preemptions > 0 and engine.kv.stats().blocks_in_use == 0
