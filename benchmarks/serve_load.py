@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moeforge.bench import write_result
 from moeforge.compile import CompileOptions, compile_model
-from moeforge.launch import free_port
+from moeforge.net import free_port
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 

@@ -27,6 +27,7 @@ from typing import Any
 from moeforge.bench import write_result
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.export.loader import load_config
+from moeforge.net import free_port
 from moeforge.runtime.backends.base import Backend, RowInput, StepInput
 from moeforge.runtime.engine import EngineConfig
 from moeforge.sharding import plan_sharding
@@ -75,8 +76,6 @@ def _rank_main(artifact: str, out: str) -> int:
 
 
 def measure_sharded(artifact: Path, world: int) -> dict[str, float]:
-    from moeforge.launch import free_port
-
     port = free_port()
     out = artifact.parent / f"{artifact.name}.json"
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(artifact), str(out)],

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from moeforge.artifact import Artifact
 from moeforge.errors import ArtifactError, MoeforgeError
+from moeforge.net import free_port
 from moeforge.runtime.backends.base import Backend
 from moeforge.runtime.backends.onnxruntime import OrtBackend, OrtSession
 from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend, PagedSequenceSession
@@ -60,14 +60,6 @@ class World:
         if dist.is_initialized():
             dist.destroy_process_group()
         return code
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free now (the OS picks it): the rendezvous port of a world started here."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def start_world(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:

@@ -23,7 +23,7 @@ import pytest
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.errors import MoeforgeError
 from moeforge.export.loader import load_model
-from moeforge.launch import free_port
+from moeforge.net import free_port
 from moeforge.parity import torch_reference
 from moeforge.runtime.collectives import _library, cpu_graph
 from moeforge.runtime.engine import EngineConfig, LLMEngine

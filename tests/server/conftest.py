@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from moeforge.launch import free_port
+from moeforge.net import free_port
 from moeforge.runtime.backends.base import StepInput
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.server import ServerConfig, create_app
