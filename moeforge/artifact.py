@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import itertools
+import json
 import logging
 import os
 import re
@@ -190,7 +191,29 @@ def _hash_tree(root: Path) -> dict[str, dict[str, Any]]:
 
 
 SHARDED_FILE = "sharded.json"  # a sharded artifact's own record, beside its rank directories (moeforge/sharded.py)
+SHARDED_FORMAT_NAME = "moeforge-sharded"  # its "format" field
 _RANK_DIR = re.compile(r"rank\d+")
+
+
+def _check_sharded_replaceable(out: Path, refuse: str) -> None:
+    """A sharded artifact (moeforge/sharded.py) is ours to delete when its sharded.json reads as one and every
+    other entry is a rank directory holding a replaceable artifact (with its manifest)."""
+    try:
+        data = json.loads((out / SHARDED_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None
+    if not isinstance(data, dict) or data.get("format") != SHARDED_FORMAT_NAME:
+        raise ArtifactError(f"{out} holds a {SHARDED_FILE} that is not a moeforge sharded manifest; {refuse}")
+    extra = [p.name for p in out.iterdir() if p.name != SHARDED_FILE and not _RANK_DIR.fullmatch(p.name)]
+    if extra:
+        raise ArtifactError(f"{out} is a sharded moeforge artifact but also holds {', '.join(extra[:5])}; {refuse}")
+    for rank in out.iterdir():
+        if rank.name == SHARDED_FILE:
+            continue
+        if not (rank / MANIFEST_FILE).is_file():
+            raise ArtifactError(f"{out} is a sharded moeforge artifact but {rank.name} has no {MANIFEST_FILE}; "
+                                f"{refuse}")
+        _check_replaceable(rank)
 
 
 def _check_replaceable(out: Path) -> None:
@@ -201,13 +224,8 @@ def _check_replaceable(out: Path) -> None:
     if not any(out.iterdir()):
         return
     refuse = "refusing to delete it even with --force: remove it yourself or choose another output path"
-    if (out / SHARDED_FILE).is_file():  # a sharded artifact (moeforge/sharded.py): rank directories, each an artifact
-        extra = [p.name for p in out.iterdir() if p.name != SHARDED_FILE and not _RANK_DIR.fullmatch(p.name)]
-        if extra:
-            raise ArtifactError(f"{out} is a sharded moeforge artifact but also holds {', '.join(extra[:5])}; {refuse}")
-        for rank in out.iterdir():
-            if rank.name != SHARDED_FILE:
-                _check_replaceable(rank)
+    if (out / SHARDED_FILE).is_file():
+        _check_sharded_replaceable(out, refuse)
         return
     try:
         manifest = _read_manifest(out)

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from moeforge.artifact import (
     MANIFEST_FILE,
     SHARDED_FILE,
+    SHARDED_FORMAT_NAME,
     Artifact,
     check_output_dir,
     install_directory,
@@ -81,7 +82,7 @@ class ShardedManifest:
         return self.tp
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": "moeforge-sharded", "format_version": self.format_version, "world_size": self.world_size,
+        return {"format": SHARDED_FORMAT_NAME, "format_version": self.format_version, "world_size": self.world_size,
                 "tp": self.tp, "ep": self.ep, "compile_id": self.compile_id, "source": self.source,
                 "created_utc": self.created_utc, "model_config": self.model_config, "ranks": self.ranks,
                 "collectives": self.collectives, "replicated": self.replicated, "kv_cache_note": self.kv_cache_note}
@@ -89,7 +90,7 @@ class ShardedManifest:
     @classmethod
     def from_dict(cls, data: Any, where: Path) -> ShardedManifest:
         fix = "recompile it with moeforge compile ... --tp N"
-        if not isinstance(data, dict) or data.get("format") != "moeforge-sharded":
+        if not isinstance(data, dict) or data.get("format") != SHARDED_FORMAT_NAME:
             raise ArtifactError(f"{where} is not a moeforge sharded manifest; {fix}")
         if data.get("format_version") != SHARDED_FORMAT:
             raise ArtifactError(f"{where}: sharded format_version {data.get('format_version')!r}, this moeforge reads "

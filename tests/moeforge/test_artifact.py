@@ -442,7 +442,14 @@ def test_force_replaces_a_sharded_artifact_and_refuses_one_holding_other_data(tm
     sharded = tmp_path / "sharded"
     for rank in ("rank0", "rank1"):
         write_artifact(sharded / rank, write_payload=_payload, manifest=_manifest())
-    (sharded / SHARDED_FILE).write_text("{}")
+    (sharded / SHARDED_FILE).write_text("{}")  # not a sharded manifest: refused
+    with pytest.raises(ArtifactError, match=r"sharded\.json that is not a moeforge sharded manifest"):
+        check_output_dir(sharded, force=True)
+    (sharded / SHARDED_FILE).write_text(json.dumps({"format": "moeforge-sharded", "world_size": 2}))
+    (sharded / "rank2").mkdir()  # an empty rank directory: no manifest, refused
+    with pytest.raises(ArtifactError, match=r"rank2 has no manifest\.json"):
+        check_output_dir(sharded, force=True)
+    (sharded / "rank2").rmdir()
     (sharded / "notes.txt").write_text("mine")
     with pytest.raises(ArtifactError, match=r"sharded moeforge artifact but also holds notes\.txt"):
         write_artifact(sharded, write_payload=_payload, manifest=_manifest(), force=True)
