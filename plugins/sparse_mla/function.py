@@ -142,8 +142,8 @@ def _attention_core(body: _Body, query: str, picked: str, values: str, valid: st
 
 def function_proto(attrs: SparseMLAAttrs, mode: Mode, core: Core = "matmul") -> onnx.FunctionProto:
     """The local function of one mode with ``attrs`` baked in. ``core``: step 3 as MatMul / Where / Softmax /
-    MatMul (``matmul``: the body artifacts carry, any opset-23 runtime) or one opset-23 ``Attention`` node
-    (``attention``: the ONNX Runtime lowering, ort_lowering.py)."""
+    MatMul (``matmul``: the body artifacts carry and the ONNX Runtime lowering's default) or one opset-23
+    ``Attention`` node (``attention``: ``ort_lowering.lower_for_ort(model, "attention")``)."""
     body = _Body()
     inputs = list({"contiguous": CACHED_INPUTS, "paged": PAGED_INPUTS}.get(mode, INPUTS))
     outputs = list({"contiguous": CACHED_OUTPUTS, "paged": PAGED_OUTPUTS}.get(mode, OUTPUTS))

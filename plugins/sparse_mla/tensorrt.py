@@ -12,7 +12,8 @@ Attributes: topk, scale, index_scale, kv_rank (``SparseMLAAttrs``).
 
 The "kernel" is torch on the device pointers: the new rows are written into the caches, then the shared torch
 reference (reference.py: indexer scores, top-k, Gather of the K picked rows, attention over them) runs over each
-query's readable rows. Checked on CPU against the reference over whole sequences (tests/trt/test_trt_plugins.py);
+query's readable rows. Checked on CPU against the reference over whole sequences
+(tests/trt/test_trt_sparse_mla_plugin.py);
 building the plugin into an engine needs full TensorRT on a GPU (TensorRT-RTX 1.7's parser aborts on Python
 plugins, plugins/tensorrt_plugin.register), and without it TensorRT inlines the nodes' local functions.
 """
@@ -65,9 +66,10 @@ def sparse_mla_paged(query: torch.Tensor, latent: torch.Tensor, index_q: torch.T
                      query_start_loc: torch.Tensor, attrs: SparseMLAAttrs) -> torch.Tensor:
     """``SparseMLAPaged``: T packed tokens (S = 1); sequence b owns tokens query_start_loc[b]..[b+1]-1. Write each
     token's rows at pool slot (block_tables[b, p // Bs], p % Bs), p its position (in place), then attend each token
-    over its sequence's rows 0..p -> output [T, H, 1, R]."""
+    over its sequence's rows 0..p -> output [T, H, 1, R]. As the engine feeds it: every position < seq_lens[b] (the
+    sequence's tokens after this step); rows past T's last sequence (padding) get output 0."""
     block = latent_pool.shape[1]
-    out = torch.empty((*query.shape[:3], attrs.kv_rank), dtype=query.dtype, device=query.device)
+    out = torch.zeros((*query.shape[:3], attrs.kv_rank), dtype=query.dtype, device=query.device)
     starts = query_start_loc.tolist()
     for b, total in enumerate(seq_lens.tolist()):
         lo, hi = starts[b], starts[b + 1]
@@ -95,6 +97,10 @@ def attrs_from_fields(fields: Any) -> SparseMLAAttrs:
             values[field.name] = float(np.asarray(field.data).reshape(-1)[0])
         elif field.name in _INT_FIELDS:
             values[field.name] = int(np.asarray(field.data).reshape(-1)[0])
+    missing = sorted({*_INT_FIELDS, *_FLOAT_FIELDS} - values.keys())
+    if missing:
+        raise ValueError(f"SparseMLA plugin: the node has no {', '.join(missing)} field(s); re-export the model with "
+                         "moeforge compile, which writes topk, scale, index_scale and kv_rank on every SparseMLA node")
     attrs = SparseMLAAttrs(**values)
     if attrs.topk < 1 or attrs.kv_rank < 1:
         raise ValueError(f"SparseMLA plugin: topk {attrs.topk} and kv_rank {attrs.kv_rank} must be >= 1")

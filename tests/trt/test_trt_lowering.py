@@ -97,7 +97,8 @@ def test_nothing_imports_tensorrt_unless_used(tmp_path):
 
     code = ("import sys, moeforge.cli, moeforge.compile, moeforge.inspect, moeforge.runtime.engine, "
             "moeforge.runtime.backends.tensorrt, moeforge.trt.build, moeforge.targets.trt, moeforge.golden, "
-            "moeforge.plugins.moe_router.tensorrt, moeforge.plugins.paged_attention.tensorrt; "
+            "moeforge.plugins.moe_router.tensorrt, moeforge.plugins.paged_attention.tensorrt, "
+            "moeforge.plugins.sparse_mla.tensorrt; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'tensorrt_rtx_bindings')))")
     # cwd outside the checkout: `python -c` puts the cwd first on sys.path, where the source folder `moeforge/`
     # would shadow the installed package (whose subpackages map to the top-level folders).

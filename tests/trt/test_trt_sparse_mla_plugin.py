@@ -17,6 +17,7 @@ from onnx import TensorProto, helper
 
 from moeforge.plugins.sparse_mla import function, reference
 from moeforge.plugins.sparse_mla import tensorrt as sparse_plugin
+from moeforge.plugins.sparse_mla.function import Core
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort
 from moeforge.plugins.sparse_mla.schema import (
     CACHED_OP_TYPE,
@@ -69,8 +70,8 @@ def _paged_steps() -> list[tuple[list[int], list[int]]]:
     return [([6, 4], [6, 4]), ([1, 1], [7, 5]), ([1, 1], [8, 6])]
 
 
-def _paged_session() -> ort.InferenceSession:
-    """One SparseMLAPaged node through the ONNX Runtime lowering (Attention core, inlined)."""
+def _paged_session(core: Core) -> ort.InferenceSession:
+    """One SparseMLAPaged node through the ONNX Runtime lowering (``core``, inlined)."""
     node = helper.make_node(PAGED_OP_TYPE, list(PAGED_INPUTS), list(PAGED_OUTPUTS), domain=DOMAIN,
                             **ATTRS.as_dict())
     types = {"positions": TensorProto.INT64, "block_tables": TensorProto.INT32, "seq_lens": TensorProto.INT32,
@@ -80,20 +81,21 @@ def _paged_session() -> ort.InferenceSession:
                               [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in PAGED_OUTPUTS])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(DOMAIN, 1)],
                               functions=[function.function_proto(ATTRS, "paged")])
-    lowered = lower_for_ort(model)
+    lowered = lower_for_ort(model, core)
     assert all(n.domain != DOMAIN for n in lowered.graph.node)
     return ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
+@pytest.mark.parametrize("core", ["matmul", "attention"])
 @torch.no_grad()
-def test_paged_kernel_matches_reference_and_the_ort_lowering() -> None:
+def test_paged_kernel_matches_reference_and_the_ort_lowering(core: Core) -> None:
     """Two sequences in scattered blocks: each step's output equals the reference over the sequence's whole
     history (dense rows), the pools hold every row at its slot, and the lowered graph computes the same."""
     gen = torch.Generator().manual_seed(1)
     tables = torch.tensor([[5, 2, 7], [1, 6, 0]], dtype=torch.int32)
     pools = [torch.zeros(8, BS, 1, C), torch.zeros(8, BS, 1, DI)]
     ort_pools = [p.numpy().copy() for p in pools]
-    session = _paged_session()
+    session = _paged_session(core)
     history: dict[int, list[list[torch.Tensor]]] = {0: [[], []], 1: [[], []]}
     for lengths, totals in _paged_steps():
         tokens = sum(lengths)
@@ -146,6 +148,50 @@ def test_plugin_objects_serialise_type_and_alias(op_type: str) -> None:
         creator.create_plugin("s", bad, trt.TensorRTPhase.RUNTIME)
 
 
+class _Desc:
+    def __init__(self, dtype: object, fmt: object) -> None:
+        self.type, self.format = dtype, fmt
+
+
+class _InOut:
+    def __init__(self, dtype: object, fmt: object) -> None:
+        self.desc = _Desc(dtype, fmt)
+
+
+@needs_trt_rtx
+@pytest.mark.parametrize("op_type", [CACHED_OP_TYPE, PAGED_OP_TYPE])
+def test_plugin_formats_take_one_float_type_and_the_contract_integers(op_type: str) -> None:
+    import tensorrt_rtx_bindings as trt
+
+    plugin = sparse_plugin.plugin_classes(trt, op_type)[0](ATTRS)
+    dt, linear = trt.DataType, trt.TensorFormat.LINEAR
+    integers = {5: dt.INT64, **({8: dt.INT32, 9: dt.INT32, 10: dt.INT32} if op_type == PAGED_OP_TYPE
+                                else {8: dt.INT64})}
+    for floats in (dt.FLOAT, dt.HALF, dt.BF16):
+        types = [floats] * 5 + [dt.INT64, floats, floats] + [integers[8]] * (3 if op_type == PAGED_OP_TYPE else 1)
+        types += [floats] * 3  # outputs
+        in_out = [_InOut(t, linear) for t in types]
+        assert all(plugin.supports_format_combination(pos, in_out, len(types) - 3) for pos in range(len(types)))
+        for pos, wrong in ((5, dt.INT32), (8, dt.INT32 if integers[8] == dt.INT64 else dt.INT64), (6, dt.INT8),
+                           (1, dt.FLOAT if floats != dt.FLOAT else dt.HALF)):
+            bad = list(in_out)
+            bad[pos] = _InOut(wrong, linear)
+            assert not plugin.supports_format_combination(pos, bad, len(types) - 3), (pos, wrong)
+        bad = list(in_out)
+        bad[0] = _InOut(floats, trt.TensorFormat.CHW32)
+        assert not plugin.supports_format_combination(0, bad, len(types) - 3)
+
+
+@needs_trt_rtx
+def test_plugin_creator_names_missing_fields() -> None:
+    import tensorrt_rtx_bindings as trt
+
+    plugin_cls, creator_cls = sparse_plugin.plugin_classes(trt, CACHED_OP_TYPE)
+    fields = [f for f in plugin_cls(ATTRS).get_fields_to_serialize() if f.name != "index_scale"]
+    with pytest.raises(ValueError, match=r"no index_scale field.*re-export"):
+        creator_cls().create_plugin("s", trt.PluginFieldCollection(fields), trt.TensorRTPhase.RUNTIME)
+
+
 @needs_trt_rtx
 def test_sparse_mla_plugin_refuses_tensorrt_rtx() -> None:
     import tensorrt_rtx_bindings as trt
@@ -162,30 +208,36 @@ def test_sparse_mla_plugin_refuses_tensorrt_rtx() -> None:
                     "aborts when its parser imports a Python plugin)")
 @torch.no_grad()
 def test_cached_plugin_runs_in_engine(tmp_path) -> None:
+    """One SparseMLACache node, static shapes (one decode token over 7 cached rows), built with the plugin: its
+    output equals the kernel's on CPU and its present buffers hold the new rows (aliased, written in place)."""
     import tensorrt as trt
     from polygraphy.backend.trt import EngineFromNetwork, NetworkFromOnnxPath, TrtRunner
 
     sparse_plugin.register(trt)
-    names = ("query", "latent", "index_q", "index_w", "index_k", "positions", "past_latent", "past_index",
-             "attention_mask")
-    node = helper.make_node(CACHED_OP_TYPE, list(names), ["output", "present_latent", "present_index"],
-                            domain=DOMAIN, plugin_version="1", plugin_namespace="moeforge", **ATTRS.as_dict())
-    ints = ("positions", "attention_mask")
-    graph = helper.make_graph([node], "s", [helper.make_tensor_value_info(n, TensorProto.INT64 if n in ints else
-                                                                          TensorProto.FLOAT, None) for n in names],
-                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, None)])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(DOMAIN, 1)]),
-              tmp_path / "s.onnx")
     gen = torch.Generator().manual_seed(2)
     batch, past, lmax = 1, 7, 16
     query, latent, index_q, index_w, index_k = (t[None] for t in _token_inputs(past + 1, gen))
     buffers = [torch.zeros(batch, 1, lmax, C), torch.zeros(batch, 1, lmax, DI)]
     buffers[0][:, 0, :past], buffers[1][:, 0, :past] = latent[:, :past], index_k[:, :past]
-    feeds = {"query": query[:, past:].permute(0, 2, 1, 3), "latent": latent[:, past:], "index_q": index_q[:, past:],
-             "index_w": index_w[:, past:], "index_k": index_k[:, past:], "positions": torch.tensor([[past]]),
-             "past_latent": buffers[0], "past_index": buffers[1],
+    feeds = {"query": query[:, past:].permute(0, 2, 1, 3).contiguous(), "latent": latent[:, past:],
+             "index_q": index_q[:, past:], "index_w": index_w[:, past:], "index_k": index_k[:, past:],
+             "positions": torch.tensor([[past]]), "past_latent": buffers[0], "past_index": buffers[1],
              "attention_mask": torch.ones(batch, past + 1, dtype=torch.int64)}
+    outputs = {"output": [batch, H, 1, R], "present_latent": list(buffers[0].shape),
+               "present_index": list(buffers[1].shape)}
+    node = helper.make_node(CACHED_OP_TYPE, list(feeds), list(outputs), domain=DOMAIN, plugin_version="1",
+                            plugin_namespace="moeforge", **ATTRS.as_dict())
+    graph = helper.make_graph(
+        [node], "s",
+        [helper.make_tensor_value_info(n, TensorProto.INT64 if t.dtype == torch.int64 else TensorProto.FLOAT,
+                                       list(t.shape)) for n, t in feeds.items()],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in outputs.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(DOMAIN, 1)]),
+              tmp_path / "s.onnx")
     with TrtRunner(EngineFromNetwork(NetworkFromOnnxPath(str(tmp_path / "s.onnx")))) as runner:
-        out = runner.infer({k: v.numpy() for k, v in feeds.items()})["output"]
-    expected = sparse_mla_cached(*[t.clone() for t in list(feeds.values())[:8]], past + 1, ATTRS)
-    np.testing.assert_allclose(out, expected.numpy(), atol=1e-4)
+        got = runner.infer({k: v.numpy() for k, v in feeds.items()})
+    want_buffers = [b.clone() for b in buffers]
+    expected = sparse_mla_cached(*[t.clone() for t in list(feeds.values())[:6]], *want_buffers, past + 1, ATTRS)
+    np.testing.assert_allclose(got["output"], expected.numpy(), atol=1e-4)
+    np.testing.assert_allclose(got["present_latent"][:, 0, :past + 1], latent[:, : past + 1].numpy(), atol=0)
+    np.testing.assert_allclose(got["present_index"][:, 0, :past + 1], index_k[:, : past + 1].numpy(), atol=0)
