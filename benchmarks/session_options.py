@@ -10,7 +10,11 @@ benchmarks/results/session_options_<artifact>.json (machine described):
 - threads=1 / threads=N: ``EngineConfig(threads=...)``;
 - no-spinning: ``session.intra_op.allow_spinning`` = 0 (idle threads sleep: less CPU burnt between steps);
 - no-prepacking: ``session.disable_prepacking`` = 1 (weights used as stored, not repacked at load);
-- dynamic-block: ``session.dynamic_block_base`` = 4 (ONNX Runtime's dynamic work partitioning).
+- dynamic-block: ``session.dynamic_block_base`` = 4 (ONNX Runtime's dynamic work partitioning);
+- no-mem-pattern: ``options.enable_mem_pattern`` = 0 (no pre-planned activation memory: the decode step's
+  shapes change every step, so the plan is rebuilt anyway);
+- no-cpu-arena: ``options.enable_cpu_mem_arena`` = 0 (plain malloc/free instead of the arena);
+- opt-extended: ``options.graph_optimization_level`` = extended (skips the layout transformations of "all").
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ def variants() -> dict[str, dict[str, Any]]:
         "no-spinning": {"session_config": (("session.intra_op.allow_spinning", "0"),)},
         "no-prepacking": {"session_config": (("session.disable_prepacking", "1"),)},
         "dynamic-block": {"session_config": (("session.dynamic_block_base", "4"),)},
+        "no-mem-pattern": {"session_config": (("options.enable_mem_pattern", "0"),)},
+        "no-cpu-arena": {"session_config": (("options.enable_cpu_mem_arena", "0"),)},
+        "opt-extended": {"session_config": (("options.graph_optimization_level", "extended"),)},
     }
     return found
 

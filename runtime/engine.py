@@ -40,7 +40,7 @@ from moeforge.errors import MoeforgeError
 from moeforge.export.tokenizer import Tokenizer
 from moeforge.kv_layout import KVCacheSpec
 from moeforge.runtime.backends.base import Backend, FatalBackendError, RowInput, StepInput
-from moeforge.runtime.backends.onnxruntime import OrtBackend
+from moeforge.runtime.backends.onnxruntime import OPTION_PREFIX, OrtBackend, session_option
 from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
 from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
 from moeforge.runtime.request import Request, RequestMetrics, RequestStatus, prompt_token_ids
@@ -129,6 +129,12 @@ class EngineConfig:
                 isinstance(e, tuple) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in entries):
             raise EngineConfigError(f"EngineConfig(session_config={entries!r}) must be a tuple of (key, value) string "
                                     "pairs, e.g. (('session.intra_op.allow_spinning', '0'),)")
+        for key, value in entries:
+            if key.startswith(OPTION_PREFIX):
+                try:
+                    session_option(key, value)
+                except ValueError as error:
+                    raise EngineConfigError(f"EngineConfig: {error}") from None
         if self.kv_blocks is not None and not (is_int(self.kv_blocks) and self.kv_blocks >= 1):
             raise EngineConfigError(f"EngineConfig(kv_blocks={self.kv_blocks!r}): give at least 1 block, "
                                     "or None for the default (every slot can reach max_seq_len)")

@@ -22,6 +22,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -38,14 +39,42 @@ ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(
               "tensor(double)": "float64", "tensor(int8)": "int8", "tensor(uint8)": "uint8"}
 
 
+# ``session_config`` keys "options.<name>" set a SessionOptions attribute instead of a config entry: settings a
+# service tunes that ONNX Runtime exposes only as attributes (benchmarks/session_options.py measures them).
+OPTION_PREFIX = "options."
+_LEVEL = ort.GraphOptimizationLevel
+_LEVELS = {"disable": _LEVEL.ORT_DISABLE_ALL, "basic": _LEVEL.ORT_ENABLE_BASIC, "extended": _LEVEL.ORT_ENABLE_EXTENDED,
+           "all": _LEVEL.ORT_ENABLE_ALL}
+_SWITCHES = {"0": False, "1": True}
+SESSION_OPTIONS: dict[str, dict[str, Any]] = {
+    "enable_mem_pattern": _SWITCHES, "enable_mem_reuse": _SWITCHES, "enable_cpu_mem_arena": _SWITCHES,
+    "graph_optimization_level": _LEVELS,
+}
+
+
+def session_option(key: str, value: str) -> tuple[str, Any]:
+    """(attribute, value) of an ``options.<name>`` session_config entry; ValueError naming the accepted ones."""
+    name = key[len(OPTION_PREFIX):]
+    accepted = SESSION_OPTIONS.get(name)
+    if accepted is None:
+        raise ValueError(f"session_config key {key!r}: the SessionOptions attributes that can be set are "
+                         f"{', '.join(OPTION_PREFIX + n for n in SESSION_OPTIONS)}")
+    if value not in accepted:
+        raise ValueError(f"session_config {key}={value!r}: give one of {', '.join(map(repr, accepted))}")
+    return name, accepted[value]
+
+
 def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None, threads: int | None = None,
                  providers: list[str] | None = None, optimize: bool = True, profile: bool = False,
                  session_config: Sequence[tuple[str, str]] = (), collectives: bool = False) -> ort.InferenceSession:
     """An ONNX Runtime session of the graph at ``model_path``, or of ``graph``: an edited in-memory copy whose
     external weights are still read next to ``model_path``. ``session_config``: ONNX Runtime session config
     entries (``session.intra_op.allow_spinning`` = "0", ``session.disable_prepacking`` = "1", ...), applied as
-    given. ``collectives``: the graph is one rank of a sharded artifact; on CPU its AllReduce / AllGather nodes
-    run on torch.distributed (``runtime/collectives.py``; the process group must be initialised)."""
+    given, and ``options.<attribute>`` entries for the SessionOptions attributes in ``SESSION_OPTIONS``
+    (``options.enable_mem_pattern`` = "0", ``options.graph_optimization_level`` = "extended", ...);
+    ``optimize=False`` disables graph optimisation whatever ``options.graph_optimization_level`` says.
+    ``collectives``: the graph is one rank of a sharded artifact; on CPU its AllReduce / AllGather nodes run on
+    torch.distributed (``runtime/collectives.py``; the process group must be initialised)."""
     options = ort.SessionOptions()
     # Errors only: ONNX Runtime warns at every load that an input with a default (``logits_to_keep``) is not
     # constant-folded, which is the point of it; its other warnings on these graphs are advice for exporters.
@@ -53,7 +82,10 @@ def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None
     if threads:
         options.intra_op_num_threads = threads
     for key, value in session_config:
-        options.add_session_config_entry(key, value)
+        if key.startswith(OPTION_PREFIX):
+            setattr(options, *session_option(key, value))
+        else:
+            options.add_session_config_entry(key, value)
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     folder = None
@@ -128,7 +160,7 @@ class OrtSession:
             raise ArtifactError(f"{model_path} has paged KV pools (kv_cache.block_size {kv_cache.block_size}); "
                                 "OrtSession binds contiguous caches: use onnxruntime_paged.PagedOrtBackend")
         self.model_path = Path(model_path)
-        if kv_cache.layout == "mla_dsa" and lower:  # DSA: SparseMLACache -> standard ops + one Attention per layer
+        if kv_cache.layout == "mla_dsa" and lower:  # DSA: SparseMLACache nodes -> standard ops (ort_lowering.py)
             source = graph if graph is not None else onnx.load(str(model_path), load_external_data=False)
             graph = lower_sparse_mla(source)
         self.session = make_session(model_path, graph=graph, threads=threads, providers=providers, optimize=optimize,

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from moeforge.compile import CompileOptions, compile_model
@@ -266,3 +267,21 @@ def test_a_container_memory_limit_lowers_the_available_memory(tmp_path, monkeypa
     files[1][0].write_text(str(2**63 - 4096))  # v1's "no limit"
     unlimited = engine_module.available_memory()
     assert unlimited is not None and (unlimited > 2 * 2**30 or host < 2.5 * 2**30)
+
+
+def test_session_option_entries_set_attributes_and_bad_ones_are_refused(tiny_artifact):
+    """``options.<attribute>`` session_config entries reach ONNX Runtime's SessionOptions; an unknown attribute or
+    value is refused at EngineConfig, naming what is accepted."""
+    config = EngineConfig(max_num_seqs=1, session_config=(("options.enable_mem_pattern", "0"),
+                                                         ("options.graph_optimization_level", "extended"),
+                                                         ("session.intra_op.allow_spinning", "0")))
+    engine = LLMEngine.from_artifact(tiny_artifact, config)
+    options = engine.backend._session.session.get_session_options()
+    assert options.enable_mem_pattern is False
+    assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+    with pytest.raises(EngineConfigError, match=r"options\.enable_mem_pattern, options\.enable_mem_reuse"):
+        EngineConfig(session_config=(("options.intra_op_num_threads", "4"),))
+    with pytest.raises(EngineConfigError, match=r"options\.enable_cpu_mem_arena='off'.*'0', '1'"):
+        EngineConfig(session_config=(("options.enable_cpu_mem_arena", "off"),))
