@@ -15,8 +15,8 @@ measured function-body vs lowering step times.
 from __future__ import annotations
 
 import onnx
-import onnx.inliner
 
+from moeforge.plugins.lowering import inline_functions, replace_functions
 from moeforge.plugins.paged_attention.function import OPSET, Core, build_function
 from moeforge.plugins.paged_attention.schema import DOMAIN, OP_TYPE
 
@@ -38,10 +38,7 @@ def attach_function(model: onnx.ModelProto, core: Core = "matmul") -> onnx.Model
     if not uses_paged_attention(model):
         return model
     opset = max(OPSET, next((o.version for o in model.opset_import if o.domain == ""), OPSET))
-    function = build_function(_latent_mode(model), core=core, opset=opset)
-    kept = [f for f in model.functions if not (f.domain == DOMAIN and f.name == OP_TYPE)]
-    del model.functions[:]
-    model.functions.extend([*kept, function])
+    replace_functions(model, [build_function(_latent_mode(model), core=core, opset=opset)])
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return model
@@ -54,8 +51,4 @@ def lower_for_ort(model: onnx.ModelProto, core: Core = "attention") -> onnx.Mode
     if not uses_paged_attention(lowered):
         return lowered
     attach_function(lowered, core=core)
-    lowered = onnx.inliner.inline_selected_functions(lowered, [(DOMAIN, OP_TYPE)], exclude=False)
-    kept = [o for o in lowered.opset_import if o.domain != DOMAIN]
-    del lowered.opset_import[:]
-    lowered.opset_import.extend(kept)
-    return lowered
+    return inline_functions(lowered, DOMAIN, [OP_TYPE])

@@ -21,9 +21,9 @@ the nodes and refuses a model whose layers disagree.
 from __future__ import annotations
 
 import onnx
-import onnx.inliner
 
 from moeforge.errors import ArtifactError
+from moeforge.plugins.lowering import inline_functions, replace_functions
 from moeforge.plugins.sparse_mla.function import Core, function_proto
 from moeforge.plugins.sparse_mla.schema import CACHED_OP_TYPE, DOMAIN, OP_TYPE, PAGED_OP_TYPE, Mode, SparseMLAAttrs
 
@@ -55,14 +55,6 @@ def lower_for_ort(model: onnx.ModelProto, core: Core = "matmul") -> onnx.ModelPr
             raise ArtifactError(f"{node.name or node.op_type}: SparseMLA attributes {attrs} differ from another "
                                 f"layer's {found[node.op_type]}; the lowering bakes one set into the function "
                                 "(recompile the artifact with moeforge compile)")
-    functions = [function_proto(attrs, _MODES[op_type], core) for op_type, attrs in found.items()]
-    kept = [f for f in lowered.functions if not (f.domain == DOMAIN and f.name in found)]
-    del lowered.functions[:]
-    lowered.functions.extend([*kept, *functions])
-    lowered = onnx.inliner.inline_selected_functions(lowered, [(DOMAIN, t) for t in found], exclude=False)
-    if not any(n.domain == DOMAIN for n in lowered.graph.node):
-        kept_opsets = [o for o in lowered.opset_import if o.domain != DOMAIN]
-        del lowered.opset_import[:]
-        lowered.opset_import.extend(kept_opsets)
-    return lowered
+    replace_functions(lowered, [function_proto(attrs, _MODES[op_type], core) for op_type, attrs in found.items()])
+    return inline_functions(lowered, DOMAIN, found)
 
