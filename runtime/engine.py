@@ -119,6 +119,9 @@ class EngineConfig:
     # fetch per step, so off by default.
     track_expert_load: bool = False
     profile: bool = False  # time kernels (costs a little) so attention_time_share() can answer
+    # Put the memory the session allocates (its prepacked weights) on transparent huge pages (Linux; see
+    # runtime/huge_pages.py): a decode step streams every weight, and 4 KiB pages cost a TLB miss every 4 KiB.
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         def is_int(value: object) -> bool:
@@ -135,6 +138,9 @@ class EngineConfig:
                     session_option(key, value)
                 except ValueError as error:
                     raise EngineConfigError(f"EngineConfig: {error}") from None
+        for name in ("huge_pages", "profile", "track_expert_load"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineConfigError(f"EngineConfig({name}={getattr(self, name)!r}) must be True or False")
         if self.kv_blocks is not None and not (is_int(self.kv_blocks) and self.kv_blocks >= 1):
             raise EngineConfigError(f"EngineConfig(kv_blocks={self.kv_blocks!r}): give at least 1 block, "
                                     "or None for the default (every slot can reach max_seq_len)")
@@ -224,13 +230,13 @@ class LLMEngine:
                                       num_slots=config.max_num_seqs, vocab_size=vocab_size, threads=config.threads,
                                       providers=providers, profile=config.profile,
                                       session_config=config.session_config,
-                                      track_expert_load=config.track_expert_load)
+                                      track_expert_load=config.track_expert_load, huge_pages=config.huge_pages)
         else:
             check_host_memory(config, kv, vocab_size)
             backend = OrtBackend(artifact.model_path, kv_cache=kv, num_slots=config.max_num_seqs,
                                  max_seq_len=kv.max_seq_len, vocab_size=vocab_size, threads=config.threads,
                                  providers=providers, profile=config.profile, session_config=config.session_config,
-                                 track_expert_load=config.track_expert_load)
+                                 track_expert_load=config.track_expert_load, huge_pages=config.huge_pages)
         tokenizer, eos = _tokenizer_and_eos(artifact)
         return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
 
@@ -370,7 +376,9 @@ class LLMEngine:
             [r.params for r in requests], [r.generator for r in requests],
             [r.output_token_ids for r in requests], [r.prompt_token_ids for r in requests],
         )
-        tokens = {r.request_id: int(t) for r, t in zip(requests, out.token_ids, strict=True)}
+        tokens = {r.request_id: t for r, t in zip(requests, out.token_ids.tolist(), strict=True)}
+        if all(r.params.logprobs is None for r in requests):
+            return tokens, {}
         logprobs = {r.request_id: (float(lp), top)
                     for r, lp, top in zip(requests, out.logprobs, out.top_logprobs, strict=True)
                     if r.params.logprobs is not None}

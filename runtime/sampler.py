@@ -257,6 +257,14 @@ class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         # Shared by rows that have no generator of their own (unseeded requests).
         self._rng = np.random.default_rng(seed)
+        self._nan = np.full(0, np.nan, np.float32)  # read-only NaNs: greedy steps' logprobs, sliced per batch
+
+    def _no_logprobs(self, rows: int) -> np.ndarray:
+        """[rows] NaN float32, a read-only view of a buffer kept across steps (no allocation per step)."""
+        if len(self._nan) < rows:
+            self._nan = np.full(max(rows, 2 * len(self._nan)), np.nan, np.float32)
+            self._nan.flags.writeable = False
+        return self._nan[:rows]
 
     def process(
         self,
@@ -315,13 +323,15 @@ class Sampler:
                 raise ValueError(f"{name} has {len(seq)} rows, logits has {logits.shape[0]}")
         if all(q.greedy and q.repetition_penalty == 1.0 and q.presence_penalty == 0.0 for q in params):
             # The serving hot path: plain greedy needs no processed copy of the logits, only argmax -- which
-            # returns a row's first NaN if it holds one (NaN compares as the maximum), so the NaN check costs
-            # one gather, not another pass over the vocabulary.
-            tokens = logits.argmax(axis=-1).astype(np.int64)
-            if np.isnan(logits[np.arange(len(tokens)), tokens]).any():
+            # returns a row's first NaN if it holds one (NaN compares as the maximum), so the NaN check reads one
+            # value per row. It runs right after the kernels have swept the caches, when each distinct numpy
+            # routine costs tens of microseconds, so it uses one (argmax) and scalar reads.
+            tokens = logits.argmax(axis=-1)  # [B] intp (int64 here)
+            if any(math.isnan(logits[row, token]) for row, token in enumerate(tokens.tolist())):
                 _raise_nan(logits)
             if all(q.logprobs is None for q in params):
-                return SampleOutput(tokens, np.full(len(tokens), np.nan, np.float32), [[] for _ in params])
+                return SampleOutput(tokens.astype(np.int64, copy=False), self._no_logprobs(len(tokens)),
+                                    [[] for _ in params])
         else:
             x = self.process(logits, params, output_tokens, prompt_tokens)
             tokens = x.argmax(axis=-1).astype(np.int64)  # the greedy rows' answer; sampled rows overwritten

@@ -87,10 +87,10 @@ class ContiguousBackend(ABC):
                 and (self.max_decode_batch is None or len(slots) <= self.max_decode_batch)):
             for row in step.rows:
                 self._check(row)
-            logits = self._run(slots[0], slots[-1] + 1, {row.slot: row.token_ids for row in step.rows})
+            logits = self._decode(slots[0], slots[-1] + 1, [row.token_ids[0] for row in step.rows])
             for slot in slots:
                 self.lengths[slot] += 1
-            return logits[:, -1]  # [B, V], a view
+            return logits
         out = np.empty((len(step.rows), self._vocab), np.float32)
         decodes = []
         for index, row in enumerate(step.rows):
@@ -130,6 +130,13 @@ class ContiguousBackend(ABC):
         if row.start + len(row.token_ids) > self._max_seq_len:
             raise ValueError(f"slot {row.slot}: {row.start + len(row.token_ids)} tokens exceed max_seq_len "
                              f"{self._max_seq_len}")
+
+    def _decode(self, lo: int, hi: int, tokens: list[int]) -> np.ndarray:
+        """One token per slot lo..hi-1 (every slot of the range has one: no dummy rows); logits [B, V]. The steady
+        decode step's path: a subclass may override it to fill its bound buffers straight from these lists."""
+        past = np.array(self.lengths[lo:hi], np.int64)
+        ids = np.array(tokens, np.int64)[:, None]
+        return self._forward(SlotBatch(lo, hi, ids, past[:, None], past, past + 1))[:, -1]
 
     def _run(self, lo: int, hi: int, work: dict[int, tuple[int, ...]]) -> np.ndarray:
         """Run ``work`` (tokens per slot) on slots lo..hi-1, idle slots with a dummy token; logits [B, W, V]."""

@@ -14,6 +14,7 @@ Dimension letters: B batch, S new tokens, T tokens seen (past + S), L buffer len
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -33,6 +34,9 @@ from moeforge.kv_layout import EXPERT_HITS, LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import CacheBinding, GraphTensor, cache_bindings, check_graph
+from moeforge.runtime.huge_pages import session_memory_on_huge_pages
+
+log = logging.getLogger(__name__)
 
 # ONNX Runtime type names -> numpy dtype names (the manifest's), for the types a KV cache can have.
 ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
@@ -66,7 +70,8 @@ def session_option(key: str, value: str) -> tuple[str, Any]:
 
 def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None, threads: int | None = None,
                  providers: list[str] | None = None, optimize: bool = True, profile: bool = False,
-                 session_config: Sequence[tuple[str, str]] = (), collectives: bool = False) -> ort.InferenceSession:
+                 session_config: Sequence[tuple[str, str]] = (), collectives: bool = False,
+                 huge_pages: bool = True) -> ort.InferenceSession:
     """An ONNX Runtime session of the graph at ``model_path``, or of ``graph``: an edited in-memory copy whose
     external weights are still read next to ``model_path``. ``session_config``: ONNX Runtime session config
     entries (``session.intra_op.allow_spinning`` = "0", ``session.disable_prepacking`` = "1", ...), applied as
@@ -74,7 +79,8 @@ def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None
     (``options.enable_mem_pattern`` = "0", ``options.graph_optimization_level`` = "extended", ...);
     ``optimize=False`` disables graph optimisation whatever ``options.graph_optimization_level`` says.
     ``collectives``: the graph is one rank of a sharded artifact; on CPU its AllReduce / AllGather nodes run on
-    torch.distributed (``runtime/collectives.py``; the process group must be initialised)."""
+    torch.distributed (``runtime/collectives.py``; the process group must be initialised). ``huge_pages``: the
+    memory the session allocates (its prepacked weights) goes on transparent huge pages (``runtime/huge_pages.py``)."""
     options = ort.SessionOptions()
     # Errors only: ONNX Runtime warns at every load that an input with a default (``logits_to_keep``) is not
     # constant-folded, which is the point of it; its other warnings on these graphs are advice for exporters.
@@ -104,7 +110,9 @@ def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None
                                          str(Path(model_path).parent))
         source = graph.SerializeToString()
     try:
-        session = ort.InferenceSession(source, options, providers=providers or default_providers())
+        with session_memory_on_huge_pages(huge_pages) as report:
+            session = ort.InferenceSession(source, options, providers=providers or default_providers())
+        log.debug("%s: huge pages %s", model_path, report)
     except BaseException:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
@@ -137,6 +145,8 @@ class DecodeBinding:
     ones: np.ndarray  # [L] int64 ones: batch 1's attention mask [1, T] is a view of its first T
     logits: np.ndarray  # [B, 1, V] float32, bound as the logits output (overwritten by the next run)
     values: list[ort.OrtValue]  # the cache views, kept alive with the binding
+    mask: np.ndarray  # [B * L] int64: batch > 1's attention mask [B, T] is a view of its first B * T
+    arange: np.ndarray  # [L] int64 0..L-1, compared with each row's total to fill ``mask``
 
 
 class OrtSession:
@@ -151,11 +161,11 @@ class OrtSession:
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, threads: int | None = None,
                  providers: list[str] | None = None, optimize: bool = True, graph: onnx.ModelProto | None = None,
                  profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-                 collectives: bool = False, lower: bool = True) -> None:
+                 collectives: bool = False, lower: bool = True, huge_pages: bool = True) -> None:
         """``kv_cache``: the artifact's ``manifest.kv_cache`` (contiguous). ``graph``: an edited in-memory copy of
         the graph at ``model_path`` (its weights are still read from the external data next to ``model_path``).
         ``collectives``: see ``make_session``. ``lower``: run SparseMLA nodes (DeepSeek-V3.2) through
-        plugins/sparse_mla/ort_lowering.py rather than their local function."""
+        plugins/sparse_mla/ort_lowering.py rather than their local function. ``huge_pages``: see ``make_session``."""
         if kv_cache.paged:
             raise ArtifactError(f"{model_path} has paged KV pools (kv_cache.block_size {kv_cache.block_size}); "
                                 "OrtSession binds contiguous caches: use onnxruntime_paged.PagedOrtBackend")
@@ -164,7 +174,8 @@ class OrtSession:
             source = graph if graph is not None else onnx.load(str(model_path), load_external_data=False)
             graph = lower_sparse_mla(source)
         self.session = make_session(model_path, graph=graph, threads=threads, providers=providers, optimize=optimize,
-                                    profile=profile, session_config=session_config, collectives=collectives)
+                                    profile=profile, session_config=session_config, collectives=collectives,
+                                    huge_pages=huge_pages)
         check_session(self.session, kv_cache, str(model_path))
         self.bindings: list[CacheBinding] = cache_bindings(kv_cache)
         # Overridable initializers are inputs with a default (``logits_to_keep``): fed only when wanted.
@@ -208,26 +219,35 @@ class OrtSession:
         io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         if self.track_experts:
             io.bind_output(EXPERT_HITS, "cpu")  # bound last: the last of get_outputs()
-        made = DecodeBinding(io, ids, positions, np.ones(self.capacity, np.int64), logits, values)
+        made = DecodeBinding(io, ids, positions, np.ones(self.capacity, np.int64), logits, values,
+                             np.empty(batch * self.capacity, np.int64), np.arange(self.capacity))
         self._decode_bindings[key] = made
         if len(self._decode_bindings) > self.MAX_DECODE_BINDINGS:
             self._decode_bindings.popitem(last=False)
         return made
 
-    def decode(self, lo: int, hi: int, ids: np.ndarray, positions: np.ndarray, totals: np.ndarray) -> np.ndarray:
-        """One token per cache row lo..hi-1: ids/positions [B] int64, totals [B] tokens each row attends to
-        (its past + 1). Returns logits [B, 1, V], a view the next ``decode`` on this range overwrites."""
+    def decode(self, lo: int, hi: int, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+               totals: Sequence[int] | np.ndarray) -> np.ndarray:
+        """One token per cache row lo..hi-1: ids/positions [B] (lists or int64 arrays), totals [B] tokens each row
+        attends to (its past + 1). Returns logits [B, 1, V], a view the next ``decode`` on this range overwrites.
+
+        The steady decode step runs here right after the previous step's kernels have swept the caches, when every
+        distinct numpy routine costs tens of microseconds: so it makes as few calls as it can (two buffer fills,
+        one mask view or comparison, one bind) and allocates nothing."""
         bound = self.decode_binding(lo, hi)
         bound.ids[:, 0] = ids
         bound.positions[:, 0] = positions
-        width = int(totals.max())
+        if isinstance(totals, np.ndarray):
+            totals = totals.tolist()
+        width = max(totals)
         if width > self.capacity:
             raise ValueError(f"{width} tokens exceed the cache capacity {self.capacity}")
         if "attention_mask" in self.input_names:
             if len(totals) == 1:
                 mask = bound.ones[:width].reshape(1, width)  # all ones: no work per step
-            else:
-                mask = (np.arange(width) < totals[:, None]).astype(np.int64)  # [B, T]
+            else:  # [B, T]: row b's first totals[b] ones, written into the binding's own buffer
+                mask = bound.mask[:len(totals) * width].reshape(len(totals), width)
+                np.less(bound.arange[:width], np.array(totals)[:, None], out=mask, casting="unsafe")
             bound.io.bind_cpu_input("attention_mask", mask)
         self.session.run_with_iobinding(bound.io)
         if self.track_experts:
@@ -314,10 +334,11 @@ class OrtBackend(ContiguousBackend):
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_slots: int, max_seq_len: int,
                  vocab_size: int, threads: int | None = None, providers: list[str] | None = None,
                  profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-                 track_expert_load: bool = False, collectives: bool = False) -> None:
+                 track_expert_load: bool = False, collectives: bool = False, huge_pages: bool = True) -> None:
         super().__init__(kv_cache, num_slots=num_slots, max_seq_len=max_seq_len, vocab_size=vocab_size)
         self._session = OrtSession(model_path, kv_cache=kv_cache, threads=threads, providers=providers,
-                                   profile=profile, session_config=session_config, collectives=collectives)
+                                   profile=profile, session_config=session_config, collectives=collectives,
+                                   huge_pages=huge_pages)
         self._experts = ExpertCounter.for_session(self._session.session) if track_expert_load else None
         self._session.track_experts = self._experts is not None
         self._profiling = profile
@@ -332,6 +353,12 @@ class OrtBackend(ContiguousBackend):
 
     def expert_load(self) -> np.ndarray | None:
         return None if self._experts is None else self._experts.counts.copy()
+
+    def _decode(self, lo: int, hi: int, tokens: list[int]) -> np.ndarray:
+        if self._experts is not None:  # expert counting reads the run's rows: the general path
+            return super()._decode(lo, hi, tokens)
+        past = self.lengths[lo:hi]
+        return self._session.decode(lo, hi, tokens, past, [p + 1 for p in past])[:, -1]
 
     def _forward(self, batch: SlotBatch) -> np.ndarray:
         if batch.ids.shape[1] == 1:  # a decode run: the cached binding of this slot range

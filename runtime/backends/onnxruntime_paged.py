@@ -107,14 +107,14 @@ def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[
 
 def _session(model_path: Path, *, threads: int | None, providers: list[str] | None, lower: bool = True,
              profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-             collectives: bool = False) -> ort.InferenceSession:
+             collectives: bool = False, huge_pages: bool = True) -> ort.InferenceSession:
     """A session of a paged graph, its PagedAttention / SparseMLAPaged nodes lowered for ONNX Runtime unless ``lower``
     is False."""
     graph = None
     if lower:  # PagedAttention and SparseMLAPaged nodes -> standard ops ONNX Runtime runs (their ort_lowering.py)
         graph = lower_sparse_mla(lower_for_ort(onnx.load(str(model_path), load_external_data=False)))
     return make_session(model_path, graph=graph, threads=threads, providers=providers, profile=profile,
-                        session_config=session_config, collectives=collectives)
+                        session_config=session_config, collectives=collectives, huge_pages=huge_pages)
 
 
 def _spec_pools(session: ort.InferenceSession, kv: KVCacheSpec, num_blocks: int, graph: str) -> BlockPools:
@@ -181,10 +181,10 @@ class PagedOrtBackend:
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_blocks: int, num_slots: int,
                  vocab_size: int, threads: int | None = None, providers: list[str] | None = None, lower: bool = True,
                  profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-                 track_expert_load: bool = False, collectives: bool = False) -> None:
+                 track_expert_load: bool = False, collectives: bool = False, huge_pages: bool = True) -> None:
         self.block_size = _block_size(kv_cache, model_path)
         self.session = _session(Path(model_path), threads=threads, providers=providers, lower=lower, profile=profile,
-                                session_config=session_config, collectives=collectives)
+                                session_config=session_config, collectives=collectives, huge_pages=huge_pages)
         self._pools = _spec_pools(self.session, kv_cache, num_blocks, str(model_path))
         self.pools = self._pools.arrays
         self._experts = ExpertCounter.for_session(self.session) if track_expert_load else None

@@ -1,0 +1,93 @@
+"""runtime/huge_pages.py: the memory a session allocates goes on transparent huge pages, only that memory, and the
+session computes the same; where huge pages cannot be used nothing is done and the report says why."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from moeforge.runtime.backends.onnxruntime import make_session
+from moeforge.runtime.engine import EngineConfig, EngineConfigError
+from moeforge.runtime.huge_pages import (
+    HUGE_PAGE,
+    anonymous_regions,
+    huge_bytes,
+    new_memory,
+    session_memory_on_huge_pages,
+    unavailable,
+)
+
+MAPS = """\
+7f0000000000-7f0000400000 rw-p 00000000 00:00 0
+7f0000400000-7f0000600000 r--p 00000000 00:00 0
+7f0000600000-7f0000800000 rw-s 00000000 00:05 12 /dev/zero (deleted)
+7f0000800000-7f0000a00000 rw-p 00001000 08:01 4242 /work/model.onnx.data
+55d000000000-55d000100000 rw-p 00000000 00:00 0 [heap]
+7ffc00000000-7ffc00100000 rw-p 00000000 00:00 0 [stack]
+"""
+
+
+def test_anonymous_regions_are_private_writable_and_unnamed(tmp_path: Path):
+    maps = tmp_path / "maps"
+    maps.write_text(MAPS)
+    assert anonymous_regions(maps) == {0x7F0000000000: 0x7F0000400000, 0x55D000000000: 0x55D000100000}
+
+
+def test_new_memory_is_what_appeared_or_grew():
+    before = {0x1000: 0x5000, 0x9000: 0xA000}
+    after = {0x1000: 0x8000, 0x9000: 0xA000, 0x20000: 0x30000}
+    assert new_memory(before, after) == [(0x5000, 0x8000), (0x20000, 0x30000)]
+    assert new_memory(after, after) == []
+
+
+def _matmul_model(rows: int, cols: int) -> onnx.ModelProto:
+    """Y = X @ W with a constant W [rows, cols]: ONNX Runtime prepacks W into memory it allocates at load."""
+    weight = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W"], ["Y"])], "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", rows])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", cols])],
+        [numpy_helper.from_array(weight, "W")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"no transparent huge pages here: {unavailable()}")
+def test_session_weights_go_on_huge_pages_and_compute_the_same(tmp_path: Path):
+    path = tmp_path / "matmul.onnx"
+    onnx.save(_matmul_model(2048, 2048), path)  # 16 MiB of weights
+    x = np.random.default_rng(1).standard_normal((3, 2048)).astype(np.float32)
+
+    before = huge_bytes()
+    plain = make_session(path, huge_pages=False)
+    assert huge_bytes() - before < 8 * HUGE_PAGE  # nothing advised: the weights stay on 4 KiB pages
+
+    with session_memory_on_huge_pages() as report:
+        huge = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert report.skipped is None and not report.errors
+    assert report.bytes_advised >= 12 * 2**20  # the prepacked 16 MiB, less partial huge pages at the ends
+    assert report.huge_bytes_after - report.huge_bytes_before >= 12 * 2**20  # collapsed now, not some day
+
+    # make_session's default does the same
+    before = huge_bytes()
+    default = make_session(path)
+    assert huge_bytes() - before >= 12 * 2**20
+
+    (want,) = plain.run(None, {"X": x})
+    for session in (huge, default):
+        (got,) = session.run(None, {"X": x})
+        np.testing.assert_array_equal(got, want)
+
+
+def test_disabled_does_nothing_and_says_so():
+    with session_memory_on_huge_pages(False) as report:
+        block = np.ones(16 << 20, np.uint8)  # noqa: F841 -- memory that appears inside the block
+    assert report.skipped == "huge_pages=False" and report.regions == 0 and report.bytes_advised == 0
+
+
+def test_engine_config_checks_huge_pages():
+    assert EngineConfig().huge_pages is True
+    with pytest.raises(EngineConfigError, match=r"huge_pages='no'\) must be True or False"):
+        EngineConfig(huge_pages="no")  # type: ignore[arg-type]
