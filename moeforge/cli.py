@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="onnxruntime for artifacts (default; a TensorRT artifact runs its engine on a CUDA GPU), "
                           "torch (the PyTorch reference) for checkpoints")
     run.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    run.add_argument("--no-huge-pages", action="store_true",
+                     help="keep the weights on 4 KiB pages (default: the memory the session allocates goes on "
+                          "transparent huge pages, Linux; faster decode, ~4 ms per MB more load time)")
     prompt = run.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenised with the model's tokenizer)")
     prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids, e.g. 1,2,3")
@@ -214,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-blocks", type=int, default=None,
                      help="KV-cache blocks (default: every running request can reach max_seq_len)")
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    srv.add_argument("--no-huge-pages", action="store_true",
+                     help="keep the weights on 4 KiB pages (default: the memory the session allocates goes on "
+                          "transparent huge pages, Linux; faster decode, ~4 ms per MB more load time)")
     srv.add_argument("--chat-template", type=Path, default=None,
                      help="Jinja chat template file to use instead of the tokenizer's")
     srv.add_argument("--served-model-name", default=None,
@@ -348,7 +354,7 @@ class _Printer:
 
 
 def _run_artifact(args: argparse.Namespace) -> int:
-    config = EngineConfig(max_num_seqs=1, threads=args.threads)
+    config = EngineConfig(max_num_seqs=1, threads=args.threads, huge_pages=not args.no_huge_pages)
     if is_sharded(args.model):
         return _sharded(args.model, lambda world: open_rank_backend(args.model, world, config)[0],
                         lambda backend: _generate(args, LLMEngine.from_artifact(Path(args.model) / rank_dir(0), config,
@@ -565,7 +571,8 @@ def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions
         artifact=Path(args.artifact), host=args.host, port=args.port, max_queued=args.max_queued,
         api_key=args.api_key if args.api_key is not None else os.environ.get("MOEFORGE_API_KEY") or None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_blocks=args.kv_blocks, threads=args.threads, chat_template=args.chat_template,
+        kv_blocks=args.kv_blocks, threads=args.threads, huge_pages=not args.no_huge_pages,
+        chat_template=args.chat_template,
         served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
         profile_steps=args.profile_steps, log_level=args.log_level)
 

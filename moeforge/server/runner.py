@@ -37,6 +37,7 @@ class ServeOptions:
     max_num_batched_tokens: int = 512
     kv_blocks: int | None = None
     threads: int | None = None
+    huge_pages: bool = True  # EngineConfig.huge_pages
     chat_template: Path | None = None
     served_model_name: str | None = None
     shutdown_timeout: int = 30  # seconds
@@ -67,7 +68,7 @@ def engine_config(options: ServeOptions) -> EngineConfig:
     """The engine settings ``options`` ask for (expert-load tracking is a no-op on artifacts without MoE)."""
     return EngineConfig(max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
                         kv_blocks=options.kv_blocks, threads=options.threads, profile=options.profile_steps > 0,
-                        track_expert_load=True)
+                        track_expert_load=True, huge_pages=options.huge_pages)
 
 
 def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:

@@ -91,3 +91,15 @@ def test_engine_config_checks_huge_pages():
     assert EngineConfig().huge_pages is True
     with pytest.raises(EngineConfigError, match=r"huge_pages='no'\) must be True or False"):
         EngineConfig(huge_pages="no")  # type: ignore[arg-type]
+
+
+def test_run_and_serve_pass_no_huge_pages_to_the_engine():
+    from moeforge.cli import _serve_options, build_parser
+    from moeforge.server.runner import engine_config
+
+    parser = build_parser()
+    for flags, expected in (([], True), (["--no-huge-pages"], False)):
+        serve = parser.parse_args(["serve", "artifacts/x", *flags])
+        assert engine_config(_serve_options(serve, check=False)).huge_pages is expected
+        run = parser.parse_args(["run", "artifacts/x", "--prompt", "hi", *flags])
+        assert run.no_huge_pages is not expected
