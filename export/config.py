@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,8 +19,10 @@ from typing import Any, Literal, cast, overload
 
 from moeforge.errors import ConfigError
 
-Family = Literal["deepseek_v3", "deepseek_v32", "deepseek_v2", "llama", "qwen2", "mistral", "qwen3_moe", "glm4_moe",
-                 "mixtral", "olmoe"]
+log = logging.getLogger(__name__)
+
+Family = Literal["deepseek_v3", "deepseek_v32", "deepseek_v2", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe",
+                 "glm4_moe", "mixtral", "olmoe"]
 RopeScaling = Literal["default", "linear", "yarn", "llama3"]
 ScoringFunc = Literal["softmax", "sigmoid"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
@@ -29,7 +32,7 @@ MLA_FAMILIES: tuple[str, ...] = ("deepseek_v3", "deepseek_v32", "deepseek_v2")
 DSA_FAMILIES: tuple[str, ...] = ("deepseek_v32",)
 # GQA attention with routed experts in every MoE layer (a config without experts is refused: use the dense family).
 MOE_GQA_FAMILIES: tuple[str, ...] = ("qwen3_moe", "glm4_moe", "mixtral", "olmoe")
-DENSE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+DENSE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*MLA_FAMILIES, *DENSE_FAMILIES, *MOE_GQA_FAMILIES)
 # config.json model_type values that name one of our families under another name. Kimi-K2 ships
 # "kimi_k2" with the DeepSeek-V3 architecture and DeepSeek-V3's keys (transformers maps it the same way).
@@ -636,7 +639,7 @@ class ModelConfig:
                     topk_method=cast(TopkMethod, hf.get("topk_method") or default_method),
                     n_group=_opt_int(hf, "n_group") or 1,
                     topk_group=_opt_int(hf, "topk_group") or 1,
-                    norm_topk_prob=_opt_bool(hf, "norm_topk_prob", False),
+                    norm_topk_prob=_deepseek_norm_topk_prob(hf, v3),
                     routed_scaling_factor=_opt_float(hf, "routed_scaling_factor", 1.0) or 1.0,
                 )
                 if hf.get("moe_layer_freq", 1) != 1:
@@ -652,21 +655,20 @@ class ModelConfig:
                 dsa=_dsa_from_hf(hf, need) if model_type in DSA_FAMILIES else None,
             )
 
-        head_dim = _opt_int(hf, "head_dim") or hidden // heads
+        # Qwen3Config's head_dim defaults to 128 (the others: hidden / heads)
+        head_dim = _opt_int(hf, "head_dim") or (128 if model_type == "qwen3" else hidden // heads)
         if common["rope"].interleaved:
             raise ConfigError("interleaved rope weights are only read for DeepSeek", field="rope_interleave")
         if model_type in MOE_GQA_FAMILIES:
             return cls(**common, **_moe_gqa_fields(hf, model_type, head_dim, need))
+        qk_norm: QKNorm = "none"
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False  # Qwen2 always has q/k/v biases and no o_proj bias
-            window = None
-            if _opt_bool(hf, "use_sliding_window", False):
-                if (_opt_int(hf, "max_window_layers") or 0) < common["num_hidden_layers"]:
-                    raise ConfigError(
-                        "Qwen2 sliding window on only some layers (max_window_layers) is not supported",
-                        field="max_window_layers",
-                    )
-                window = need("sliding_window")
+            window = _qwen_sliding_window(hf, common["num_hidden_layers"], need)
+        elif model_type == "qwen3":  # Qwen3: RMSNorm per head on q and k before RoPE; biases per attention_bias
+            qkv_bias = o_bias = attention_bias
+            qk_norm = "head"
+            window = _qwen_sliding_window(hf, common["num_hidden_layers"], need)
         else:
             qkv_bias = o_bias = attention_bias
             window = _opt_int(hf, "sliding_window") or None
@@ -677,7 +679,46 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             sliding_window=window,
+            qk_norm=qk_norm,
         )
+
+
+def _deepseek_norm_topk_prob(hf: dict[str, Any], v3: bool) -> bool:
+    """``norm_topk_prob`` as transformers v5 applies it: V3 (and V3.2) renormalise the top-k weights when it is set;
+    V2's router never does (DeepseekV2TopkRouter: softmax, top-k, times routed_scaling_factor), whatever the config
+    says -- released V2 checkpoints all say false. A V2 config that says true is followed as transformers runs it,
+    with a warning, since DeepSeek's own V2 code would renormalise (and then not scale)."""
+    value = _opt_bool(hf, "norm_topk_prob", False)
+    if value and not v3:
+        log.warning("deepseek_v2 config sets norm_topk_prob=true: transformers' DeepSeek-V2 router ignores it (the "
+                    "top-k softmax weights are not renormalised), and so does moeforge, to match it")
+    return value and v3
+
+
+def _qwen_sliding_window(hf: dict[str, Any], layers: int, need: Callable[..., int]) -> int | None:
+    """Qwen2's sliding window as transformers v5 applies it: the window exists only with ``use_sliding_window``, and
+    then applies to the layers ``layer_types`` marks "sliding_attention" (default: layers i >= ``max_window_layers``);
+    so the window is None when no layer slides, and a mix of sliding and full layers is refused by name."""
+    if not _opt_bool(hf, "use_sliding_window", False):
+        return None
+    window = need("sliding_window")
+    types = hf.get("layer_types")
+    if types is None:
+        first = _opt_int(hf, "max_window_layers")
+        first = 28 if first is None else first  # transformers' default
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= {"sliding_attention",
+                                                                                  "full_attention"}:
+        raise ConfigError(f"layer_types must list 'sliding_attention' or 'full_attention' for each of the {layers} "
+                          f"layers, got {_show(types)}", field="layer_types")
+    sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    if not sliding:
+        return None  # use_sliding_window, but max_window_layers >= num_hidden_layers: every layer attends fully
+    if len(sliding) < layers:
+        raise ConfigError(f"a sliding window on some layers only (layers {sliding[0]}..{sliding[-1]} of {layers}, from "
+                          "max_window_layers / layer_types) is not supported: moeforge applies one window to every "
+                          "layer or to none", field="max_window_layers")
+    return window
 
 
 # ---------------------------------------------------------------------------------------- GQA + MoE families

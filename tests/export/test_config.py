@@ -105,3 +105,55 @@ def test_qwen2_always_has_qkv_bias_and_mistral_keeps_its_window():
     assert qwen.qkv_bias and not qwen.o_proj_bias and qwen.sliding_window is None
     mistral = ModelConfig.from_hf_dict({"model_type": "mistral", "sliding_window": 16, **common})
     assert mistral.sliding_window == 16 and not mistral.qkv_bias
+
+
+QWEN_COMMON = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.parametrize(("fields", "window"), [
+    ({}, None),
+    ({"sliding_window": 16}, None),  # the window exists only with use_sliding_window
+    ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, 16),  # layers i >= 0: all
+    ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 4}, None),  # none
+    ({"use_sliding_window": True, "sliding_window": 16}, None),  # transformers' default max_window_layers 28
+    ({"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention"] * 4}, 16),
+    ({"use_sliding_window": False, "sliding_window": 16, "layer_types": ["sliding_attention"] * 4}, None),
+])
+def test_qwen_sliding_window_follows_transformers_layer_types(model_type, fields, window):
+    config = ModelConfig.from_hf_dict({"model_type": model_type, **QWEN_COMMON, **fields})
+    assert config.sliding_window == window
+
+
+@pytest.mark.parametrize("fields", [
+    {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2},
+    {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"] * 2},
+])
+def test_qwen_sliding_window_on_some_layers_is_refused_by_name(fields):
+    with pytest.raises(ConfigError, match=r"some layers only \(layers [0-9]+\.\.3 of 4") as caught:
+        ModelConfig.from_hf_dict({"model_type": "qwen2", **QWEN_COMMON, **fields})
+    assert caught.value.field == "max_window_layers"
+    with pytest.raises(ConfigError, match="layer_types must list"):
+        ModelConfig.from_hf_dict({"model_type": "qwen2", **QWEN_COMMON, "use_sliding_window": True,
+                                  "sliding_window": 16, "layer_types": ["sliding_attention"]})
+
+
+def test_qwen3_dense_has_head_qk_norm_and_transformers_head_dim_default():
+    config = ModelConfig.from_hf_dict({"model_type": "qwen3", **QWEN_COMMON})
+    assert config.qk_norm == "head" and config.head_dim == 128 and not config.qkv_bias and config.moe is None
+    biased = ModelConfig.from_hf_dict({"model_type": "qwen3", **QWEN_COMMON, "head_dim": 8, "attention_bias": True})
+    assert biased.head_dim == 8 and biased.qkv_bias and biased.o_proj_bias
+
+
+def test_deepseek_v2_norm_topk_prob_is_ignored_as_transformers_does(caplog):
+    v2 = {"model_type": "deepseek_v2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
+          "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": True}
+    with caplog.at_level("WARNING", logger="moeforge.export.config"):
+        config = ModelConfig.from_hf_dict(v2)
+    assert config.moe is not None and config.moe.norm_topk_prob is False
+    assert any("norm_topk_prob" in r.getMessage() and "ignores" in r.getMessage() for r in caplog.records)
+    v3 = ModelConfig.from_hf_dict({**v2, "model_type": "deepseek_v3"})
+    assert v3.moe is not None and v3.moe.norm_topk_prob is True

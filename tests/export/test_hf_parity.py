@@ -58,7 +58,52 @@ def _qwen2():
         num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True))
 
 
-BUILDERS = {"deepseek_v3": _deepseek_v3, "deepseek_v2": _deepseek_v2, "llama": _llama, "qwen2": _qwen2}
+def _qwen2_sliding_all():
+    """use_sliding_window with max_window_layers 0: every layer slides (window 8 < the 32-token prompt)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, use_sliding_window=True, sliding_window=8,
+        max_window_layers=0))
+
+
+def _qwen2_sliding_none():
+    """use_sliding_window, but max_window_layers >= layers: no layer slides (transformers v5 semantics)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, use_sliding_window=True, sliding_window=8,
+        max_window_layers=2))
+
+
+def _qwen3():
+    """Qwen3 dense: per-head q/k RMSNorm, head_dim 32 != hidden / heads, q/k/v/o biases, untied head."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, attention_bias=True, max_position_embeddings=512,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
+def _deepseek_v2_norm_topk():
+    """norm_topk_prob=True on DeepSeek-V2, which transformers' V2 router ignores (it always scales, never
+    renormalises): the config field must not change the model."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    return DeepseekV2ForCausalLM(DeepseekV2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=2.0, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
+        qk_nope_head_dim=16, num_experts_per_tok=3, first_k_dense_replace=0, norm_topk_prob=True,
+        topk_method="greedy", max_position_embeddings=512))
+
+
+BUILDERS = {"deepseek_v3": _deepseek_v3, "deepseek_v2": _deepseek_v2, "llama": _llama, "qwen2": _qwen2,
+            "qwen2_sliding_all": _qwen2_sliding_all, "qwen2_sliding_none": _qwen2_sliding_none, "qwen3": _qwen3,
+            "deepseek_v2_norm_topk": _deepseek_v2_norm_topk}
 
 
 @torch.no_grad()
@@ -100,7 +145,7 @@ def test_logits_match_transformers(saved):
     impls = ["absorb", "naive"] if kind.startswith("deepseek") else ["absorb"]
     for impl in impls:
         loaded = load_model(str(folder), mla_impl=impl)
-        assert loaded.config.model_type == kind
+        assert loaded.config.model_type == hf_model.config.model_type
         got = loaded.model(ids, torch.arange(PROMPT_LEN)[None]).logits
         assert expected.abs().max() > 0.5  # logits with real spread, not a flat distribution
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
