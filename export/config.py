@@ -888,6 +888,11 @@ def _rope_from_hf(hf: dict[str, Any], max_positions: int, interleaved_default: b
     factor = _opt_float(merged, "factor", None, prefix)
     original = _opt_int(merged, "original_max_position_embeddings", None, "original_max_position_embeddings",
                         prefix)
+    if kind in ("yarn", "llama3"):
+        # As transformers' standardize_rope_params: a top-level original_max_position_embeddings (Phi-3 style) wins
+        # over the one inside the rope dict, and without either the pretraining length is max_position_embeddings.
+        top = _opt_int(hf, "original_max_position_embeddings", None, "original_max_position_embeddings")
+        original = top or original or max_positions
     if factor is None and kind == "yarn" and original:
         factor = max_positions / original
     if factor is None:

@@ -49,13 +49,15 @@ DESCRIPTION = ("Compile LLMs into ONNX Runtime (--target ort) or TensorRT (--tar
 
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """Appends each option's default to its help, unless it is None / False or the help already says it."""
+    """Appends each option's default to its help, unless it is None / False, the help already says it, or the
+    option is a switch (store_true / store_false: its default is just "not given")."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
+        switch = isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction)
         if (action.option_strings and default is not None and default is not False and default is not argparse.SUPPRESS
-                and "default" not in text):
+                and "default" not in text and not switch):
             text += " (default: %(default)s)"
         return text
 

@@ -157,3 +157,16 @@ def test_deepseek_v2_norm_topk_prob_is_ignored_as_transformers_does(caplog):
     assert any("norm_topk_prob" in r.getMessage() and "ignores" in r.getMessage() for r in caplog.records)
     v3 = ModelConfig.from_hf_dict({**v2, "model_type": "deepseek_v3"})
     assert v3.moe is not None and v3.moe.norm_topk_prob is True
+
+
+@pytest.mark.parametrize("kind", ["yarn", "llama3"])
+def test_rope_pretraining_length_defaults_as_transformers(kind):
+    """transformers' standardize_rope_params: a top-level original_max_position_embeddings (Phi-3 style) wins over
+    the rope dict's; without either, the pretraining length is max_position_embeddings."""
+    rope = {"rope_type": kind, "rope_theta": 10000.0, "factor": 4.0}
+    base = {"model_type": "llama", **QWEN_COMMON, "max_position_embeddings": 256}
+    assert ModelConfig.from_hf_dict({**base, "rope_parameters": rope}).rope.original_max_position_embeddings == 256
+    inside = {**rope, "original_max_position_embeddings": 64}
+    assert ModelConfig.from_hf_dict({**base, "rope_parameters": inside}).rope.original_max_position_embeddings == 64
+    top = {**base, "rope_parameters": inside, "original_max_position_embeddings": 32}
+    assert ModelConfig.from_hf_dict(top).rope.original_max_position_embeddings == 32
