@@ -21,18 +21,18 @@ from moeforge.bench import run_bench, write_result
 from moeforge.compile import CompileOptions, ParityCheckFailed, compile_model
 from moeforge.errors import MoeforgeError
 from moeforge.export.generate import SamplingConfig, generate_stream
-from moeforge.export.loader import load_config, load_model
+from moeforge.export.loader import LoadedModel, load_config, load_model
 from moeforge.export.tokenizer import Tokenizer
 from moeforge.golden import check_engine
 from moeforge.inspect import summarize
 from moeforge.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.launch import World, open_rank_backend, open_rank_session, run_worker, sharded_backend, start_world
 from moeforge.parity import (
+    TorchReference,
     compare_with_reference,
     default_prompt,
     layer_table,
     run_layer_parity,
-    run_parity,
     torch_reference,
 )
 from moeforge.quant.schemes import ACCURACY_LEVELS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
@@ -185,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also compare every decoder layer's output and name the first that diverges")
     par.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
                      help="tensorrt: run the artifact's engine (GPU) on its golden inputs and compare")
+    par.add_argument("--reference", choices=["torch", "transformers"], default="torch",
+                     help="what the artifact is compared with: moeforge's PyTorch model, or Hugging Face transformers "
+                          "running the source checkpoint (an independent implementation: also proves the checkpoint "
+                          "and its config were read as transformers reads them)")
     par.add_argument("--json", action="store_true")
     par.add_argument("--no-weight-check", dest="check_weights", action="store_false",
                      help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
@@ -457,29 +461,47 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     if artifact.manifest.engine is not None:
         raise MoeforgeError(_tensorrt_only(args.artifact, artifact.manifest.source,
                                            "parity against PyTorch runs ONNX Runtime artifacts, not engines"))
-    loaded = load_model(args.model or artifact.manifest.source, mla_impl="absorb", check_finite=args.check_weights)
     if args.prompt_len < 1 or args.steps < 0:
         raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
     if args.prompt_len + args.steps + 1 > artifact.manifest.kv_cache.max_seq_len:
         raise MoeforgeError(f"--prompt-len + --steps exceeds the artifact's max_seq_len "
                             f"({artifact.manifest.kv_cache.max_seq_len})")
-    prompt = default_prompt(loaded.config.vocab_size, args.prompt_len, args.seed)
-    report = run_parity(artifact.model_path, artifact.manifest.kv_cache, loaded.model, prompt, decode_steps=args.steps,
-                        precision=artifact.manifest.precision)
-    result = report.to_dict()
+    if args.per_layer and args.reference == "transformers":
+        raise MoeforgeError("--per-layer compares each layer with moeforge's PyTorch model: drop --reference "
+                            "transformers (or run the two checks one after the other)")
+    reference, loaded = _parity_reference(args, args.model or artifact.manifest.source)
+    report = compare_with_reference(artifact.model_path, artifact.manifest.kv_cache, reference,
+                                    precision=artifact.manifest.precision)
+    result = {**report.to_dict(), "reference": args.reference}
     passed = report.passed
     layer_text = ""
     if args.per_layer:
+        assert loaded is not None  # the torch reference
         if not artifact.manifest.layer_outputs:
             raise MoeforgeError("this artifact records no layer outputs; recompile it to use --per-layer")
         rows, first = run_layer_parity(artifact.model_path, artifact.manifest.kv_cache, artifact.manifest.layer_outputs,
-                                       loaded.model, prompt)
+                                       loaded.model, reference.prompt_ids)
         result["layers"] = [vars(row) for row in rows]
         result["first_diverging_layer"] = first
         layer_text = "\n" + layer_table(rows, first)
         passed = passed and first is None
-    print(json.dumps(result, indent=2) if args.json else report.table() + layer_text)
+    text = f"reference: {args.reference}\n" + report.table() + layer_text
+    print(json.dumps(result, indent=2) if args.json else text)
     return EXIT_OK if passed else EXIT_CHECK_FAILED
+
+
+def _parity_reference(args: argparse.Namespace, spec: str) -> tuple[TorchReference, LoadedModel | None]:
+    """The greedy reference run ``--reference`` names, on ``spec``'s checkpoint: moeforge's PyTorch model (returned
+    too, for --per-layer) or transformers running the checkpoint (``moeforge/transformers_reference.py``)."""
+    if args.reference == "transformers":
+        from moeforge.transformers_reference import load_transformers_model, transformers_reference
+
+        model = load_transformers_model(spec)
+        prompt = default_prompt(int(model.config.vocab_size), args.prompt_len, args.seed)
+        return transformers_reference(model, prompt, args.steps), None
+    loaded = load_model(spec, mla_impl="absorb", check_finite=args.check_weights)
+    prompt = default_prompt(loaded.config.vocab_size, args.prompt_len, args.seed)
+    return torch_reference(loaded.model, prompt, args.steps), loaded
 
 
 def _sharded_parity(args: argparse.Namespace) -> int:
@@ -494,14 +516,12 @@ def _sharded_parity(args: argparse.Namespace) -> int:
 
     def main(session: Any) -> int:
         manifest = load_artifact(Path(args.artifact) / rank_dir(0), verify=False).manifest
-        loaded = load_model(args.model or sharded.source, mla_impl="absorb", check_finite=args.check_weights)
-        prompt = default_prompt(loaded.config.vocab_size, args.prompt_len, args.seed)
-        reference = torch_reference(loaded.model, prompt, args.steps)
+        reference, _ = _parity_reference(args, args.model or sharded.source)
         report = compare_with_reference(Path(args.artifact) / rank_dir(0) / "model.onnx", manifest.kv_cache,
                                         reference, precision=manifest.precision, session=session)
-        result = {**report.to_dict(), "tp": sharded.tp, "ep": sharded.ep}
+        result = {**report.to_dict(), "tp": sharded.tp, "ep": sharded.ep, "reference": args.reference}
         print(json.dumps(result, indent=2) if args.json else
-              f"sharded tp {sharded.tp} ep {sharded.ep}\n" + report.table())
+              f"sharded tp {sharded.tp} ep {sharded.ep}, reference: {args.reference}\n" + report.table())
         return EXIT_OK if report.passed else EXIT_CHECK_FAILED
 
     return _sharded(args.artifact, lambda world: open_rank_session(args.artifact, world, max_len)[0], main,
