@@ -42,6 +42,7 @@ from moeforge.server import ServeOptions, serve
 from moeforge.server.runner import engine_config, model_name
 from moeforge.sharded import is_sharded, rank_dir, read_sharded
 from moeforge.targets import TARGETS
+from moeforge.transformers_reference import load_transformers_model, transformers_reference
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 DESCRIPTION = ("Compile LLMs into ONNX Runtime (--target ort) or TensorRT (--target trt) artifacts, run them, and "
@@ -494,8 +495,6 @@ def _parity_reference(args: argparse.Namespace, spec: str) -> tuple[TorchReferen
     """The greedy reference run ``--reference`` names, on ``spec``'s checkpoint: moeforge's PyTorch model (returned
     too, for --per-layer) or transformers running the checkpoint (``moeforge/transformers_reference.py``)."""
     if args.reference == "transformers":
-        from moeforge.transformers_reference import load_transformers_model, transformers_reference
-
         model = load_transformers_model(spec)
         prompt = default_prompt(int(model.config.vocab_size), args.prompt_len, args.seed)
         return transformers_reference(model, prompt, args.steps), None

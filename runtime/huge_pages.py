@@ -8,8 +8,11 @@ after a session is built, the anonymous memory regions that appeared while build
 initializers, arenas) are advised ``MADV_HUGEPAGE`` and collapsed into 2 MiB pages at once with ``MADV_COLLAPSE``
 (Linux 6.1+; on older kernels khugepaged collapses them later). ``benchmarks/huge_pages.py`` measures the effect.
 
-Only memory the session allocated is touched, never file mappings or the rest of the process. Where the kernel
-has no transparent huge pages, or the platform is not Linux, nothing is done and the result says why.
+Only memory the session allocated is touched, never file mappings or the rest of the process: regions that
+appeared, the part a region grew by, and regions whose resident memory grew. Memory the allocator hands out again
+from earlier frees without it leaving RAM (glibc's heap in a process that loaded and dropped models before) is not
+seen, and stays on the pages it had; a fresh process, as a deployment starts, gets all of it. Where the kernel has
+no transparent huge pages, or the platform is not Linux, nothing is done and the result says why.
 """
 
 from __future__ import annotations
@@ -44,29 +47,49 @@ class HugePageReport:
     errors: list[str] = field(default_factory=list)
 
 
-def anonymous_regions(maps: Path = Path("/proc/self/maps")) -> dict[int, int]:
-    """{start: end} of the process's private, writable, anonymous mappings (heap included)."""
-    regions = {}
-    for line in maps.read_text().splitlines():
+@dataclass(frozen=True)
+class Region:
+    """One private anonymous mapping: [start, end) and the bytes of it resident in memory."""
+
+    start: int
+    end: int
+    resident: int
+
+
+def anonymous_regions(smaps: Path = Path("/proc/self/smaps")) -> dict[int, Region]:
+    """{start: Region} of the process's private, writable, anonymous mappings (heap included), with their
+    resident bytes."""
+    regions: dict[int, Region] = {}
+    current: tuple[int, int] | None = None
+    for line in smaps.read_text().splitlines():
         parts = line.split(maxsplit=5)
-        perms, inode = parts[1], parts[4]
-        name = parts[5].strip() if len(parts) > 5 else ""
-        if perms.startswith("rw") and perms.endswith("p") and inode == "0" and name in ("", "[heap]"):
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            regions[start] = end
+        if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):  # a mapping's header line
+            perms, inode = parts[1], parts[4]
+            name = parts[5].strip() if len(parts) > 5 else ""
+            current = None
+            if perms.startswith("rw") and perms.endswith("p") and inode == "0" and name in ("", "[heap]"):
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                current = (start, end)
+        elif parts[0] == "Rss:" and current is not None:
+            regions[current[0]] = Region(current[0], current[1], int(parts[1]) * 1024)
+            current = None
     return regions
 
 
-def new_memory(before: dict[int, int], after: dict[int, int]) -> list[tuple[int, int]]:
-    """[start, end) ranges in ``after`` not covered by ``before``: regions that appeared, or the part a region
-    grew by (the heap)."""
+def new_memory(before: dict[int, Region], after: dict[int, Region],
+               min_growth: int = 8 * HUGE_PAGE) -> list[tuple[int, int]]:
+    """[start, end) ranges of ``after`` holding memory allocated since ``before``: regions that appeared, the part a
+    region grew by, and whole regions whose resident memory grew by ``min_growth`` or more (an allocator that
+    reused address space it had already mapped, e.g. glibc's heap after earlier frees)."""
     ranges = []
-    for start, end in sorted(after.items()):
-        old_end = before.get(start)
-        if old_end is None:
-            ranges.append((start, end))
-        elif end > old_end:
-            ranges.append((old_end, end))
+    for start, region in sorted(after.items()):
+        old = before.get(start)
+        if old is None:
+            ranges.append((start, region.end))
+        elif region.resident - old.resident >= min_growth:
+            ranges.append((start, region.end))
+        elif region.end > old.end:
+            ranges.append((old.end, region.end))
     return ranges
 
 
