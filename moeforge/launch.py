@@ -125,11 +125,13 @@ def open_rank_backend(path: str | Path, world: World, config: Any) -> tuple[Back
     if kv.paged:
         backend = PagedOrtBackend(artifact.model_path, kv_cache=kv, num_blocks=blocks, num_slots=slots,
                                   vocab_size=vocab, threads=config.threads, providers=providers,
-                                  session_config=config.session_config, collectives=True)
+                                  session_config=config.session_config, collectives=True,
+                                  huge_pages=config.huge_pages)
     else:
         backend = OrtBackend(artifact.model_path, kv_cache=kv, num_slots=slots, max_seq_len=kv.max_seq_len,
                              vocab_size=vocab, threads=config.threads, providers=providers,
-                             session_config=config.session_config, collectives=True)
+                             session_config=config.session_config, collectives=True,
+                             huge_pages=config.huge_pages)
     return backend, artifact
 
 

@@ -71,7 +71,7 @@ def session_option(key: str, value: str) -> tuple[str, Any]:
 def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None, threads: int | None = None,
                  providers: list[str] | None = None, optimize: bool = True, profile: bool = False,
                  session_config: Sequence[tuple[str, str]] = (), collectives: bool = False,
-                 huge_pages: bool = True) -> ort.InferenceSession:
+                 huge_pages: bool = False) -> ort.InferenceSession:
     """An ONNX Runtime session of the graph at ``model_path``, or of ``graph``: an edited in-memory copy whose
     external weights are still read next to ``model_path``. ``session_config``: ONNX Runtime session config
     entries (``session.intra_op.allow_spinning`` = "0", ``session.disable_prepacking`` = "1", ...), applied as
@@ -80,7 +80,9 @@ def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None
     ``optimize=False`` disables graph optimisation whatever ``options.graph_optimization_level`` says.
     ``collectives``: the graph is one rank of a sharded artifact; on CPU its AllReduce / AllGather nodes run on
     torch.distributed (``runtime/collectives.py``; the process group must be initialised). ``huge_pages``: the
-    memory the session allocates (its prepacked weights) goes on transparent huge pages (``runtime/huge_pages.py``)."""
+    memory the session allocates (its prepacked weights) goes on transparent huge pages (``runtime/huge_pages.py``).
+    Off here because it costs ~4 ms per MB at load and pays back only over many decode steps: one-shot sessions
+    (golden logits, --check, parity) leave it off; the engine's backends turn it on (``EngineConfig.huge_pages``)."""
     options = ort.SessionOptions()
     # Errors only: ONNX Runtime warns at every load that an input with a default (``logits_to_keep``) is not
     # constant-folded, which is the point of it; its other warnings on these graphs are advice for exporters.
@@ -161,7 +163,7 @@ class OrtSession:
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, threads: int | None = None,
                  providers: list[str] | None = None, optimize: bool = True, graph: onnx.ModelProto | None = None,
                  profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-                 collectives: bool = False, lower: bool = True, huge_pages: bool = True) -> None:
+                 collectives: bool = False, lower: bool = True, huge_pages: bool = False) -> None:
         """``kv_cache``: the artifact's ``manifest.kv_cache`` (contiguous). ``graph``: an edited in-memory copy of
         the graph at ``model_path`` (its weights are still read from the external data next to ``model_path``).
         ``collectives``: see ``make_session``. ``lower``: run SparseMLA nodes (DeepSeek-V3.2) through

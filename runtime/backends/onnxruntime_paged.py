@@ -107,7 +107,7 @@ def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[
 
 def _session(model_path: Path, *, threads: int | None, providers: list[str] | None, lower: bool = True,
              profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-             collectives: bool = False, huge_pages: bool = True) -> ort.InferenceSession:
+             collectives: bool = False, huge_pages: bool = False) -> ort.InferenceSession:
     """A session of a paged graph, its PagedAttention / SparseMLAPaged nodes lowered for ONNX Runtime unless ``lower``
     is False."""
     graph = None
