@@ -140,6 +140,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     interleaved: bool = False
+    # Per-frequency divisors of inv_freq [D/2] (llama.cpp's rope_freqs.weight: a GGUF of a Llama-3.x model carries
+    # its llama3 scaling as these factors, not as parameters). With default or linear scaling only.
+    frequency_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -373,6 +376,10 @@ class ModelConfig:
         if self.rope_dim % 2:
             raise ConfigError(f"the rotary dimension ({self.rope_dim}) must be even", field="head_dim")
         self._validate_rope(self.rope)
+        factors = self.rope.frequency_factors
+        if factors is not None and len(factors) != self.rope_dim // 2:
+            raise ConfigError(f"rope frequency factors: {len(factors)} given, the rotary dimension {self.rope_dim} "
+                              f"has {self.rope_dim // 2} frequencies", field="rope_freqs")
         if self.moe is not None:
             if not isinstance(self.moe, MoEConfig):
                 raise ConfigError(f"moe must be a MoEConfig, got {_show(self.moe)}", field="moe")
@@ -452,6 +459,15 @@ class ModelConfig:
                 if getattr(rope, name) <= 0:
                     raise ConfigError(f"rope_scaling.{name} must be > 0, got {getattr(rope, name)}",
                                       field=f"rope_scaling.{name}")
+        if rope.frequency_factors is not None:
+            if not isinstance(rope.frequency_factors, tuple) or not rope.frequency_factors:
+                raise ConfigError(f"rope frequency factors must be a non-empty tuple of numbers, got "
+                                  f"{_show(rope.frequency_factors)}", field="rope_freqs")
+            for i, value in enumerate(rope.frequency_factors):
+                check_float(value, f"rope_freqs[{i}]", positive=True)
+            if rope.scaling not in ("default", "linear"):
+                raise ConfigError(f"rope frequency factors combine with default or linear scaling only, not "
+                                  f"{rope.scaling} (which computes its own per-frequency scaling)", field="rope_freqs")
         if rope.scaling == "llama3" and not 0 < rope.low_freq_factor < rope.high_freq_factor:
             # Llama-3 smoothing divides by (high_freq_factor - low_freq_factor) and by each factor.
             raise ConfigError(
@@ -526,7 +542,10 @@ class ModelConfig:
         """Inverse of ``to_dict``."""
         try:
             data = dict(data)
-            data["rope"] = RopeConfig(**data.get("rope", {}))
+            rope = dict(data.get("rope", {}))
+            if rope.get("frequency_factors") is not None:
+                rope["frequency_factors"] = tuple(rope["frequency_factors"])  # JSON gives a list
+            data["rope"] = RopeConfig(**rope)
             data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
             moe = dict(data["moe"]) if data.get("moe") else None
             if moe is not None and "dense_layers" in moe:

@@ -1,12 +1,15 @@
-"""Read a llama.cpp GGUF checkpoint (Llama architecture) into our config and HF-named float32 tensors.
+"""Read a llama.cpp GGUF checkpoint (dense Llama, Qwen2, Qwen3) into our config and HF-named float32 tensors.
 
 The ``gguf`` package does the parsing (``GGUFReader`` memory-maps the file) and the dequantisation
-(``gguf.quants.dequantize``); this module maps llama.cpp's metadata keys and tensor names to ours
-and undoes the one layout change llama.cpp makes: the rotary row permutation of Q and K.
+(``gguf.quants.dequantize``: every storage type it implements, K-quants and i-quants included); this module maps
+llama.cpp's metadata keys and tensor names to ours and undoes the layout changes llama.cpp's converter makes: the
+rotary row permutation of Llama's Q and K, and Llama-3.x rope scaling folded into ``rope_freqs.weight``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import re
 from collections.abc import Iterator, Mapping
@@ -16,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from moeforge.errors import CheckpointError, ConfigError
@@ -25,8 +28,28 @@ from .config import ModelConfig, RopeConfig, check_float, check_int
 from .tokenizer import gguf_end_of_generation_ids
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
-SUPPORTED_TENSOR_TYPES: tuple[str, ...] = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+# GGUF general.architecture -> (our model_type, whether llama.cpp's converter permuted Q/K rows). The converter
+# permutes for its LlamaModel only; Qwen2/Qwen3 keep HF's rotate_half row order (llama.cpp runs them as NEOX rope).
+_ARCHITECTURES: dict[str, tuple[str, bool]] = {"llama": ("llama", True), "qwen2": ("qwen2", False),
+                                               "qwen3": ("qwen3", False)}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
+
+
+@functools.cache
+def supported_tensor_types() -> tuple[str, ...]:
+    """GGML storage types the installed ``gguf`` package dequantises (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants,
+    the i-quants, ...): probed with one zero block each, so a newer ``gguf`` brings its new types along."""
+    names = []
+    for qtype in GGMLQuantizationType:
+        if qtype not in GGML_QUANT_SIZES:
+            continue
+        try:
+            dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+        except Exception:  # NotImplementedError for the integer types and the few without a numpy dequantiser
+            continue
+        names.append(qtype.name)
+    return tuple(names)
+
 
 # llama.cpp tensor names (gguf.constants.TENSOR_NAMES for LLM_ARCH_LLAMA) -> our HF Llama names.
 _GLOBAL_NAMES = {
@@ -45,6 +68,8 @@ _BLOCK_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -154,7 +179,8 @@ class GGUFCheckpoint:
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Parse a Llama GGUF: config from metadata, tensor index (nothing dequantised yet), tokenizer keys.
+    """Parse a dense Llama / Qwen2 / Qwen3 GGUF: config from metadata, tensor index (nothing dequantised yet),
+    tokenizer keys.
 
     Raises ``CheckpointError`` for a missing, non-GGUF, truncated or inconsistent file and
     ``ConfigError`` for an unsupported architecture or missing/unsupported metadata.
@@ -184,10 +210,10 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     file_size = path.stat().st_size
     by_name: dict[str, ReaderTensor] = {}
     for tensor in reader.tensors:
-        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+        if tensor.tensor_type.name not in supported_tensor_types():
             raise CheckpointError(
-                f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which moeforge does not "
-                f"dequantise; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+                f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the installed gguf "
+                f"package cannot dequantise; supported: {', '.join(supported_tensor_types())}"
             )
         # The reader slices the memory map without checking its end: a cut file gives short arrays.
         if tensor.data.nbytes != tensor.n_bytes or tensor.data_offset + tensor.n_bytes > file_size:
@@ -197,8 +223,12 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
             )
         by_name[tensor.name] = tensor
 
-    config = _config_from_metadata(metadata, tokenizer_metadata, set(by_name), name=path.stem)
-    entries = _map_tensors(path, config, by_name)
+    # Llama-3.x: the converter folds rope_scaling (llama3) into per-frequency divisors; read them as such.
+    rope_freqs = by_name.pop("rope_freqs.weight", None)
+    factors = None if rope_freqs is None else _frequency_factors(path, rope_freqs)
+    config = _config_from_metadata(metadata, tokenizer_metadata, set(by_name), name=path.stem,
+                                   frequency_factors=factors)
+    entries = _map_tensors(path, config, by_name, permuted=_ARCHITECTURES[arch][1])
     return GGUFCheckpoint(
         path=path,
         config=config,
@@ -254,8 +284,18 @@ def _uniform(key: str, value: Any) -> Any:
     return value
 
 
+def _frequency_factors(path: Path, tensor: ReaderTensor) -> tuple[float, ...]:
+    """``rope_freqs.weight`` [D/2]: llama.cpp divides each rotary frequency by its factor."""
+    try:
+        values = dequantize(tensor.data.reshape(1, -1), tensor.tensor_type).reshape(-1)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot read rope_freqs.weight: {exc}") from exc
+    return tuple(float(v) for v in values)
+
+
 def _config_from_metadata(
-    meta: dict[str, Any], tok_meta: dict[str, Any], tensor_names: set[str], name: str
+    meta: dict[str, Any], tok_meta: dict[str, Any], tensor_names: set[str], name: str,
+    frequency_factors: tuple[float, ...] | None = None,
 ) -> ModelConfig:
     arch = meta["general.architecture"]
 
@@ -280,14 +320,9 @@ def _config_from_metadata(
     if get("expert_count", 0):
         raise ConfigError(
             f"GGUF {arch} model with experts ({arch}.expert_count={get('expert_count')}, e.g. Mixtral) is not "
-            "supported; only dense Llama GGUFs are read",
+            f"supported; the GGUFs read are dense ({', '.join(SUPPORTED_ARCHITECTURES)}): compile the HF "
+            "safetensors checkpoint of an MoE model instead",
             field=f"{arch}.expert_count",
-        )
-    if "rope_freqs.weight" in tensor_names:
-        raise ConfigError(
-            "GGUF has per-frequency rope factors (rope_freqs.weight, Llama-3.1-style rope scaling), whose "
-            "parameters the file does not state; not supported",
-            field="rope_freqs.weight",
         )
 
     layers = need_int("block_count", "num_hidden_layers")
@@ -310,7 +345,7 @@ def _config_from_metadata(
     rope_dims = get_int("rope.dimension_count", head_dim, "head_dim")
     if rope_dims != head_dim:
         raise ConfigError(f"partial rotary embeddings (rope.dimension_count {rope_dims} < head_dim {head_dim}) "
-                          "are not supported for llama", field=f"{arch}.rope.dimension_count")
+                          f"are not supported for {arch}", field=f"{arch}.rope.dimension_count")
 
     if "tokenizer.ggml.tokens" in tok_meta:
         tokens = tok_meta["tokenizer.ggml.tokens"]
@@ -325,8 +360,11 @@ def _config_from_metadata(
 
     bos = tok_meta.get("tokenizer.ggml.bos_token_id")
     general_name = meta.get("general.name")
+    rope = _rope_from_metadata(arch, meta)
+    if frequency_factors is not None:
+        rope = dataclasses.replace(rope, frequency_factors=frequency_factors)
     return ModelConfig(
-        model_type="llama",
+        model_type=_ARCHITECTURES[arch][0],  # type: ignore[arg-type]  # one of config.Family
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=need_int("feed_forward_length", "intermediate_size"),
@@ -341,7 +379,8 @@ def _config_from_metadata(
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_proj_bias="blk.0.attn_output.bias" in tensor_names,
-        rope=_rope_from_metadata(arch, meta),
+        qk_norm="head" if "blk.0.attn_q_norm.weight" in tensor_names else "none",  # qwen3: RMSNorm per head
+        rope=rope,
         bos_token_id=check_int(bos, "tokenizer.ggml.bos_token_id", "token_id") if bos is not None else None,
         eos_token_ids=gguf_end_of_generation_ids(tok_meta),
         name=general_name if isinstance(general_name, str) and general_name else name,
@@ -419,11 +458,14 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.v_proj.bias": (kv,)}
         if cfg.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.qk_norm == "head":
+            shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
     return shapes
 
 
-def _map_tensors(path: Path, cfg: ModelConfig, by_name: dict[str, ReaderTensor]
+def _map_tensors(path: Path, cfg: ModelConfig, by_name: dict[str, ReaderTensor], permuted: bool
                  ) -> dict[str, tuple[ReaderTensor, int | None]]:
+    # permuted: llama.cpp's converter interleaved the Q/K rows (Llama), and each head's rows are unpermuted here.
     entries: dict[str, tuple[ReaderTensor, int | None]] = {}
     for gguf_name, tensor in by_name.items():
         heads: int | None = None
@@ -432,11 +474,11 @@ def _map_tensors(path: Path, cfg: ModelConfig, by_name: dict[str, ReaderTensor]
         else:
             match = _BLOCK_RE.fullmatch(gguf_name)
             if match is None or match.group(2) not in _BLOCK_NAMES:
-                raise CheckpointError(f"{path}: unexpected tensor {gguf_name!r} in a llama GGUF")
+                raise CheckpointError(f"{path}: unexpected tensor {gguf_name!r} in a {cfg.model_type} GGUF")
             ours = f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
-            if match.group(2).startswith("attn_q."):
+            if permuted and match.group(2).startswith("attn_q."):
                 heads = cfg.num_attention_heads
-            elif match.group(2).startswith("attn_k."):
+            elif permuted and match.group(2).startswith("attn_k."):
                 heads = cfg.num_key_value_heads
         entries[ours] = (tensor, heads)
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from moeforge.errors import CheckpointError, MoeforgeError
+from moeforge.errors import CheckpointError, MoeforgeError, TokenizerError
 from moeforge.export.config import ModelConfig
 from moeforge.export.gguf_loader import find_smollm2_gguf, read_gguf
 from moeforge.export.mla import MLAImpl
@@ -126,8 +126,14 @@ def load_model(
 
     checkpoint = read_gguf(source.location)
     model = build_from_tensors(checkpoint.config, checkpoint.tensors.items(), mla_impl, dtype, check_finite)
-    tokenizer = Tokenizer.from_gguf_metadata(checkpoint.tokenizer_metadata)
-    return LoadedModel(model, checkpoint.config, tokenizer, source)
+    try:
+        gguf_tokenizer: Tokenizer | None = Tokenizer.from_gguf_metadata(checkpoint.tokenizer_metadata)
+    except TokenizerError as error:
+        # The weights are fine: compile without a tokenizer, as for an HF folder without one, and say so now.
+        log.warning("%s: %s; the model loads and compiles, but `moeforge run` will need --prompt-ids (token ids) "
+                    "instead of --prompt", source.location, error)
+        gguf_tokenizer = None
+    return LoadedModel(model, checkpoint.config, gguf_tokenizer, source)
 
 
 # Router tensors stay in fp32 whatever the model dtype (routing decisions are precision-sensitive).

@@ -18,6 +18,8 @@ def rope_inverse_frequencies(rope: RopeConfig, dim: int, max_position_embeddings
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
     pos_freqs = rope.theta**exponents  # [D/2]
     inv_freq = 1.0 / pos_freqs
+    if rope.frequency_factors is not None:  # llama.cpp's rope_freqs: theta_i / factor_i (default/linear only)
+        inv_freq = inv_freq / torch.tensor(rope.frequency_factors, dtype=torch.float32)
     if rope.scaling == "default":
         return inv_freq, 1.0
     if rope.scaling == "linear":

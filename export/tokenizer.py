@@ -1,6 +1,6 @@
 """Tokenizer: a ``tokenizers.Tokenizer`` plus the special-token ids and chat template generation needs.
 
-Built from an HF ``tokenizer.json`` (+ ``tokenizer_config.json``), from GGUF metadata (byte-level BPE,
+Built from an HF ``tokenizer.json`` (+ ``tokenizer_config.json``), from GGUF metadata (byte-level or SentencePiece BPE,
 rebuilt the way transformers' GGUF converter does it) or as a merge-free byte-level tokenizer for the
 tiny preset models. ``save`` writes files both this class and transformers' ``AutoTokenizer`` read.
 """
@@ -26,10 +26,12 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from moeforge.errors import TokenizerError
+
+from .gguf_tokenizer import backend_from_gguf, bytes_to_unicode
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -37,61 +39,6 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers v5 saves the te
 # Chat templates come from model files, i.e. untrusted: rendering one is limited in time and size.
 CHAT_TEMPLATE_TIME_LIMIT_S = 1.0  # a real chat template renders in milliseconds
 CHAT_TEMPLATE_MAX_CHARS = 1_000_000  # the output and any value built on the way, beyond the messages' own size
-
-# GGUF token types (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
-
-# Pre-tokenizer splits by ``tokenizer.ggml.pre``, as transformers' GGUF converter
-# (integrations/gguf/gguf_tokenizer_mapping.py, GGUF_PRE_TOKENIZER_SPLITS) assigns them. Any other
-# value, including SmolLM2's "smollm", gets GPT-2's byte-level regex: that is what transformers does.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-GGUF_PRE_TOKENIZER_SPLITS: dict[str, str] = {
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"),
-        _LLAMA3_SPLIT,
-    ),
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-}
-
-
-@cache
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:  # control bytes, space, etc. move to code points 256+ so every byte is visible
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
 
 def gguf_end_of_generation_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
     """EOS plus llama.cpp's other end-of-generation ids (EOT, EOM) present in GGUF tokenizer metadata."""
@@ -295,66 +242,12 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
-        """Rebuild a byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``) from GGUF metadata
-        (the ``tokenizer.*`` keys, arrays as lists), mirroring transformers' GGUF converter."""
-        kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise TokenizerError(
-                f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE)"
-            )
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            if not metadata.get(key):
-                raise TokenizerError(f"GGUF tokenizer metadata has no {key!r}")
-        tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-        token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or ())
-
-        # Tokens are stored in the byte alphabet already; any that is not (a raw-text token) is respelled.
-        spelling = bytes_to_unicode()
-        alphabet = set(spelling.values())
-
-        def spell(token: str) -> str:
-            return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
-
-        vocab = {spell(token): index for index, token in enumerate(tokens)}
-        merges = []
-        for merge in metadata["tokenizer.ggml.merges"]:
-            pair = merge.split(" ")
-            if len(pair) != 2:
-                raise TokenizerError(f"GGUF merge {merge!r} is not two tokens separated by one space")
-            merges.append((pair[0], pair[1]))
-        try:
-            backend = BackendTokenizer(
-                models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                           end_of_word_suffix="", fuse_unk=False)
-            )
-        except Exception as exc:
-            raise TokenizerError(f"cannot build a BPE tokenizer from the GGUF vocabulary: {exc}") from exc
-
-        split = GGUF_PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre", ""))
-        if split is None:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's regex
-        else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-            )
-        backend.decoder = decoders.ByteLevel()
-
-        # Control tokens stay whole and are special; a "control" token spelled outside the byte alphabet
-        # is a llama.cpp mislabel that transformers skips, and so do we. User-defined tokens stay whole too.
-        control = [AddedToken(t, normalized=False, special=True)
-                   for t, kind_ in zip(tokens, token_types, strict=False) if kind_ == _CONTROL and set(t) <= alphabet]
-        user = [AddedToken(t, normalized=False, special=False)
-                for t, kind_ in zip(tokens, token_types, strict=False) if kind_ == _USER_DEFINED and t in vocab]
-        if control:
-            backend.add_special_tokens(control)
-        if user:
-            backend.add_tokens(user)
-
+        """Rebuild the tokenizer GGUF metadata describes (the ``tokenizer.*`` keys, arrays as lists): byte-level
+        BPE (``tokenizer.ggml.model`` "gpt2") or SentencePiece BPE ("llama"), as transformers' GGUF converter
+        does (``export/gguf_tokenizer.py``)."""
+        backend, add_bos = backend_from_gguf(metadata)
         bos = metadata.get("tokenizer.ggml.bos_token_id")
         bos = None if bos is None else int(bos)
-        # transformers defaults this to False for byte-level BPE (True only for sentencepiece "llama").
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
         if add_bos and bos is not None:
             _add_bos_post_processor(backend, bos)
         return cls(

@@ -33,12 +33,20 @@ def load_transformers_model(spec: str) -> Any:
     from transformers import AutoModelForCausalLM  # lazy: seconds of import, needed only here
 
     path = Path(source.location)
+    if source.kind == "gguf":
+        from moeforge.export.gguf_loader import read_gguf
+
+        if read_gguf(path).config.rope.frequency_factors is not None:
+            raise MoeforgeError(f"{spec} carries Llama-3.x rope scaling as rope_freqs.weight, which transformers' GGUF "
+                                "reader ignores (it would run unscaled RoPE and disagree for its own reason): compare "
+                                "with --reference torch, or compile the HF safetensors checkpoint and compare that "
+                                "with transformers")
     try:
         if source.kind == "gguf":
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
-    except (ValueError, KeyError, OSError) as error:
+    except (ValueError, KeyError, OSError, RuntimeError) as error:  # RuntimeError: its weights do not fit its config
         raise MoeforgeError(f"transformers cannot load {spec} as a causal LM ({type(error).__name__}: "
                             f"{str(error).splitlines()[0] if str(error) else ''}); compare with --reference torch "
                             "instead") from None

@@ -156,8 +156,11 @@ def test_byte_level_rejects_bad_ids(vocab_size: int, bos: int, eos: int, match: 
 
 # ------------------------------------------------------------------------------------------- bad input
 def test_gguf_metadata_errors() -> None:
-    with pytest.raises(TokenizerError, match="'llama' is not supported"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(TokenizerError, match="'bert' is not supported"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(TokenizerError, match=r"needs 'tokenizer\.ggml\.scores', one per token"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b"],
+                                      "tokenizer.ggml.scores": [0.0]})
     with pytest.raises(TokenizerError, match=r"tokenizer\.ggml\.merges"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"]})
 

@@ -1,0 +1,277 @@
+"""GGUF beyond SmolLM2: Qwen2 / Qwen3 architectures, Llama-3.x rope_freqs, K-quant and i-quant storage.
+
+Tiny seeded transformers models are written to GGUF the way llama.cpp's convert_hf_to_gguf.py writes them (names
+from the gguf package's own TensorNameMap, Q/K rows permuted for Llama only, llama3 rope scaling folded into
+rope_freqs.weight by the converter's formula). The reference is transformers: the HF model itself for logits, and
+transformers' own GGUF reader (its own name mapping and un-permutation) for the dequantised tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from moeforge.errors import ConfigError
+from moeforge.export.config import ModelConfig
+from moeforge.export.gguf_loader import read_gguf, supported_tensor_types
+from moeforge.export.loader import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_hf_parity import _randomise  # the HF parity tests' weight spread
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+VOCAB, PROMPT_LEN = 320, 32
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _llama3(hidden: int = 64, ffn: int = 128) -> Any:
+    """Llama-3.x: GQA, llama3 rope scaling (a pretraining length of 64, so most rotary dims are rescaled)."""
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False))
+
+
+def _qwen2(hidden: int = 64, ffn: int = 128) -> Any:
+    """Qwen2: q/k/v biases, tied head, one KV head."""
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
+def _qwen3(hidden: int = 64, ffn: int = 128) -> Any:
+    """Qwen3: per-head q/k RMSNorm, head_dim 32 != hidden / heads, untied head."""
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
+BUILDERS = {"llama": _llama3, "qwen2": _qwen2, "qwen3": _qwen3}
+ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+
+
+def _converter_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.permute: HF's rotate_half rows -> llama.cpp's interleaved pairs."""
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def _llama3_rope_factors(config: Any) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: llama3 rope scaling as per-frequency divisors."""
+    rope = config.rope_parameters
+    dim = config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def _tokenizer_kv(writer: gguf.GGUFWriter) -> None:
+    # A byte-level BPE vocabulary with one merge (a + b -> ab): enough for the loader to build a tokenizer.
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(["a", "b", "ab", *(f"<t{i}>" for i in range(3, VOCAB))])
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def write_gguf(model: Any, path: Path, kind: str, storage: dict[str, T] | None = None,
+               raw: dict[str, np.ndarray] | None = None) -> None:
+    """Write ``model`` as llama.cpp's converter would. ``storage``: GGUF type per tensor kind (``attn_q``, ...;
+    F32 otherwise) for types the gguf package can quantise; ``raw``: pre-quantised bytes per GGUF tensor name
+    (K-quants, which only llama.cpp itself quantises)."""
+    cfg = model.config
+    arch = ARCHS[kind]
+    name = gguf.MODEL_ARCH_NAMES[arch]
+    writer = gguf.GGUFWriter(str(path), name)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if kind == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if kind == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    writer.add_name(f"tiny-{kind}")
+    _tokenizer_kv(writer)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, hf_name
+        value = tensor.float().numpy()
+        if kind == "llama" and ".attn_q." in gguf_name:
+            value = _converter_permute(value, cfg.num_attention_heads)
+        elif kind == "llama" and ".attn_k." in gguf_name:
+            value = _converter_permute(value, cfg.num_key_value_heads)
+        if raw and gguf_name in raw:
+            writer.add_tensor(gguf_name, raw[gguf_name], raw_dtype=storage_of(gguf_name, storage))
+            continue
+        qtype = storage_of(gguf_name, storage) if value.ndim == 2 else T.F32
+        writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    if kind == "llama" and cfg.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def storage_of(gguf_name: str, storage: dict[str, T] | None) -> T:
+    kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
+    return (storage or {}).get(kind, T.F32)
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any, Path]:
+    torch.manual_seed(0)
+    model = BUILDERS[request.param]()
+    _randomise(model, seed=1)
+    model.eval()
+    path = tmp_path_factory.mktemp(f"gguf_{request.param}") / f"tiny-{request.param}.gguf"
+    write_gguf(model, path, request.param)
+    return request.param, model, path
+
+
+def _prompt(length: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(7))
+
+
+@torch.no_grad()
+def test_gguf_logits_match_transformers(written: tuple[str, Any, Path]) -> None:
+    kind, hf_model, path = written
+    loaded = load_model(str(path))
+    assert loaded.config.model_type == kind
+    ids = _prompt(PROMPT_LEN)
+    expected = hf_model(ids).logits
+    got = loaded.model(ids, torch.arange(PROMPT_LEN)[None]).logits
+    assert expected.abs().max() > 0.5  # logits with real spread
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_gguf_config_reads_each_architecture(written: tuple[str, Any, Path]) -> None:
+    kind, hf_model, path = written
+    cfg = read_gguf(path).config
+    hf = hf_model.config
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        kind, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads)
+    assert cfg.head_dim == (hf.head_dim if kind == "qwen3" else hf.hidden_size // hf.num_attention_heads)
+    assert cfg.qk_norm == ("head" if kind == "qwen3" else "none")
+    assert cfg.qkv_bias is (kind == "qwen2") and cfg.tie_word_embeddings is hf.tie_word_embeddings
+    assert cfg.rope.theta == hf.rope_parameters["rope_theta"] and not cfg.rope.interleaved
+    if kind == "llama":  # llama3 scaling arrives as the converter's per-frequency divisors
+        factors = cfg.rope.frequency_factors
+        assert factors is not None and len(factors) == cfg.head_dim // 2 and max(factors) == 8.0
+        assert ModelConfig.from_dict(cfg.to_dict()) == cfg  # and survives the artifact manifest
+    else:
+        assert cfg.rope.frequency_factors is None
+
+
+def test_llama3_rope_freqs_change_the_model(written: tuple[str, Any, Path]) -> None:
+    """Without the factors the same weights give other logits: the parity above depends on reading them."""
+    kind, hf_model, path = written
+    if kind != "llama":
+        pytest.skip("rope_freqs is Llama-3.x's")
+    import dataclasses
+
+    from moeforge.export.loader import build_from_tensors
+
+    ckpt = read_gguf(path)
+    plain = dataclasses.replace(ckpt.config, rope=dataclasses.replace(ckpt.config.rope, frequency_factors=None))
+    model = build_from_tensors(plain, ckpt.tensors.items())
+    ids = _prompt(PROMPT_LEN)
+    with torch.no_grad():
+        difference = (model(ids, torch.arange(PROMPT_LEN)[None]).logits - hf_model(ids).logits).abs().max()
+    assert difference > 1e-2
+
+
+def test_rope_factors_are_validated() -> None:
+    base = dict(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=4, head_dim=16)
+    from moeforge.export.config import RopeConfig
+
+    ModelConfig(**base, rope=RopeConfig(frequency_factors=(1.0,) * 8))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"3 given.*8 frequencies"):
+        ModelConfig(**base, rope=RopeConfig(frequency_factors=(1.0, 2.0, 3.0)))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"rope_freqs\[1\]"):
+        ModelConfig(**base, rope=RopeConfig(frequency_factors=(1.0, -2.0) + (1.0,) * 6))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="default or linear scaling only"):
+        ModelConfig(**base, rope=RopeConfig(scaling="yarn", factor=2.0, original_max_position_embeddings=64,  # type: ignore[arg-type]
+                                            frequency_factors=(1.0,) * 8))
+
+
+# --------------------------------------------------------------------------- storage types (K-quants, i-quants)
+# Every kind of projection in another type; in-features of 256 (a K-quant super-block).
+K_STORAGE = {"token_embd": T.Q6_K, "output": T.Q5_K, "attn_q": T.Q4_K, "attn_k": T.Q3_K, "attn_v": T.Q2_K,
+             "attn_output": T.IQ4_XS, "ffn_gate": T.Q5_0, "ffn_up": T.BF16, "ffn_down": T.IQ4_NL}
+
+
+def _random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: T) -> np.ndarray:
+    """Random stored bytes of a [rows, cols] tensor of ``qtype``. Every byte < 0x3C: each fp16 scale inside a
+    block then has an exponent below 15 (finite, < 1), whatever the type's block layout."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return rng.integers(0, 0x3C, (rows, cols // block * size), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_k_and_i_quants_dequantise_as_transformers_reads_them(kind: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = BUILDERS[kind](hidden=256, ffn=256)
+    _randomise(model, seed=2)
+    rng = np.random.default_rng(3)
+    names = gguf.get_tensor_name_map(ARCHS[kind], model.config.num_hidden_layers)
+    raw = {}
+    for hf_name, tensor in model.state_dict().items():
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        qtype = storage_of(gguf_name, K_STORAGE)
+        if tensor.dim() == 2 and qtype not in (T.F32, T.BF16, T.Q5_0):  # those the gguf package quantises
+            raw[gguf_name] = _random_blocks(rng, *tensor.shape, qtype)
+    path = tmp_path / f"{kind}-k.gguf"
+    write_gguf(model, path, kind, storage=K_STORAGE, raw=raw)
+
+    ckpt = read_gguf(path)
+    expected_types = {t.name for t in K_STORAGE.values()} - ({"Q5_K"} if model.config.tie_word_embeddings else set())
+    assert {ckpt.tensors.gguf_type(n) for n in ckpt.tensors} >= expected_types  # a tied head has no output tensor
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
+    for name, ours in ckpt.tensors.items():
+        assert torch.isfinite(ours).all(), name
+        torch.testing.assert_close(ours, reference[name], atol=0, rtol=0, msg=name)
+
+
+def test_every_type_gguf_dequantises_is_accepted() -> None:
+    supported = set(supported_tensor_types())
+    assert {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+            "IQ4_NL", "IQ4_XS"} <= supported
+    assert "I32" not in supported  # integer tensors are not weights

@@ -1,0 +1,105 @@
+"""SentencePiece GGUF tokenizers (tokenizer.ggml.model "llama": Llama-2, Mistral, TinyLlama) against transformers'
+GGUF tokenizer reading the same file: ids with BOS, decoded text, and the artifact's saved tokenizer.json."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from moeforge.export.gguf_tokenizer import merges_from_scores
+from moeforge.export.tokenizer import Tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+SPACE = "\u2581"
+# Pieces with descending scores (SentencePiece log-probabilities): merges are recovered best-first from them.
+PIECES = [SPACE, "e", "t", "h", "a", "n", "d", "o", "l", "w", "r", "i", "s", SPACE + "t", "he", SPACE + "the",
+          SPACE + "a", "nd", SPACE + "and", "ll", SPACE + "he", "llo", SPACE + "hello", "lo", "or", "ld", SPACE + "w",
+          SPACE + "wor", SPACE + "world", SPACE * 2, SPACE * 3, "is", SPACE + "is", "th"]
+TEXTS = ["the hello world", "  leading spaces", "and\nnew line\n", "ünï ☃ 日本 🙂", "<s>the</s> is<|user|>hi", "",
+         "trailing ", "hello  world", " the", "\t tab", "<unk> and", "theis", "hello" * 20]
+
+
+def _write(path: Path, *, with_merges: bool = False, add_space_prefix: bool | None = None,
+           add_bos: bool | None = None) -> None:
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *PIECES, "<|user|>"]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(PIECES), 4]  # unknown, control, byte, normal, user-defined
+    scores = [0.0] * 259 + [-float(i) for i in range(len(PIECES))] + [0.0]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if with_merges:  # merges in another order: llama.cpp (and transformers) merge by the scores regardless
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
+        writer.add_token_merges([f"{a} {b}" for a, b in merges][::-1])
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _metadata(path: Path) -> dict:
+    reader = GGUFReader(path)
+    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+
+
+VARIANTS = {"scores": {}, "merges": {"with_merges": True}, "no-prefix-space": {"add_space_prefix": False},
+            "no-bos": {"add_bos": False}}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_sentencepiece_gguf_tokenises_as_transformers(variant: str, tmp_path: Path) -> None:
+    path = tmp_path / "spm.gguf"
+    _write(path, **VARIANTS[variant])
+    ours = Tokenizer.from_gguf_metadata(_metadata(path))
+    assert ours.add_bos is (variant != "no-bos")
+    # The reference reads a file with the same vocabulary and scores. Two flags it does not follow are checked
+    # against llama.cpp's meaning instead: extra merges in the file do not change a SentencePiece tokenisation
+    # (llama.cpp merges by score), and add_space_prefix=false means no space is prepended.
+    reference_path = path if variant in ("scores", "no-bos") else tmp_path / "plain" / "spm.gguf"
+    if reference_path != path:
+        reference_path.parent.mkdir()
+        _write(reference_path)
+    reference = transformers.AutoTokenizer.from_pretrained(reference_path.parent, gguf_file=reference_path.name)
+    saved = Tokenizer.from_file(ours.save(tmp_path / "artifact"))  # what an artifact ships
+    pieces_used = set()
+    for text in TEXTS:
+        expected = reference(text, add_special_tokens=variant != "no-bos").input_ids
+        if variant == "no-prefix-space":
+            if not text or text.startswith(("<", " ")):
+                continue  # no text to prefix, a special token first, or a space Metaspace does not double
+            text = " " + text  # the space transformers' Metaspace would have prepended
+        assert ours.encode(text) == expected, text
+        assert saved.encode(text) == expected, text
+        assert ours.decode(expected, skip_special_tokens=True) == reference.decode(
+            expected, skip_special_tokens=True) or variant == "no-prefix-space", text
+        if variant != "no-prefix-space":
+            assert ours.decode(expected) == reference.decode(expected), text
+        pieces_used |= set(expected)
+    assert any(3 <= i < 259 for i in pieces_used)  # byte fallback exercised
+    if variant != "no-prefix-space":  # its texts skip those starting with special tokens
+        assert {0, 1, 2, 259 + len(PIECES)} <= pieces_used  # <unk>, <s>, </s>, <|user|> in the text stay whole
+
+
+def test_merges_from_scores_order() -> None:
+    vocab = {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4, "abc": 5}
+    scores = {"a": 0.0, "b": 0.0, "c": 0.0, "ab": -1.0, "bc": -0.5, "abc": -2.0}
+    # best-scoring merged token first; abc splits two ways, ordered by the pieces' ids
+    assert merges_from_scores(vocab, scores) == [("b", "c"), ("a", "b"), ("ab", "c"), ("a", "bc")]

@@ -1,0 +1,48 @@
+"""GGUF checkpoints beyond SmolLM2 through the whole pipeline: a Llama-3.x GGUF (rope_freqs.weight) compiles and
+passes ``--check`` (the factors survive the manifest and the rotary fusion), and a Qwen2 GGUF's artifact matches
+transformers running the GGUF (``moeforge parity --reference transformers``)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeforge.artifact import load_artifact
+from moeforge.cli import EXIT_OK, main
+from moeforge.compile import CompileOptions, compile_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
+from test_gguf_architectures import BUILDERS, _randomise, write_gguf  # tiny models written as llama.cpp would
+
+
+def _gguf(folder: Path, kind: str) -> Path:
+    torch.manual_seed(0)
+    model = BUILDERS[kind]()
+    _randomise(model, seed=1)
+    path = folder / f"tiny-{kind}.gguf"
+    write_gguf(model.eval(), path, kind)
+    return path
+
+
+def test_llama3_gguf_compiles_and_passes_its_check(tmp_path: Path) -> None:
+    source = _gguf(tmp_path, "llama")
+    artifact = tmp_path / "artifact"
+    result = compile_model(CompileOptions(model=str(source), output_dir=artifact, max_seq_len=64, check=True,
+                                          progress=False))
+    assert result.parity is not None and result.parity.passed and result.parity.max_abs_err < 1e-4
+    factors = load_artifact(artifact).manifest.model_config["rope"]["frequency_factors"]
+    assert len(factors) == 8 and max(factors) == 8.0  # llama.cpp's divisors, as the converter wrote them
+
+
+def test_qwen2_gguf_artifact_matches_transformers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = _gguf(tmp_path, "qwen2")
+    artifact = tmp_path / "artifact"
+    compile_model(CompileOptions(model=str(source), output_dir=artifact, max_seq_len=64, progress=False))
+    code = main(["parity", str(artifact), "--reference", "transformers", "--prompt-len", "24", "--steps", "8",
+                 "--json"])
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("{"):])
+    assert code == EXIT_OK, result
+    assert result["reference"] == "transformers" and result["greedy_match"] and result["max_abs_err"] < 1e-4
