@@ -1,4 +1,4 @@
-"""Read a llama.cpp GGUF checkpoint (dense Llama, Qwen2, Qwen3) into our config and HF-named float32 tensors.
+"""Read a llama.cpp GGUF checkpoint (Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE) into our config and HF-named tensors.
 
 The ``gguf`` package does the parsing (``GGUFReader`` memory-maps the file) and the dequantisation
 (``gguf.quants.dequantize``: every storage type it implements, K-quants and i-quants included); this module maps
@@ -24,14 +24,15 @@ from gguf.quants import dequantize
 
 from moeforge.errors import CheckpointError, ConfigError
 
-from .config import ModelConfig, RopeConfig, check_float, check_int
+from .config import ModelConfig, MoEConfig, RopeConfig, check_float, check_int
 from .tokenizer import gguf_end_of_generation_ids
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # GGUF general.architecture -> (our model_type, whether llama.cpp's converter permuted Q/K rows). The converter
 # permutes for its LlamaModel only; Qwen2/Qwen3 keep HF's rotate_half row order (llama.cpp runs them as NEOX rope).
+# A llama GGUF with experts is Mixtral.
 _ARCHITECTURES: dict[str, tuple[str, bool]] = {"llama": ("llama", True), "qwen2": ("qwen2", False),
-                                               "qwen3": ("qwen3", False)}
+                                               "qwen3": ("qwen3", False), "qwen3moe": ("qwen3_moe", False)}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 
 
@@ -70,6 +71,11 @@ _BLOCK_NAMES = {
     "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    # MoE layers (Mixtral, Qwen3-MoE): llama.cpp stacks the experts as we do, [E, I, H] / [E, H, I].
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -179,8 +185,8 @@ class GGUFCheckpoint:
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Parse a dense Llama / Qwen2 / Qwen3 GGUF: config from metadata, tensor index (nothing dequantised yet),
-    tokenizer keys.
+    """Parse a Llama / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE GGUF: config from metadata, tensor index (nothing
+    dequantised yet), tokenizer keys.
 
     Raises ``CheckpointError`` for a missing, non-GGUF, truncated or inconsistent file and
     ``ConfigError`` for an unsupported architecture or missing/unsupported metadata.
@@ -317,13 +323,16 @@ def _config_from_metadata(
         value = get(suffix)
         return default if value is None else check_int(value, f"{arch}.{suffix}", limits)
 
-    if get("expert_count", 0):
-        raise ConfigError(
-            f"GGUF {arch} model with experts ({arch}.expert_count={get('expert_count')}, e.g. Mixtral) is not "
-            f"supported; the GGUFs read are dense ({', '.join(SUPPORTED_ARCHITECTURES)}): compile the HF "
-            "safetensors checkpoint of an MoE model instead",
-            field=f"{arch}.expert_count",
-        )
+    experts = get_int("expert_count", 0, "n_routed_experts")
+    if experts == 0 and arch == "qwen3moe":
+        raise ConfigError("GGUF qwen3moe metadata has no expert_count", field=f"{arch}.expert_count")
+    if experts and arch not in ("llama", "qwen3moe"):
+        raise ConfigError(f"GGUF {arch} model with experts ({arch}.expert_count={experts}) is not supported; "
+                          "experts are read for llama (Mixtral) and qwen3moe GGUFs", field=f"{arch}.expert_count")
+    if experts and any(re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", n) for n in tensor_names):
+        raise ConfigError("GGUF stores each expert as its own tensor (blk.N.ffn_gate.E.weight: the layout of "
+                          "llama.cpp converters before 2024); re-convert it with a current convert_hf_to_gguf.py, "
+                          "which stacks them (ffn_gate_exps)", field=f"{arch}.expert_count")
 
     layers = need_int("block_count", "num_hidden_layers")
     _check_blocks_present(arch, layers, tensor_names)
@@ -363,11 +372,25 @@ def _config_from_metadata(
     rope = _rope_from_metadata(arch, meta)
     if frequency_factors is not None:
         rope = dataclasses.replace(rope, frequency_factors=frequency_factors)
+    intermediate = need_int("feed_forward_length", "intermediate_size")
+    moe = None
+    if experts:
+        # llama.cpp routes both by softmax over all experts, top-k, and renormalises the k weights (build_moe_ffn's
+        # norm_w) unless the file says otherwise. Every block is an MoE block: llama.cpp has no dense layers in these.
+        moe = MoEConfig(
+            n_routed_experts=experts,
+            num_experts_per_tok=need_int("expert_used_count", "num_experts_per_tok"),
+            n_shared_experts=0,
+            moe_intermediate_size=get_int("expert_feed_forward_length", intermediate, "intermediate_size"),
+            scoring_func="softmax", topk_method="greedy",
+            norm_topk_prob=bool(get("expert_weights_norm", True)),
+        )
+    model_type = "mixtral" if arch == "llama" and experts else _ARCHITECTURES[arch][0]
     return ModelConfig(
-        model_type=_ARCHITECTURES[arch][0],  # type: ignore[arg-type]  # one of config.Family
+        model_type=model_type,  # type: ignore[arg-type]  # one of config.Family
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=need_int("feed_forward_length", "intermediate_size"),
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -381,6 +404,7 @@ def _config_from_metadata(
         o_proj_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="head" if "blk.0.attn_q_norm.weight" in tensor_names else "none",  # qwen3: RMSNorm per head
         rope=rope,
+        moe=moe,
         bos_token_id=check_int(bos, "tokenizer.ggml.bos_token_id", "token_id") if bos is not None else None,
         eos_token_ids=gguf_end_of_generation_ids(tok_meta),
         name=general_name if isinstance(general_name, str) and general_name else name,
@@ -449,10 +473,16 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
         }
+        if cfg.is_moe_layer(i):
+            assert cfg.moe is not None
+            e, inner = cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size
+            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_proj": (e, inner, h),
+                       p + "mlp.experts.up_proj": (e, inner, h), p + "mlp.experts.down_proj": (e, h, inner)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+                       p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+                       p + "mlp.down_proj.weight": (h, cfg.intermediate_size)}
         if cfg.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}

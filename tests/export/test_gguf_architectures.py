@@ -1,4 +1,4 @@
-"""GGUF beyond SmolLM2: Qwen2 / Qwen3 architectures, Llama-3.x rope_freqs, K-quant and i-quant storage.
+"""GGUF beyond SmolLM2: Qwen2 / Qwen3 / Qwen3-MoE / Mixtral, Llama-3.x rope_freqs, K-quant and i-quant storage.
 
 Tiny seeded transformers models are written to GGUF the way llama.cpp's convert_hf_to_gguf.py writes them (names
 from the gguf package's own TensorNameMap, Q/K rows permuted for Llama only, llama3 rope scaling folded into
@@ -59,8 +59,27 @@ def _qwen3(hidden: int = 64, ffn: int = 128) -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
 
 
-BUILDERS = {"llama": _llama3, "qwen2": _qwen2, "qwen3": _qwen3}
-ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+def _qwen3_moe(hidden: int = 64, ffn: int = 128) -> Any:
+    """Qwen3-MoE: 8 experts, top-2 renormalised (llama.cpp always renormalises; its qwen3moe has no dense layers)."""
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
+def _mixtral(hidden: int = 64, ffn: int = 64) -> Any:
+    """Mixtral: a llama GGUF with experts (Q/K rows permuted as for Llama), 4 experts, top-2."""
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+        tie_word_embeddings=False, sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
+BUILDERS = {"llama": _llama3, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
+ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+         "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA}
+PERMUTED = ("llama", "mixtral")  # convert_hf_to_gguf's LlamaModel (Mixtral included) permutes Q/K rows
 
 
 def _converter_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -117,28 +136,35 @@ def write_gguf(model: Any, path: Path, kind: str, storage: dict[str, T] | None =
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if kind == "llama":
+    if kind in PERMUTED:
         writer.add_rope_dimension_count(head_dim)
+    if kind in ("qwen3_moe", "mixtral"):
+        writer.add_expert_count(cfg.num_local_experts if kind == "mixtral" else cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if kind == "qwen3_moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     writer.add_name(f"tiny-{kind}")
     _tokenizer_kv(writer)
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    for hf_name, tensor in model.state_dict().items():
+    for hf_name, tensor in _stacked_experts(model.state_dict()).items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, hf_name
+        if not gguf_name.endswith((".weight", ".bias")):
+            gguf_name += ".weight"  # stacked experts: llama.cpp's names end in .weight too
         value = tensor.float().numpy()
-        if kind == "llama" and ".attn_q." in gguf_name:
+        if kind in PERMUTED and ".attn_q." in gguf_name:
             value = _converter_permute(value, cfg.num_attention_heads)
-        elif kind == "llama" and ".attn_k." in gguf_name:
+        elif kind in PERMUTED and ".attn_k." in gguf_name:
             value = _converter_permute(value, cfg.num_key_value_heads)
         if raw and gguf_name in raw:
             writer.add_tensor(gguf_name, raw[gguf_name], raw_dtype=storage_of(gguf_name, storage))
             continue
-        qtype = storage_of(gguf_name, storage) if value.ndim == 2 else T.F32
+        qtype = storage_of(gguf_name, storage) if value.ndim >= 2 else T.F32
         writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
     if kind == "llama" and cfg.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
@@ -146,6 +172,20 @@ def write_gguf(model: Any, path: Path, kind: str, storage: dict[str, T] | None =
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers v5 holds experts fused, ``gate_up_proj`` [E, 2I, H] (gate rows first); the converter writes
+    them stacked per projection, named as the name map knows them (``mlp.experts.gate_proj`` -> ffn_gate_exps)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+        else:
+            out[name] = tensor
+    return out
 
 
 def storage_of(gguf_name: str, storage: dict[str, T] | None) -> T:
@@ -187,7 +227,7 @@ def test_gguf_config_reads_each_architecture(written: tuple[str, Any, Path]) -> 
     assert (cfg.model_type, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (
         kind, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads)
     assert cfg.head_dim == (hf.head_dim if kind == "qwen3" else hf.hidden_size // hf.num_attention_heads)
-    assert cfg.qk_norm == ("head" if kind == "qwen3" else "none")
+    assert cfg.qk_norm == ("head" if kind.startswith("qwen3") else "none")
     assert cfg.qkv_bias is (kind == "qwen2") and cfg.tie_word_embeddings is hf.tie_word_embeddings
     assert cfg.rope.theta == hf.rope_parameters["rope_theta"] and not cfg.rope.interleaved
     if kind == "llama":  # llama3 scaling arrives as the converter's per-frequency divisors
@@ -232,42 +272,57 @@ def test_rope_factors_are_validated() -> None:
 
 
 # --------------------------------------------------------------------------- storage types (K-quants, i-quants)
-# Every kind of projection in another type; in-features of 256 (a K-quant super-block).
+# Every kind of projection in another type; in-features of 256 (a K-quant super-block), except the experts' down
+# projection (in-features moe_intermediate_size 32: a 32-block type).
 K_STORAGE = {"token_embd": T.Q6_K, "output": T.Q5_K, "attn_q": T.Q4_K, "attn_k": T.Q3_K, "attn_v": T.Q2_K,
-             "attn_output": T.IQ4_XS, "ffn_gate": T.Q5_0, "ffn_up": T.BF16, "ffn_down": T.IQ4_NL}
+             "attn_output": T.IQ4_XS, "ffn_gate": T.Q5_0, "ffn_up": T.BF16, "ffn_down": T.IQ4_NL,
+             "ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q6_K, "ffn_down_exps": T.Q8_0}
 
 
-def _random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: T) -> np.ndarray:
-    """Random stored bytes of a [rows, cols] tensor of ``qtype``. Every byte < 0x3C: each fp16 scale inside a
+def _random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: T) -> np.ndarray:
+    """Random stored bytes of a tensor of ``qtype`` and torch ``shape``. Every byte < 0x3C: each fp16 scale inside a
     block then has an exponent below 15 (finite, < 1), whatever the type's block layout."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    return rng.integers(0, 0x3C, (rows, cols // block * size), dtype=np.uint8)
+    return rng.integers(0, 0x3C, (*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def _as_transformers_names(name: str, ours: torch.Tensor, reference: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The reference tensor for one of ours: transformers fuses stacked experts as gate_up_proj [E, 2I, H]."""
+    if name.endswith(("mlp.experts.gate_proj", "mlp.experts.up_proj")):
+        fused = reference[name.rsplit(".", 1)[0] + ".gate_up_proj"]
+        return fused.chunk(2, dim=1)[0 if name.endswith("gate_proj") else 1]
+    return reference[name]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3_moe"])
 def test_k_and_i_quants_dequantise_as_transformers_reads_them(kind: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = BUILDERS[kind](hidden=256, ffn=256)
     _randomise(model, seed=2)
     rng = np.random.default_rng(3)
     names = gguf.get_tensor_name_map(ARCHS[kind], model.config.num_hidden_layers)
-    raw = {}
-    for hf_name, tensor in model.state_dict().items():
+    raw, written = {}, set()
+    for hf_name, tensor in _stacked_experts(model.state_dict()).items():
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None or (hf_name == "lm_head.weight" and model.config.tie_word_embeddings):
+            continue
+        gguf_name += "" if gguf_name.endswith((".weight", ".bias")) else ".weight"
         qtype = storage_of(gguf_name, K_STORAGE)
-        if tensor.dim() == 2 and qtype not in (T.F32, T.BF16, T.Q5_0):  # those the gguf package quantises
-            raw[gguf_name] = _random_blocks(rng, *tensor.shape, qtype)
+        written.add(qtype.name if tensor.dim() >= 2 else "F32")
+        if tensor.dim() >= 2 and qtype not in (T.F32, T.BF16, T.Q5_0, T.Q8_0):  # those the gguf package quantises
+            raw[gguf_name] = _random_blocks(rng, tuple(tensor.shape), qtype)
     path = tmp_path / f"{kind}-k.gguf"
     write_gguf(model, path, kind, storage=K_STORAGE, raw=raw)
 
     ckpt = read_gguf(path)
-    expected_types = {t.name for t in K_STORAGE.values()} - ({"Q5_K"} if model.config.tie_word_embeddings else set())
-    assert {ckpt.tensors.gguf_type(n) for n in ckpt.tensors} >= expected_types  # a tied head has no output tensor
+    assert {ckpt.tensors.gguf_type(n) for n in ckpt.tensors} == written and len(written) >= 8
+    # transformers' GGUF config mapping skips expert_feed_forward_length: its tensor reading is what is compared, so
+    # it gets the model's own config.
     reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
+        tmp_path, gguf_file=path.name, config=model.config, dtype=torch.float32).state_dict()
     for name, ours in ckpt.tensors.items():
         assert torch.isfinite(ours).all(), name
-        torch.testing.assert_close(ours, reference[name], atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(ours, _as_transformers_names(name, ours, reference), atol=0, rtol=0, msg=name)
 
 
 def test_every_type_gguf_dequantises_is_accepted() -> None:

@@ -294,9 +294,18 @@ def test_inconsistent_tensors(tmp_path: Path) -> None:
 
 
 def test_unsupported_llama_variants(tmp_path: Path) -> None:
-    path = tmp_path / "moe.gguf"
+    path = tmp_path / "moe.gguf"  # experts announced, dense tensors stored
+    write_tiny_gguf(path, extra_kv={"llama.expert_count": (8, "u32"), "llama.expert_used_count": (2, "u32")})
+    with pytest.raises(CheckpointError, match=r"no tensor for model\.layers\.0\.mlp\.gate\.weight"):
+        read_gguf(path)
+    path = tmp_path / "legacy-moe.gguf"  # one tensor per expert: converters before 2024
+    write_tiny_gguf(path, extra_kv={"llama.expert_count": (8, "u32"), "llama.expert_used_count": (2, "u32")},
+                    extra_tensors={"blk.0.ffn_gate.0.weight": np.zeros((4, 32), np.float32)})
+    with pytest.raises(ConfigError, match=r"each expert as its own tensor .* re-convert"):
+        read_gguf(path)
+    path = tmp_path / "no-used.gguf"
     write_tiny_gguf(path, extra_kv={"llama.expert_count": (8, "u32")})
-    with pytest.raises(ConfigError, match="expert_count"):
+    with pytest.raises(ConfigError, match=r"'llama\.expert_used_count'"):
         read_gguf(path)
     path = tmp_path / "freqs.gguf"
     write_tiny_gguf(path, extra_tensors={"rope_freqs.weight": np.ones(HD // 2 + 1, np.float32)})

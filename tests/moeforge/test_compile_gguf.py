@@ -1,6 +1,7 @@
-"""GGUF checkpoints beyond SmolLM2 through the whole pipeline: a Llama-3.x GGUF (rope_freqs.weight) compiles and
-passes ``--check`` (the factors survive the manifest and the rotary fusion), and a Qwen2 GGUF's artifact matches
-transformers running the GGUF (``moeforge parity --reference transformers``)."""
+"""GGUF checkpoints beyond SmolLM2 through the whole pipeline: a Llama-3.x GGUF (rope_freqs.weight) and a Qwen3-MoE
+GGUF compile and pass ``--check`` (the factors survive the manifest and the rotary fusion; the experts reach the
+MoE op), and a Qwen2 GGUF's artifact matches transformers running the GGUF (``moeforge parity --reference
+transformers``)."""
 
 import json
 import sys
@@ -26,14 +27,20 @@ def _gguf(folder: Path, kind: str) -> Path:
     return path
 
 
-def test_llama3_gguf_compiles_and_passes_its_check(tmp_path: Path) -> None:
-    source = _gguf(tmp_path, "llama")
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_gguf_compiles_and_passes_its_check(kind: str, tmp_path: Path) -> None:
+    source = _gguf(tmp_path, kind)
     artifact = tmp_path / "artifact"
     result = compile_model(CompileOptions(model=str(source), output_dir=artifact, max_seq_len=64, check=True,
                                           progress=False))
     assert result.parity is not None and result.parity.passed and result.parity.max_abs_err < 1e-4
-    factors = load_artifact(artifact).manifest.model_config["rope"]["frequency_factors"]
-    assert len(factors) == 8 and max(factors) == 8.0  # llama.cpp's divisors, as the converter wrote them
+    config = load_artifact(artifact).manifest.model_config
+    assert config["model_type"] == kind
+    if kind == "llama":
+        factors = config["rope"]["frequency_factors"]
+        assert len(factors) == 8 and max(factors) == 8.0  # llama.cpp's divisors, as the converter wrote them
+    else:
+        assert config["moe"]["n_routed_experts"] == 8 and config["moe"]["norm_topk_prob"] is True
 
 
 def test_qwen2_gguf_artifact_matches_transformers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
