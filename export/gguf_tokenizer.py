@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from moeforge.errors import TokenizerError
 
 SUPPORTED_GGUF_TOKENIZERS = ("gpt2", "llama")
+MAX_MERGE_RECOVERY_WORK = 200_000_000  # sum of squared token lengths (see merges_from_scores)
 _SPIECE_SPACE = "\u2581"  # SentencePiece's visible space
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -173,6 +174,13 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
     """BPE merges a SentencePiece vocabulary implies: every split of a token into two tokens of the vocabulary,
     ordered by the merged token's score (best first), then by the pieces' lengths; within one token, by the
     pieces' ids (transformers' ``generate_merges``, so both tokenise alike)."""
+    # Each token of length L is tried at L - 1 split points, each slicing O(L): bound the work a crafted vocabulary
+    # can ask for (real ones: Llama-2 ~2e6, Gemma's 256k tokens ~2e7).
+    work = sum(len(token) ** 2 for token in scores)
+    if work > MAX_MERGE_RECOVERY_WORK:
+        raise TokenizerError(f"this SentencePiece vocabulary's tokens are too long to recover merges from (sum of "
+                             f"squared token lengths {work:.2e} > {MAX_MERGE_RECOVERY_WORK:.0e}): the GGUF is corrupt "
+                             "or not a tokenizer vocabulary")
     found: list[tuple[str, str, float]] = []
     for token, score in scores.items():
         local = [(token[:i], token[i:], score) for i in range(1, len(token))

@@ -103,3 +103,12 @@ def test_merges_from_scores_order() -> None:
     scores = {"a": 0.0, "b": 0.0, "c": 0.0, "ab": -1.0, "bc": -0.5, "abc": -2.0}
     # best-scoring merged token first; abc splits two ways, ordered by the pieces' ids
     assert merges_from_scores(vocab, scores) == [("b", "c"), ("a", "b"), ("ab", "c"), ("a", "bc")]
+
+
+def test_a_vocabulary_of_huge_tokens_is_refused_not_ground_through() -> None:
+    from moeforge.errors import TokenizerError
+
+    tokens = ["x" * 20_000] * 2 + ["a", "b"]  # 2 x 4e8 slicing steps if tried
+    with pytest.raises(TokenizerError, match="too long to recover merges"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+                                      "tokenizer.ggml.scores": [0.0] * len(tokens)})
