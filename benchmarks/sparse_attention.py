@@ -84,7 +84,7 @@ def main() -> None:
             for form, core in forms.items():
                 graph = lower_for_ort(onnx.load(str(artifact.model_path), load_external_data=False), core)
                 session = OrtSession(artifact.model_path, kv_cache=artifact.manifest.kv_cache, threads=args.threads,
-                                     graph=graph, lower=False)
+                                     graph=graph, lower=False, huge_pages=True)  # as the engine runs
                 session.allocate(1, longest)
                 step_times(session, 64, 5, 0)  # warm-up
                 for context in args.contexts:

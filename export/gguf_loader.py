@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 
 from moeforge.errors import CheckpointError, ConfigError
 
-from .config import ModelConfig, MoEConfig, RopeConfig, check_float, check_int
+from .config import ModelConfig, MoEConfig, RopeConfig, check_bool, check_float, check_int
 from .tokenizer import gguf_end_of_generation_ids
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -372,7 +372,10 @@ def _config_from_metadata(
     rope = _rope_from_metadata(arch, meta)
     if frequency_factors is not None:
         rope = dataclasses.replace(rope, frequency_factors=frequency_factors)
-    intermediate = need_int("feed_forward_length", "intermediate_size")
+    # Optional with experts (llama.cpp never reads it for an all-MoE qwen3moe): the experts' width then.
+    dense_width = ("expert_feed_forward_length" if experts and get("feed_forward_length") is None
+                   else "feed_forward_length")
+    intermediate = need_int(dense_width, "intermediate_size")
     moe = None
     if experts:
         # llama.cpp routes both by softmax over all experts, top-k, and renormalises the k weights (build_moe_ffn's
@@ -383,7 +386,7 @@ def _config_from_metadata(
             n_shared_experts=0,
             moe_intermediate_size=get_int("expert_feed_forward_length", intermediate, "intermediate_size"),
             scoring_func="softmax", topk_method="greedy",
-            norm_topk_prob=bool(get("expert_weights_norm", True)),
+            norm_topk_prob=check_bool(get("expert_weights_norm", True), f"{arch}.expert_weights_norm"),
         )
     model_type = "mixtral" if arch == "llama" and experts else _ARCHITECTURES[arch][0]
     return ModelConfig(

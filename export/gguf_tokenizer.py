@@ -5,8 +5,8 @@ BPE) and the special-token ids as metadata. The tokenizer is rebuilt the way tra
 (integrations/gguf/gguf_tokenizer_mapping.py) rebuilds it, on the ``tokenizers`` library:
 
 - ``gpt2``: byte-level BPE (Llama-3, Qwen2/3, SmolLM2), with the pre-tokenizer split ``tokenizer.ggml.pre`` names;
-- ``llama``: SentencePiece BPE with byte fallback (Llama-2, Mistral, TinyLlama); the merges are recovered from the
-  per-token scores, best-scoring first, as llama.cpp merges by score.
+- ``llama``: SentencePiece BPE with byte fallback (Llama-2, Mistral, TinyLlama); the file's merges, or, in files
+  without them (the usual case), merges recovered from the per-token scores, best-scoring first.
 """
 
 from __future__ import annotations
@@ -90,6 +90,11 @@ def backend_from_gguf(metadata: dict[str, Any]) -> tuple[BackendTokenizer, bool]
     if not tokens or not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise TokenizerError("GGUF tokenizer metadata has no 'tokenizer.ggml.tokens' (a list of strings)")
     token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or ())
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        token_id = metadata.get(key)
+        if token_id is not None and (isinstance(token_id, bool) or not isinstance(token_id, int)
+                                     or not 0 <= token_id < len(tokens)):
+            raise TokenizerError(f"GGUF {key} {token_id!r} is not a token of the {len(tokens)}-token vocabulary")
     if kind == "gpt2":
         backend = _byte_level(metadata, tokens, token_types)
         # transformers defaults this to False for byte-level BPE.
@@ -147,11 +152,12 @@ def _byte_level(metadata: dict[str, Any], tokens: list[str], token_types: list[i
 def _sentencepiece(metadata: dict[str, Any], tokens: list[str], token_types: list[int]) -> BackendTokenizer:
     vocab = {token: index for index, token in enumerate(tokens)}
     scores = metadata.get("tokenizer.ggml.scores")
-    if isinstance(scores, list) and len(scores) == len(tokens):
-        # llama.cpp's SentencePiece tokenizer merges by these scores, whatever merges the file also lists.
-        merges = merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
-    elif metadata.get("tokenizer.ggml.merges"):
+    if metadata.get("tokenizer.ggml.merges"):
+        # The file's merges when it has them, as transformers' converter does (converters that write them for a
+        # Llama-family tokenizer.json give placeholder scores, which would rank the merges arbitrarily).
         merges = _file_merges(metadata)
+    elif isinstance(scores, list) and len(scores) == len(tokens):
+        merges = merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
     else:
         raise TokenizerError("a SentencePiece GGUF needs 'tokenizer.ggml.scores', one per token (or merges), to "
                              "know the order in which pieces merge")

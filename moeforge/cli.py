@@ -330,7 +330,8 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer | None, model: st
     text = args.prompt
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    ids: list[int] = tokenizer.encode(text)
+    # A chat template writes its own BOS ({{ bos_token }}); encoding adds none, as transformers' tokenize=True does.
+    ids: list[int] = tokenizer.encode(text, add_bos=False if args.chat else None)
     return ids
 
 

@@ -36,7 +36,12 @@ def load_transformers_model(spec: str) -> Any:
     if source.kind == "gguf":
         from moeforge.export.gguf_loader import read_gguf
 
-        if read_gguf(path).config.rope.frequency_factors is not None:
+        gguf_config = read_gguf(path).config
+        if gguf_config.model_type == "mixtral":
+            raise MoeforgeError(f"{spec} is a llama GGUF with experts (Mixtral), which transformers' GGUF reader "
+                                "loads as a dense Llama with random MLP weights: compare with --reference torch, or "
+                                "compile the HF safetensors checkpoint and compare that with transformers")
+        if gguf_config.rope.frequency_factors is not None:
             raise MoeforgeError(f"{spec} carries Llama-3.x rope scaling as rope_freqs.weight, which transformers' GGUF "
                                 "reader ignores (it would run unscaled RoPE and disagree for its own reason): compare "
                                 "with --reference torch, or compile the HF safetensors checkpoint and compare that "

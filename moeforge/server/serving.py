@@ -112,10 +112,10 @@ class OpenAIServing:
         except UnsupportedField as exc:
             raise APIError.bad_request(str(exc), exc.param) from None
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         if self.tokenizer is None:
             raise APIError.bad_request("this artifact ships no tokenizer: give the prompt as token ids", "prompt")
-        ids: list[int] = self.tokenizer.encode(text)
+        ids: list[int] = self.tokenizer.encode(text, add_bos=add_bos)
         return ids
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
@@ -130,7 +130,8 @@ class OpenAIServing:
             raise APIError.bad_request(str(exc), exc.param) from None
         except MoeforgeError as exc:
             raise APIError.bad_request(str(exc), "messages") from None
-        return self._encode(text)
+        # The template writes its own BOS ({{ bos_token }}): encoding adds none (transformers' tokenize=True).
+        return self._encode(text, add_bos=False)
 
     async def _prepare(self, request: CompletionRequest | ChatCompletionRequest) -> _Job:
         self._check(request)

@@ -296,6 +296,8 @@ def _as_transformers_names(name: str, ours: torch.Tensor, reference: dict[str, t
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3_moe"])
 def test_k_and_i_quants_dequantise_as_transformers_reads_them(kind: str, tmp_path: Path) -> None:
+    """Both readers dequantise with the gguf package: this checks what each does around it (type dispatch, row
+    chunking, shapes, Q/K un-permutation, expert splitting), each its own code."""
     torch.manual_seed(0)
     model = BUILDERS[kind](hidden=256, ffn=256)
     _randomise(model, seed=2)

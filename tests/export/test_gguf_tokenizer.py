@@ -40,7 +40,7 @@ def _write(path: Path, *, with_merges: bool = False, add_space_prefix: bool | No
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
-    if with_merges:  # merges in another order: llama.cpp (and transformers) merge by the scores regardless
+    if with_merges:  # merges in another order than the scores imply: the file's merges win (as in transformers)
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
         writer.add_token_merges([f"{a} {b}" for a, b in merges][::-1])
@@ -70,10 +70,9 @@ def test_sentencepiece_gguf_tokenises_as_transformers(variant: str, tmp_path: Pa
     _write(path, **VARIANTS[variant])
     ours = Tokenizer.from_gguf_metadata(_metadata(path))
     assert ours.add_bos is (variant != "no-bos")
-    # The reference reads a file with the same vocabulary and scores. Two flags it does not follow are checked
-    # against llama.cpp's meaning instead: extra merges in the file do not change a SentencePiece tokenisation
-    # (llama.cpp merges by score), and add_space_prefix=false means no space is prepended.
-    reference_path = path if variant in ("scores", "no-bos") else tmp_path / "plain" / "spm.gguf"
+    # The reference reads the same file, except for add_space_prefix=false, which transformers ignores: it is
+    # checked against llama.cpp's meaning (no space prepended) with a file that leaves the flag out.
+    reference_path = path if variant != "no-prefix-space" else tmp_path / "plain" / "spm.gguf"
     if reference_path != path:
         reference_path.parent.mkdir()
         _write(reference_path)
@@ -112,3 +111,31 @@ def test_a_vocabulary_of_huge_tokens_is_refused_not_ground_through() -> None:
     with pytest.raises(TokenizerError, match="too long to recover merges"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
                                       "tokenizer.ggml.scores": [0.0] * len(tokens)})
+
+
+def test_a_bos_id_outside_the_vocabulary_is_named(tmp_path: Path) -> None:
+    from moeforge.errors import TokenizerError
+
+    path = tmp_path / "spm.gguf"
+    _write(path)
+    metadata = _metadata(path) | {"tokenizer.ggml.bos_token_id": 10_000}
+    with pytest.raises(TokenizerError, match=r"bos_token_id 10000 is not a token of the 294-token vocabulary"):
+        Tokenizer.from_gguf_metadata(metadata)
+
+
+def test_chat_prompts_carry_the_templates_bos_only(tmp_path: Path) -> None:
+    """A SentencePiece GGUF adds BOS by default and Llama-2-style templates write {{ bos_token }}: one BOS, as
+    transformers' apply_chat_template(tokenize=True) gives."""
+    import argparse
+
+    from moeforge.cli import _prompt_ids
+
+    path = tmp_path / "spm.gguf"
+    _write(path)
+    metadata = _metadata(path) | {
+        "tokenizer.chat_template": "{{ bos_token }}{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}"}
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    assert tokenizer.add_bos
+    chat = _prompt_ids(argparse.Namespace(prompt="the world", prompt_ids=None, chat=True), tokenizer, "m")
+    plain = _prompt_ids(argparse.Namespace(prompt="the world", prompt_ids=None, chat=False), tokenizer, "m")
+    assert chat.count(1) == 1 and chat[0] == 1 and plain[0] == 1

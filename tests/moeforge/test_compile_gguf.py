@@ -53,3 +53,13 @@ def test_qwen2_gguf_artifact_matches_transformers(tmp_path: Path, capsys: pytest
     result = json.loads(out[out.index("{"):])
     assert code == EXIT_OK, result
     assert result["reference"] == "transformers" and result["greedy_match"] and result["max_abs_err"] < 1e-4
+
+
+def test_transformers_reference_refuses_what_its_gguf_reader_gets_wrong(tmp_path: Path) -> None:
+    """transformers reads a Mixtral GGUF as a dense Llama (random MLPs) and ignores rope_freqs: refused by name."""
+    from moeforge.errors import MoeforgeError
+    from moeforge.transformers_reference import load_transformers_model
+
+    for kind, reason in (("mixtral", "llama GGUF with experts"), ("llama", "rope_freqs.weight")):
+        with pytest.raises(MoeforgeError, match=reason):
+            load_transformers_model(str(_gguf(tmp_path, kind)))

@@ -32,7 +32,8 @@ def chat_prompt(engine: LLMEngine, content: str) -> list[int]:
     assert tokenizer is not None
     templated = Tokenizer(tokenizer.backend, bos_token_id=tokenizer.bos_token_id,
                           eos_token_ids=tokenizer.eos_token_ids, chat_template=TEMPLATE, add_bos=tokenizer.add_bos)
-    return tokenizer.encode(templated.apply_chat_template([{"role": "user", "content": content}]))
+    # Chat prompts get no BOS beyond what the template writes (transformers' tokenize=True, vLLM's default).
+    return tokenizer.encode(templated.apply_chat_template([{"role": "user", "content": content}]), add_bos=False)
 
 
 def test_models_and_health(client: openai.OpenAI, shared_server: str) -> None:
