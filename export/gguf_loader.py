@@ -1,4 +1,4 @@
-"""Read a llama.cpp GGUF checkpoint (Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE) into our config and HF-named tensors.
+"""Read a llama.cpp GGUF (Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2/V3) into our config and HF-named tensors.
 
 The ``gguf`` package does the parsing (``GGUFReader`` memory-maps the file) and the dequantisation
 (``gguf.quants.dequantize``: every storage type it implements, K-quants and i-quants included); this module maps
@@ -24,7 +24,10 @@ from gguf.quants import dequantize
 
 from moeforge.errors import CheckpointError, ConfigError
 
-from .config import ModelConfig, MoEConfig, RopeConfig, check_bool, check_float, check_int
+from .config import ModelConfig, MoEConfig, RopeConfig, check_float, check_int
+from .gguf_deepseek import DEEPSEEK2_BLOCK_NAMES, SPLIT_KV_B, deepseek2_config, join_kv_b
+from .gguf_metadata import ArchMetadata
+from .model import CausalLM
 from .tokenizer import gguf_end_of_generation_ids
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,7 +35,8 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # permutes for its LlamaModel only; Qwen2/Qwen3 keep HF's rotate_half row order (llama.cpp runs them as NEOX rope).
 # A llama GGUF with experts is Mixtral.
 _ARCHITECTURES: dict[str, tuple[str, bool]] = {"llama": ("llama", True), "qwen2": ("qwen2", False),
-                                               "qwen3": ("qwen3", False), "qwen3moe": ("qwen3_moe", False)}
+                                               "qwen3": ("qwen3", False), "qwen3moe": ("qwen3_moe", False),
+                                               "deepseek2": ("deepseek_v2", False)}  # V3 by its gating
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 
 
@@ -116,15 +120,42 @@ def unpermute_qk_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
     return weights.reshape(n_head, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """Where one of our tensors is in the file: a GGUF tensor, with the heads its Q/K rows are unpermuted by, or the
+    two halves (``attn_k_b``, ``attn_v_b``) a DeepSeek ``kv_b_proj`` was split into."""
+
+    tensor: ReaderTensor
+    heads: int | None = None
+    v_b: ReaderTensor | None = None
+
+
+def _dequantize(tensor: ReaderTensor) -> np.ndarray:
+    """One GGUF tensor as float32 in its torch shape."""
+    shape = _torch_shape(tensor)
+    array = np.empty(shape, dtype=np.float32)
+    rows = array.reshape(-1, shape[-1]) if shape else array.reshape(1, 1)
+    # A few rows at a time, into the final array: gguf's dequantisers keep every 16-row group's result until
+    # they concatenate them, so a whole embedding table at once would briefly cost twice its size.
+    step = max(1, _DEQUANT_CHUNK_VALUES // max(1, rows.shape[1]))
+    try:
+        stored = tensor.data.reshape(rows.shape[0], -1)  # the last axis is one row's bytes (or values)
+        for start in range(0, rows.shape[0], step):
+            values = dequantize(stored[start:start + step], tensor.tensor_type)
+            rows[start:start + step] = values.reshape(-1, rows.shape[1])
+    except Exception as exc:  # the gguf package raises plain ValueError/AssertionError on bad data
+        raise CheckpointError(f"cannot dequantise GGUF tensor {tensor.name!r}: {exc}") from exc
+    return array
+
+
 class GGUFTensors(Mapping[str, torch.Tensor]):
-    """Lazy ``name -> float32 tensor`` view of a GGUF file, in our (HF Llama) naming.
+    """Lazy ``name -> float32 tensor`` view of a GGUF file, in our (HF) naming.
 
     Each lookup dequantises one tensor from the memory-mapped file and returns a fresh tensor; nothing
     is cached, so iterating over the checkpoint holds one dequantised tensor at a time.
     """
 
-    def __init__(self, reader: GGUFReader, entries: dict[str, tuple[ReaderTensor, int | None]]) -> None:
-        # entries: our name -> (gguf ReaderTensor, heads to unpermute by, or None)
+    def __init__(self, reader: GGUFReader, entries: dict[str, _Entry]) -> None:
         self._reader = reader  # keeps the memory map alive
         self._entries = entries
 
@@ -136,22 +167,12 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
         return self._load(name, unpermute=False)
 
     def _load(self, name: str, unpermute: bool) -> torch.Tensor:
-        tensor, heads = self._entries[name]
-        shape = self.shape(name)
-        array = np.empty(shape, dtype=np.float32)
-        rows = array.reshape(-1, shape[-1]) if shape else array.reshape(1, 1)
-        # A few rows at a time, into the final array: gguf's dequantisers keep every 16-row group's result until
-        # they concatenate them, so a whole embedding table at once would briefly cost twice its size.
-        step = max(1, _DEQUANT_CHUNK_VALUES // max(1, rows.shape[1]))
-        try:
-            stored = tensor.data.reshape(rows.shape[0], -1)  # the last axis is one row's bytes (or values)
-            for start in range(0, rows.shape[0], step):
-                values = dequantize(stored[start:start + step], tensor.tensor_type)
-                rows[start:start + step] = values.reshape(-1, rows.shape[1])
-        except Exception as exc:  # the gguf package raises plain ValueError/AssertionError on bad data
-            raise CheckpointError(f"cannot dequantise GGUF tensor {tensor.name!r}: {exc}") from exc
-        if unpermute and heads is not None:
-            array = np.ascontiguousarray(unpermute_qk_rows(array, heads))
+        entry = self._entries[name]
+        if entry.v_b is not None:
+            return torch.from_numpy(join_kv_b(_dequantize(entry.tensor), _dequantize(entry.v_b)))
+        array = _dequantize(entry.tensor)
+        if unpermute and entry.heads is not None:
+            array = np.ascontiguousarray(unpermute_qk_rows(array, entry.heads))
         return torch.from_numpy(array)
 
     def __iter__(self) -> Iterator[str]:
@@ -162,15 +183,16 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Torch shape ([out, in] for a linear weight) without dequantising."""
-        return _torch_shape(self._entries[name][0])
+        return _entry_shape(self._entries[name])
 
     def gguf_type(self, name: str) -> str:
         """The GGML storage type of a tensor (F32, Q4_1, ...)."""
-        return self._entries[name][0].tensor_type.name
+        return self._entries[name].tensor.tensor_type.name
 
     def gguf_name(self, name: str) -> str:
         """llama.cpp's name for one of our tensors (``blk.0.attn_q.weight``)."""
-        return self._entries[name][0].name
+        entry = self._entries[name]
+        return entry.tensor.name if entry.v_b is None else f"{entry.tensor.name} + {entry.v_b.name}"
 
 
 @dataclass(frozen=True)
@@ -185,8 +207,8 @@ class GGUFCheckpoint:
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Parse a Llama / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE GGUF: config from metadata, tensor index (nothing
-    dequantised yet), tokenizer keys.
+    """Parse a GGUF of a supported architecture (``SUPPORTED_ARCHITECTURES``): config from metadata, tensor index
+    (nothing dequantised yet), tokenizer keys.
 
     Raises ``CheckpointError`` for a missing, non-GGUF, truncated or inconsistent file and
     ``ConfigError`` for an unsupported architecture or missing/unsupported metadata.
@@ -280,16 +302,6 @@ def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
-def _uniform(key: str, value: Any) -> Any:
-    # llama.cpp allows per-layer arrays for head counts; we support one value for all layers.
-    if isinstance(value, list):
-        if not value or any(v != value[0] for v in value):
-            raise ConfigError(f"GGUF key {key!r} varies per layer ({value}); only uniform layers are supported",
-                              field=key)
-        return value[0]
-    return value
-
-
 def _frequency_factors(path: Path, tensor: ReaderTensor) -> tuple[float, ...]:
     """``rope_freqs.weight`` [D/2]: llama.cpp divides each rotary frequency by its factor."""
     try:
@@ -304,113 +316,98 @@ def _config_from_metadata(
     frequency_factors: tuple[float, ...] | None = None,
 ) -> ModelConfig:
     arch = meta["general.architecture"]
-
-    def need(suffix: str) -> Any:
-        key = f"{arch}.{suffix}"
-        if key not in meta:
-            raise ConfigError(f"GGUF metadata is missing the required key {key!r}", field=key)
-        return _uniform(key, meta[key])
-
-    def get(suffix: str, default: Any = None) -> Any:
-        key = f"{arch}.{suffix}"
-        return _uniform(key, meta[key]) if key in meta else default
-
-    # Typed and bounded (config.SIZE_LIMITS) under the GGUF key's own name, before any arithmetic.
-    def need_int(suffix: str, limits: str) -> int:
-        return check_int(need(suffix), f"{arch}.{suffix}", limits)
-
-    def get_int(suffix: str, default: int, limits: str) -> int:
-        value = get(suffix)
-        return default if value is None else check_int(value, f"{arch}.{suffix}", limits)
-
-    experts = get_int("expert_count", 0, "n_routed_experts")
+    m = ArchMetadata(meta, arch)
+    experts = m.get_int("expert_count", 0, "n_routed_experts")
     if experts == 0 and arch == "qwen3moe":
         raise ConfigError("GGUF qwen3moe metadata has no expert_count", field=f"{arch}.expert_count")
-    if experts and arch not in ("llama", "qwen3moe"):
+    if experts and arch not in ("llama", "qwen3moe", "deepseek2"):
         raise ConfigError(f"GGUF {arch} model with experts ({arch}.expert_count={experts}) is not supported; "
-                          "experts are read for llama (Mixtral) and qwen3moe GGUFs", field=f"{arch}.expert_count")
+                          "experts are read for llama (Mixtral), qwen3moe and deepseek2 GGUFs",
+                          field=f"{arch}.expert_count")
     if experts and any(re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", n) for n in tensor_names):
         raise ConfigError("GGUF stores each expert as its own tensor (blk.N.ffn_gate.E.weight: the layout of "
                           "llama.cpp converters before 2024); re-convert it with a current convert_hf_to_gguf.py, "
                           "which stacks them (ffn_gate_exps)", field=f"{arch}.expert_count")
 
-    layers = need_int("block_count", "num_hidden_layers")
+    layers = m.need_int("block_count", "num_hidden_layers")
     _check_blocks_present(arch, layers, tensor_names)
-    hidden = need_int("embedding_length", "hidden_size")
-    heads = need_int("attention.head_count", "num_attention_heads")
-    # Defaults below are llama.cpp's for keys it treats as optional.
-    kv_heads = get_int("attention.head_count_kv", heads, "num_key_value_heads")
-    if get("attention.key_length") is not None:
-        head_dim = need_int("attention.key_length", "head_dim")
-    elif hidden % heads:
-        raise ConfigError(f"embedding_length {hidden} is not a multiple of head_count {heads}",
-                          field=f"{arch}.attention.head_count")
-    else:
-        head_dim = hidden // heads
-    value_dim = get_int("attention.value_length", head_dim, "head_dim")
-    if value_dim != head_dim:
-        raise ConfigError(f"attention.value_length ({value_dim}) != key_length ({head_dim}) is not supported",
-                          field=f"{arch}.attention.value_length")
-    rope_dims = get_int("rope.dimension_count", head_dim, "head_dim")
-    if rope_dims != head_dim:
-        raise ConfigError(f"partial rotary embeddings (rope.dimension_count {rope_dims} < head_dim {head_dim}) "
-                          f"are not supported for {arch}", field=f"{arch}.rope.dimension_count")
-
+    hidden = m.need_int("embedding_length", "hidden_size")
+    heads = m.need_int("attention.head_count", "num_attention_heads")
     if "tokenizer.ggml.tokens" in tok_meta:
         tokens = tok_meta["tokenizer.ggml.tokens"]
         if not isinstance(tokens, list):
             raise ConfigError("GGUF tokenizer.ggml.tokens must be an array of strings", field="tokenizer.ggml.tokens")
         vocab = len(tokens)
-    elif f"{arch}.vocab_size" in meta:
-        vocab = need_int("vocab_size", "vocab_size")
+    elif m.has("vocab_size"):
+        vocab = m.need_int("vocab_size", "vocab_size")
     else:
         raise ConfigError("GGUF metadata has neither 'tokenizer.ggml.tokens' nor a vocab_size",
                           field="tokenizer.ggml.tokens")
-
     bos = tok_meta.get("tokenizer.ggml.bos_token_id")
     general_name = meta.get("general.name")
+    common: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        rms_norm_eps=check_float(m.need("attention.layer_norm_rms_epsilon"),
+                                 m.key("attention.layer_norm_rms_epsilon"), positive=True),
+        max_position_embeddings=m.need_int("context_length", "max_position_embeddings"),
+        # llama.cpp writes output.weight only when the LM head is not the embedding matrix.
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=check_int(bos, "tokenizer.ggml.bos_token_id", "token_id") if bos is not None else None,
+        eos_token_ids=gguf_end_of_generation_ids(tok_meta),
+        name=general_name if isinstance(general_name, str) and general_name else name,
+    )
     rope = _rope_from_metadata(arch, meta)
     if frequency_factors is not None:
         rope = dataclasses.replace(rope, frequency_factors=frequency_factors)
+    if arch == "deepseek2":
+        return deepseek2_config(m, common, rope, tensor_names)
+
+    # Defaults below are llama.cpp's for keys it treats as optional.
+    kv_heads = m.get_int("attention.head_count_kv", heads, "num_key_value_heads")
+    if m.get("attention.key_length") is not None:
+        head_dim = m.need_int("attention.key_length", "head_dim")
+    elif hidden % heads:
+        raise ConfigError(f"embedding_length {hidden} is not a multiple of head_count {heads}",
+                          field=m.key("attention.head_count"))
+    else:
+        head_dim = hidden // heads
+    value_dim = m.get_int("attention.value_length", head_dim, "head_dim")
+    if value_dim != head_dim:
+        raise ConfigError(f"attention.value_length ({value_dim}) != key_length ({head_dim}) is not supported",
+                          field=m.key("attention.value_length"))
+    rope_dims = m.get_int("rope.dimension_count", head_dim, "head_dim")
+    if rope_dims != head_dim:
+        raise ConfigError(f"partial rotary embeddings (rope.dimension_count {rope_dims} < head_dim {head_dim}) "
+                          f"are not supported for {arch}", field=m.key("rope.dimension_count"))
+
     # Optional with experts (llama.cpp never reads it for an all-MoE qwen3moe): the experts' width then.
-    dense_width = ("expert_feed_forward_length" if experts and get("feed_forward_length") is None
+    dense_width = ("expert_feed_forward_length" if experts and m.get("feed_forward_length") is None
                    else "feed_forward_length")
-    intermediate = need_int(dense_width, "intermediate_size")
+    intermediate = m.need_int(dense_width, "intermediate_size")
     moe = None
     if experts:
         # llama.cpp routes both by softmax over all experts, top-k, and renormalises the k weights (build_moe_ffn's
         # norm_w) unless the file says otherwise. Every block is an MoE block: llama.cpp has no dense layers in these.
         moe = MoEConfig(
             n_routed_experts=experts,
-            num_experts_per_tok=need_int("expert_used_count", "num_experts_per_tok"),
+            num_experts_per_tok=m.need_int("expert_used_count", "num_experts_per_tok"),
             n_shared_experts=0,
-            moe_intermediate_size=get_int("expert_feed_forward_length", intermediate, "intermediate_size"),
+            moe_intermediate_size=m.get_int("expert_feed_forward_length", intermediate, "intermediate_size"),
             scoring_func="softmax", topk_method="greedy",
-            norm_topk_prob=check_bool(get("expert_weights_norm", True), f"{arch}.expert_weights_norm"),
+            norm_topk_prob=m.get_bool("expert_weights_norm", True),
         )
     model_type = "mixtral" if arch == "llama" and experts else _ARCHITECTURES[arch][0]
     return ModelConfig(
+        **common,
         model_type=model_type,  # type: ignore[arg-type]  # one of config.Family
-        vocab_size=vocab,
-        hidden_size=hidden,
         intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=check_float(need("attention.layer_norm_rms_epsilon"),
-                                 f"{arch}.attention.layer_norm_rms_epsilon", positive=True),
-        max_position_embeddings=need_int("context_length", "max_position_embeddings"),
-        # llama.cpp writes output.weight only when the LM head is not the embedding matrix.
-        tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_proj_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="head" if "blk.0.attn_q_norm.weight" in tensor_names else "none",  # qwen3: RMSNorm per head
         rope=rope,
         moe=moe,
-        bos_token_id=check_int(bos, "tokenizer.ggml.bos_token_id", "token_id") if bos is not None else None,
-        eos_token_ids=gguf_end_of_generation_ids(tok_meta),
-        name=general_name if isinstance(general_name, str) and general_name else name,
     )
 
 
@@ -463,66 +460,61 @@ def _rope_from_metadata(arch: str, meta: dict[str, Any]) -> RopeConfig:
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-        }
-        if cfg.is_moe_layer(i):
-            assert cfg.moe is not None
-            e, inner = cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size
-            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_proj": (e, inner, h),
-                       p + "mlp.experts.up_proj": (e, inner, h), p + "mlp.experts.down_proj": (e, h, inner)}
-        else:
-            shapes |= {p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-                       p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-                       p + "mlp.down_proj.weight": (h, cfg.intermediate_size)}
-        if cfg.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-        if cfg.o_proj_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if cfg.qk_norm == "head":
-            shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
-    return shapes
+    """Every tensor the model built from ``cfg`` holds, with its shape (the model itself, on the meta device)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    return {name: tuple(value.shape) for name, value in model.state_dict().items()}
+
+
+def _entry_shape(entry: _Entry) -> tuple[int, ...]:
+    if entry.v_b is None:
+        return _torch_shape(entry.tensor)
+    (heads, latent, nope), (_, v, _) = _torch_shape(entry.tensor), _torch_shape(entry.v_b)
+    return (heads * (nope + v), latent)
 
 
 def _map_tensors(path: Path, cfg: ModelConfig, by_name: dict[str, ReaderTensor], permuted: bool
-                 ) -> dict[str, tuple[ReaderTensor, int | None]]:
+                 ) -> dict[str, _Entry]:
     # permuted: llama.cpp's converter interleaved the Q/K rows (Llama), and each head's rows are unpermuted here.
-    entries: dict[str, tuple[ReaderTensor, int | None]] = {}
+    block_names = _BLOCK_NAMES | DEEPSEEK2_BLOCK_NAMES if cfg.mla is not None else _BLOCK_NAMES
+    entries: dict[str, _Entry] = {}
+    split_kv_b: dict[str, dict[str, ReaderTensor]] = {}  # layer -> {"attn_k_b.weight": ..., "attn_v_b.weight": ...}
     for gguf_name, tensor in by_name.items():
         heads: int | None = None
         if gguf_name in _GLOBAL_NAMES:
             ours = _GLOBAL_NAMES[gguf_name]
         else:
             match = _BLOCK_RE.fullmatch(gguf_name)
-            if match is None or match.group(2) not in _BLOCK_NAMES:
+            if match is not None and cfg.mla is not None and match.group(2) in SPLIT_KV_B:
+                split_kv_b.setdefault(match.group(1), {})[match.group(2)] = tensor
+                continue
+            if match is None or match.group(2) not in block_names:
                 raise CheckpointError(f"{path}: unexpected tensor {gguf_name!r} in a {cfg.model_type} GGUF")
-            ours = f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
+            ours = f"model.layers.{match.group(1)}.{block_names[match.group(2)]}"
             if permuted and match.group(2).startswith("attn_q."):
                 heads = cfg.num_attention_heads
             elif permuted and match.group(2).startswith("attn_k."):
                 heads = cfg.num_key_value_heads
-        entries[ours] = (tensor, heads)
+        entries[ours] = _Entry(tensor, heads)
+    for layer, halves in split_kv_b.items():
+        if len(halves) != 2:
+            raise CheckpointError(f"{path}: block {layer} has {' and '.join(halves)} without its other half "
+                                  f"({' and '.join(SPLIT_KV_B)} together make kv_b_proj)")
+        k_b, v_b = halves[SPLIT_KV_B[0]], halves[SPLIT_KV_B[1]]
+        k_shape, v_shape = _torch_shape(k_b), _torch_shape(v_b)
+        if len(k_shape) != 3 or len(v_shape) != 3 or k_shape[0] != v_shape[0] or k_shape[1] != v_shape[2]:
+            raise CheckpointError(f"{path}: {k_b.name} {list(k_shape)} and {v_b.name} {list(v_shape)} are not the "
+                                  "[heads, kv_lora, nope] and [heads, v, kv_lora] halves of one kv_b_proj")
+        entries[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = _Entry(k_b, v_b=v_b)
 
     expected = _expected_shapes(cfg)
     for ours, shape in expected.items():
         if ours not in entries:
             raise CheckpointError(f"{path}: GGUF has no tensor for {ours} (config: {cfg.num_hidden_layers} layers)")
-        actual = _torch_shape(entries[ours][0])
+        actual = _entry_shape(entries[ours])
         if actual != shape:
             raise CheckpointError(
-                f"{path}: tensor {entries[ours][0].name!r} ({ours}) has shape {list(actual)}, "
+                f"{path}: tensor {entries[ours].tensor.name!r} ({ours}) has shape {list(actual)}, "
                 f"the metadata implies {list(shape)}"
             )
     extra = sorted(set(entries) - set(expected))

@@ -1,7 +1,7 @@
-"""GGUF checkpoints beyond SmolLM2 through the whole pipeline: a Llama-3.x GGUF (rope_freqs.weight) and a Qwen3-MoE
-GGUF compile and pass ``--check`` (the factors survive the manifest and the rotary fusion; the experts reach the
-MoE op), and a Qwen2 GGUF's artifact matches transformers running the GGUF (``moeforge parity --reference
-transformers``)."""
+"""GGUF checkpoints beyond SmolLM2 through the whole pipeline: a Llama-3.x GGUF (rope_freqs.weight), a Qwen3-MoE
+GGUF and a DeepSeek-V3 GGUF compile and pass ``--check`` (the rope factors survive the manifest and the rotary
+fusion; the experts reach the MoE op), and a Qwen2 GGUF's artifact matches transformers running the GGUF
+(``moeforge parity --reference transformers``)."""
 
 import json
 import sys
@@ -16,18 +16,23 @@ from moeforge.compile import CompileOptions, compile_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
 from test_gguf_architectures import BUILDERS, _randomise, write_gguf  # tiny models written as llama.cpp would
+from test_gguf_deepseek import write_deepseek_gguf
+from test_hf_parity import _deepseek_v3
 
 
 def _gguf(folder: Path, kind: str) -> Path:
     torch.manual_seed(0)
-    model = BUILDERS[kind]()
+    model = _deepseek_v3() if kind == "deepseek_v3" else BUILDERS[kind]()
     _randomise(model, seed=1)
     path = folder / f"tiny-{kind}.gguf"
-    write_gguf(model.eval(), path, kind)
+    if kind == "deepseek_v3":
+        write_deepseek_gguf(model.eval(), path)
+    else:
+        write_gguf(model.eval(), path, kind)
     return path
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3"])
 def test_gguf_compiles_and_passes_its_check(kind: str, tmp_path: Path) -> None:
     source = _gguf(tmp_path, kind)
     artifact = tmp_path / "artifact"
@@ -39,7 +44,7 @@ def test_gguf_compiles_and_passes_its_check(kind: str, tmp_path: Path) -> None:
     if kind == "llama":
         factors = config["rope"]["frequency_factors"]
         assert len(factors) == 8 and max(factors) == 8.0  # llama.cpp's divisors, as the converter wrote them
-    else:
+    else:  # MoE: the experts reach the MoE op (DeepSeek-V3: MLA, sigmoid routing with its correction bias)
         assert config["moe"]["n_routed_experts"] == 8 and config["moe"]["norm_topk_prob"] is True
 
 
