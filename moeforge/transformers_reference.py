@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from moeforge.errors import MoeforgeError
+from moeforge.export.gguf_loader import read_gguf
 from moeforge.export.loader import resolve_source
 from moeforge.parity import TorchReference
 
@@ -34,8 +35,6 @@ def load_transformers_model(spec: str) -> Any:
 
     path = Path(source.location)
     if source.kind == "gguf":
-        from moeforge.export.gguf_loader import read_gguf
-
         gguf_config = read_gguf(path).config
         if gguf_config.model_type == "mixtral":
             raise MoeforgeError(f"{spec} is a llama GGUF with experts (Mixtral), which transformers' GGUF reader "
