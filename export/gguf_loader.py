@@ -253,7 +253,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
 
     # Llama-3.x: the converter folds rope_scaling (llama3) into per-frequency divisors; read them as such.
     rope_freqs = by_name.pop("rope_freqs.weight", None)
-    factors = None if rope_freqs is None else _frequency_factors(path, rope_freqs)
+    factors = None if rope_freqs is None else _frequency_factors(rope_freqs)
     config = _config_from_metadata(metadata, tokenizer_metadata, set(by_name), name=path.stem,
                                    frequency_factors=factors)
     entries = _map_tensors(path, config, by_name, permuted=_ARCHITECTURES[arch][1])
@@ -302,13 +302,9 @@ def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
-def _frequency_factors(path: Path, tensor: ReaderTensor) -> tuple[float, ...]:
+def _frequency_factors(tensor: ReaderTensor) -> tuple[float, ...]:
     """``rope_freqs.weight`` [D/2]: llama.cpp divides each rotary frequency by its factor."""
-    try:
-        values = dequantize(tensor.data.reshape(1, -1), tensor.tensor_type).reshape(-1)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: cannot read rope_freqs.weight: {exc}") from exc
-    return tuple(float(v) for v in values)
+    return tuple(float(v) for v in _dequantize(tensor).reshape(-1))
 
 
 def _config_from_metadata(

@@ -156,6 +156,12 @@ class Tokenizer:
         finally:
             _BUDGET.reset(token)
 
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template. No BOS is added: the template writes its own
+        (``{{ bos_token }}``), as transformers' ``apply_chat_template(..., tokenize=True)`` and vLLM's chat API."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt),
+                           add_bos=False)
+
     # ------------------------------------------------------------------ persistence
     def save(self, directory: str | Path) -> Path:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``; returns it."""

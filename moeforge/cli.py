@@ -45,6 +45,8 @@ from moeforge.targets import TARGETS
 from moeforge.transformers_reference import load_transformers_model, transformers_reference
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+NO_HUGE_PAGES_HELP = ("keep the weights on 4 KiB pages (default: the memory the session allocates goes on transparent "
+                      "huge pages, Linux; faster decode, ~4 ms per MB more load time)")
 DESCRIPTION = ("Compile LLMs into ONNX Runtime (--target ort) or TensorRT (--target trt) artifacts, run them, and "
                "check them against PyTorch. Exit codes: 0 success, 1 failed check, 2 bad input.")
 
@@ -88,8 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "torch (the PyTorch reference) for checkpoints")
     run.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     run.add_argument("--no-huge-pages", action="store_true",
-                     help="keep the weights on 4 KiB pages (default: the memory the session allocates goes on "
-                          "transparent huge pages, Linux; faster decode, ~4 ms per MB more load time)")
+                     help=NO_HUGE_PAGES_HELP)
     prompt = run.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenised with the model's tokenizer)")
     prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids, e.g. 1,2,3")
@@ -225,8 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV-cache blocks (default: every running request can reach max_seq_len)")
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     srv.add_argument("--no-huge-pages", action="store_true",
-                     help="keep the weights on 4 KiB pages (default: the memory the session allocates goes on "
-                          "transparent huge pages, Linux; faster decode, ~4 ms per MB more load time)")
+                     help=NO_HUGE_PAGES_HELP)
     srv.add_argument("--chat-template", type=Path, default=None,
                      help="Jinja chat template file to use instead of the tokenizer's")
     srv.add_argument("--served-model-name", default=None,
@@ -327,11 +327,9 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer | None, model: st
         return list(args.prompt_ids)
     if tokenizer is None:
         raise MoeforgeError(f"{model} ships no tokenizer: pass --prompt-ids instead of --prompt")
-    text = args.prompt
     if args.chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    # A chat template writes its own BOS ({{ bos_token }}); encoding adds none, as transformers' tokenize=True does.
-    ids: list[int] = tokenizer.encode(text, add_bos=False if args.chat else None)
+        return tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    ids: list[int] = tokenizer.encode(args.prompt)
     return ids
 
 

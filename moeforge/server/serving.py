@@ -112,10 +112,10 @@ class OpenAIServing:
         except UnsupportedField as exc:
             raise APIError.bad_request(str(exc), exc.param) from None
 
-    def _encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError.bad_request("this artifact ships no tokenizer: give the prompt as token ids", "prompt")
-        ids: list[int] = self.tokenizer.encode(text, add_bos=add_bos)
+        ids: list[int] = self.tokenizer.encode(text)
         return ids
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
@@ -125,13 +125,11 @@ class OpenAIServing:
                                        "server with --chat-template FILE", "messages")
         try:
             messages = [m.for_template() for m in request.messages]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
+            return tokenizer.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
         except UnsupportedField as exc:
             raise APIError.bad_request(str(exc), exc.param) from None
         except MoeforgeError as exc:
             raise APIError.bad_request(str(exc), "messages") from None
-        # The template writes its own BOS ({{ bos_token }}): encoding adds none (transformers' tokenize=True).
-        return self._encode(text, add_bos=False)
 
     async def _prepare(self, request: CompletionRequest | ChatCompletionRequest) -> _Job:
         self._check(request)

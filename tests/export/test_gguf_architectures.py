@@ -118,6 +118,24 @@ def _tokenizer_kv(writer: gguf.GGUFWriter) -> None:
     writer.add_eos_token_id(2)
 
 
+def _hparams_kv(writer: gguf.GGUFWriter, cfg: Any) -> None:
+    """The hyper-parameters every converter writes, from a transformers config."""
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def _close(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gguf(model: Any, path: Path, kind: str, storage: dict[str, T] | None = None,
                raw: dict[str, np.ndarray] | None = None) -> None:
     """Write ``model`` as llama.cpp's converter would. ``storage``: GGUF type per tensor kind (``attn_q``, ...;
@@ -128,14 +146,8 @@ def write_gguf(model: Any, path: Path, kind: str, storage: dict[str, T] | None =
     name = gguf.MODEL_ARCH_NAMES[arch]
     writer = gguf.GGUFWriter(str(path), name)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
+    _hparams_kv(writer, cfg)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if kind in ("qwen3", "qwen3_moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -168,10 +180,7 @@ def write_gguf(model: Any, path: Path, kind: str, storage: dict[str, T] | None =
         writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
     if kind == "llama" and cfg.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _close(writer)
 
 
 def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

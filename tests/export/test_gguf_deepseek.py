@@ -21,7 +21,7 @@ from moeforge.export.gguf_loader import read_gguf
 from moeforge.export.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_gguf_architectures import _stacked_experts, _tokenizer_kv  # the GGUF test writer's shared parts
+from test_gguf_architectures import _close, _hparams_kv, _stacked_experts, _tokenizer_kv  # the writer's shared parts
 from test_hf_parity import _deepseek_v2, _deepseek_v3, _randomise  # tiny transformers DeepSeek models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,13 +34,7 @@ def write_deepseek_gguf(model: Any, path: Path, split_kv_b: bool = True) -> None
     cfg = model.config
     rope = cfg.rope_parameters
     writer = gguf.GGUFWriter(str(path), "deepseek2")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_rope_freq_base(float(rope["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    _hparams_kv(writer, cfg)
     writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
     if cfg.q_lora_rank is not None:
         writer.add_q_lora_rank(cfg.q_lora_rank)
@@ -92,10 +86,7 @@ def write_deepseek_gguf(model: Any, path: Path, split_kv_b: bool = True) -> None
             assert gguf_name is not None, name
             gguf_name += "" if gguf_name.endswith((".weight", ".bias")) else ".weight"
             writer.add_tensor(gguf_name, np.ascontiguousarray(part.numpy()))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _close(writer)
 
 
 BUILDERS = {"deepseek_v3": _deepseek_v3, "deepseek_v2": _deepseek_v2}
