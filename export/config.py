@@ -37,6 +37,32 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*MLA_FAMILIES, *DENSE_FAMILIES, *MOE_G
 # config.json model_type values that name one of our families under another name. Kimi-K2 ships
 # "kimi_k2" with the DeepSeek-V3 architecture and DeepSeek-V3's keys (transformers maps it the same way).
 MODEL_TYPE_ALIASES: dict[str, Family] = {"kimi_k2": "deepseek_v3"}
+# What transformers v5 assumes when config.json leaves a field out (configuration_<family>.py's class defaults, and
+# default_theta = 1e6 for Mixtral, 1e4 for the rest): moeforge reads a missing key the same way, so both build
+# the same model. Families not listed for a key use its first entry ("*").
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "rms_norm_eps": {"*": 1e-6, "mixtral": 1e-5, "olmoe": 1e-5, "glm4_moe": 1e-5},
+    "rope_theta": {"*": 10000.0, "mixtral": 1e6},
+    "max_position_embeddings": {"*": 4096, "llama": 2048, "deepseek_v2": 2048, "qwen2": 32768, "qwen3": 32768,
+                                "qwen3_moe": 32768, "mistral": 131072, "mixtral": 131072, "glm4_moe": 131072,
+                                "deepseek_v32": 163840},
+    # None: num_attention_heads
+    "num_key_value_heads": {"*": None, "qwen2": 32, "qwen3": 32, "mistral": 8, "mixtral": 8, "qwen3_moe": 4,
+                            "glm4_moe": 8, "deepseek_v3": 128, "deepseek_v32": 128},
+    # DeepSeekMoE: V2's and V3's (and V3.2's) class defaults differ
+    "n_shared_experts": {"*": 1, "deepseek_v2": 2},
+    "first_k_dense_replace": {"*": 3, "deepseek_v2": 0},
+    "n_group": {"*": 8, "deepseek_v2": 1},
+    "topk_group": {"*": 4, "deepseek_v2": 1},
+    "routed_scaling_factor": {"*": 2.5, "deepseek_v2": 1.0},
+}
+
+
+def hf_default(key: str, model_type: str) -> Any:
+    """transformers' value for ``key`` when a ``model_type`` config.json leaves it out (``HF_DEFAULTS``)."""
+    table = HF_DEFAULTS[key]
+    return table.get(model_type, table["*"])
+
 
 # Inclusive bounds for every size in a config. They sit far above any released model (DeepSeek-V3: 61 layers,
 # hidden 7168, 128 heads, 256 experts, vocab 129280, 163840 positions) yet low enough that no loop or
@@ -260,12 +286,13 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """Attention scale; MLA multiplies by mscale^2 when YaRN is active (DeepSeek semantics)."""
+        """Attention scale; MLA multiplies by mscale(factor, mscale_all_dim)^2 under any rope scaling that sets
+        mscale_all_dim (DeepSeek semantics: transformers' yarn_apply_mscale checks rope_type != "default")."""
         if self.mla is None:
             return float(self.head_dim**-0.5)
         scale = float(self.mla.qk_head_dim**-0.5)
         rope = self.rope
-        if rope.scaling == "yarn" and rope.mscale_all_dim:
+        if rope.scaling != "default" and rope.mscale_all_dim:
             m = yarn_mscale(rope.factor, rope.mscale_all_dim)
             scale = scale * m * m
         return scale
@@ -622,16 +649,19 @@ class ModelConfig:
             hidden_size=hidden,
             num_hidden_layers=need("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=_opt_int(hf, "num_key_value_heads") or heads,
-            rms_norm_eps=_opt_float(hf, "rms_norm_eps", 1e-6, positive=True),
-            max_position_embeddings=_opt_int(hf, "max_position_embeddings", 4096, "max_position_embeddings"),
+            num_key_value_heads=_opt_int(hf, "num_key_value_heads") or hf_default("num_key_value_heads",
+                                                                                   model_type) or heads,
+            rms_norm_eps=_opt_float(hf, "rms_norm_eps", hf_default("rms_norm_eps", model_type), positive=True),
+            max_position_embeddings=_opt_int(hf, "max_position_embeddings",
+                                             hf_default("max_position_embeddings", model_type),
+                                             "max_position_embeddings"),
             tie_word_embeddings=_opt_bool(hf, "tie_word_embeddings", False),
             bos_token_id=bos,
             eos_token_ids=eos_ids,
             name=name or (default_name if isinstance(default_name, str) else "") or declared,
         )
         deepseek = model_type in MLA_FAMILIES
-        common["rope"] = _rope_from_hf(hf, common["max_position_embeddings"], interleaved_default=deepseek)
+        common["rope"] = _rope_from_hf(hf, common["max_position_embeddings"], model_type)
         attention_bias = _opt_bool(hf, "attention_bias", False)
         if deepseek:
             mla = MLAConfig(
@@ -644,25 +674,7 @@ class ModelConfig:
             moe = None
             n_experts = _opt_int(hf, "n_routed_experts")
             if n_experts:
-                v3 = model_type in ("deepseek_v3", "deepseek_v32")
-                default_method = "noaux_tc" if v3 else "greedy"
-                default_scoring = "sigmoid" if v3 else "softmax"
-                moe = MoEConfig(
-                    n_routed_experts=n_experts,
-                    n_shared_experts=_opt_int(hf, "n_shared_experts") or 0,
-                    num_experts_per_tok=need("num_experts_per_tok"),
-                    moe_intermediate_size=need("moe_intermediate_size"),
-                    first_k_dense_replace=_opt_int(hf, "first_k_dense_replace") or 0,
-                    # Checked by ModelConfig.validate(), with a message naming the field.
-                    scoring_func=cast(ScoringFunc, hf.get("scoring_func") or default_scoring),
-                    topk_method=cast(TopkMethod, hf.get("topk_method") or default_method),
-                    n_group=_opt_int(hf, "n_group") or 1,
-                    topk_group=_opt_int(hf, "topk_group") or 1,
-                    norm_topk_prob=_deepseek_norm_topk_prob(hf, v3),
-                    routed_scaling_factor=_opt_float(hf, "routed_scaling_factor", 1.0) or 1.0,
-                )
-                if hf.get("moe_layer_freq", 1) != 1:
-                    raise ConfigError("moe_layer_freq != 1 is not supported", field="moe_layer_freq")
+                moe = _deepseek_moe(hf, model_type, n_experts, need)
             return cls(
                 **common,
                 intermediate_size=need("intermediate_size"),
@@ -676,8 +688,6 @@ class ModelConfig:
 
         # Qwen3Config's head_dim defaults to 128 (the others: hidden / heads)
         head_dim = _opt_int(hf, "head_dim") or (128 if model_type == "qwen3" else hidden // heads)
-        if common["rope"].interleaved:
-            raise ConfigError("interleaved rope weights are only read for DeepSeek", field="rope_interleave")
         if model_type in MOE_GQA_FAMILIES:
             return cls(**common, **_moe_gqa_fields(hf, model_type, head_dim, need))
         qk_norm: QKNorm = "none"
@@ -690,7 +700,9 @@ class ModelConfig:
             window = _qwen_sliding_window(hf, common["num_hidden_layers"], need)
         else:
             qkv_bias = o_bias = attention_bias
-            window = _opt_int(hf, "sliding_window") or None
+            # MistralConfig's sliding_window defaults to 4096 when the key is missing; null means none
+            default_window = 4096 if model_type == "mistral" and "sliding_window" not in hf else None
+            window = _opt_int(hf, "sliding_window", default_window) or None
         return cls(
             **common,
             intermediate_size=need("intermediate_size"),
@@ -702,12 +714,57 @@ class ModelConfig:
         )
 
 
+def _deepseek_moe(hf: dict[str, Any], model_type: str, n_experts: int, need: Callable[..., int]) -> MoEConfig:
+    """DeepSeekMoE as transformers v5 runs each family. V2's router is always softmax (greedy or group-limited per
+    topk_method); V3's and V3.2's always sigmoid + correction bias, groups scored by their top-2 (noaux_tc): a
+    scoring_func / topk_method that says otherwise is ignored there, with a warning. Missing keys take the family's
+    class defaults (``HF_DEFAULTS``). V3.2's ``mlp_layer_types`` ("dense" / "sparse" per layer) wins over
+    first_k_dense_replace, as in transformers; a first_k_dense_replace beyond the last layer makes every layer dense."""
+    v3 = model_type in ("deepseek_v3", "deepseek_v32")
+    scoring, method = ("sigmoid", "noaux_tc") if v3 else ("softmax", hf.get("topk_method") or "greedy")
+    for key, used in (("scoring_func", scoring), *((("topk_method", method),) if v3 else ())):
+        given = hf.get(key)
+        if given is not None and given != used:
+            log.warning("%s config sets %s=%r: transformers' %s router ignores it and uses %s, and so does "
+                        "moeforge, to match it", model_type, key, given, model_type, used)
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise ConfigError("moe_layer_freq != 1 is not supported", field="moe_layer_freq")
+    layers = need("num_hidden_layers", "num_hidden_layers")
+
+    def default(key: str) -> Any:
+        return hf_default(key, model_type)
+
+    first_dense = min(_opt_int(hf, "first_k_dense_replace", default("first_k_dense_replace")), layers)
+    dense_layers: tuple[int, ...] = ()
+    types = hf.get("mlp_layer_types") if model_type == "deepseek_v32" else None
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or not set(types) <= {"dense", "sparse"}:
+            raise ConfigError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {layers} layers, got "
+                              f"{_show(types)}", field="mlp_layer_types")
+        first_dense, dense_layers = 0, tuple(i for i, kind in enumerate(types) if kind == "dense")
+    return MoEConfig(
+        n_routed_experts=n_experts,
+        n_shared_experts=_opt_int(hf, "n_shared_experts", default("n_shared_experts")),
+        num_experts_per_tok=need("num_experts_per_tok"),
+        moe_intermediate_size=need("moe_intermediate_size"),
+        first_k_dense_replace=first_dense,
+        # Checked by ModelConfig.validate(), with a message naming the field.
+        scoring_func=cast(ScoringFunc, scoring),
+        topk_method=cast(TopkMethod, method),
+        n_group=_opt_int(hf, "n_group", default("n_group")),
+        topk_group=_opt_int(hf, "topk_group", default("topk_group")),
+        norm_topk_prob=_deepseek_norm_topk_prob(hf, v3),
+        routed_scaling_factor=_opt_float(hf, "routed_scaling_factor", default("routed_scaling_factor")),
+        dense_layers=dense_layers,
+    )
+
+
 def _deepseek_norm_topk_prob(hf: dict[str, Any], v3: bool) -> bool:
     """``norm_topk_prob`` as transformers v5 applies it: V3 (and V3.2) renormalise the top-k weights when it is set;
     V2's router never does (DeepseekV2TopkRouter: softmax, top-k, times routed_scaling_factor), whatever the config
     says -- released V2 checkpoints all say false. A V2 config that says true is followed as transformers runs it,
     with a warning, since DeepSeek's own V2 code would renormalise (and then not scale)."""
-    value = _opt_bool(hf, "norm_topk_prob", False)
+    value = _opt_bool(hf, "norm_topk_prob", v3)  # transformers' defaults: V3 True, V2 False
     if value and not v3:
         log.warning("deepseek_v2 config sets norm_topk_prob=true: transformers' DeepSeek-V2 router ignores it (the "
                     "top-k softmax weights are not renormalised), and so does moeforge, to match it")
@@ -797,9 +854,12 @@ def _moe_gqa_fields(hf: dict[str, Any], model_type: str, head_dim: int, need: Ca
         if head_dim * heads != need("hidden_size"):
             raise ConfigError(f"olmoe needs head_dim * num_attention_heads == hidden_size (its q_norm spans "
                               f"hidden_size), got head_dim {head_dim}", field="head_dim")
+        # transformers' OLMoE mask never slides (modeling_olmoe: "no sliding"), whatever sliding_window says
+        if _opt_int(hf, "sliding_window"):
+            log.warning("olmoe config sets sliding_window=%s: transformers' OLMoE attends to the whole context "
+                        "(its causal mask has no window), and so does moeforge, to match it", hf["sliding_window"])
         fields.update(qkv_bias=attention_bias, o_proj_bias=attention_bias, qk_norm="projection",
-                      clip_qkv=_opt_float(hf, "clip_qkv", None, positive=True),
-                      sliding_window=_opt_int(hf, "sliding_window") or None)
+                      clip_qkv=_opt_float(hf, "clip_qkv", None, positive=True))
         moe.update(moe_intermediate_size=fields["intermediate_size"],
                    norm_topk_prob=_opt_bool(hf, "norm_topk_prob", False))
     fields["moe"] = MoEConfig(**moe)  # checked by ModelConfig.validate(), with messages naming the fields
@@ -886,22 +946,31 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _rope_from_hf(hf: dict[str, Any], max_positions: int, interleaved_default: bool) -> RopeConfig:
-    # transformers v5 writes rope_parameters (theta inside); older files write rope_theta + rope_scaling.
-    params = _opt_dict(hf, "rope_parameters")
+def _rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> RopeConfig:
+    """RoPE as transformers v5 reads it (convert_rope_params_to_dict): older files write rope_theta + rope_scaling,
+    v5 writes rope_parameters (theta inside); a non-empty rope_scaling replaces rope_parameters whole; theta comes
+    from the rope dict, else the top-level rope_theta, else the family's default. Interleaved (DeepSeek's pairwise)
+    rotation: DeepSeek-V3 per rope_interleave (default true); V2's and V3.2's MLA always interleave; the other
+    families never do (transformers does not read the key there)."""
     scaling = _opt_dict(hf, "rope_scaling")
-    merged = {**scaling, **params}
-    prefix = "rope_parameters." if params else "rope_scaling."
+    merged = scaling or _opt_dict(hf, "rope_parameters")
+    prefix = "rope_scaling." if scaling else "rope_parameters."
     theta = _opt_float(merged, "rope_theta", None, prefix, positive=True)
     if theta is None:
-        theta = _opt_float(hf, "rope_theta", 10000.0, positive=True)
+        theta = _opt_float(hf, "rope_theta", hf_default("rope_theta", model_type), positive=True)
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if not isinstance(kind, str) or kind not in ("default", "linear", "yarn", "llama3"):
         raise ConfigError(
             f"rope_scaling type {_show(kind)} is not supported (default, linear, yarn, llama3)",
             field="rope_scaling.type",
         )
-    interleaved = _opt_bool(hf, "rope_interleave", interleaved_default)
+    interleaved = model_type in MLA_FAMILIES
+    given = _opt_bool(hf, "rope_interleave", interleaved)
+    if model_type == "deepseek_v3":
+        interleaved = given
+    elif given != interleaved:
+        log.warning("%s config sets rope_interleave=%s: transformers' %s ignores it (%s), and so does moeforge",
+                    model_type, given, model_type, "always interleaved" if interleaved else "rotate_half")
     if kind == "default":
         return RopeConfig(theta=theta, interleaved=interleaved)
     factor = _opt_float(merged, "factor", None, prefix)

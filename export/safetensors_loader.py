@@ -455,7 +455,9 @@ def _make_plan(infos: dict[str, _Info], config: ModelConfig, block: tuple[int, i
             f"checkpoint in {_where(infos)} is missing tensor(s) the config needs: {_listed(missing)}"
             f"{layouts}; check that config.json matches the weights, or re-download an incomplete checkpoint"
         )
-    unexpected = sorted(k for k in infos if k not in consumed and k not in ignored)
+    # A tensor with no elements holds no weights: transformers saves zero-width shared experts for
+    # n_shared_experts = 0, and moeforge builds none.
+    unexpected = sorted(k for k in infos if k not in consumed and k not in ignored and 0 not in infos[k].shape)
     if unexpected:
         raise CheckpointError(
             f"checkpoint in {_where(infos)} has tensor(s) this config does not use: {_listed(unexpected)}; "

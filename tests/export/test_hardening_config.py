@@ -282,7 +282,8 @@ def test_mistyped_fields_name_the_field(capsys: pytest.CaptureFixture[str], tmp_
                                 "low_freq_factor": 4.0, "high_freq_factor": 4.0}},
      "rope_scaling.low_freq_factor", "low_freq_factor (4.0) < high_freq_factor (4.0)"),
     ({**DEEPSEEK_V3, "q_lora_rank": "16"}, "q_lora_rank", "q_lora_rank must be an integer"),
-    ({**DEEPSEEK_V3, "scoring_func": ["sigmoid"]}, "scoring_func", "scoring_func ['sigmoid'] is not"),
+    ({**DEEPSEEK_V3, "model_type": "deepseek_v2", "topk_method": ["greedy"]}, "topk_method",
+     "topk_method ['greedy'] is not"),
     ({**DEEPSEEK_V3, "routed_scaling_factor": -1.0}, "routed_scaling_factor", "must be a finite number > 0"),
 ])
 def test_malformed_config_json(capsys: pytest.CaptureFixture[str], tmp_path: Path, document: Any, field: str,
