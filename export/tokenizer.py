@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence, Sized
 from contextvars import ContextVar
 from datetime import datetime
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -93,14 +93,35 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self._backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters: no token covers more of a text (byte-level entries have
+        one character per byte, so this bounds the characters of decoded text too)."""
+        return max(1, max((len(entry) for entry in self._backend.get_vocab(with_added_tokens=True)), default=1))
+
+    def encode(self, text: str, add_bos: bool | None = None, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``; special-token text (``<|im_start|>``) maps to its id.
 
         ``add_bos`` None uses the tokenizer's default (GGUF ``add_bos_token`` / tokenizer_config).
-        The backend's post-processor is bypassed so BOS is added exactly once, here.
+        The backend's post-processor is bypassed so BOS is added exactly once, here. ``max_tokens``: a text
+        whose first (max_tokens + 1) * ``max_token_chars`` characters already make more than ``max_tokens``
+        tokens is refused after tokenising only those (a server's context limit: megabytes of text are not
+        tokenised just to be refused). Text that is not valid Unicode (a lone surrogate, as JSON's "\ud800"
+        escape can carry) raises ``TokenizerError``.
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode takes a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(f"the text is not valid Unicode: {exc.reason} (U+{ord(text[exc.start]):04X}) at "
+                                 f"character {exc.start}; send UTF-8 text (a surrogate pair, not half of one)"
+                                 ) from None
+        if max_tokens is not None and len(text) > (head := (max_tokens + 1) * self.max_token_chars):
+            found = len(self._backend.encode(text[:head], add_special_tokens=False).ids)
+            if found > max_tokens + 1:  # + 1: the cut may split the last token in two
+                raise TokenizerError(f"the text makes more than {max_tokens} tokens ({found} in its first {head} of "
+                                     f"{len(text)} characters); shorten it (nothing is truncated)")
         ids = self._backend.encode(text, add_special_tokens=False).ids
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_token_id is None:
@@ -156,11 +177,13 @@ class Tokenizer:
         finally:
             _BUDGET.reset(token)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    max_tokens: int | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template. No BOS is added: the template writes its own
-        (``{{ bos_token }}``), as transformers' ``apply_chat_template(..., tokenize=True)`` and vLLM's chat API."""
+        (``{{ bos_token }}``), as transformers' ``apply_chat_template(..., tokenize=True)`` and vLLM's chat API.
+        ``max_tokens``: as ``encode``'s."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt),
-                           add_bos=False)
+                           add_bos=False, max_tokens=max_tokens)
 
     # ------------------------------------------------------------------ persistence
     def save(self, directory: str | Path) -> Path:

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from moeforge.artifact import Artifact, load_artifact
-from moeforge.errors import MoeforgeError
+from moeforge.errors import MoeforgeError, TokenizerError
 from moeforge.export.tokenizer import Tokenizer
 from moeforge.kv_layout import KVCacheSpec
 from moeforge.runtime.backends.base import Backend, FatalBackendError, RowInput, StepInput
@@ -201,6 +201,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.requests: dict[int, Request] = {}  # added, final output not returned yet (read-only outside)
         self._free_slots = list(range(backend.num_slots))  # a heap: the lowest free slot first
+        # Outputs of other requests that generate() / stream() stepped past: the next step() returns them first.
+        self._held: list[RequestOutput] = []
 
     @classmethod
     def from_artifact(cls, path: str | Path, config: EngineConfig | None = None,
@@ -255,7 +257,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this artifact has no tokenizer: pass prompt token ids")
-            ids = prompt_token_ids(self.tokenizer.encode(prompt), self.backend.vocab_size)
+            try:
+                encoded = self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
+            except TokenizerError as exc:
+                raise RequestError(f"the prompt: {exc}") from None
+            ids = prompt_token_ids(encoded, self.backend.vocab_size)
         else:
             ids = prompt_token_ids(prompt, self.backend.vocab_size)
         if len(ids) + params.max_tokens > self.backend.max_seq_len:
@@ -280,7 +286,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Whether some request's final output has not been returned yet (call ``step``)."""
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._held)
 
     def attention_time_share(self) -> float | None:
         """Fraction of backend compute spent in attention kernels so far, when the backend can tell
@@ -298,14 +304,21 @@ class LLMEngine:
         return counter() if counter is not None else None
 
     @property
+    def max_model_len(self) -> int:
+        """The longest prompt + max_tokens one request can have: the artifact's max_seq_len, or less when the
+        KV cache holds fewer tokens (``kv_blocks``; the last sampled token needs no cache)."""
+        return min(self.backend.max_seq_len, self.kv.config.num_blocks * self.kv.block_size + 1)
+
+    @property
     def kv_blocks_in_use(self) -> int:
         """KV-cache blocks held by running requests now."""
         return self.kv.stats().blocks_in_use
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of requests that advanced or finished. A finished
-        request's output is its last one: the engine then forgets it."""
+        """Run one scheduled step; return the outputs of requests that advanced or finished (after any that
+        ``generate`` / ``stream`` stepped past for other callers). A finished request's output is its last one:
+        the engine then forgets it."""
         plan = self.scheduler.schedule()
         for request_id in plan.preempted:
             self._release_slot(self.requests[request_id])
@@ -339,7 +352,7 @@ class LLMEngine:
         self._apply_stop_strings(touched.values())
         for request in done:
             self._release_slot(request)
-        outputs = []
+        outputs, self._held = self._held, []
         for request_id in sorted(touched):
             request = touched[request_id]
             if request_id in sampled or request.is_finished:
@@ -388,10 +401,20 @@ class LLMEngine:
         if self.tokenizer is None:
             return
         for request in requests:
-            if request.is_finished or not request.params.stop_strings:
+            # A request that reached max_tokens this step still reports "stop" when its last token completed a
+            # stop string (vLLM's order); any other ending stands.
+            by_length = request.status == RequestStatus.FINISHED_LENGTH and request.num_reported_tokens < len(
+                request.output_token_ids)
+            if (request.is_finished and not by_length) or not request.params.stop_strings:
                 continue
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            if not request.is_finished:
+                # A trailing U+FFFD may be a character whose bytes are still coming: matched once it is whole.
+                text = text.rstrip("\ufffd")
             if any(stop in text for stop in request.params.stop_strings):
+                if by_length:
+                    request.status = RequestStatus.FINISHED_STOPPED  # already freed; only the reason changes
+                    continue
                 self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
                 self._release_slot(request)
 
@@ -432,11 +455,15 @@ class LLMEngine:
             except MoeforgeError as exc:
                 checked.append(RequestOutput(-1, [], [], True, "error", f"prompt {index}: {exc}"))
         order = [item if isinstance(item, RequestOutput) else self._queue(*item) for item in checked]
+        mine = {item for item in order if isinstance(item, int)}
         results: dict[int, RequestOutput] = {}
+        held: list[RequestOutput] = []  # other callers' requests run alongside: theirs, kept for their step()
         try:
-            while self.has_unfinished():
+            while len(results) < len(mine):
                 for out in self.step():
-                    if out.finished:
+                    if out.request_id not in mine:
+                        held.append(out)
+                    elif out.finished:
                         results[out.request_id] = out
         except BaseException:
             # Interrupted (Ctrl-C, an unexpected error): drop this batch so later calls start clean.
@@ -445,17 +472,26 @@ class LLMEngine:
                     self.abort(item)
                     del self.requests[item]
             raise
+        finally:
+            self._held = held + self._held
         return [item if isinstance(item, RequestOutput) else results[item] for item in order]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams = DEFAULT_PARAMS) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that gave it new tokens, until it finishes."""
         request_id = self.add_request(prompt, params)
-        while True:
-            for out in self.step():
-                if out.request_id == request_id:
-                    yield out
-                    if out.finished:
-                        return
+        finished = False
+        try:
+            while not finished:
+                outputs = self.step()
+                self._held.extend(out for out in outputs if out.request_id != request_id)  # other callers'
+                for out in outputs:
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:  # the caller stopped iterating (break, close, an error): the request stops and is forgotten
+            if not finished and request_id in self.requests:
+                self.abort(request_id)
+                del self.requests[request_id]
 
 
 def _tokenizer_and_eos(artifact: Artifact) -> tuple[Tokenizer | None, tuple[int, ...]]:

@@ -7,7 +7,8 @@ sampled and the new token is appended to the output. A decode step is the same r
 token left: the token sampled last step. Preemption by recompute resets ``num_computed_tokens`` to
 0, so the prompt *and* the output tokens so far are computed again before the next sample.
 
-Life cycle (only the ``Scheduler`` changes ``status``; ``Scheduler.finish`` ends a request early)::
+Life cycle (only the ``Scheduler`` changes ``status``, ``Scheduler.finish`` ends a request early; the engine
+relabels a length finish "stop" when that last token completed a stop string)::
 
     WAITING -> RUNNING -> FINISHED_STOPPED | FINISHED_LENGTH
                   |  ^

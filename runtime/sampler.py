@@ -45,6 +45,8 @@ from moeforge.errors import MoeforgeError
 MAX_LOGPROBS = 20
 MAX_PRESENCE_PENALTY = 2.0  # vLLM and the OpenAI API accept [-2, 2]
 MAX_SEED = 2**64 - 1  # the widest seed both numpy's and torch's generators take
+MAX_TOP_K = 2**31 - 1  # int32; any k >= the vocabulary is off anyway
+MAX_PENALTY = float(np.finfo(np.float32).max)  # a larger repetition penalty overflows the float32 logits
 
 
 class SamplingParamsError(MoeforgeError, ValueError):
@@ -78,8 +80,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Accept lists for the stop fields but store tuples, so the params stay hashable. One string is one stop
         # string: tuple("ab") would silently make each of its characters a stop string.
-        stops = self.stop_strings
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stops, stop_ids = self.stop_strings, self.stop_token_ids
+        for name, value in (("stop_strings", stops), ("stop_token_ids", stop_ids)):
+            if not isinstance(value, str | Sequence | set | frozenset) or isinstance(value, bytes):
+                raise SamplingParamsError(name, f"must be a list (empty: none), got {value!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
         object.__setattr__(self, "stop_strings", (stops,) if isinstance(stops, str) else tuple(stops))
 
     def validate(self, vocab_size: int, names: Mapping[str, str] | None = None) -> None:
@@ -103,12 +108,13 @@ class SamplingParams:
         t, p, m = self.temperature, self.top_p, self.min_p
         check(is_real(t) and math.isfinite(t) and t >= 0, "temperature",
               f"must be a finite number >= 0 (0 = greedy), got {t!r}")
-        check(is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        check(is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K, "top_k",
+              f"must be an integer in [0, {MAX_TOP_K}] (0 = off), got {self.top_k!r}")
         check(is_real(p) and 0.0 < p <= 1.0, "top_p", f"must be in (0, 1] (1 = off), got {p!r}")
         check(is_real(m) and 0.0 <= m <= 1.0, "min_p", f"must be in [0, 1] (0 = off), got {m!r}")
         rp, pp = self.repetition_penalty, self.presence_penalty
-        check(is_real(rp) and math.isfinite(rp) and rp > 0, "repetition_penalty",
-              f"must be a finite number > 0 (1 = off), got {rp!r}")
+        check(is_real(rp) and math.isfinite(rp) and 0 < rp <= MAX_PENALTY, "repetition_penalty",
+              f"must be a number in (0, {MAX_PENALTY:.4g}] (1 = off), got {rp!r}")
         check(is_real(pp) and -MAX_PRESENCE_PENALTY <= pp <= MAX_PRESENCE_PENALTY, "presence_penalty",
               f"must be in [-{MAX_PRESENCE_PENALTY}, {MAX_PRESENCE_PENALTY}] (0 = off), got {pp!r}")
         check(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",

@@ -161,14 +161,16 @@ class Scheduler:
         if n + max_tokens > self.config.max_model_len:
             return (f"request {request.request_id}: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                     f"max_model_len ({self.config.max_model_len}); shorten the prompt or lower max_tokens")
-        if -(-n // self.kv.block_size) > self.kv.config.num_blocks:
-            return f"request {request.request_id}: the prompt ({n} tokens) {self._too_big_for_cache()}"
+        # The KV of every token but the last sampled one is written: n + max_tokens - 1 positions.
+        if -(-(n + max_tokens - 1) // self.kv.block_size) > self.kv.config.num_blocks:
+            return (f"request {request.request_id}: prompt ({n} tokens) + max_tokens ({max_tokens}) "
+                    f"{self._too_big_for_cache()}")
         return None
 
     def _too_big_for_cache(self) -> str:
         return (f"does not fit in the KV cache ({self.kv.config.num_blocks} blocks of "
-                f"{self.kv.block_size} tokens); give the engine more blocks (EngineConfig(kv_blocks=...)) "
-                f"or shorten the prompt / lower max_tokens")
+                f"{self.kv.block_size} tokens); give the engine more blocks (EngineConfig(kv_blocks=...), "
+                f"--kv-blocks) or shorten the prompt / lower max_tokens")
 
     def finish(self, request_id: int, status: RequestStatus, error: str | None = None) -> bool:
         """End an unfinished request now with a finished ``status`` (an abort, an error, a stop string

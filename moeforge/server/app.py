@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,6 +29,8 @@ from moeforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from moeforge.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from moeforge.server.serving import RETRY_AFTER_S, OpenAIServing
 from moeforge.server.streams import Admission
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED = 256
 
@@ -56,7 +59,7 @@ class _Gate:
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, server: ServerState) -> None:
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else api_key.encode()
         self.server = server
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -69,8 +72,9 @@ class _Gate:
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         if self.expected is not None:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):  # constant time: the key is a secret
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            # The scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time: it is a secret.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.expected):
                 self.server.metrics.reject("unauthorized")
                 return error_response(401, "missing or invalid API key: send 'Authorization: Bearer KEY'",
                                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -108,7 +112,11 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.model_name)
     loop = EngineLoop(engine, metrics, profile_steps=config.profile_steps)
     # Read now, before the loop thread owns the engine.
-    max_seq_len = engine.backend.max_seq_len
+    max_seq_len = engine.max_model_len  # prompt + max_tokens: the artifact's context, or what the KV cache holds
+    if max_seq_len < engine.backend.max_seq_len:
+        log.warning("the KV cache holds %d tokens (--kv-blocks), fewer than the artifact's context (%d): requests "
+                    "are limited to prompt + max_tokens <= %d", max_seq_len - 1, engine.backend.max_seq_len,
+                    max_seq_len)
     capacity = engine.scheduler.config.max_num_seqs + config.max_queued
     state = ServerState(loop, metrics, Admission(capacity))
     serving = OpenAIServing(loop, model_name=config.model_name, tokenizer=engine.tokenizer,

@@ -53,13 +53,26 @@ def error_response(status: int, message: str, *, type: str = "invalid_request_er
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+# Refusals counted in request_rejected_total, by status (a 499 is the client leaving, a 500 a request that ran).
+_REJECT_REASONS = {400: "invalid", 404: "invalid", 413: "invalid", 429: "queue_full", 503: "shutting_down"}
+
+
+def _count_rejection(request: Request, status: int) -> None:
+    server = getattr(request.app.state, "server", None)
+    reason = _REJECT_REASONS.get(status)
+    if server is not None and reason is not None:
+        server.metrics.reject(reason)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
+        _count_rejection(request, exc.status)
         return exc.response()
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
+        _count_rejection(request, 400)
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = [part for part in first.get("loc", ()) if part != "body"]
@@ -73,6 +86,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        _count_rejection(request, exc.status_code)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictInt, model_serializer
 
-from moeforge.runtime.sampler import MAX_LOGPROBS, SamplingParams
+from moeforge.runtime.sampler import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 MAX_N = 16  # choices per request: each is a request in the engine
 
@@ -43,13 +43,13 @@ class SamplingRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)  # None: 1.0, as OpenAI
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = None  # None, 0 or -1: off
+    top_k: int | None = Field(None, ge=-1)  # None, 0 or -1: off (vLLM's); too large: the engine says so
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False

@@ -115,7 +115,7 @@ class OpenAIServing:
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError.bad_request("this artifact ships no tokenizer: give the prompt as token ids", "prompt")
-        ids: list[int] = self.tokenizer.encode(text)
+        ids: list[int] = self.tokenizer.encode(text, max_tokens=self.max_seq_len)
         return ids
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
@@ -125,7 +125,8 @@ class OpenAIServing:
                                        "server with --chat-template FILE", "messages")
         try:
             messages = [m.for_template() for m in request.messages]
-            return tokenizer.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
+            return tokenizer.encode_chat(messages, add_generation_prompt=request.add_generation_prompt,
+                                         max_tokens=self.max_seq_len)
         except UnsupportedField as exc:
             raise APIError.bad_request(str(exc), exc.param) from None
         except MoeforgeError as exc:
@@ -157,8 +158,11 @@ class OpenAIServing:
         """Admit and submit the job's engine requests; its stream, or the APIError that refused it."""
         engine_requests = job.engine_requests()
         arrival = time.perf_counter()
+        if len(engine_requests) > self.admission.capacity:  # would never fit: not a "retry later"
+            raise APIError.bad_request(
+                f"this request makes {len(engine_requests)} engine requests (prompts x n) but the server holds at "
+                f"most {self.admission.capacity} (max_num_seqs + --max-queued): split it", "n")
         if not self.admission.try_acquire(len(engine_requests)):
-            self.metrics.reject("queue_full")
             raise APIError(429, f"the server is at capacity ({self.admission.in_flight} requests in flight, at most "
                            f"{self.admission.capacity} = max_num_seqs + --max-queued): retry later",
                            type="rate_limit_exceeded", code="rate_limit_exceeded",
@@ -167,11 +171,9 @@ class OpenAIServing:
         try:
             await stream.submit(engine_requests, arrival)
         except ServerShuttingDown as exc:
-            self.metrics.reject("shutting_down")
             raise APIError(503, str(exc), type="server_error", code="shutting_down",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except MoeforgeError as exc:  # RequestError, SamplingParamsError, a request that can never run
-            self.metrics.reject("invalid")
             raise APIError.from_engine(exc) from None
         return stream
 

@@ -12,9 +12,11 @@ import onnxruntime as ort
 import pytest
 
 from moeforge.compile import CompileOptions, compile_model
+from moeforge.errors import TokenizerError
 from moeforge.export.generate import SamplingConfig, generate, generate_stream
 from moeforge.export.loader import load_model
 from moeforge.export.model import CausalLM
+from moeforge.export.tokenizer import Tokenizer
 from moeforge.kv_layout import paged_spec
 from moeforge.runtime import engine as engine_module
 from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine, RequestError, check_host_memory
@@ -62,6 +64,7 @@ BAD_SAMPLING = [
     ({"top_p": math.nan}, "top_p"),
     ({"top_k": -1}, "top_k"),
     ({"top_k": 2.5}, "top_k"),
+    ({"top_k": 2**70}, "top_k"),  # overflowed int64 in the sampler and failed the whole step
 ]
 
 
@@ -285,3 +288,100 @@ def test_session_option_entries_set_attributes_and_bad_ones_are_refused(tiny_art
         EngineConfig(session_config=(("options.intra_op_num_threads", "4"),))
     with pytest.raises(EngineConfigError, match=r"options\.enable_cpu_mem_arena='off'.*'0', '1'"):
         EngineConfig(session_config=(("options.enable_cpu_mem_arena", "off"),))
+
+
+# ---- found by an audit of hostile input (engine API) --------------------------------------------------------
+class _CountingBackend:
+    """A tokenizers backend that records the length of every text it encodes."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.lengths = inner, []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def encode(self, text: str, **kwargs: object) -> object:
+        self.lengths.append(len(text))
+        return self.inner.encode(text, **kwargs)  # type: ignore[attr-defined]
+
+
+def test_text_that_cannot_fit_is_refused_after_tokenising_a_prefix(engine):
+    tokenizer = engine.tokenizer
+    counting = _CountingBackend(tokenizer.backend)
+    probe = Tokenizer(counting, bos_token_id=tokenizer.bos_token_id,  # type: ignore[arg-type]
+                      eos_token_ids=tokenizer.eos_token_ids, add_bos=tokenizer.add_bos)
+    text = "the quick brown fox " * 200_000  # 4 MB
+    with pytest.raises(TokenizerError, match="more than 64 tokens"):
+        probe.encode(text, max_tokens=64)
+    assert counting.lengths == [65 * probe.max_token_chars] and counting.lengths[0] < len(text) // 1000
+    short = "the quick brown fox"
+    assert probe.encode(short, max_tokens=64) == tokenizer.encode(short)
+    with pytest.raises(RequestError, match="more than"):
+        engine.add_request(text, GREEDY)
+    _assert_idle(engine)
+
+
+def test_a_repetition_penalty_beyond_float32_is_refused(engine):
+    with pytest.raises(SamplingParamsError, match="repetition_penalty must be a number in"):
+        engine.add_request([1, 2, 3], SamplingParams(repetition_penalty=1e39))
+    _assert_idle(engine)
+
+
+def test_a_lone_surrogate_is_a_request_error(engine):
+    with pytest.raises(RequestError, match=r"not valid Unicode.*U\+D800"):
+        engine.add_request("hi \ud800", GREEDY)
+    _assert_idle(engine)
+
+
+def _stop_on_last_token(engine: LLMEngine, max_tokens: int) -> tuple[list[int], str]:
+    """A greedy prompt and a stop string that its ``max_tokens``-th generated token completes."""
+    tokenizer = engine.tokenizer
+    for first in range(3, 60):
+        prompt = [first, 7, 11]
+        ids = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+        before = tokenizer.decode(ids[:-1], skip_special_tokens=True)
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        for k in range(1, len(full) + 1):
+            stop = full[-k:]
+            if stop not in before and "\ufffd" not in stop:
+                return prompt, stop
+    raise AssertionError("no prompt whose last token completes a stop string")
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop(engine):
+    prompt, stop = _stop_on_last_token(engine, 6)
+    for max_tokens in (6, 7):  # at max_tokens and one before it: "stop" both times, 6 tokens
+        out = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, stop_strings=[stop],
+                                                       ignore_eos=True))[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) == 6
+    _assert_idle(engine)
+
+
+def test_generate_and_stream_keep_other_callers_outputs(engine):
+    other = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+    assert len(list(engine.stream([7, 8], SamplingParams(max_tokens=1, ignore_eos=True)))) == 1
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    final = [out for out in outputs if out.request_id == other and out.finished]
+    assert len(final) == 1 and len(final[0].token_ids) == 8
+    _assert_idle(engine)
+
+
+def test_an_abandoned_stream_stops_its_request(engine):
+    stream = engine.stream([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert next(stream).token_ids
+    stream.close()
+    assert not engine.has_unfinished()
+    _assert_idle(engine)
+
+
+def test_a_request_the_kv_cache_cannot_hold_is_refused_naming_the_flag(tiny_artifact):
+    small = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=1, kv_blocks=2, block_size=16))
+    assert small.backend.max_seq_len == 64 and small.max_model_len == 33  # 32 cached tokens + the last one
+    fits, too_long = small.generate([[1] * 20, [1] * 20], [SamplingParams(max_tokens=13, ignore_eos=True),
+                                                           SamplingParams(max_tokens=14, ignore_eos=True)])
+    assert fits.error is None and len(fits.token_ids) == 13
+    assert too_long.error is not None and "--kv-blocks" in too_long.error and not too_long.token_ids
+    _assert_idle(small)

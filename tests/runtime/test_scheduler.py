@@ -307,36 +307,19 @@ def test_bad_requests_finish_with_an_error_and_do_not_block_others():
         sched.add(req(9, [1], 1))
 
 
-def test_request_that_outgrows_the_whole_cache_errors_when_alone():
+def test_request_that_outgrows_the_whole_cache_is_refused_at_once():
+    # prompt + max_tokens - 1 positions of KV (the last sampled token needs none) must fit the whole cache: a
+    # request that would outgrow it is refused before it runs, not failed after generating part of its output.
     sched = make(num_blocks=4, budget=16)  # 16 tokens in all
-    big, small = req(0, [1] * 10, 20), req(1, [2] * 3, 2)
-    sched.add(big)
-    sched.add(small)
+    big, edge, small = req(0, [1] * 10, 8), req(1, [3] * 10, 7), req(2, [2] * 3, 2)
+    for request in (big, edge, small):
+        sched.add(request)
     outputs = run(sched, FakeModel(), max_steps=50)
     assert big.status is RequestStatus.FINISHED_ERROR and "does not fit in the KV cache" in big.error
+    assert "--kv-blocks" in big.error and not big.output_token_ids and big.num_computed_tokens == 0
     assert any(big.request_id in out.finished for out in outputs)
-    # It ran as far as the cache allowed: 16 positions computed, so 17 - 10 = 7 tokens sampled.
-    assert big.output_token_ids == reference(big.prompt_token_ids, 20)[:7]
+    assert edge.output_token_ids == reference(edge.prompt_token_ids, 7)  # 10 + 7 - 1 = 16 positions: fits
     assert small.output_token_ids == reference(small.prompt_token_ids, 2)
-    assert_no_blocks_held(sched)
-
-
-def test_preempted_request_that_can_never_return_errors_instead_of_waiting():
-    # The newer request shares the older one's two full blocks and fills the rest of the 4-block
-    # pool exactly (16 tokens). The older one's decode needs a block, so the newer one is preempted;
-    # coming back it needs room for 17 tokens = 5 blocks, which even an empty cache cannot give.
-    sched = make(num_blocks=4, budget=32)
-    shared = [1, 2, 3, 4, 5, 6, 7, 8]
-    older, newer = req(0, shared, 2), req(1, [*shared, 9, 10, 11, 12, 13, 14, 15, 16], 4)
-    sched.add(older)
-    sched.add(newer)
-    outputs = run(sched, FakeModel(), max_steps=10)
-    assert [out.preempted for out in outputs] == [[], [1], []]
-    assert outputs[0].scheduled[1].start == 8  # the shared blocks were prefix-cache hits
-    assert outputs[2].finished == [1] and not outputs[2].scheduled
-    assert newer.status is RequestStatus.FINISHED_ERROR and "at 17 tokens does not fit" in newer.error
-    assert older.output_token_ids == reference(shared, 2)
-    assert newer.output_token_ids == reference(newer.prompt_token_ids, 4)[:1]
     assert_no_blocks_held(sched)
 
 

@@ -128,3 +128,39 @@ def test_errors_have_the_openai_shape(client: openai.OpenAI, shared_server: str)
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=shared_server + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_hostile_fields_are_400s_and_counted(shared_server: str) -> None:
+    # Found by an audit: each of these was a 500, a silent coercion, or a failure of every request in the step.
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    def post(body: str) -> httpx.Response:
+        return httpx.post(shared_server + "/v1/completions", content=body, headers=headers, timeout=60)
+
+    def rejected_invalid() -> float:
+        for line in httpx.get(shared_server + "/metrics").text.splitlines():
+            if line.startswith("moeforge:request_rejected_total") and 'reason="invalid"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no request_rejected_total{reason=invalid} series")
+
+    before = rejected_invalid()
+    lone_surrogate = post(f'{{"model": "{MODEL}", "prompt": "hi \\ud800", "max_tokens": 2}}')
+    assert lone_surrogate.status_code == 400 and "not valid Unicode" in lone_surrogate.json()["error"]["message"]
+    for field, value in (("top_k", -5), ("top_k", 2**70), ("seed", -1), ("seed", 2**64)):
+        response = post(f'{{"model": "{MODEL}", "prompt": [1, 2], "max_tokens": 2, "temperature": 1, '
+                        f'"{field}": {value}}}')
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, value)
+    assert rejected_invalid() == before + 5  # validation 400s count as refusals too
+    # the RFC's case-insensitive scheme
+    lower = httpx.get(shared_server + "/v1/models", headers={"Authorization": f"bearer {API_KEY}"})
+    assert lower.status_code == 200
+
+
+def test_a_request_larger_than_the_server_is_a_400_not_a_429(start_server) -> None:
+    with start_server(max_num_seqs=2, max_queued=1) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as too_big:  # 4 engine requests; the server holds 3
+            client.completions.create(model=MODEL, prompt=[[1, 2], [3, 4]], n=2, max_tokens=2)
+        assert "split it" in too_big.value.body["message"]  # type: ignore[index]
+        fits = client.completions.create(model=MODEL, prompt=[[1, 2], [3, 4]], n=1, max_tokens=2)
+        assert len(fits.choices) == 2
