@@ -7,6 +7,8 @@
 4. quant_weights          portable Q/DQ of every weight (graph_passes/quant_weights.py).
 5. quant_activations      (w8a8) Q/DQ on activations; quant_act_lowering (int8) ORT's uint8 form.
 6. quant_lowering         Q/DQ -> MatMulNBits / QMoE (graph_passes/quant_lowering.py).
+   shared_embedding       a tied table the LM head's codes hold exactly is read from them
+                          (graph_passes/shared_embedding.py).
 7. kv_quant               (``--kv-quant int8``) per-head cache scales on the final graph, int8 caches.
 
 Calibration steps 1-3 must see the fp32 graph and 7 the final one, hence this order. The passes of one compile
@@ -32,6 +34,7 @@ from moeforge.graph_passes.quant_activations import ActivationQuantization, OrtA
 from moeforge.graph_passes.quant_lowering import QuantLowering
 from moeforge.graph_passes.quant_math import awq_search
 from moeforge.graph_passes.quant_weights import QuantConfig, QuantTarget, WeightQuantization, quant_targets
+from moeforge.graph_passes.shared_embedding import SharedEmbedding
 from moeforge.quant.act_calibration import ActivationPlan, activation_name, weight_array
 from moeforge.quant.kv_calibration import CalibratedKVQuantization
 from moeforge.quant.schemes import SCHEMES
@@ -140,6 +143,7 @@ class QuantPlan:
     alphas: dict[str, float] = field(default_factory=dict)
     activations: ActivationPlan | None = None
     activations_quantized: int = 0
+    embedding: str = "fp32"  # the embedding lookup's table: fp32, or the LM head's codes (shared_embedding)
     prepared: bool = False
 
     def prepare(self, model: ir.Model) -> None:
@@ -190,7 +194,8 @@ class QuantPlan:
             "scheme": scheme.name, "weights": self.kind, "block_size": self.spec.block,
             "symmetric": not scheme.asymmetric, "accuracy_level": self.spec.level, "keep_fp": self.spec.keep_fp,
             "lm_head": head_label, "calibration_prompts": len(self.prompts),
-            "always_fp32": ["norms", "softmax", "router", "embedding lookup"],
+            "always_fp32": ["norms", "softmax", "router", *(["embedding lookup"] if self.embedding == "fp32" else [])],
+            "embedding": self.embedding,
             "sensitivity": self.sensitivity, "layers": layers,
         }
         if self.activations is not None:
@@ -281,6 +286,18 @@ class PlannedWeightQuantization(_PlannedPass):
         return WeightQuantization(self.plan.weight_config()).apply(model, ctx)
 
 
+class PlannedSharedEmbedding(_PlannedPass):
+    """``shared_embedding``, noting in the plan what the lookup reads."""
+
+    name = SharedEmbedding.name
+
+    def run(self, model: ir.Model, ctx: PassContext) -> int:
+        matches = SharedEmbedding().apply(model, ctx)
+        if matches:
+            self.plan.embedding = f"{self.plan.spec.head_kind} (the LM head's codes, equal to the table)"
+        return matches
+
+
 class PlannedActivationQuantization(_PlannedPass):
     """``quant_activations`` with the calibrated scales."""
 
@@ -316,6 +333,7 @@ def quant_passes(spec: QuantSpec, prompts: list[list[int]], *,
             if scheme.activations == "int8":  # exact re-encoding for ORT's non-saturating U8U8 kernel
                 passes.append(OrtActivationLowering())
         passes.append(QuantLowering(spec.level))
+        passes.append(PlannedSharedEmbedding(plan))
     kv = CalibratedKVQuantization(prompts) if spec.kv_cache is not None else None
     if kv is not None:
         passes.append(kv)
