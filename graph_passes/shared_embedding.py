@@ -68,7 +68,7 @@ class SharedEmbedding:
             for node in (rows, lookup):
                 graph.insert_before(gather, node)
             graph.remove(gather, safe=True)
-            if table.name in graph.initializers and not table.uses():
+            if table.name is not None and table.name in graph.initializers and not table.uses():
                 graph.initializers.pop(table.name)
             ensure_opset(model, MS_DOMAIN, 1)
             return 1
