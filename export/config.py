@@ -39,7 +39,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*MLA_FAMILIES, *DENSE_FAMILIES, *MOE_G
 MODEL_TYPE_ALIASES: dict[str, Family] = {"kimi_k2": "deepseek_v3"}
 # What transformers v5 assumes when config.json leaves a field out (configuration_<family>.py's class defaults, and
 # default_theta = 1e6 for Mixtral, 1e4 for the rest): moeforge reads a missing key the same way, so both build
-# the same model. Families not listed for a key use its first entry ("*").
+# the same model. Families not listed for a key use its "*" entry; the DeepSeekMoE keys are read for DeepSeek only.
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "rms_norm_eps": {"*": 1e-6, "mixtral": 1e-5, "olmoe": 1e-5, "glm4_moe": 1e-5},
     "rope_theta": {"*": 10000.0, "mixtral": 1e6},
@@ -48,8 +48,8 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                                 "deepseek_v32": 163840},
     # None: num_attention_heads
     "num_key_value_heads": {"*": None, "qwen2": 32, "qwen3": 32, "mistral": 8, "mixtral": 8, "qwen3_moe": 4,
-                            "glm4_moe": 8, "deepseek_v3": 128, "deepseek_v32": 128},
-    # DeepSeekMoE: V2's and V3's (and V3.2's) class defaults differ
+                            "glm4_moe": 8},
+    # DeepSeekMoE only (GLM-4.5 reads its own defaults in _moe_gqa_fields): V2's and V3's (and V3.2's) differ
     "n_shared_experts": {"*": 1, "deepseek_v2": 2},
     "first_k_dense_replace": {"*": 3, "deepseek_v2": 0},
     "n_group": {"*": 8, "deepseek_v2": 1},
@@ -217,7 +217,7 @@ class MoEConfig:
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
     # Layers >= first_k_dense_replace that still use the dense MLP (Qwen3-MoE's mlp_only_layers and the layers
-    # decoder_sparse_step skips), ascending.
+    # decoder_sparse_step skips; DeepSeek-V3.2's mlp_layer_types "dense"), ascending.
     dense_layers: tuple[int, ...] = ()
 
     @property
@@ -653,8 +653,10 @@ class ModelConfig:
             hidden_size=hidden,
             num_hidden_layers=need("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=_opt_int(hf, "num_key_value_heads") or hf_default("num_key_value_heads",
-                                                                                   model_type) or heads,
+            # transformers' class default when the key is absent; null (and MLA, which has no kv heads) -> heads
+            num_key_value_heads=_opt_int(hf, "num_key_value_heads") or (
+                None if "num_key_value_heads" in hf or model_type in MLA_FAMILIES
+                else hf_default("num_key_value_heads", model_type)) or heads,
             rms_norm_eps=_opt_float(hf, "rms_norm_eps", hf_default("rms_norm_eps", model_type), positive=True),
             max_position_embeddings=_opt_int(hf, "max_position_embeddings",
                                              hf_default("max_position_embeddings", model_type),
@@ -831,8 +833,9 @@ def _moe_gqa_fields(hf: dict[str, Any], model_type: str, head_dim: int, need: Ca
         # dims (0.5 when absent: transformers' default); sigmoid + correction bias routing as DeepSeek-V3's.
         fields.update(qkv_bias=attention_bias, o_proj_bias=False,
                       qk_norm="head" if _opt_bool(hf, "use_qk_norm", False) else "none")
-        params = _opt_dict(hf, "rope_parameters")
-        factor = _opt_float(params, "partial_rotary_factor", None, "rope_parameters.")
+        scaling = _opt_dict(hf, "rope_scaling")  # as _rope_from_hf: a non-empty rope_scaling replaces rope_parameters
+        params = scaling or _opt_dict(hf, "rope_parameters")
+        factor = _opt_float(params, "partial_rotary_factor", None, "rope_scaling." if scaling else "rope_parameters.")
         if factor is None:
             factor = _opt_float(hf, "partial_rotary_factor", 0.5)
         if not 0 < factor <= 1:

@@ -104,10 +104,10 @@ class Tokenizer:
 
         ``add_bos`` None uses the tokenizer's default (GGUF ``add_bos_token`` / tokenizer_config).
         The backend's post-processor is bypassed so BOS is added exactly once, here. ``max_tokens``: a text
-        whose first (max_tokens + 1) * ``max_token_chars`` characters already make more than ``max_tokens``
-        tokens is refused after tokenising only those (a server's context limit: megabytes of text are not
-        tokenised just to be refused). Text that is not valid Unicode (a lone surrogate, as JSON's "\ud800"
-        escape can carry) raises ``TokenizerError``.
+        whose first (max_tokens + 1) * ``max_token_chars`` characters already make more than max_tokens + 1
+        tokens (one more: the cut may split a token) is refused after tokenising only those (a server's context
+        limit: megabytes of text are not tokenised just to be refused). Text that is not valid Unicode (a lone
+        surrogate, as JSON's "\ud800" escape can carry) raises ``TokenizerError``.
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode takes a str, got {type(text).__name__}")

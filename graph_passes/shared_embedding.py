@@ -49,7 +49,9 @@ class SharedEmbedding:
             bits, block = head.attributes["bits"].as_int(), head.attributes["block_size"].as_int()
             vocab, hidden = array.shape
             ids = gather.inputs[1]
-            rank = len(ids.shape) if ids is not None and ids.shape is not None else 2
+            if ids is None or ids.shape is None:  # the output Reshape keeps the ids' dims: their rank is needed
+                continue
+            rank = len(ids.shape)
             # Copies of the head's codes [V, K/bs, bs*bits/8] and scales [V, K/bs, 1], not the head's own tensors:
             # ONNX Runtime releases a MatMulNBits weight once prepacked unless another node reads it, and keeps an
             # external initializer memory-mapped, so only the rows looked up are ever resident.

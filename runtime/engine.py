@@ -471,6 +471,8 @@ class LLMEngine:
                 if isinstance(item, int) and item in self.requests:
                     self.abort(item)
                     del self.requests[item]
+            held = [out for out in held if out.request_id not in mine]
+            self._held = [out for out in self._held if out.request_id not in mine]
             raise
         finally:
             self._held = held + self._held
@@ -492,6 +494,8 @@ class LLMEngine:
             if not finished and request_id in self.requests:
                 self.abort(request_id)
                 del self.requests[request_id]
+            if not finished:  # outputs another stream() or generate() held for it: nobody will read them
+                self._held = [out for out in self._held if out.request_id != request_id]
 
 
 def _tokenizer_and_eos(artifact: Artifact) -> tuple[Tokenizer | None, tuple[int, ...]]:

@@ -35,7 +35,7 @@ predicted, independent of how it was sampled, and so stay comparable across samp
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,7 +82,7 @@ class SamplingParams:
         # string: tuple("ab") would silently make each of its characters a stop string.
         stops, stop_ids = self.stop_strings, self.stop_token_ids
         for name, value in (("stop_strings", stops), ("stop_token_ids", stop_ids)):
-            if not isinstance(value, str | Sequence | set | frozenset) or isinstance(value, bytes):
+            if isinstance(value, bytes) or not isinstance(value, Iterable):  # None, a number: not a list
                 raise SamplingParamsError(name, f"must be a list (empty: none), got {value!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
         object.__setattr__(self, "stop_strings", (stops,) if isinstance(stops, str) else tuple(stops))

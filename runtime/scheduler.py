@@ -136,7 +136,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a new request. One that can never run (empty prompt, prompt + max_tokens over
-        ``max_model_len``, a prompt larger than the whole cache) finishes at once with
+        ``max_model_len``, prompt + max_tokens - 1 positions beyond the whole cache) finishes at once with
         FINISHED_ERROR and a message, rather than being truncated or blocking the queue."""
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id} is already scheduled")

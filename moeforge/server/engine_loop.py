@@ -173,7 +173,7 @@ class EngineLoop:
             for prompt, params in command.prompts:
                 request_id = self.engine.add_request(prompt, params)
                 added.append(request_id)
-                # The scheduler fails at once a request that can never run (a prompt larger than the whole
+                # The scheduler fails at once a request that can never run (prompt + max_tokens beyond the whole
                 # cache): refuse it here, so the client gets a 400 rather than a stream holding one error.
                 request = self.engine.requests.get(request_id)
                 if request is not None and request.is_finished:

@@ -58,9 +58,10 @@ _REJECT_REASONS = {400: "invalid", 404: "invalid", 413: "invalid", 429: "queue_f
 
 
 def _count_rejection(request: Request, status: int) -> None:
+    """A refused API request (``/v1/*``: not a probe of another path, such as /favicon.ico) counts by reason."""
     server = getattr(request.app.state, "server", None)
     reason = _REJECT_REASONS.get(status)
-    if server is not None and reason is not None:
+    if server is not None and reason is not None and request.url.path.startswith("/v1/"):
         server.metrics.reject(reason)
 
 

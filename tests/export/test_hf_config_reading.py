@@ -112,6 +112,14 @@ def test_missing_keys_take_the_family_defaults():
     assert mistral.sliding_window == 4096 and mistral.num_key_value_heads == 8
     assert mistral.max_position_embeddings == 4096 * 32
     assert ModelConfig.from_hf_dict({"model_type": "mistral", "sliding_window": None, **base}).sliding_window is None
+    mixtral = ModelConfig.from_hf_dict({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+                                        **base})
+    assert mixtral.rms_norm_eps == 1e-5 and mixtral.rope.theta == 1e6 and mixtral.num_key_value_heads == 8
+    # null is not absent: transformers' __post_init__ turns it into num_attention_heads
+    with pytest.raises(Exception, match=r"multiple of num_key_value_heads \(32\)"):  # Qwen2Config's default 32
+        ModelConfig.from_hf_dict({"model_type": "qwen2", **base})
+    assert ModelConfig.from_hf_dict({"model_type": "qwen2", "num_key_value_heads": None, **base}
+                                    ).num_key_value_heads == 8
     llama = ModelConfig.from_hf_dict({"model_type": "llama", **base})
     assert llama.num_key_value_heads == 8 and llama.rms_norm_eps == 1e-6 and llama.rope.theta == 10000.0
     assert llama.max_position_embeddings == 2048

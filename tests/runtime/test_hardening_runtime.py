@@ -358,14 +358,33 @@ def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop(engine):
 
 
 def test_generate_and_stream_keep_other_callers_outputs(engine):
-    other = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
-    assert len(engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
-    assert len(list(engine.stream([7, 8], SamplingParams(max_tokens=1, ignore_eos=True)))) == 1
+    # Both finish inside the generate(): their outputs, every delta of them, must still reach the caller's step().
+    first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    second = engine.add_request([9, 8], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert len(engine.generate([[4, 5, 6]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    assert not engine.requests and engine.has_unfinished()  # held for their caller
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
-    final = [out for out in outputs if out.request_id == other and out.finished]
-    assert len(final) == 1 and len(final[0].token_ids) == 8
+    for request_id, count in ((first, 2), (second, 1)):
+        mine = [out for out in outputs if out.request_id == request_id]
+        assert mine[-1].finished and len(mine[-1].token_ids) == count
+        assert [t for out in mine for t in out.new_token_ids] == mine[-1].token_ids  # no delta lost
+    third = engine.add_request([7, 7], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert len(list(engine.stream([7, 8], SamplingParams(max_tokens=3, ignore_eos=True)))) == 3
+    held = engine.step()
+    assert [out.request_id for out in held] == [third] and held[0].finished
+    _assert_idle(engine)
+
+
+def test_a_closed_stream_leaves_no_held_output(engine):
+    one = engine.stream([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    two = engine.stream([4, 5], SamplingParams(max_tokens=20, ignore_eos=True))
+    next(one)
+    next(two)  # steps both requests: one's output is held for its stream
+    one.close()
+    two.close()
+    assert not engine.has_unfinished()
     _assert_idle(engine)
 
 
