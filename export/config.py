@@ -362,10 +362,6 @@ class ModelConfig:
             check_int(getattr(self, name), name, name)
         if self.sliding_window is not None:
             check_int(self.sliding_window, "sliding_window", "sliding_window")
-            if self.sliding_window < 2:  # found by a sweep against transformers
-                raise ConfigError("sliding_window 1 (each token attends only to itself) is not supported: ONNX "
-                                  "Runtime's GroupQueryAttention does not run a one-token window as transformers "
-                                  "does; a window of 2 or more, or none (null), is", field="sliding_window")
         check_float(self.rms_norm_eps, "rms_norm_eps", positive=True)
         for name in ("tie_word_embeddings", "qkv_bias", "o_proj_bias"):
             check_bool(getattr(self, name), name)

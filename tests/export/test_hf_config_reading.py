@@ -134,11 +134,3 @@ def test_v32_mlp_layer_types_pick_the_dense_layers():
     with pytest.raises(Exception, match="mlp_layer_types"):
         ModelConfig.from_hf_dict({**hf, "mlp_layer_types": ["sparse", "dense"]})
 
-
-def test_a_one_token_window_is_refused_by_name():
-    base = {"model_type": "mistral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
-    with pytest.raises(Exception, match="sliding_window 1") as info:
-        ModelConfig.from_hf_dict({**base, "sliding_window": 1})
-    assert getattr(info.value, "field", None) == "sliding_window"
-    assert ModelConfig.from_hf_dict({**base, "sliding_window": 2}).sliding_window == 2
