@@ -829,9 +829,8 @@ def _moe_gqa_fields(hf: dict[str, Any], model_type: str, head_dim: int, need: Ca
         # dims (0.5 when absent: transformers' default); sigmoid + correction bias routing as DeepSeek-V3's.
         fields.update(qkv_bias=attention_bias, o_proj_bias=False,
                       qk_norm="head" if _opt_bool(hf, "use_qk_norm", False) else "none")
-        scaling = _opt_dict(hf, "rope_scaling")  # as _rope_from_hf: a non-empty rope_scaling replaces rope_parameters
-        params = scaling or _opt_dict(hf, "rope_parameters")
-        factor = _opt_float(params, "partial_rotary_factor", None, "rope_scaling." if scaling else "rope_parameters.")
+        params, prefix = _rope_dict(hf)
+        factor = _opt_float(params, "partial_rotary_factor", None, prefix)
         if factor is None:
             factor = _opt_float(hf, "partial_rotary_factor", 0.5)
         if not 0 < factor <= 1:
@@ -949,15 +948,20 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _rope_dict(hf: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The rope dict transformers v5 reads (a non-empty ``rope_scaling`` replaces ``rope_parameters`` whole) and
+    the prefix its fields are named by in errors."""
+    scaling = _opt_dict(hf, "rope_scaling")
+    return (scaling, "rope_scaling.") if scaling else (_opt_dict(hf, "rope_parameters"), "rope_parameters.")
+
+
 def _rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> RopeConfig:
     """RoPE as transformers v5 reads it (convert_rope_params_to_dict): older files write rope_theta + rope_scaling,
     v5 writes rope_parameters (theta inside); a non-empty rope_scaling replaces rope_parameters whole; theta comes
     from the rope dict, else the top-level rope_theta, else the family's default. Interleaved (DeepSeek's pairwise)
     rotation: DeepSeek-V3 per rope_interleave (default true); V2's and V3.2's MLA always interleave; the other
     families never do (transformers does not read the key there)."""
-    scaling = _opt_dict(hf, "rope_scaling")
-    merged = scaling or _opt_dict(hf, "rope_parameters")
-    prefix = "rope_scaling." if scaling else "rope_parameters."
+    merged, prefix = _rope_dict(hf)
     theta = _opt_float(merged, "rope_theta", None, prefix, positive=True)
     if theta is None:
         theta = _opt_float(hf, "rope_theta", hf_default("rope_theta", model_type), positive=True)
