@@ -44,6 +44,9 @@ POOL_PREFIX, POOL_OUT_PREFIX = "kv_pool.", "kv_pool_out."
 # An optional int64 [1] input (default 0 = all positions): logits of only the last k positions (graph_passes/
 # last_token_logits.py); fed by the backends when a prefill needs only its last token's logits.
 LOGITS_TO_KEEP = "logits_to_keep"
+# An optional bool [] input (default false) and a bool [B, S', 1] output (graph_passes/argmax_head.py): fed true on
+# steps that take only each row's argmax; where ``logits_certified`` is false that step must run again without it.
+ARGMAX_ONLY, LOGITS_CERTIFIED = "argmax_only", "logits_certified"
 # MoE artifacts (ONNX Runtime): bool [L_moe, T, E], which experts each token was routed to in each MoE layer
 # (graph_passes/expert_load.py); backends that track expert load bind it and count the real tokens' rows.
 EXPERT_HITS = "expert_hits"

@@ -371,8 +371,9 @@ class LLMEngine:
             if request.slot is None:
                 request.slot = heapq.heappop(self._free_slots)
             rows.append(RowInput(request.slot, tuple(item.token_ids), item.start, tuple(item.block_table)))
+        argmax_only = all(self.requests[item.request_id].params.argmax_only for item in plan.scheduled)
         start = time.perf_counter()
-        logits = self.backend.execute(StepInput(tuple(rows)))
+        logits = self.backend.execute(StepInput(tuple(rows), argmax_only))
         self.metrics.execute_seconds += time.perf_counter() - start
         self.metrics.steps += 1
         sample_rows = [i for i, item in enumerate(plan.scheduled) if item.completes_prompt]

@@ -133,6 +133,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def argmax_only(self) -> bool:
+        """The token is the argmax of the raw logits and nothing else is read from them: greedy, no penalties,
+        no logprobs (a backend may then approximate every other logit, see ``StepInput.argmax_only``)."""
+        return (self.temperature == 0.0 and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.logprobs is None)
+
     def make_generator(self) -> np.random.Generator | None:
         """The request's own generator (None without a seed): the same seed gives the same tokens."""
         return None if self.seed is None else np.random.default_rng(self.seed)

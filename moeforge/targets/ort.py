@@ -10,6 +10,7 @@ from typing import Any
 
 from moeforge.genai_config import genai_config
 from moeforge.golden import write_golden
+from moeforge.graph_passes.argmax_head import ArgmaxHead
 from moeforge.graph_passes.base import GraphPass, PassReport
 from moeforge.graph_passes.pipeline import ort_pipeline
 from moeforge.kv_layout import DEFAULT_DTYPE, KVCacheSpec, contiguous_spec, paged_spec
@@ -53,7 +54,9 @@ class OrtTarget:
         kv = self.options.kv
         quant, self.plan, self.kv_quant = quant_passes(
             self.options.quant, job.prompts, fp8_source=checkpoint_is_fp8(job.loaded.source.location))
-        return ort_pipeline(kv.layout, kv.block_size) + quant
+        # Last: it matches only a head the quantisation passes left float32.
+        argmax = [ArgmaxHead()] if self.options.argmax_head else []
+        return ort_pipeline(kv.layout, kv.block_size) + quant + argmax
 
     def kv_spec(self, job: CompileJob) -> KVCacheSpec:
         kv = self.options.kv

@@ -52,6 +52,9 @@ class StepInput:
     """All rows of one engine step (prefill chunks and decodes mixed)."""
 
     rows: tuple[RowInput, ...]
+    # The caller takes only each row's argmax (plain greedy, no logprobs): a backend may then return logits whose
+    # argmax is the exact one and whose other values are approximate (graph_passes/argmax_head.py). Optional.
+    argmax_only: bool = False
 
 
 class Backend(Protocol):

@@ -87,7 +87,8 @@ class ContiguousBackend(ABC):
                 and (self.max_decode_batch is None or len(slots) <= self.max_decode_batch)):
             for row in step.rows:
                 self._check(row)
-            logits = self._decode(slots[0], slots[-1] + 1, [row.token_ids[0] for row in step.rows])
+            logits = self._decode(slots[0], slots[-1] + 1, [row.token_ids[0] for row in step.rows],
+                                  step.argmax_only)
             for slot in slots:
                 self.lengths[slot] += 1
             return logits
@@ -131,9 +132,10 @@ class ContiguousBackend(ABC):
             raise ValueError(f"slot {row.slot}: {row.start + len(row.token_ids)} tokens exceed max_seq_len "
                              f"{self._max_seq_len}")
 
-    def _decode(self, lo: int, hi: int, tokens: list[int]) -> np.ndarray:
+    def _decode(self, lo: int, hi: int, tokens: list[int], argmax_only: bool = False) -> np.ndarray:
         """One token per slot lo..hi-1 (every slot of the range has one: no dummy rows); logits [B, V]. The steady
-        decode step's path: a subclass may override it to fill its bound buffers straight from these lists."""
+        decode step's path: a subclass may override it to fill its bound buffers straight from these lists.
+        ``argmax_only``: see ``StepInput`` (this general path ignores it)."""
         past = np.array(self.lengths[lo:hi], np.int64)
         ids = np.array(tokens, np.int64)[:, None]
         return self._forward(SlotBatch(lo, hi, ids, past[:, None], past, past + 1))[:, -1]

@@ -30,7 +30,7 @@ import onnx
 import onnxruntime as ort
 
 from moeforge.errors import ArtifactError
-from moeforge.kv_layout import EXPERT_HITS, LOGITS_TO_KEEP, KVCacheSpec
+from moeforge.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import CacheBinding, GraphTensor, cache_bindings, check_graph
@@ -149,6 +149,8 @@ class DecodeBinding:
     values: list[ort.OrtValue]  # the cache views, kept alive with the binding
     mask: np.ndarray  # [B * L] int64: batch > 1's attention mask [B, T] is a view of its first B * T
     arange: np.ndarray  # [L] int64 0..L-1, compared with each row's total to fill ``mask``
+    argmax_only: np.ndarray | None = None  # [] bool bound as ``argmax_only`` (graphs with the argmax head)
+    certified: np.ndarray | None = None  # [B, 1, 1] bool bound as ``logits_certified``
 
 
 class OrtSession:
@@ -190,6 +192,12 @@ class OrtSession:
         self.track_experts = False
         logits = next((o for o in self.session.get_outputs() if o.name == "logits"), None)
         self.vocab_size = logits.shape[-1] if logits is not None and isinstance(logits.shape[-1], int) else None
+        # The certified argmax head (graph_passes/argmax_head.py): decode runs whose rows are all plain greedy feed
+        # ``argmax_only``; a run with a row it cannot certify runs again on the float head (counted in reruns).
+        self.argmax_head = ARGMAX_ONLY in self.input_names and LOGITS_CERTIFIED in {
+            o.name for o in self.session.get_outputs()}
+        self.argmax_runs = 0
+        self.argmax_reruns = 0
 
     def allocate(self, batch: int, max_len: int) -> None:
         """(Re)allocate zeroed cache buffers [B, H, L, D] for ``batch`` rows of up to ``max_len`` tokens."""
@@ -219,19 +227,26 @@ class OrtSession:
             for output in binding.output_names:
                 io.bind_ortvalue_output(output, value)  # same buffer: updated in place
         io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        argmax_only = certified = None
+        if self.argmax_head:  # both bound once; the flag is flipped in place per run
+            argmax_only, certified = np.zeros((), bool), np.ones((batch, 1, 1), bool)
+            io.bind_ortvalue_input(ARGMAX_ONLY, ort.OrtValue.ortvalue_from_numpy(argmax_only))
+            io.bind_ortvalue_output(LOGITS_CERTIFIED, ort.OrtValue.ortvalue_from_numpy(certified))
         if self.track_experts:
             io.bind_output(EXPERT_HITS, "cpu")  # bound last: the last of get_outputs()
         made = DecodeBinding(io, ids, positions, np.ones(self.capacity, np.int64), logits, values,
-                             np.empty(batch * self.capacity, np.int64), np.arange(self.capacity))
+                             np.empty(batch * self.capacity, np.int64), np.arange(self.capacity), argmax_only,
+                             certified)
         self._decode_bindings[key] = made
         if len(self._decode_bindings) > self.MAX_DECODE_BINDINGS:
             self._decode_bindings.popitem(last=False)
         return made
 
     def decode(self, lo: int, hi: int, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
-               totals: Sequence[int] | np.ndarray) -> np.ndarray:
+               totals: Sequence[int] | np.ndarray, argmax_only: bool = False) -> np.ndarray:
         """One token per cache row lo..hi-1: ids/positions [B] (lists or int64 arrays), totals [B] tokens each row
         attends to (its past + 1). Returns logits [B, 1, V], a view the next ``decode`` on this range overwrites.
+        ``argmax_only`` (graphs with the argmax head): only each row's argmax of the result is exact.
 
         The steady decode step runs here right after the previous step's kernels have swept the caches, when every
         distinct numpy routine costs tens of microseconds: so it makes as few calls as it can (two buffer fills,
@@ -251,7 +266,15 @@ class OrtSession:
                 mask = bound.mask[:len(totals) * width].reshape(len(totals), width)
                 np.less(bound.arange[:width], np.array(totals)[:, None], out=mask, casting="unsafe")
             bound.io.bind_cpu_input("attention_mask", mask)
+        if bound.argmax_only is not None:
+            bound.argmax_only[()] = argmax_only
         self.session.run_with_iobinding(bound.io)
+        if argmax_only and bound.argmax_only is not None and bound.certified is not None:
+            self.argmax_runs += 1
+            if not bound.certified.all():  # a row's argmax is not proven: the same run on the float head. Its
+                self.argmax_reruns += 1  # cache writes repeat the first run's, at the same positions.
+                bound.argmax_only[()] = False
+                self.session.run_with_iobinding(bound.io)
         if self.track_experts:
             self.expert_hits = bound.io.get_outputs()[-1].numpy()
         return bound.logits
@@ -356,11 +379,11 @@ class OrtBackend(ContiguousBackend):
     def expert_load(self) -> np.ndarray | None:
         return None if self._experts is None else self._experts.counts.copy()
 
-    def _decode(self, lo: int, hi: int, tokens: list[int]) -> np.ndarray:
+    def _decode(self, lo: int, hi: int, tokens: list[int], argmax_only: bool = False) -> np.ndarray:
         if self._experts is not None:  # expert counting reads the run's rows: the general path
             return super()._decode(lo, hi, tokens)
         past = self.lengths[lo:hi]
-        return self._session.decode(lo, hi, tokens, past, [p + 1 for p in past])[:, -1]
+        return self._session.decode(lo, hi, tokens, past, [p + 1 for p in past], argmax_only)[:, -1]
 
     def _forward(self, batch: SlotBatch) -> np.ndarray:
         if batch.ids.shape[1] == 1:  # a decode run: the cached binding of this slot range

@@ -29,7 +29,7 @@ import onnx
 import onnxruntime as ort
 
 from moeforge.errors import ArtifactError
-from moeforge.kv_layout import EXPERT_HITS, KVCacheSpec
+from moeforge.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, KVCacheSpec
 from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
@@ -144,9 +144,19 @@ class PagedRunner:
         vocab = logits.shape[-1] if logits is not None else None
         self._vocab = vocab if isinstance(vocab, int) else None
         self._logits = np.empty((0, self._vocab or 0), np.float32)
+        # The certified argmax head (graph_passes/argmax_head.py): see ``OrtSession.decode``.
+        inputs = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}
+        self.argmax_head = (self._vocab is not None and ARGMAX_ONLY in inputs
+                            and LOGITS_CERTIFIED in {o.name for o in session.get_outputs()})
+        # OrtValues, not bind_cpu_input: ONNX Runtime binds an input with a default only this way.
+        self._flag = {flag: ort.OrtValue.ortvalue_from_numpy(np.array(flag)) for flag in (False, True)}
+        self._certified = np.ones((0, 1), bool)
+        self.argmax_runs = 0
+        self.argmax_reruns = 0
 
-    def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        """One run on ``feeds`` (``packed_feeds``); logits [rows, V], valid until the next ``run``."""
+    def run(self, feeds: dict[str, np.ndarray], argmax_only: bool = False) -> np.ndarray:
+        """One run on ``feeds`` (``packed_feeds``); logits [rows, V], valid until the next ``run``. ``argmax_only``
+        (graphs with the argmax head): only each row's argmax is exact (``StepInput.argmax_only``)."""
         for name, array in feeds.items():
             self.io.bind_cpu_input(name, np.ascontiguousarray(array))
         if self.experts is not None:
@@ -163,9 +173,21 @@ class PagedRunner:
             self._logits = np.empty((max(rows, 2 * self._logits.shape[0]), self._vocab), np.float32)
         out = self._logits[:rows]
         self.io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(out))
+        if self.argmax_head:
+            if self._certified.shape[0] < rows:
+                self._certified = np.ones((max(rows, 2 * self._certified.shape[0]), 1), bool)
+            certified = self._certified[:rows]
+            self.io.bind_ortvalue_output(LOGITS_CERTIFIED, ort.OrtValue.ortvalue_from_numpy(certified))
+            self.io.bind_ortvalue_input(ARGMAX_ONLY, self._flag[argmax_only])
         self.session.run_with_iobinding(self.io)
-        if self.experts is not None:
-            self._count(self.io.get_outputs()[-2])  # the routing, bound before the logits
+        if argmax_only and self.argmax_head:
+            self.argmax_runs += 1
+            if not certified.all():  # the same run on the float head; its pool writes repeat the first run's
+                self.argmax_reruns += 1
+                self.io.bind_ortvalue_input(ARGMAX_ONLY, self._flag[False])
+                self.session.run_with_iobinding(self.io)
+        if self.experts is not None:  # the routing, bound before the logits (and the flag)
+            self._count(self.io.get_outputs()[-3 if self.argmax_head else -2])
         return out
 
     def _count(self, hits: ort.OrtValue | None) -> None:
@@ -240,7 +262,7 @@ class PagedOrtBackend:
         for row in step.rows:
             self._check(row)
         self._pools.zero_blocks(self._first_written_blocks(step.rows))
-        return self._runner.run(packed_feeds(step.rows))
+        return self._runner.run(packed_feeds(step.rows), step.argmax_only)
 
     def _first_written_blocks(self, rows: Sequence[RowInput]) -> list[int]:
         """Blocks whose slot 0 a row writes this step: new to their sequence, so their old content is stale."""

@@ -52,3 +52,15 @@ def random_feeds(vocab: int, batch: int = 2, seq: int = 7, seed: int = 0) -> dic
         "input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64),
         "position_ids": np.tile(np.arange(seq, dtype=np.int64), (batch, 1)),
     }
+
+
+def artifact_feeds(session: ort.InferenceSession, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Feeds of a contiguous artifact's graph for a fresh prompt ``ids`` [B, S]: positions 0..S-1, all-ones mask,
+    empty caches [B, H, 0, D]."""
+    feeds = {"input_ids": ids, "position_ids": np.arange(ids.shape[1])[None].repeat(len(ids), 0),
+             "attention_mask": np.ones_like(ids)}
+    for item in session.get_inputs():
+        if item.name.startswith("past_key_values."):
+            shape = [len(ids) if i == 0 else 0 if i == 2 else d for i, d in enumerate(item.shape)]
+            feeds[item.name] = np.zeros(shape, np.float32)
+    return {k: v for k, v in feeds.items() if k in {i.name for i in session.get_inputs()}}

@@ -13,6 +13,8 @@ from moeforge.compile import CompileOptions, compile_model
 from moeforge.kv_layout import LOGITS_TO_KEEP
 from moeforge.quant.spec import QuantSpec
 
+from .conftest import artifact_feeds
+
 
 @pytest.fixture(scope="module", params=[("tiny-llama", None), ("tiny-deepseek-v3", None), ("tiny-llama", "int4")])
 def artifact(request, tmp_path_factory) -> Path:
@@ -23,26 +25,16 @@ def artifact(request, tmp_path_factory) -> Path:
     return out
 
 
-def _feeds(session: ort.InferenceSession, ids: np.ndarray) -> dict[str, np.ndarray]:
-    feeds = {"input_ids": ids, "position_ids": np.arange(ids.shape[1])[None].repeat(len(ids), 0),
-             "attention_mask": np.ones_like(ids)}
-    for item in session.get_inputs():
-        if item.name.startswith("past_key_values."):
-            shape = [len(ids) if i == 0 else 0 if i == 2 else d for i, d in enumerate(item.shape)]
-            feeds[item.name] = np.zeros(shape, np.float32)
-    return {k: v for k, v in feeds.items() if k in {i.name for i in session.get_inputs()}}
-
-
 def test_logits_to_keep_slices_the_last_positions(artifact):
     graph = onnx.load(str(artifact / "model.onnx"), load_external_data=False).graph
     assert LOGITS_TO_KEEP in {i.name for i in graph.input} and LOGITS_TO_KEEP in {i.name for i in graph.initializer}
     session = ort.InferenceSession(str(artifact / "model.onnx"))
     assert LOGITS_TO_KEEP not in {i.name for i in session.get_inputs()}  # optional: nobody has to feed it
     ids = np.random.default_rng(0).integers(0, 512, (2, 9))
-    full = session.run(["logits"], _feeds(session, ids))[0]
+    full = session.run(["logits"], artifact_feeds(session, ids))[0]
     assert full.shape[:2] == (2, 9)
     for keep in (1, 3):
-        part = session.run(["logits"], {**_feeds(session, ids), LOGITS_TO_KEEP: np.array([keep])})[0]
+        part = session.run(["logits"], {**artifact_feeds(session, ids), LOGITS_TO_KEEP: np.array([keep])})[0]
         np.testing.assert_array_equal(part, full[:, -keep:])
 
 
