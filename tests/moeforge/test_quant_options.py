@@ -29,7 +29,7 @@ def _head(path):
     ("int4", None, "MatMulNBits", 8, "int8", "paged"),  # the paged head (logits_3d) is found too
     ("int4", "int4", "MatMulNBits", 4, "int4", "contiguous"),
     ("int4-asym", "int4", "Add", None, "int4-asym", "contiguous"),  # MatMulNBits + the block offsets' share
-    ("int4", "fp32", "MatMul", None, "fp32", "contiguous"),
+    ("int4", "fp32", "If", None, "fp32", "contiguous"),  # a float32 head gets the certified argmax head
 ])
 def test_lm_head_precision(tmp_path, quant, lm_head, op, bits, label, kv_cache):
     out = compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=64,
