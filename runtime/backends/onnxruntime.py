@@ -33,7 +33,13 @@ from moeforge.errors import ArtifactError
 from moeforge.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
-from moeforge.runtime.backends.kv_bindings import CacheBinding, GraphTensor, cache_bindings, check_graph
+from moeforge.runtime.backends.kv_bindings import (
+    CacheBinding,
+    GraphTensor,
+    cache_bindings,
+    check_graph,
+    resident_zeros,
+)
 from moeforge.runtime.huge_pages import session_memory_on_huge_pages
 
 log = logging.getLogger(__name__)
@@ -201,7 +207,7 @@ class OrtSession:
 
     def allocate(self, batch: int, max_len: int) -> None:
         """(Re)allocate zeroed cache buffers [B, H, L, D] for ``batch`` rows of up to ``max_len`` tokens."""
-        self.buffers = [np.zeros((batch, b.heads, max_len, b.head_dim), b.dtype) for b in self.bindings]
+        self.buffers = [resident_zeros((batch, b.heads, max_len, b.head_dim), b.dtype) for b in self.bindings]
         self._ort_values = [ort.OrtValue.ortvalue_from_numpy(buf) for buf in self.buffers]  # zero-copy on CPU
         self._decode_bindings.clear()  # they bound the old buffers
 

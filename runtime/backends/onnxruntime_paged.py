@@ -33,7 +33,7 @@ from moeforge.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, KVCac
 from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
-from moeforge.runtime.backends.kv_bindings import cache_bindings
+from moeforge.runtime.backends.kv_bindings import cache_bindings, resident_zeros
 from moeforge.runtime.backends.onnxruntime import ExpertCounter, check_session, kernel_time_shares, make_session
 
 # ONNX Runtime input type -> numpy dtype of a pool (bfloat16 has no numpy dtype to wrap zero-copy).
@@ -60,7 +60,7 @@ class BlockPools:
         self._values: list[tuple[str, tuple[str, ...], ort.OrtValue]] = []
         for name, outputs in aliases.items():
             spec = inputs[name]
-            array = np.zeros((num_blocks, *spec.shape[1:]), pool_dtype(spec.type, name))
+            array = resident_zeros((num_blocks, *spec.shape[1:]), pool_dtype(spec.type, name))
             self.arrays[name] = array
             self._values.append((name, outputs, ort.OrtValue.ortvalue_from_numpy(array)))  # zero-copy
 

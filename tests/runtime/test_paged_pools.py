@@ -5,6 +5,7 @@ cross-checked with the session."""
 from __future__ import annotations
 
 import re
+import sys
 
 import numpy as np
 import onnxruntime as ort
@@ -14,7 +15,7 @@ from onnx import TensorProto, helper
 from moeforge.errors import ArtifactError
 from moeforge.manifest import KVCacheSpec
 from moeforge.runtime.backends.base import RowInput
-from moeforge.runtime.backends.kv_bindings import CacheBinding, cache_bindings
+from moeforge.runtime.backends.kv_bindings import CacheBinding, cache_bindings, resident_zeros
 from moeforge.runtime.backends.onnxruntime import check_session
 from moeforge.runtime.backends.onnxruntime_paged import BlockPools, packed_feeds, pool_dtype
 
@@ -81,3 +82,26 @@ def test_pool_bindings_come_from_the_spec_and_are_checked_against_the_session():
         check_session(session, _latent_spec("float32"), "pools.onnx")
     with pytest.raises(ArtifactError, match=re.escape("pools.onnx has no output 'kv_pool_out.0.latent'")):
         check_session(session, _latent_spec("float16", present_output_names=[["kv_pool_out.0.latent"]]), "pools.onnx")
+
+
+def _resident_bytes() -> int:
+    """This process's resident set in bytes (Linux /proc/self/statm: pages)."""
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_cache_buffers_are_mapped_at_allocation():
+    """resident_zeros maps every page now (np.zeros would map them on first touch, inside the kernels)."""
+    size = 64 << 20
+    lazy_before = _resident_bytes()
+    lazy = np.zeros(size // 4, np.float32)
+    lazy_growth = _resident_bytes() - lazy_before
+    before = _resident_bytes()
+    buffer = resident_zeros((size // 4,), np.float32)
+    growth = _resident_bytes() - before
+    assert not buffer.any() and buffer.dtype == np.float32
+    assert growth >= 0.9 * size > 10 * max(lazy_growth, 1 << 20)
+    del lazy
