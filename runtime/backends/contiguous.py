@@ -2,7 +2,8 @@
 
 Cache memory is per layer one buffer [num_slots, Hkv, L, D]; slot s is row s, and ``lengths[s]`` counts the tokens
 it holds (the cache's only bookkeeping). A prefill chunk runs alone on its slot, in pieces of at most
-``max_prefill_tokens`` where the runtime caps a run (TensorRT's prefill profile). Decode rows run together on the
+``max_prefill_tokens`` where the runtime caps a run (TensorRT's prefill profile), except that fresh prompts of equal
+length on consecutive slots run as one batch [B, S] (uncapped runtimes: one run instead of B). Decode rows run together on the
 smallest contiguous range of slots that holds them, at most ``max_decode_batch`` wide (TensorRT's decode profile);
 rows in the range with no work this step get a dummy token whose cache write lands at their next free position,
 which their own next real token overwrites, so they are unharmed. A subclass runs one such batch (``_forward``).
@@ -33,6 +34,7 @@ class SlotBatch:
     past: np.ndarray  # [B] int64, tokens each slot held before the run
     totals: np.ndarray  # [B] int64, past + the row's real tokens (its attention-mask width)
     real: np.ndarray | None = None  # [B] bool, rows with work (False: an idle slot's dummy token); None: all
+    last_only: bool = False  # every row ends at position W - 1 and only that position's logits are read
 
 
 class ContiguousBackend(ABC):
@@ -93,13 +95,27 @@ class ContiguousBackend(ABC):
                 self.lengths[slot] += 1
             return logits
         out = np.empty((len(step.rows), self._vocab), np.float32)
-        decodes = []
+        decodes, prompts = [], []
         for index, row in enumerate(step.rows):
             self._check(row)
             if len(row.token_ids) == 1:
                 decodes.append((index, row))
+            elif row.start == 0 and self.max_prefill_tokens is None:
+                prompts.append((index, row))
             else:
                 out[index] = self._prefill(row)
+        for group in _same_length_runs(prompts):
+            if len(group) == 1:
+                out[group[0][0]] = self._prefill(group[0][1])
+                continue
+            lo, hi = group[0][1].slot, group[-1][1].slot + 1
+            ids = np.array([row.token_ids for _, row in group], np.int64)  # [B, S], no padding
+            zeros, width = np.zeros(hi - lo, np.int64), ids.shape[1]
+            positions = np.broadcast_to(np.arange(width, dtype=np.int64), ids.shape)
+            logits = self._forward(SlotBatch(lo, hi, ids, positions, zeros, zeros + width, last_only=True))
+            for b, (index, row) in enumerate(group):
+                out[index] = logits[b, -1]
+                self.lengths[row.slot] += width
         pending = sorted(decodes, key=lambda item: item[1].slot)
         while pending:
             lo = pending[0][1].slot
@@ -160,3 +176,16 @@ class ContiguousBackend(ABC):
     @abstractmethod
     def _forward(self, batch: SlotBatch) -> np.ndarray:
         """Logits [B, W, V] float32 of ``batch``, its tokens' keys/values written into the slots' caches."""
+
+
+def _same_length_runs(prompts: list[tuple[int, RowInput]]) -> list[list[tuple[int, RowInput]]]:
+    """Fresh prompts (start 0) grouped into runs of consecutive slots with equal lengths: each run is one batch
+    [B, S] with no padding and no idle slot (an idle slot would take S dummy tokens past its own length)."""
+    runs: list[list[tuple[int, RowInput]]] = []
+    for item in sorted(prompts, key=lambda item: item[1].slot):
+        last = runs[-1][-1][1] if runs else None
+        if last is not None and item[1].slot == last.slot + 1 and len(item[1].token_ids) == len(last.token_ids):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs

@@ -126,3 +126,26 @@ def test_steady_decode_reuses_one_binding_and_matches_pytorch(compiled):
         bindings.append(backend._session.decode_binding(0, 3))
         assert np.shares_memory(logits, bindings[-1].logits)  # the bound buffer itself, no copy
     assert all(b is bindings[0] for b in bindings)
+
+
+def test_equal_fresh_prompts_on_adjacent_slots_prefill_as_one_batch(compiled):
+    """Fresh prompts of one length on consecutive slots run as one [B, S] batch (one run, not B); others alone.
+    Every row's logits still equal PyTorch's for that sequence alone, and decoding continues from them."""
+    name, path = compiled
+    model = load_model(name).model
+    backend = OrtBackend(path / "model.onnx", kv_cache=_kv(path), num_slots=6, max_seq_len=64, vocab_size=512)
+    runs: list[tuple[int, int, tuple[int, ...]]] = []
+    forward = backend._forward
+    backend._forward = lambda batch: runs.append((batch.lo, batch.hi, batch.ids.shape)) or forward(batch)  # type: ignore[method-assign]
+    rng = np.random.default_rng(1)
+    prompts = {0: rng.integers(0, 512, 7).tolist(), 1: rng.integers(0, 512, 7).tolist(),
+               2: rng.integers(0, 512, 7).tolist(), 3: rng.integers(0, 512, 4).tolist(),
+               5: rng.integers(0, 512, 7).tolist()}
+    logits = backend.execute(StepInput(tuple(RowInput(slot, tuple(p), 0) for slot, p in prompts.items())))
+    assert sorted(runs) == [(0, 3, (3, 7)), (3, 4, (1, 4)), (5, 6, (1, 7))]
+    for got, tokens in zip(logits, prompts.values(), strict=True):
+        np.testing.assert_allclose(got, _reference_logits(model, tokens), atol=1e-4, rtol=1e-4)
+    nxt = {slot: int(row.argmax()) for slot, row in zip(prompts, logits, strict=True)}
+    step = StepInput(tuple(RowInput(slot, (token,), len(prompts[slot])) for slot, token in nxt.items()))
+    for slot, got in zip(nxt, backend.execute(step), strict=True):
+        np.testing.assert_allclose(got, _reference_logits(model, prompts[slot] + [nxt[slot]]), atol=1e-4, rtol=1e-4)
