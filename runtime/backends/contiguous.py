@@ -3,8 +3,9 @@
 Cache memory is per layer one buffer [num_slots, Hkv, L, D]; slot s is row s, and ``lengths[s]`` counts the tokens
 it holds (the cache's only bookkeeping). A prefill chunk runs alone on its slot, in pieces of at most
 ``max_prefill_tokens`` where the runtime caps a run (TensorRT's prefill profile), except that fresh prompts of equal
-length on consecutive slots run as one batch [B, S] (uncapped runtimes: one run instead of B). Decode rows run together on the
-smallest contiguous range of slots that holds them, at most ``max_decode_batch`` wide (TensorRT's decode profile);
+length on consecutive slots run as one batch [B, S] (uncapped runtimes: one run instead of B). Decode rows run
+together on the smallest contiguous range of slots that holds them, at most ``max_decode_batch`` wide (TensorRT's
+decode profile);
 rows in the range with no work this step get a dummy token whose cache write lands at their next free position,
 which their own next real token overwrites, so they are unharmed. A subclass runs one such batch (``_forward``).
 
