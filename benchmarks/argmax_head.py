@@ -30,6 +30,7 @@ import numpy as np
 from moeforge.artifact import load_artifact
 from moeforge.bench import write_result
 from moeforge.compile import CompileOptions, compile_model
+from moeforge.export.tokenizer import Tokenizer
 from moeforge.kv_layout import ARGMAX_ONLY, LOGITS_CERTIFIED
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine
@@ -98,9 +99,7 @@ def speed(paths: dict[str, Path], batches: list[int], rounds: int, new_tokens: i
 def teacher_forced(path: Path, text: str, tokens: int) -> dict[str, Any]:
     """Every position of ``text`` (``tokens`` tokens) with and without ``argmax_only``: certified share, agreement."""
     artifact = load_artifact(path)
-    engine = LLMEngine.from_artifact(path)
-    assert engine.tokenizer is not None
-    ids = engine.tokenizer.encode(text)[:tokens]
+    ids = Tokenizer.from_file(artifact.root).encode(text)[:tokens]
     session = OrtSession(artifact.model_path, kv_cache=artifact.manifest.kv_cache)
     n = len(ids)
     feeds = (np.array([ids]), np.arange(n)[None], np.ones((1, n), np.int64))

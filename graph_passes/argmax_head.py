@@ -109,7 +109,9 @@ class ArgmaxHead:
             return add_initializer(graph, f"argmax_head.{name}", data)
 
         last = const("last_axis", np.array([-1], np.int64))
+        zero = const("zero", np.array([0], np.int64))
         cut = const("k", np.array([k], np.int64))
+        k_plus_1 = const("k_plus_1", np.array([k + 1], np.int64))
         source = tied if tied is not None else weight
 
         def op(op_type: str, inputs: list[ir.Value | None], out: str, num_outputs: int = 1, domain: str = "",
@@ -132,11 +134,9 @@ class ArgmaxHead:
         features = op("Concat", [norm1.outputs[0], amax_sum.outputs[0]], "features", axis=-1)  # [B, S', 2]
         slack = op("MatMul", [features.outputs[0], const("bound", bound)], "slack")  # [B, S', V]
         upper = op("Add", [q.outputs[0], slack.outputs[0]], "upper")
-        top = op("TopK", [upper.outputs[0], const("k_plus_1", np.array([k + 1], np.int64))], "top", num_outputs=2,
-                 axis=-1)
-        threshold = op("Slice", [top.outputs[0], cut, const("k_end", np.array([k + 1], np.int64)), last],
-                       "threshold")  # [B, S', 1]
-        candidates = op("Slice", [top.outputs[1], const("zero", np.array([0], np.int64)), cut, last], "candidates")
+        top = op("TopK", [upper.outputs[0], k_plus_1], "top", num_outputs=2, axis=-1)
+        threshold = op("Slice", [top.outputs[0], cut, k_plus_1, last], "threshold")  # [B, S', 1]
+        candidates = op("Slice", [top.outputs[1], zero, cut, last], "candidates")
         if tied is not None:  # the table [V, H]: candidate rows [B, S', k, H]
             rows = [op("Gather", [source, candidates.outputs[0]], "rows", axis=0)]
         else:  # the weight [H, V]: columns [H, B, S', k] -> [B, S', k, H]
@@ -155,8 +155,7 @@ class ArgmaxHead:
 
         # The default branch: the float head as it was, every row certified. [B, S', 1] true = (0 * h[..., :1]) == 0
         full = op("MatMul", [hidden, weight], "full")
-        first = op("Slice", [hidden, const("zero_", np.array([0], np.int64)), const("one", np.array([1], np.int64)),
-                             last], "first")
+        first = op("Slice", [hidden, zero, const("one", np.array([1], np.int64)), last], "first")
         zeros = op("Mul", [first.outputs[0], const("zero_f", np.zeros(1, np.float32))], "zeros")
         finite = op("Equal", [zeros.outputs[0], zeros.outputs[0]], "all_true")  # a NaN row: false, as in the draft
         else_branch = ir.Graph([], [full.outputs[0], finite.outputs[0]], nodes=[full, first, zeros, finite],

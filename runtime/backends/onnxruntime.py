@@ -200,8 +200,7 @@ class OrtSession:
         self.vocab_size = logits.shape[-1] if logits is not None and isinstance(logits.shape[-1], int) else None
         # The certified argmax head (graph_passes/argmax_head.py): decode runs whose rows are all plain greedy feed
         # ``argmax_only``; a run with a row it cannot certify runs again on the float head (counted in reruns).
-        self.argmax_head = ARGMAX_ONLY in self.input_names and LOGITS_CERTIFIED in {
-            o.name for o in self.session.get_outputs()}
+        self.argmax_head = has_argmax_head(self.session)
         self.argmax_runs = 0
         self.argmax_reruns = 0
 
@@ -272,15 +271,13 @@ class OrtSession:
                 mask = bound.mask[:len(totals) * width].reshape(len(totals), width)
                 np.less(bound.arange[:width], np.array(totals)[:, None], out=mask, casting="unsafe")
             bound.io.bind_cpu_input("attention_mask", mask)
-        if bound.argmax_only is not None:
-            bound.argmax_only[()] = argmax_only
-        self.session.run_with_iobinding(bound.io)
         if argmax_only and bound.argmax_only is not None and bound.certified is not None:
             self.argmax_runs += 1
-            if not bound.certified.all():  # a row's argmax is not proven: the same run on the float head. Its
-                self.argmax_reruns += 1  # cache writes repeat the first run's, at the same positions.
+            self.argmax_reruns += run_certified(self.session, bound.io, bound.argmax_only, bound.certified)
+        else:
+            if bound.argmax_only is not None:
                 bound.argmax_only[()] = False
-                self.session.run_with_iobinding(bound.io)
+            self.session.run_with_iobinding(bound.io)
         if self.track_experts:
             self.expert_hits = bound.io.get_outputs()[-1].numpy()
         return bound.logits
@@ -427,6 +424,26 @@ class ExpertCounter:
     def add(self, hits: np.ndarray, real: np.ndarray) -> None:
         """hits [L, T, E] bool; real [T] bool, the tokens to count."""
         self.counts += hits[:, real].sum(axis=1, dtype=np.int64)
+
+
+def has_argmax_head(session: ort.InferenceSession) -> bool:
+    """Whether the session's graph has the certified argmax head (graph_passes/argmax_head.py): the optional
+    ``argmax_only`` input and the ``logits_certified`` output."""
+    inputs = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}
+    return ARGMAX_ONLY in inputs and LOGITS_CERTIFIED in {o.name for o in session.get_outputs()}
+
+
+def run_certified(session: ort.InferenceSession, io: ort.IOBinding, flag: np.ndarray, certified: np.ndarray) -> bool:
+    """Run ``io`` with its bound ``argmax_only`` buffer ``flag`` ([] bool) set. Where a row of its bound
+    ``logits_certified`` buffer ``certified`` is false, run it again on the float head (flag cleared): the cache
+    writes repeat the first run's, at the same positions. True when it ran twice."""
+    flag[()] = True
+    session.run_with_iobinding(io)
+    if certified.all():
+        return False
+    flag[()] = False
+    session.run_with_iobinding(io)
+    return True
 
 
 def kernel_time_shares(profile_path: str | Path) -> dict[str, float]:

@@ -34,7 +34,14 @@ from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
 from moeforge.runtime.backends.kv_bindings import cache_bindings, resident_zeros
-from moeforge.runtime.backends.onnxruntime import ExpertCounter, check_session, kernel_time_shares, make_session
+from moeforge.runtime.backends.onnxruntime import (
+    ExpertCounter,
+    check_session,
+    has_argmax_head,
+    kernel_time_shares,
+    make_session,
+    run_certified,
+)
 
 # ONNX Runtime input type -> numpy dtype of a pool (bfloat16 has no numpy dtype to wrap zero-copy).
 _POOL_DTYPES: dict[str, type[np.floating[Any]]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -144,12 +151,13 @@ class PagedRunner:
         vocab = logits.shape[-1] if logits is not None else None
         self._vocab = vocab if isinstance(vocab, int) else None
         self._logits = np.empty((0, self._vocab or 0), np.float32)
-        # The certified argmax head (graph_passes/argmax_head.py): see ``OrtSession.decode``.
-        inputs = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}
-        self.argmax_head = (self._vocab is not None and ARGMAX_ONLY in inputs
-                            and LOGITS_CERTIFIED in {o.name for o in session.get_outputs()})
-        # OrtValues, not bind_cpu_input: ONNX Runtime binds an input with a default only this way.
-        self._flag = {flag: ort.OrtValue.ortvalue_from_numpy(np.array(flag)) for flag in (False, True)}
+        # The certified argmax head (graph_passes/argmax_head.py): see ``OrtSession.decode``. The flag is bound once
+        # as an OrtValue (ONNX Runtime binds an input with a default only this way) and flipped in place.
+        self.argmax_head = self._vocab is not None and has_argmax_head(session)
+        self._flag = np.zeros((), bool)
+        if self.argmax_head:
+            self._flag_value = ort.OrtValue.ortvalue_from_numpy(self._flag)
+            self.io.bind_ortvalue_input(ARGMAX_ONLY, self._flag_value)
         self._certified = np.ones((0, 1), bool)
         self.argmax_runs = 0
         self.argmax_reruns = 0
@@ -178,14 +186,12 @@ class PagedRunner:
                 self._certified = np.ones((max(rows, 2 * self._certified.shape[0]), 1), bool)
             certified = self._certified[:rows]
             self.io.bind_ortvalue_output(LOGITS_CERTIFIED, ort.OrtValue.ortvalue_from_numpy(certified))
-            self.io.bind_ortvalue_input(ARGMAX_ONLY, self._flag[argmax_only])
-        self.session.run_with_iobinding(self.io)
         if argmax_only and self.argmax_head:
             self.argmax_runs += 1
-            if not certified.all():  # the same run on the float head; its pool writes repeat the first run's
-                self.argmax_reruns += 1
-                self.io.bind_ortvalue_input(ARGMAX_ONLY, self._flag[False])
-                self.session.run_with_iobinding(self.io)
+            self.argmax_reruns += run_certified(self.session, self.io, self._flag, certified)
+        else:
+            self._flag[()] = False
+            self.session.run_with_iobinding(self.io)
         if self.experts is not None:  # the routing, bound before the logits (and the flag)
             self._count(self.io.get_outputs()[-3 if self.argmax_head else -2])
         return out
