@@ -366,12 +366,13 @@ class LLMEngine:
         """Run the backend on ``plan`` and sample; returns {request id: token} and, for requests that asked for
         logprobs, {request id: (logprob, top logprobs)}."""
         rows = []
+        argmax_only = True  # every request of the step reads only its argmax (StepInput.argmax_only)
         for item in plan.scheduled:
             request = self.requests[item.request_id]
             if request.slot is None:
                 request.slot = heapq.heappop(self._free_slots)
             rows.append(RowInput(request.slot, tuple(item.token_ids), item.start, tuple(item.block_table)))
-        argmax_only = all(self.requests[item.request_id].params.argmax_only for item in plan.scheduled)
+            argmax_only = argmax_only and request.params.argmax_only
         start = time.perf_counter()
         logits = self.backend.execute(StepInput(tuple(rows), argmax_only))
         self.metrics.execute_seconds += time.perf_counter() - start
