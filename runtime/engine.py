@@ -39,7 +39,7 @@ from moeforge.artifact import Artifact, load_artifact
 from moeforge.errors import MoeforgeError, TokenizerError
 from moeforge.export.tokenizer import Tokenizer
 from moeforge.kv_layout import KVCacheSpec
-from moeforge.runtime.backends.base import Backend, FatalBackendError, RowInput, StepInput
+from moeforge.runtime.backends.base import ArgmaxHeadStats, Backend, FatalBackendError, RowInput, StepInput
 from moeforge.runtime.backends.onnxruntime import OPTION_PREFIX, OrtBackend, session_option
 from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
 from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
@@ -302,6 +302,12 @@ class LLMEngine:
         on a MoE artifact); None otherwise."""
         counter = getattr(self.backend, "expert_load", None)
         return counter() if counter is not None else None
+
+    def argmax_head_stats(self) -> ArgmaxHeadStats | None:
+        """Runs of the certified argmax head so far (greedy steps fed ``argmax_only``, and those repeated on the
+        float head), when the backend's artifact has one (graph_passes/argmax_head.py); None otherwise."""
+        stats = getattr(self.backend, "argmax_head_stats", None)
+        return stats() if stats is not None else None
 
     @property
     def max_model_len(self) -> int:

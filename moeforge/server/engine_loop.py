@@ -227,7 +227,8 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.update_engine(running=state.running, waiting=state.waiting, kv=kv,
                                        num_blocks=engine.kv.config.num_blocks,
-                                       preemptions=engine.metrics.preemptions, steps=engine.metrics.steps)
+                                       preemptions=engine.metrics.preemptions, steps=engine.metrics.steps,
+                                       argmax_head=engine.argmax_head_stats())
             load = engine.expert_load()  # a fresh copy; None unless the artifact routes to experts
             if load is not None:
                 self.metrics.set_expert_load(load)

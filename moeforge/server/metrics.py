@@ -8,12 +8,14 @@ vLLM names kept: ``num_requests_running`` / ``num_requests_waiting`` (gauges), `
 ``inter_token_latency_seconds``, ``e2e_request_latency_seconds`` (histograms), ``kv_cache_usage_perc``,
 ``prefix_cache_queries_total`` / ``prefix_cache_hits_total``, ``num_preemptions_total``. Ours on top:
 ``kv_cache_blocks_in_use`` / ``kv_cache_blocks_capacity``, ``prefix_cache_hit_rate``, ``request_rejected_total
-{reason}``, ``engine_steps_total`` and ``attention_time_share`` (only with ``--profile-steps``). Prefix-cache
-queries and hits count KV blocks (the engine's unit), where vLLM counts tokens. MoE artifacts add
-``expert_routed_tokens_total{layer, expert}`` (tokens the router sent to each expert of each MoE layer, read
-from the graph's routing output) and ``expert_load_imbalance{layer}`` (max / mean of that layer's counts; 1 =
-perfectly balanced). Those are built at scrape time from the loop thread's latest snapshot (``ExpertLoad``):
-DeepSeek-V3 has 58 x 256 of them, too many to update one by one after every step.
+{reason}``, ``engine_steps_total``, ``argmax_head_runs_total`` / ``argmax_head_reruns_total`` (artifacts with the
+certified argmax head: greedy runs fed ``argmax_only``, and those repeated on the float head) and
+``attention_time_share`` (only with ``--profile-steps``). Prefix-cache queries and hits count KV blocks (the
+engine's unit), where vLLM counts tokens. MoE artifacts add ``expert_routed_tokens_total{layer, expert}`` (tokens
+the router sent to each expert of each MoE layer, read from the graph's routing output) and
+``expert_load_imbalance{layer}`` (max / mean of that layer's counts; 1 = perfectly balanced). Those are built at
+scrape time from the loop thread's latest snapshot (``ExpertLoad``): DeepSeek-V3 has 58 x 256 of them, too many to
+update one by one after every step.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from moeforge.runtime.backends.base import ArgmaxHeadStats
 from moeforge.runtime.block_pool import KVCacheStats
 
 PREFIX = "moeforge:"
@@ -77,6 +80,8 @@ class _Cumulative:
     prefix_hits: int = 0
     prefix_queries: int = 0
     steps: int = 0
+    argmax_runs: int = 0
+    argmax_reruns: int = 0
 
 
 class ServerMetrics:
@@ -112,6 +117,10 @@ class ServerMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Full prompt blocks found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (their KV dropped, recomputed later).")
         self.steps = counter("engine_steps", "Engine steps run (one batched model call each).")
+        self.argmax_runs = counter("argmax_head_runs", "Model runs that took the certified argmax head (every row "
+                                   "plain greedy); absent when the artifact has none.")
+        self.argmax_reruns = counter("argmax_head_reruns", "Argmax-head runs repeated on the full-precision head "
+                                     "because a row's argmax was not certified.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
@@ -136,8 +145,9 @@ class ServerMetrics:
 
     # ---- written by the engine loop thread
     def update_engine(self, *, running: int, waiting: int, kv: KVCacheStats, num_blocks: int, preemptions: int,
-                      steps: int) -> None:
-        """Gauges and cumulative counters from the engine's state after a step."""
+                      steps: int, argmax_head: ArgmaxHeadStats | None = None) -> None:
+        """Gauges and cumulative counters from the engine's state after a step (``argmax_head``: the engine's
+        ``argmax_head_stats()``, None for artifacts without the head, whose series then stay absent)."""
         m = self._model
         self.running.labels(m).set(running)
         self.waiting.labels(m).set(waiting)
@@ -151,7 +161,11 @@ class ServerMetrics:
         self.prefix_hits.labels(m).inc(max(kv.hits - seen.prefix_hits, 0))
         self.preemptions.labels(m).inc(max(preemptions - seen.preemptions, 0))
         self.steps.labels(m).inc(max(steps - seen.steps, 0))
-        self._seen = _Cumulative(preemptions, kv.hits, queries, steps)
+        runs, reruns = (argmax_head.runs, argmax_head.reruns) if argmax_head is not None else (0, 0)
+        if argmax_head is not None:
+            self.argmax_runs.labels(m).inc(max(runs - seen.argmax_runs, 0))
+            self.argmax_reruns.labels(m).inc(max(reruns - seen.argmax_reruns, 0))
+        self._seen = _Cumulative(preemptions, kv.hits, queries, steps, runs, reruns)
 
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)

@@ -57,6 +57,15 @@ class StepInput:
     argmax_only: bool = False
 
 
+@dataclass(frozen=True)
+class ArgmaxHeadStats:
+    """Runs of the certified argmax head (graph_passes/argmax_head.py) over a backend's life: ``runs`` fed
+    ``argmax_only``, ``reruns`` of them repeated on the float head because a row was not certified."""
+
+    runs: int
+    reruns: int
+
+
 class Backend(Protocol):
     """An artifact ready to run, with its cache memory."""
 
@@ -91,3 +100,6 @@ class Backend(Protocol):
     def op_time_shares(self) -> dict[str, float] | None:
         """Share of compute time per op type, if the backend can tell (else None)."""
         ...
+
+    # Optional (the engine reads it with getattr): ``argmax_head_stats() -> ArgmaxHeadStats | None``, the certified
+    # argmax head's runs where the artifact has one.

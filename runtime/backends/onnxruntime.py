@@ -32,6 +32,7 @@ import onnxruntime as ort
 from moeforge.errors import ArtifactError
 from moeforge.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
+from moeforge.runtime.backends.base import ArgmaxHeadStats
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import (
     CacheBinding,
@@ -381,6 +382,11 @@ class OrtBackend(ContiguousBackend):
 
     def expert_load(self) -> np.ndarray | None:
         return None if self._experts is None else self._experts.counts.copy()
+
+    def argmax_head_stats(self) -> ArgmaxHeadStats | None:
+        """The certified argmax head's runs and reruns so far; None when the graph has no such head."""
+        session = self._session
+        return ArgmaxHeadStats(session.argmax_runs, session.argmax_reruns) if session.argmax_head else None
 
     def _decode(self, lo: int, hi: int, tokens: list[int], argmax_only: bool = False) -> np.ndarray:
         if self._experts is not None:  # expert counting reads the run's rows: the general path

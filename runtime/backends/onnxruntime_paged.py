@@ -32,7 +32,7 @@ from moeforge.errors import ArtifactError
 from moeforge.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, KVCacheSpec
 from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
-from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
+from moeforge.runtime.backends.base import ArgmaxHeadStats, PoolInfo, RowInput, StepInput
 from moeforge.runtime.backends.kv_bindings import cache_bindings, resident_zeros
 from moeforge.runtime.backends.onnxruntime import (
     ExpertCounter,
@@ -253,6 +253,11 @@ class PagedOrtBackend:
     def expert_load(self) -> np.ndarray | None:
         """Routed tokens per MoE layer and expert so far, [L_moe, E] (with ``track_expert_load``), else None."""
         return None if self._experts is None else self._experts.counts.copy()
+
+    def argmax_head_stats(self) -> ArgmaxHeadStats | None:
+        """The certified argmax head's runs and reruns so far; None when the graph has no such head."""
+        runner = self._runner
+        return ArgmaxHeadStats(runner.argmax_runs, runner.argmax_reruns) if runner.argmax_head else None
 
     def op_time_shares(self) -> dict[str, float] | None:
         """Share of kernel time per op type so far (needs ``profile=True``; ends profiling). The paged

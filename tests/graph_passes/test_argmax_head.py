@@ -15,6 +15,7 @@ from moeforge.artifact import load_artifact
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.graph_passes.argmax_head import BLOCK, SAFETY, quantize_head
 from moeforge.kv_layout import ARGMAX_ONLY, LOGITS_CERTIFIED
+from moeforge.runtime.backends.base import ArgmaxHeadStats
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
@@ -135,6 +136,8 @@ def test_paged_graphs_get_it_too(tmp_path):
     assert tokens["argmax"] == tokens["plain"]
     runner = engines["argmax"].backend._runner  # type: ignore[attr-defined]
     assert runner.argmax_head and runner.argmax_runs >= 15
+    assert engines["argmax"].argmax_head_stats() == ArgmaxHeadStats(runner.argmax_runs, runner.argmax_reruns)
+    assert engines["plain"].argmax_head_stats() is None
 
 
 def test_the_bound_covers_onnx_runtimes_int8_kernel():
