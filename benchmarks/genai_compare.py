@@ -25,6 +25,11 @@ Systems:
 
       CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 pip install llama-cpp-python
 
+  On a CPU with AMX (``grep amx /proc/cpuinfo``), llama-cpp-python 0.3.36 built that way segfaulted in its first
+  ``eval``; build it with ggml's AMX path off instead (``-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+  -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+  -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF``).
+
   Without it the llama.cpp rows say why they are missing and the rest still runs.
 
 Every system uses ``--threads`` intra-op threads (default: the usable cores; ``--llama-threads`` overrides it

@@ -1,9 +1,10 @@
 """README's speed section, regenerated from the committed benchmark results (never typed by hand).
 
 `python benchmarks/speed_table.py` reads benchmarks/results/genai_compare.json (moeforge vs onnxruntime-genai's
-builder models and llama.cpp, one alternating run), heldout_accuracy.json (top-1 / KL on a text the project did
-not write), step_overhead.json (host time per decode step) and compile_time.json, and rewrites the part of
-README.md between ``<!-- speed:start -->`` and ``<!-- speed:end -->``. ``--print`` only prints it.
+builder models and llama.cpp, one alternating run; ``genai_compare_*.json``: the same script on other machines),
+heldout_accuracy.json (top-1 / KL on a text the project did not write), step_overhead.json (host time per decode
+step) and compile_time.json, and rewrites the part of README.md between ``<!-- speed:start -->`` and
+``<!-- speed:end -->``. ``--print`` only prints it.
 """
 
 from __future__ import annotations
@@ -29,33 +30,43 @@ def _machine(payload: dict[str, Any]) -> str:
     return f"{m['cpu']}, {m['usable_cores']} cores, {payload['date_utc'][:10]}"
 
 
+def _compare_section(compare: dict[str, Any], intro: str) -> list[str]:
+    """The decode / prefill table and the same-run ratios of one ``genai_compare`` result."""
+    r = compare["results"]
+    batches = r["batches"]
+    lines = [f"{intro}SmolLM2-135M, {r['rounds']} alternating rounds in one run, medians "
+             f"({_machine(compare)}; `benchmarks/genai_compare.py`): greedy decode of {r['new_tokens']} tokens "
+             f"from {r['prompt_len']}-token prompts, prefill of one {r['prefill_len']}-token prompt. "
+             "onnxruntime-genai runs models made by its own builder from the same weights; llama.cpp runs the "
+             "GGUF itself (Q4_1, batch 1 only).", ""]
+    header = ["system", *(f"decode b{b} tok/s" for b in batches), "TTFT b1 ms", f"prefill {r['prefill_len']} tok/s"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for system, by_batch in r["medians"].items():
+        cells = [system]
+        for b in batches:
+            row = by_batch.get(f"b{b}")
+            cells.append(f"{row['decode_tokens_per_s']:.1f}" if row else "-")
+        first = by_batch.get("b1", {})
+        cells += [f"{first['ttft_ms']:.0f}" if first.get("ttft_ms") else "-",
+                  f"{first['prefill_tokens_per_s']:.0f}" if first.get("prefill_tokens_per_s") else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| ratio (same run) | value |", "|---|---|"]
+    lines += [f"| {name} | {value:.2f} |" for name, value in r["ratios"].items()
+              if name.startswith(("decode", "prefill", "batch"))]
+    lines.append("")
+    return lines
+
+
 def speed_section() -> str:
     """The markdown of the section."""
     lines: list[str] = []
     compare = _load("genai_compare.json")
     if compare is not None:
-        r = compare["results"]
-        batches = r["batches"]
-        lines += [f"SmolLM2-135M, {r['rounds']} alternating rounds in one run, medians "
-                  f"({_machine(compare)}; `benchmarks/genai_compare.py`): greedy decode of {r['new_tokens']} tokens "
-                  f"from {r['prompt_len']}-token prompts, prefill of one {r['prefill_len']}-token prompt. "
-                  "onnxruntime-genai runs models made by its own builder from the same weights; llama.cpp runs the "
-                  "GGUF itself (Q4_1, batch 1 only).", ""]
-        header = ["system", *(f"decode b{b} tok/s" for b in batches), "TTFT b1 ms", f"prefill {r['prefill_len']} tok/s"]
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for system, by_batch in r["medians"].items():
-            cells = [system]
-            for b in batches:
-                row = by_batch.get(f"b{b}")
-                cells.append(f"{row['decode_tokens_per_s']:.1f}" if row else "-")
-            first = by_batch.get("b1", {})
-            cells += [f"{first['ttft_ms']:.0f}" if first.get("ttft_ms") else "-",
-                      f"{first['prefill_tokens_per_s']:.0f}" if first.get("prefill_tokens_per_s") else "-"]
-            lines.append("| " + " | ".join(cells) + " |")
-        lines += ["", "| ratio (same run) | value |", "|---|---|"]
-        lines += [f"| {name} | {value:.2f} |" for name, value in r["ratios"].items()
-                  if name.startswith(("decode", "prefill", "batch"))]
-        lines.append("")
+        lines += _compare_section(compare, "")
+    for path in sorted(RESULTS.glob("genai_compare_*.json")):  # the same script on other machines
+        other = json.loads(path.read_text())
+        lines += _compare_section(other, f"The same script on another machine (`{path.name}`"
+                                  + (f"; {other['results']['note']}" if other['results'].get("note") else "") + "): ")
     accuracy = _load("heldout_accuracy.json")
     if accuracy is not None:
         a = accuracy["results"]
