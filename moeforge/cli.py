@@ -35,6 +35,7 @@ from moeforge.parity import (
     run_layer_parity,
     torch_reference,
 )
+from moeforge.peers import GENAI_BUILDS, compare_with_genai_builder
 from moeforge.quant.schemes import ACCURACY_LEVELS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
@@ -208,6 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-compare", action="store_true", help="measure only moeforge")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--save", action="store_true", help="also write benchmarks/results/bench_<model>_b<B>.json")
+    bench.add_argument("--compare-genai-builder", action="store_true",
+                       help="instead: build onnxruntime-genai's own model of the artifact's source checkpoint with "
+                            "its builder (cached) and time both, plus llama.cpp on a GGUF source when "
+                            "llama-cpp-python is installed, in alternating rounds (medians, same-run ratios)")
+    bench.add_argument("--rounds", type=int, default=3, help="--compare-genai-builder: alternating rounds")
+    bench.add_argument("--prefill-len", type=int, default=512, help="--compare-genai-builder: prefill prompt tokens")
+    bench.add_argument("--genai", nargs="+", default=None, choices=sorted(GENAI_BUILDS),
+                       help="--compare-genai-builder: builder precisions (default: int4 for an int4 artifact, "
+                            "else fp32)")
+    bench.add_argument("--peer-dir", type=Path, default=None,
+                       help="--compare-genai-builder: builder outputs (default: ~/.cache/moeforge/peers/<checkpoint>)")
 
     cfg = _subcommand(sub, "config", "print a model's config, parameter count and KV bytes per token")
     cfg.add_argument("model", help="HF folder, .gguf file, or a preset name (full-size presets included)")
@@ -545,9 +557,28 @@ def _golden_parity_tensorrt(args: argparse.Namespace) -> int:
     return EXIT_OK if passed else EXIT_CHECK_FAILED
 
 
+def _compare_genai_builder(args: argparse.Namespace) -> int:
+    if args.rounds < 1 or args.prefill_len < 1:
+        raise MoeforgeError("--rounds and --prefill-len must be >= 1")
+    try:
+        result = compare_with_genai_builder(Path(args.artifact), batches=[args.batch], rounds=args.rounds,
+                                            prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                            prefill_len=args.prefill_len, threads=args.threads, genai=args.genai,
+                                            peer_dir=args.peer_dir, log=not args.json)
+    except ValueError as error:  # a source the builder cannot read
+        raise MoeforgeError(str(error)) from error
+    if args.save:
+        write_result(f"benchmarks/results/genai_builder_{Path(args.artifact).resolve().name}_b{args.batch}.json",
+                     "bench_compare_genai_builder", result)
+    print(json.dumps(result, indent=2) if args.json else result["markdown"])
+    return EXIT_OK
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2:
         raise MoeforgeError("--batch and --prompt-len must be >= 1, --new-tokens >= 2")
+    if args.compare_genai_builder:
+        return _compare_genai_builder(args)
     result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
                        compare=not args.no_compare)
     if args.save:

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Third-party modules a function may import lazily: optional extras, or heavy imports only some commands need.
 LAZY_ALLOWED = ("tensorrt", "tensorrt_rtx", "transformers", "onnxruntime_genai", "polygraphy", "ml_dtypes",
-                "matplotlib", "hypothesis", "cuda", "jinja2", "onnxruntime_extensions")
+                "matplotlib", "hypothesis", "cuda", "jinja2", "onnxruntime_extensions", "llama_cpp")
 # moeforge modules whose import needs an optional dependency (TensorRT) or the GPU runtime, or costs seconds of
 # start-up that only some runs need (the sharded-rank collectives: torch.distributed).
 LAZY_INTERNAL = ("moeforge.runtime.backends.tensorrt", "moeforge.plugins.moe_router.tensorrt",
