@@ -19,11 +19,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -73,10 +76,24 @@ def convert_gguf_to_hf(gguf: Path, out: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    with _staged(out) as staging:
+        model.save_pretrained(str(staging))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(staging))
     return out
+
+
+@contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A scratch folder beside ``out`` that becomes ``out`` when the block completes (replacing an incomplete
+    one) and is removed when it raises: an interrupted build leaves no folder that looks finished."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield staging
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def builder_command(hf_dir: Path, out: Path, name: str, cache_dir: Path) -> list[str]:
@@ -95,13 +112,12 @@ def build_genai_model(hf_dir: Path, out: Path, name: str, cache_dir: Path) -> Pa
         raise MoeforgeError("onnxruntime-genai is not installed (its builder makes the peer models): "
                             "pip install onnxruntime-genai, or the dev extra")
     log = out.parent / f"{out.name}.log"
-    out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with log.open("w") as handle:
-        done = subprocess.run(builder_command(hf_dir, out, name, cache_dir), stdout=handle,
+    with _staged(out) as staging, log.open("w") as handle:
+        done = subprocess.run(builder_command(hf_dir, staging, name, cache_dir), stdout=handle,
                               stderr=subprocess.STDOUT, env=env, check=False)
-    if done.returncode != 0:
-        raise MoeforgeError(f"the GenAI builder failed ({done.returncode}) for {name}: see {log}")
+        if done.returncode != 0:
+            raise MoeforgeError(f"the GenAI builder failed ({done.returncode}) for {name}: see {log}")
     return out
 
 

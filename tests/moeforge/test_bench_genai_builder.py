@@ -52,6 +52,7 @@ def test_compare_genai_builder_times_the_same_model(capsys, artifact, tmp_path):
     assert set(result["systems"]) == {"moeforge fp32", "genai-builder fp32"}  # fp32 artifact: the fp32 build
     assert result["threads"] == usable_cores()  # every system gets the same threads, not its runtime's default
     assert (peers / "genai_fp32" / "genai_config.json").is_file()
+    assert not list(peers.glob(".genai_fp32.*"))  # built in a scratch folder, then renamed
     medians = result["medians"]
     ours, theirs = medians["moeforge fp32"]["b1"], medians["genai-builder fp32"]["b1"]
     assert ours["runs"] == theirs["runs"] == 2
