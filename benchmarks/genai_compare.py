@@ -69,11 +69,12 @@ from moeforge.peers import (  # noqa: F401  (GENAI_BUILDS, artifact_label, descr
     GENAI_BUILDS,
     GENAI_PRECISIONS,
     artifact_label,
-    builder_command,
+    builder_commands,
     describe_onnx,
     ensure_peer_models,
     make_runners,
     markdown,
+    public_records,
     run_rounds,
     summarize,
     usable_cores,
@@ -155,11 +156,8 @@ def main() -> None:
               "threads": args.threads,
               "hf_conversion": f"transformers from_pretrained({gguf.parent}, gguf_file={gguf.name}, dtype=float32)"
                                f" -> save_pretrained({args.work_dir / 'hf'})",
-              "builder_commands": {n: " ".join(["python", *builder_command(args.work_dir / "hf", d, n,
-                                                                           args.work_dir / "cache_dir")[1:]])
-                                   for n, d in genai_models.items()},
-              "systems": info, **summary, "markdown": table,
-              "records": [{k: v for k, v in r.items() if k != "row0"} for r in records]}
+              "builder_commands": builder_commands(args.work_dir / "hf", genai_models, args.work_dir),
+              "systems": info, **summary, "markdown": table, "records": public_records(records)}
     path = write_result(args.results, "genai_compare", result)
     print(f"wrote {path}")
     if args.plot is not None:

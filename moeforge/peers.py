@@ -485,6 +485,15 @@ def markdown(summary: dict[str, Any], batches: Sequence[int], prefill_len: int) 
     return "\n".join(lines)
 
 
+def builder_commands(hf_dir: Path, genai_models: dict[str, Path], work_dir: Path) -> dict[str, str]:
+    """``{name: the builder command line}`` that made each of ``genai_models`` (for the results)."""
+    return {n: " ".join(["python", *builder_command(hf_dir, d, n, work_dir / "cache_dir")[1:]])
+            for n, d in genai_models.items()}
+
+
+def public_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``run_rounds``' records without their generated ids (kept for ``summarize`` only)."""
+    return [{k: v for k, v in r.items() if k != "row0"} for r in records]
 
 
 def genai_builds_for(artifact: Path) -> list[str]:
@@ -519,7 +528,8 @@ def compare_with_genai_builder(artifact: Path, *, batches: Sequence[int] = (1,),
     if unknown:
         raise ValueError(f"unknown GenAI builds {unknown}; choose from {sorted(GENAI_BUILDS)}")
     folder = peer_dir or default_peer_dir(source)
-    genai_models = ensure_peer_models(folder, source, names)
+    hf_dir = checkpoint_folder(source, folder / "hf")
+    genai_models = ensure_peer_models(folder, hf_dir, names)
     gguf = source if llama and source.suffix == ".gguf" and source.is_file() else None
     batches = sorted(set(batches))
     runners, info = make_runners([artifact], genai_models, gguf, batches, prompt_len, prefill_len, threads)
@@ -528,8 +538,6 @@ def compare_with_genai_builder(artifact: Path, *, batches: Sequence[int] = (1,),
     summary = summarize(records, info)
     return {"artifact": str(artifact), "source": str(source), "peer_dir": str(folder), "rounds": rounds,
             "batches": batches, "prompt_len": prompt_len, "new_tokens": new_tokens, "prefill_len": prefill_len,
-            "threads": threads, "builder_commands": {
-                n: " ".join(["python", *builder_command(checkpoint_folder(source, folder / "hf"), d, n,
-                                                        folder / "cache_dir")[1:]]) for n, d in genai_models.items()},
+            "threads": threads, "builder_commands": builder_commands(hf_dir, genai_models, folder),
             "systems": info, **summary, "markdown": markdown(summary, batches, prefill_len),
-            "records": [{k: v for k, v in r.items() if k != "row0"} for r in records]}
+            "records": public_records(records)}

@@ -161,8 +161,9 @@ class ServerMetrics:
         self.prefix_hits.labels(m).inc(max(kv.hits - seen.prefix_hits, 0))
         self.preemptions.labels(m).inc(max(preemptions - seen.preemptions, 0))
         self.steps.labels(m).inc(max(steps - seen.steps, 0))
-        runs, reruns = (argmax_head.runs, argmax_head.reruns) if argmax_head is not None else (0, 0)
+        runs = reruns = 0
         if argmax_head is not None:
+            runs, reruns = argmax_head.runs, argmax_head.reruns
             self.argmax_runs.labels(m).inc(max(runs - seen.argmax_runs, 0))
             self.argmax_reruns.labels(m).inc(max(reruns - seen.argmax_reruns, 0))
         self._seen = _Cumulative(preemptions, kv.hits, queries, steps, runs, reruns)
