@@ -83,11 +83,13 @@ def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[in
 
 
 def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
-                 threads: int | None = None) -> dict[str, Any]:
-    """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT."""
+                 threads: int | None = None, speculative_tokens: int = 0) -> dict[str, Any]:
+    """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT (and with
+    ``speculative_tokens`` the draft tokens fed and accepted)."""
     engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(max_num_seqs=batch,
                                                                 max_num_batched_tokens=batch * prompt_len,
-                                                                threads=threads))
+                                                                threads=threads,
+                                                                speculative_tokens=speculative_tokens))
     vocab = engine.backend.vocab_size
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     engine.generate(_prompts(vocab, batch, prompt_len, seed=99), SamplingParams(max_tokens=2, ignore_eos=True))
@@ -109,6 +111,8 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     assert first_tokens_at is not None
     ttfts = [o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None]
     rss = peak_rss_mib()  # before the profiled engine below is loaded
+    drafts = {"speculative_tokens": speculative_tokens, "draft_tokens": engine.metrics.draft_tokens,
+              "accepted_draft_tokens": engine.metrics.accepted_draft_tokens} if speculative_tokens else {}
     del engine  # free its caches first: one engine's memory at a time (what check_bench_memory assumes)
     gc.collect()
     # Attention's share of kernel time, from a separate profiled run (profiling perturbs the timings).
@@ -121,6 +125,7 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
         "decode_tokens_per_s": batch * (new_tokens - 1) / (end - first_tokens_at),
         "ttft_ms_median": 1e3 * sorted(ttfts)[len(ttfts) // 2],
         "peak_rss_mib": round(rss, 1),
+        **drafts,
     }
 
 
@@ -228,7 +233,7 @@ def check_bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int,
 
 
 def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
-              threads: int | None = None, compare: bool = True) -> dict[str, Any]:
+              threads: int | None = None, compare: bool = True, speculative_tokens: int = 0) -> dict[str, Any]:
     """All measurements of ``moeforge bench`` in one run, with ratios to our engine. A batch whose cache and
     logits do not fit in the available memory is refused before anything is allocated."""
     artifact = load_artifact(artifact_dir)
@@ -238,7 +243,7 @@ def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens:
     result: dict[str, Any] = {"artifact": str(artifact_dir), "model": artifact.manifest.model_config.get("name"),
                               "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
                               "moeforge_onnxruntime": bench_engine(artifact_dir, batch, prompt_len, new_tokens,
-                                                                   threads)}
+                                                                   threads, speculative_tokens)}
     if compare:
         source = artifact.manifest.source
         result["pytorch_eager"] = bench_torch(load_model(source).model, batch, prompt_len, new_tokens, vocab)

@@ -48,6 +48,9 @@ from moeforge.transformers_reference import load_transformers_model, transformer
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 NO_HUGE_PAGES_HELP = ("keep the weights on 4 KiB pages (default: the memory the session allocates goes on transparent "
                       "huge pages, Linux; faster decode, ~4 ms per MB more load time)")
+SPECULATIVE_HELP = ("prompt-lookup speculative decoding: greedy requests feed up to K draft tokens per decode, "
+                    "copied from where the sequence's last tokens occurred before, and the model verifies them in the "
+                    "same run (at most one running request; default 0: off)")
 DESCRIPTION = ("Compile LLMs into ONNX Runtime (--target ort) or TensorRT (--target trt) artifacts, run them, and "
                "check them against PyTorch. Exit codes: 0 success, 1 failed check, 2 bad input.")
 
@@ -96,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (tokenised with the model's tokenizer)")
     prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids, e.g. 1,2,3")
     run.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
+    run.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                     help="onnxruntime artifacts: " + SPECULATIVE_HELP)
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -207,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request")
     bench.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     bench.add_argument("--no-compare", action="store_true", help="measure only moeforge")
+    bench.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                       help=SPECULATIVE_HELP + "; with --compare-genai-builder a second moeforge row at batch 1")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--save", action="store_true", help="also write benchmarks/results/bench_<model>_b<B>.json")
     bench.add_argument("--compare-genai-builder", action="store_true",
@@ -240,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-blocks", type=int, default=None,
                      help="KV-cache blocks (default: every running request can reach max_seq_len)")
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    srv.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help=SPECULATIVE_HELP)
     srv.add_argument("--no-huge-pages", action="store_true",
                      help=NO_HUGE_PAGES_HELP)
     srv.add_argument("--chat-template", type=Path, default=None,
@@ -375,7 +383,8 @@ class _Printer:
 
 
 def _run_artifact(args: argparse.Namespace) -> int:
-    config = EngineConfig(max_num_seqs=1, threads=args.threads, huge_pages=not args.no_huge_pages)
+    config = EngineConfig(max_num_seqs=1, threads=args.threads, huge_pages=not args.no_huge_pages,
+                          speculative_tokens=args.speculative_tokens)
     if is_sharded(args.model):
         return _sharded(args.model, lambda world: open_rank_backend(args.model, world, config)[0],
                         lambda backend: _generate(args, LLMEngine.from_artifact(Path(args.model) / rank_dir(0), config,
@@ -564,7 +573,8 @@ def _compare_genai_builder(args: argparse.Namespace) -> int:
         result = compare_with_genai_builder(Path(args.artifact), batches=[args.batch], rounds=args.rounds,
                                             prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                             prefill_len=args.prefill_len, threads=args.threads, genai=args.genai,
-                                            peer_dir=args.peer_dir, log=not args.json)
+                                            peer_dir=args.peer_dir, log=not args.json,
+                                            speculative_tokens=args.speculative_tokens)
     except ValueError as error:  # a source the builder cannot read
         raise MoeforgeError(str(error)) from error
     if args.save:
@@ -575,12 +585,12 @@ def _compare_genai_builder(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2:
-        raise MoeforgeError("--batch and --prompt-len must be >= 1, --new-tokens >= 2")
+    if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2 or args.speculative_tokens < 0:
+        raise MoeforgeError("--batch and --prompt-len must be >= 1, --new-tokens >= 2, --speculative-tokens >= 0")
     if args.compare_genai_builder:
         return _compare_genai_builder(args)
     result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
-                       compare=not args.no_compare)
+                       compare=not args.no_compare, speculative_tokens=args.speculative_tokens)
     if args.save:
         name = str(result["model"] or "model").lower().replace(" ", "-")
         write_result(f"benchmarks/results/bench_{name}_b{args.batch}.json", "bench", result)
@@ -626,6 +636,7 @@ def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions
         api_key=args.api_key if args.api_key is not None else os.environ.get("MOEFORGE_API_KEY") or None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_blocks=args.kv_blocks, threads=args.threads, huge_pages=not args.no_huge_pages,
+        speculative_tokens=args.speculative_tokens,
         chat_template=args.chat_template,
         served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
         profile_steps=args.profile_steps, log_level=args.log_level)

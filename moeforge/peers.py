@@ -213,11 +213,13 @@ class MoeforgeRunner:
     batch: int
     max_batched_tokens: int
     threads: int | None = None
+    speculative_tokens: int = 0  # EngineConfig.speculative_tokens
     engine: LLMEngine = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.engine = LLMEngine.from_artifact(self.artifact, EngineConfig(
-            max_num_seqs=self.batch, max_num_batched_tokens=self.max_batched_tokens, threads=self.threads))
+            max_num_seqs=self.batch, max_num_batched_tokens=self.max_batched_tokens, threads=self.threads,
+            speculative_tokens=self.speculative_tokens))
 
     def _run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, float, list[int]]:
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
@@ -351,10 +353,13 @@ def artifact_label(artifact: Path) -> tuple[str, str]:
 
 def make_runners(artifacts: Sequence[Path], genai_models: dict[str, Path], gguf: Path | None,
                  batches: Sequence[int], prompt_len: int, prefill_len: int,
-                 threads: int | None, llama_threads: int | None = None) -> tuple[list[Runner], dict[str, Any]]:
+                 threads: int | None, llama_threads: int | None = None,
+                 speculative_tokens: int = 0) -> tuple[list[Runner], dict[str, Any]]:
     """Load every system once per batch size; returns the runners and ``{system: info}`` (its kind, what it
     runs, why it is missing). ``gguf``: also llama.cpp on that file, labelled by its weight type (``llama.cpp
-    Q4_1``); ``llama_threads`` (default ``threads``) is llama.cpp's thread count."""
+    Q4_1``); ``llama_threads`` (default ``threads``) is llama.cpp's thread count. ``speculative_tokens``: each
+    artifact also with prompt-lookup speculative decoding (``EngineConfig.speculative_tokens``), at batch 1
+    (where the engine uses it), as a system of its own."""
     llama_threads = llama_threads or threads or usable_cores()
     runners: list[Runner] = []
     info: dict[str, Any] = {}
@@ -364,6 +369,11 @@ def make_runners(artifacts: Sequence[Path], genai_models: dict[str, Path], gguf:
                        "scheme": label.removeprefix("moeforge ")}
         for batch in batches:
             runners.append(MoeforgeRunner(label, artifact, batch, max(batch * prompt_len, prefill_len), threads))
+        if speculative_tokens and 1 in batches:
+            spec_label = f"{label} + prompt lookup k={speculative_tokens}"
+            info[spec_label] = {**info[label], "speculative_tokens": speculative_tokens}
+            runners.append(MoeforgeRunner(spec_label, artifact, 1, max(prompt_len, prefill_len), threads,
+                                          speculative_tokens))
     for name, model_dir in genai_models.items():
         label = f"genai-builder {name}"
         info[label] = {"system": "onnxruntime-genai", "model_dir": str(model_dir), "weights": GENAI_BUILDS[name][0],
@@ -513,12 +523,13 @@ def compare_with_genai_builder(artifact: Path, *, batches: Sequence[int] = (1,),
                                prompt_len: int = 8, new_tokens: int = 128, prefill_len: int = 512,
                                threads: int | None = None, genai: Sequence[str] | None = None,
                                peer_dir: Path | None = None, llama: bool = True,
-                               log: bool = True) -> dict[str, Any]:
+                               log: bool = True, speculative_tokens: int = 0) -> dict[str, Any]:
     """``artifact`` against GenAI's builder models of its own source checkpoint (``genai``: precisions of
     ``GENAI_BUILDS``, default ``genai_builds_for``) and, when the source is a GGUF and llama-cpp-python is
     installed, llama.cpp on it: ``rounds`` alternating rounds in this process, every system with ``threads``
     intra-op threads (default: the usable cores for all; left to its own default, onnxruntime-genai takes fewer
-    here). Returns the settings, the systems, ``summarize``'s medians / ratios / greedy agreement, the markdown
+    here); ``speculative_tokens``: see ``make_runners``.
+    Returns the settings, the systems, ``summarize``'s medians / ratios / greedy agreement, the markdown
     and every measurement."""
     threads = threads or usable_cores()
     manifest = load_artifact(artifact).manifest
@@ -532,7 +543,8 @@ def compare_with_genai_builder(artifact: Path, *, batches: Sequence[int] = (1,),
     genai_models = ensure_peer_models(folder, hf_dir, names)
     gguf = source if llama and source.suffix == ".gguf" and source.is_file() else None
     batches = sorted(set(batches))
-    runners, info = make_runners([artifact], genai_models, gguf, batches, prompt_len, prefill_len, threads)
+    runners, info = make_runners([artifact], genai_models, gguf, batches, prompt_len, prefill_len, threads,
+                                 speculative_tokens=speculative_tokens)
     vocab = int(manifest.model_config["vocab_size"])
     records = run_rounds(runners, rounds, prompt_len, new_tokens, prefill_len, vocab, log=log)
     summary = summarize(records, info)

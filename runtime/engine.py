@@ -47,6 +47,7 @@ from moeforge.runtime.request import Request, RequestMetrics, RequestStatus, pro
 from moeforge.runtime.request import RequestError as RequestError  # re-exported: raised by add_request
 from moeforge.runtime.sampler import Sampler, SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from moeforge.runtime.speculative import NgramIndex
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ class EngineMetrics:
     preemptions: int = 0
     failed_steps: int = 0  # steps whose backend call or sampling raised (their requests finished with an error)
     execute_seconds: float = 0.0
+    # Speculative decoding: draft tokens fed for verification (counted in decode_tokens too) and those accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class EngineConfigError(MoeforgeError):
@@ -122,6 +126,15 @@ class EngineConfig:
     # Put the memory the session allocates (its prepacked weights) on transparent huge pages (Linux; see
     # runtime/huge_pages.py): a decode step streams every weight, and 4 KiB pages cost a TLB miss every 4 KiB.
     huge_pages: bool = True
+    # Prompt-lookup speculative decoding (runtime/speculative.py): greedy requests (SamplingParams.argmax_only) feed
+    # up to this many draft tokens per decode, copied from where the sequence's last tokens occurred before, and
+    # the model verifies them in the same run. Output is exactly plain greedy decoding's; 0 turns it off.
+    speculative_tokens: int = 0
+    speculative_max_ngram: int = 3  # longest tail matched to find drafts (down to 1 token)
+    # Drafts only while at most this many requests run: a contiguous artifact verifies each row with drafts in a run
+    # of its own (ONNX Runtime's GroupQueryAttention takes several new tokens on a filled cache only at batch 1),
+    # which beats one batched decode step only at batch 1; a paged artifact verifies every row in its one packed run.
+    speculative_max_batch: int = 1
 
     def __post_init__(self) -> None:
         def is_int(value: object) -> bool:
@@ -146,7 +159,8 @@ class EngineConfig:
                                     "or None for the default (every slot can reach max_seq_len)")
         for name, minimum, optional in (("max_num_seqs", 1, False), ("max_num_batched_tokens", 1, False),
                                         ("block_size", 1, True), ("long_prefill_chunk", 1, True),
-                                        ("threads", 0, True)):
+                                        ("threads", 0, True), ("speculative_tokens", 0, False),
+                                        ("speculative_max_ngram", 1, False), ("speculative_max_batch", 1, False)):
             value = getattr(self, name)
             if not (value is None and optional) and not (is_int(value) and value >= minimum):
                 raise EngineConfigError(f"EngineConfig({name}={value!r}) must be an integer >= {minimum}"
@@ -170,6 +184,10 @@ class LLMEngine:
     def __init__(self, backend: Backend, *, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
                  config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
+        if config.speculative_tokens and not getattr(backend, "multi_logit_rows", False):
+            raise EngineConfigError(f"EngineConfig(speculative_tokens={config.speculative_tokens}): the "
+                                    f"{type(backend).__name__} cannot verify draft tokens (it returns one row of "
+                                    "logits per sequence); set speculative_tokens=0")
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -358,6 +376,8 @@ class LLMEngine:
         self._apply_stop_strings(touched.values())
         for request in done:
             self._release_slot(request)
+        if self.config.speculative_tokens:
+            self._propose_drafts(request for request in touched.values() if not request.is_finished)
         outputs, self._held = self._held, []
         for request_id in sorted(touched):
             request = touched[request_id]
@@ -368,16 +388,18 @@ class LLMEngine:
         return outputs
 
     def _execute(self, plan: SchedulerOutput
-                 ) -> tuple[dict[int, int], dict[int, tuple[float, list[tuple[int, float]]]]]:
-        """Run the backend on ``plan`` and sample; returns {request id: token} and, for requests that asked for
-        logprobs, {request id: (logprob, top logprobs)}."""
+                 ) -> tuple[dict[int, int | list[int]], dict[int, tuple[float, list[tuple[int, float]]]]]:
+        """Run the backend on ``plan`` and sample; returns {request id: token, or for a decode with draft tokens the
+        accepted drafts and the token after them} and, for requests that asked for logprobs, {request id:
+        (logprob, top logprobs)}."""
         rows = []
         argmax_only = True  # every request of the step reads only its argmax (StepInput.argmax_only)
         for item in plan.scheduled:
             request = self.requests[item.request_id]
             if request.slot is None:
                 request.slot = heapq.heappop(self._free_slots)
-            rows.append(RowInput(request.slot, tuple(item.token_ids), item.start, tuple(item.block_table)))
+            rows.append(RowInput(request.slot, tuple(item.token_ids), item.start, tuple(item.block_table),
+                                 item.num_draft_tokens + 1))
             argmax_only = argmax_only and request.params.argmax_only
         start = time.perf_counter()
         logits = self.backend.execute(StepInput(tuple(rows), argmax_only))
@@ -391,6 +413,8 @@ class LLMEngine:
                 self.metrics.decode_tokens += item.num_tokens
         if not sample_rows:
             return {}, {}
+        if any(item.num_draft_tokens for item in plan.scheduled):
+            return self._verify(plan, logits)
         requests = [self.requests[plan.scheduled[i].request_id] for i in sample_rows]
         out = self.sampler.sample(
             logits if len(sample_rows) == len(logits) else logits[sample_rows],  # no copy in steady decode
@@ -405,26 +429,90 @@ class LLMEngine:
                     if r.params.logprobs is not None}
         return tokens, logprobs
 
+    def _verify(self, plan: SchedulerOutput, logits: np.ndarray
+                ) -> tuple[dict[int, int | list[int]], dict[int, tuple[float, list[tuple[int, float]]]]]:
+        """``_execute``'s sampling for a step with draft tokens (their requests are greedy, ``argmax_only``): per
+        decode with drafts, the drafts that equal the argmax after the token before them, then the argmax after the
+        last accepted one; per other sampled row, its token (and logprobs where asked). ``logits`` [sum of
+        num_logits, V] (``Backend.execute``)."""
+        ends = np.cumsum([item.num_draft_tokens + 1 for item in plan.scheduled]).tolist()
+        picked = [(item, range(end - item.num_draft_tokens - 1, end))
+                  for item, end in zip(plan.scheduled, ends, strict=True) if item.completes_prompt]
+        requests = [self.requests[item.request_id] for item, _ in picked]
+        lines = [line for _, span in picked for line in span]
+        owners = [request for request, (_, span) in zip(requests, picked, strict=True) for _ in span]
+        out = self.sampler.sample(logits[lines], [r.params for r in owners], [r.generator for r in owners],
+                                  [r.output_token_ids for r in owners], [r.prompt_token_ids for r in owners])
+        greedy, at = out.token_ids.tolist(), 0
+        tokens: dict[int, int | list[int]] = {}
+        logprobs = {}
+        for item, span in picked:
+            chosen = greedy[at:at + len(span)]
+            if owners[at].params.logprobs is not None:  # a request with logprobs is never greedy-only: no drafts
+                logprobs[item.request_id] = (float(out.logprobs[at]), out.top_logprobs[at])
+            at += len(span)
+            drafts = item.draft_token_ids
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
+                accepted += 1
+            tokens[item.request_id] = chosen[:accepted + 1] if drafts else chosen[0]
+            self.metrics.draft_tokens += len(drafts)
+            self.metrics.accepted_draft_tokens += accepted
+        return tokens, logprobs
+
+    def _propose_drafts(self, requests: Iterable[Request]) -> None:
+        """Draft the next tokens of each greedy request (``EngineConfig.speculative_tokens``) for its next decode,
+        while at most ``EngineConfig.speculative_max_batch`` requests run (else none has drafts)."""
+        running = self.scheduler.running
+        if len(running) > self.config.speculative_max_batch:
+            for request in running:
+                request.spec_token_ids = []
+            return
+        for request in requests:
+            if not request.params.argmax_only:
+                continue
+            index = request.draft_index
+            if index is None:
+                index = request.draft_index = NgramIndex(self.config.speculative_max_ngram)
+            index.extend(request.token_ids(len(index.tokens)))
+            request.spec_token_ids = index.propose(self.config.speculative_tokens)
+
     def _apply_stop_strings(self, requests: Iterable[Request]) -> None:
+        """Finish requests whose new text completed a stop string, at the token that completed it: a step that
+        yields several tokens (accepted draft tokens) drops those after it, as plain decoding would never have
+        made them."""
         if self.tokenizer is None:
             return
         for request in requests:
-            # A request that reached max_tokens this step still reports "stop" when its last token completed a
-            # stop string (vLLM's order); any other ending stands.
-            by_length = request.status == RequestStatus.FINISHED_LENGTH and request.num_reported_tokens < len(
-                request.output_token_ids)
-            if (request.is_finished and not by_length) or not request.params.stop_strings:
+            ids = request.output_token_ids
+            first_new = request.num_reported_tokens  # this step's tokens are ids[first_new:]
+            # A request that reached max_tokens or a stop token this step still reports "stop" (and loses the tokens
+            # after it) when one of its new tokens completed a stop string (vLLM's order); other endings stand.
+            ended_now = request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+            if not request.params.stop_strings or len(ids) <= first_new or (request.is_finished and not ended_now):
                 continue
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            end = self._stop_string_end(request.params.stop_strings, ids, first_new, final=request.is_finished)
+            if end is None:
+                continue
             if not request.is_finished:
-                # A trailing U+FFFD may be a character whose bytes are still coming: matched once it is whole.
-                text = text.rstrip("\ufffd")
-            if any(stop in text for stop in request.params.stop_strings):
-                if by_length:
-                    request.status = RequestStatus.FINISHED_STOPPED  # already freed; only the reason changes
-                    continue
                 self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
                 self._release_slot(request)
+            request.status = RequestStatus.FINISHED_STOPPED  # for one already ended, only the reason changes
+            del ids[end:]  # the request is finished: the scheduler no longer reads its tokens
+
+    def _stop_string_end(self, stops: Sequence[str], ids: list[int], first_new: int, *, final: bool) -> int | None:
+        """The number of output tokens up to the first of ``ids[first_new:]`` whose text completes a stop string,
+        None if none does. ``final``: the request ended at its last token (else a trailing U+FFFD may be a
+        character whose bytes are still coming, matched once it is whole)."""
+        assert self.tokenizer is not None
+
+        def completes(end: int, whole: bool) -> bool:
+            text = self.tokenizer.decode(ids[:end], skip_special_tokens=True)  # type: ignore[union-attr]
+            return any(stop in (text if whole else text.rstrip("\ufffd")) for stop in stops)
+
+        if not completes(len(ids), final):
+            return None
+        return next((end for end in range(first_new + 1, len(ids)) if completes(end, False)), len(ids))
 
     def _release_slot(self, request: Request) -> None:
         if request.slot is not None:

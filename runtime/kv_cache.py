@@ -135,16 +135,23 @@ class KVCacheManager:
 
     # -- growing requests ---------------------------------------------------------------------
 
-    def can_append(self, request_id: int, num_new_tokens: int = 1) -> bool:
-        """Whether ``append(request_id, num_new_tokens, ...)`` would find enough free blocks."""
-        return self.pool.can_allocate(self._blocks_to_append(self._allocation(request_id), num_new_tokens))
+    def can_append(self, request_id: int, num_new_tokens: int = 1, num_lookahead_tokens: int = 0) -> bool:
+        """Whether ``append(request_id, num_new_tokens, ..., num_lookahead_tokens)`` would find enough free blocks."""
+        return self.pool.can_allocate(self._blocks_to_append(self._allocation(request_id),
+                                                             num_new_tokens + num_lookahead_tokens))
 
-    def append(self, request_id: int, num_new_tokens: int = 1, new_token_ids: Sequence[int] = ()) -> None:
+    def append(self, request_id: int, num_new_tokens: int = 1, new_token_ids: Sequence[int] = (),
+               num_lookahead_tokens: int = 0) -> None:
         """Record ``new_token_ids`` (a sampled token, for decode) and make room for the next
         ``num_new_tokens`` tokens (a decode step: 1; a prefill chunk: the chunk length).
 
         A new block is taken when the room crosses a block boundary; a block that becomes full is
         keyed for prefix caching.
+
+        ``num_lookahead_tokens``: blocks also for that many positions after the room, whose tokens are not known
+        yet (speculative draft tokens, vLLM's lookahead slots): their KV is written, and kept where the
+        verification accepts them, which the next ``append`` records by covering them with their token ids.
+        They get no room and no prefix-cache key until then.
         """
         allocation = self._allocation(request_id)
         if num_new_tokens < 0:
@@ -153,7 +160,9 @@ class KVCacheManager:
         if allocation.num_allocated + num_new_tokens > known:
             raise ValueError(f"request {request_id}: room for {allocation.num_allocated + num_new_tokens} tokens "
                              f"requested but only {known} tokens are known")
-        needed = self._blocks_to_append(allocation, num_new_tokens)
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"request {request_id}: num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+        needed = self._blocks_to_append(allocation, num_new_tokens + num_lookahead_tokens)
         if not self.pool.can_allocate(needed):
             raise CacheFullError(f"request {request_id}: need {needed} free KV-cache blocks, "
                                  f"{self.pool.num_free_blocks} free")
@@ -163,7 +172,8 @@ class KVCacheManager:
         self._register_full_blocks(allocation)
 
     def _blocks_to_append(self, allocation: _Allocation, num_new_tokens: int) -> int:
-        return _cdiv(allocation.num_allocated + num_new_tokens, self.block_size) - len(allocation.block_ids)
+        # Lookahead blocks of an earlier append may already cover the new room.
+        return max(_cdiv(allocation.num_allocated + num_new_tokens, self.block_size) - len(allocation.block_ids), 0)
 
     def _register_full_blocks(self, allocation: _Allocation) -> None:
         """Key the blocks that became full, as pending (see ``commit_step``). Room is made just
@@ -210,7 +220,7 @@ class KVCacheManager:
     # -- what the backend gets ----------------------------------------------------------------
 
     def block_table(self, request_id: int) -> list[int]:
-        """Block ids holding the request's tokens, in token order."""
+        """Block ids holding the request's tokens, in token order (then its lookahead blocks)."""
         return list(self._allocation(request_id).block_ids)
 
     def pool_indices(self, request_id: int, start: int, end: int) -> list[int]:

@@ -26,7 +26,11 @@ Policy (vLLM v1 style, first come first served by arrival order):
    the preempted request would only be admitted to be preempted again.
 
 A prefill is chunked by the budget left and by ``long_prefill_chunk``, so a long prompt cannot
-hold decodes back for a whole step. Prefix-cache hits (``KVCacheManager.allocate``'s return) are
+hold decodes back for a whole step. Speculative decoding: a decode also feeds the request's
+``spec_token_ids`` (draft tokens the engine proposed), as many as the budget left and ``max_tokens``
+allow and only where the cache has room for them without preempting anyone; ``update`` then takes
+the tokens the verification accepted plus the next one, and the cache keeps the accepted drafts' KV.
+Prefix-cache hits (``KVCacheManager.allocate``'s return) are
 skipped: they cost neither budget nor compute.
 
 The scheduler alone changes ``Request.status``; a finished request leaves ``requests`` at once (vLLM
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from moeforge.runtime.kv_cache import KVCacheManager
@@ -74,11 +79,19 @@ class ScheduledRequest:
     start: int  # position of token_ids[0]; positions [0, start) already have KV in the cache
     is_prefill_chunk: bool  # computes prompt tokens (or recomputes after preemption); False: a decode
     completes_prompt: bool  # reaches the last known token: its logits are sampled (every decode, last chunk)
-    block_table: list[int]  # [ceil((start + n) / B)] block ids in token order
+    block_table: list[int]  # [>= ceil((start + n) / B)] block ids in token order
+    # A decode's speculative draft tokens: the last of ``token_ids``, after the known ones. Each fed token's logits
+    # are sampled: draft i is accepted while it equals the token sampled after fed token i.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        """[num_draft_tokens] the speculative draft tokens fed after the known ones."""
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
     @property
     def positions(self) -> range:
@@ -212,7 +225,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, budget)
-            while not self.kv.can_append(request.request_id, num_new):
+            # Room for the tokens computed this step. More than num_new after a step that accepted draft tokens:
+            # their KV is already written, and the cache manager learns their token ids now.
+            room = request.num_computed_tokens + num_new - self.kv.num_allocated_tokens(request.request_id)
+            drafts = self._drafts(request, num_new, budget)
+            if drafts and not self.kv.can_append(request.request_id, room, len(drafts)):
+                drafts = []  # speculation never preempts anyone
+            while not self.kv.can_append(request.request_id, room):
                 if len(self.running) == 1:
                     # Alone, every block is free (or a prefix-cache entry it may evict): it never fits.
                     self._free(request, RequestStatus.FINISHED_ERROR,
@@ -230,9 +249,9 @@ class Scheduler:
                 # The cache manager learns a sampled token when the decode that feeds it is scheduled,
                 # so it lags by at most that one token: [] or [last sample].
                 new_token_ids = request.token_ids(self.kv.num_known_tokens(request.request_id))
-                self.kv.append(request.request_id, num_new, new_token_ids)
-                out.scheduled.append(self._scheduled(request, num_new, is_prefill=not new_token_ids))
-                budget -= num_new
+                self.kv.append(request.request_id, room, new_token_ids, len(drafts))
+                out.scheduled.append(self._scheduled(request, num_new, is_prefill=not new_token_ids, drafts=drafts))
+                budget -= num_new + len(drafts)
                 i += 1
             # else: running[i] left the list (preempted or finished), so i already names the next one
         return budget
@@ -262,10 +281,15 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[int, int | Sequence[int]]) -> list[Request]:
         """Record a computed step: advance ``num_computed_tokens``, append the sampled token of
         each ``completes_prompt`` entry (``sampled[request_id]``; other entries' tokens are
         ignored), and finish on a stop token or at ``max_tokens``. Returns the requests finished.
+
+        An entry with draft tokens takes a sequence: the drafts its verification accepted (a prefix of
+        ``draft_token_ids``), then the token sampled after them. They are appended in order up to the
+        first stop token or ``max_tokens``; the KV of the rejected drafts is dropped (``num_computed_tokens``
+        counts only the fed tokens before them).
 
         Stop tokens are ``params.stop_token_ids`` (kept in the output); the engine puts EOS there
         unless ``ignore_eos``, and handles ``stop_strings``, which need the detokenizer.
@@ -277,25 +301,39 @@ class Scheduler:
                 if (request := self.requests.get(item.request_id)) is not None
                 and request.status is RequestStatus.RUNNING]
         # Check before changing anything, so that a failed call can be retried with the tokens.
+        tokens_of: dict[int, list[int]] = {}
         for item, _ in live:
-            if item.completes_prompt and item.request_id not in sampled:
+            if not item.completes_prompt:
+                continue
+            if item.request_id not in sampled:
                 raise ValueError(f"request {item.request_id} completed its prompt but has no sampled token")
+            got = sampled[item.request_id]
+            tokens = list(got) if isinstance(got, Sequence) else [got]
+            accepted = tokens[:-1]
+            if not tokens or accepted != item.draft_token_ids[:len(accepted)] or len(accepted) > item.num_draft_tokens:
+                raise ValueError(f"request {item.request_id}: sampled {tokens} is not accepted draft tokens (a prefix "
+                                 f"of {item.draft_token_ids}) followed by one sampled token")
+            tokens_of[item.request_id] = tokens
         self._in_flight = None
         self.kv.commit_step()  # the step's KV is written: its full blocks' prefix-cache keys are valid
         finished: list[Request] = []
         for item, request in live:
-            request.num_computed_tokens += item.num_tokens
             if not item.completes_prompt:
+                request.num_computed_tokens += item.num_tokens
                 continue
-            token = sampled[item.request_id]
-            request.output_token_ids.append(token)
-            if token in request.params.stop_token_ids:
-                self._free(request, RequestStatus.FINISHED_STOPPED)
-            elif request.num_output_tokens >= request.params.max_tokens:
-                self._free(request, RequestStatus.FINISHED_LENGTH)
-            else:
-                continue
-            finished.append(request)
+            tokens = tokens_of[item.request_id]
+            # The fed tokens whose KV stays: all but the rejected drafts.
+            request.num_computed_tokens += item.num_tokens - item.num_draft_tokens + len(tokens) - 1
+            for token in tokens:
+                request.output_token_ids.append(token)
+                if token in request.params.stop_token_ids:
+                    self._free(request, RequestStatus.FINISHED_STOPPED)
+                elif request.num_output_tokens >= request.params.max_tokens:
+                    self._free(request, RequestStatus.FINISHED_LENGTH)
+                else:
+                    continue
+                finished.append(request)
+                break
         return finished
 
     def fail(self, output: SchedulerOutput, error: str) -> list[Request]:
@@ -325,16 +363,27 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         return min(request.num_uncomputed_tokens, self._chunk(budget))  # a decode has 1 uncomputed token
 
-    def _scheduled(self, request: Request, num_new: int, *, is_prefill: bool) -> ScheduledRequest:
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The draft tokens a decode of ``request`` feeds: its ``spec_token_ids``, within the budget left after its
+        ``num_new`` tokens and short of ``max_tokens`` (a run yields at most one token more than its drafts, so a
+        draft past that could only be wasted; this also keeps every position inside ``max_model_len``)."""
+        if not request.spec_token_ids or num_new != request.num_uncomputed_tokens or num_new != 1:
+            return []
+        limit = min(budget - num_new, request.params.max_tokens - request.num_output_tokens - 1)
+        return request.spec_token_ids[:max(limit, 0)]
+
+    def _scheduled(self, request: Request, num_new: int, *, is_prefill: bool,
+                   drafts: Sequence[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids(start, end),
+            token_ids=[*request.token_ids(start, end), *drafts],
             start=start,
             is_prefill_chunk=is_prefill,
             completes_prompt=end == request.num_tokens,
             block_table=self.kv.block_table(request.request_id),
+            num_draft_tokens=len(drafts),
         )
 
     def _preempt(self, request: Request) -> None:

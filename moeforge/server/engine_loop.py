@@ -228,7 +228,9 @@ class EngineLoop:
             self.metrics.update_engine(running=state.running, waiting=state.waiting, kv=kv,
                                        num_blocks=engine.kv.config.num_blocks,
                                        preemptions=engine.metrics.preemptions, steps=engine.metrics.steps,
-                                       argmax_head=engine.argmax_head_stats())
+                                       argmax_head=engine.argmax_head_stats(),
+                                       draft_tokens=engine.metrics.draft_tokens,
+                                       accepted_draft_tokens=engine.metrics.accepted_draft_tokens)
             load = engine.expert_load()  # a fresh copy; None unless the artifact routes to experts
             if load is not None:
                 self.metrics.set_expert_load(load)

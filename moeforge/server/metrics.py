@@ -9,8 +9,10 @@ vLLM names kept: ``num_requests_running`` / ``num_requests_waiting`` (gauges), `
 ``prefix_cache_queries_total`` / ``prefix_cache_hits_total``, ``num_preemptions_total``. Ours on top:
 ``kv_cache_blocks_in_use`` / ``kv_cache_blocks_capacity``, ``prefix_cache_hit_rate``, ``request_rejected_total
 {reason}``, ``engine_steps_total``, ``argmax_head_runs_total`` / ``argmax_head_reruns_total`` (artifacts with the
-certified argmax head: greedy runs fed ``argmax_only``, and those repeated on the float head) and
-``attention_time_share`` (only with ``--profile-steps``). Prefix-cache queries and hits count KV blocks (the
+certified argmax head: greedy runs fed ``argmax_only``, and those repeated on the float head),
+``spec_decode_num_draft_tokens_total`` / ``spec_decode_num_accepted_tokens_total`` (vLLM's names; with
+``--speculative-tokens``) and ``attention_time_share`` (only with ``--profile-steps``).
+Prefix-cache queries and hits count KV blocks (the
 engine's unit), where vLLM counts tokens. MoE artifacts add ``expert_routed_tokens_total{layer, expert}`` (tokens
 the router sent to each expert of each MoE layer, read from the graph's routing output) and
 ``expert_load_imbalance{layer}`` (max / mean of that layer's counts; 1 = perfectly balanced). Those are built at
@@ -82,6 +84,8 @@ class _Cumulative:
     steps: int = 0
     argmax_runs: int = 0
     argmax_reruns: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class ServerMetrics:
@@ -121,6 +125,10 @@ class ServerMetrics:
                                    "plain greedy); absent when the artifact has none.")
         self.argmax_reruns = counter("argmax_head_reruns", "Argmax-head runs repeated on the full-precision head "
                                      "because a row's argmax was not certified.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens fed for verification "
+                                    "(--speculative-tokens).")
+        self.accepted_draft_tokens = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens the model "
+                                             "accepted (each one a decode step saved).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
@@ -136,7 +144,8 @@ class ServerMetrics:
         # Every labelled series exists from the start (at 0), so a scrape before the first request shows them.
         for metric in (self.running, self.waiting, self.kv_usage, self.kv_blocks_in_use, self.kv_blocks_total,
                        self.prefix_hit_rate, self.prefix_queries, self.prefix_hits, self.preemptions, self.steps,
-                       self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
+                       self.draft_tokens, self.accepted_draft_tokens, self.prompt_tokens, self.generation_tokens,
+                       self.ttft, self.itl, self.e2e):
             metric.labels(model_name)
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
@@ -145,9 +154,11 @@ class ServerMetrics:
 
     # ---- written by the engine loop thread
     def update_engine(self, *, running: int, waiting: int, kv: KVCacheStats, num_blocks: int, preemptions: int,
-                      steps: int, argmax_head: ArgmaxHeadStats | None = None) -> None:
+                      steps: int, argmax_head: ArgmaxHeadStats | None = None, draft_tokens: int = 0,
+                      accepted_draft_tokens: int = 0) -> None:
         """Gauges and cumulative counters from the engine's state after a step (``argmax_head``: the engine's
-        ``argmax_head_stats()``, None for artifacts without the head, whose series then stay absent)."""
+        ``argmax_head_stats()``, None for artifacts without the head, whose series then stay absent;
+        ``draft_tokens`` / ``accepted_draft_tokens``: ``EngineMetrics``' speculative totals)."""
         m = self._model
         self.running.labels(m).set(running)
         self.waiting.labels(m).set(waiting)
@@ -166,7 +177,10 @@ class ServerMetrics:
             runs, reruns = argmax_head.runs, argmax_head.reruns
             self.argmax_runs.labels(m).inc(max(runs - seen.argmax_runs, 0))
             self.argmax_reruns.labels(m).inc(max(reruns - seen.argmax_reruns, 0))
-        self._seen = _Cumulative(preemptions, kv.hits, queries, steps, runs, reruns)
+        self.draft_tokens.labels(m).inc(max(draft_tokens - seen.draft_tokens, 0))
+        self.accepted_draft_tokens.labels(m).inc(max(accepted_draft_tokens - seen.accepted_draft_tokens, 0))
+        self._seen = _Cumulative(preemptions, kv.hits, queries, steps, runs, reruns, draft_tokens,
+                                 accepted_draft_tokens)
 
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)

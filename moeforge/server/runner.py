@@ -38,6 +38,7 @@ class ServeOptions:
     kv_blocks: int | None = None
     threads: int | None = None
     huge_pages: bool = True  # EngineConfig.huge_pages
+    speculative_tokens: int = 0  # EngineConfig.speculative_tokens
     chat_template: Path | None = None
     served_model_name: str | None = None
     shutdown_timeout: int = 30  # seconds
@@ -68,7 +69,8 @@ def engine_config(options: ServeOptions) -> EngineConfig:
     """The engine settings ``options`` ask for (expert-load tracking is a no-op on artifacts without MoE)."""
     return EngineConfig(max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
                         kv_blocks=options.kv_blocks, threads=options.threads, profile=options.profile_steps > 0,
-                        track_expert_load=True, huge_pages=options.huge_pages)
+                        track_expert_load=True, huge_pages=options.huge_pages,
+                        speculative_tokens=options.speculative_tokens)
 
 
 def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:

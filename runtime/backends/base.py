@@ -7,8 +7,9 @@ backend must stay usable after a failed step (the failed rows' slots are release
 
 A backend owns the KV-cache memory of one artifact. The engine gives it, per step, the rows to run:
 each row names its cache slot, the tokens to feed and the position of the first one; the backend
-returns, per row, the logits of the row's last token. Everything a step needs is in ``StepInput``:
-no state about sequences lives in the backend besides the cache contents.
+returns, per row, the logits of the row's last token (of its last ``num_logits`` tokens for a row that verifies
+speculative draft tokens). Everything a step needs is in ``StepInput``: no state about sequences lives in the
+backend besides the cache contents.
 """
 
 from __future__ import annotations
@@ -30,13 +31,18 @@ class FatalBackendError(MoeforgeError):
 class RowInput:
     """One sequence's work this step: feed ``token_ids`` [S] at positions start .. start+S-1 into ``slot``.
 
-    The slot's cache must already hold ``start`` tokens (positions 0 .. start-1) of this sequence.
+    The slot's cache must already hold ``start`` tokens (positions 0 .. start-1) of this sequence. It may hold more
+    (draft tokens that the previous step's verification rejected): those are dropped and overwritten.
     """
 
     slot: int
     token_ids: tuple[int, ...]
     start: int
     block_table: tuple[int, ...] | None = None  # paged backends: the sequence's pool blocks, in token order
+    # Logits of the row's last ``num_logits`` tokens (1 <= num_logits <= S): > 1 for a decode that feeds speculative
+    # draft tokens, whose every position's argmax verifies the next draft. Only for backends whose
+    # ``multi_logit_rows`` is True.
+    num_logits: int = 1
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,8 @@ class Backend(Protocol):
         ...
 
     def execute(self, step: StepInput) -> np.ndarray:
-        """Run one step; return logits [len(step.rows), V] float32 of each row's last token."""
+        """Run one step; return logits [sum of rows' num_logits, V] float32: each row's last ``num_logits`` tokens
+        in position order, rows in step order ([len(step.rows), V] when every row has num_logits 1)."""
         ...
 
     def release(self, slot: int) -> None:
@@ -101,5 +108,6 @@ class Backend(Protocol):
         """Share of compute time per op type, if the backend can tell (else None)."""
         ...
 
-    # Optional (the engine reads it with getattr): ``argmax_head_stats() -> ArgmaxHeadStats | None``, the certified
-    # argmax head's runs where the artifact has one.
+    # Optional (the engine reads them with getattr): ``argmax_head_stats() -> ArgmaxHeadStats | None``, the certified
+    # argmax head's runs where the artifact has one; ``multi_logit_rows: bool`` (absent: False), whether rows may ask
+    # for ``num_logits`` > 1 and start before the cache's end (what speculative decoding needs).

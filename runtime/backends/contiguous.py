@@ -7,7 +7,10 @@ length on consecutive slots run as one batch [B, S] (uncapped runtimes: one run 
 together on the smallest contiguous range of slots that holds them, at most ``max_decode_batch`` wide (TensorRT's
 decode profile);
 rows in the range with no work this step get a dummy token whose cache write lands at their next free position,
-which their own next real token overwrites, so they are unharmed. A subclass runs one such batch (``_forward``).
+which their own next real token overwrites, so they are unharmed. A decode that verifies speculative draft tokens
+(``RowInput.num_logits`` > 1) runs alone, like a prefill chunk (ONNX Runtime's GroupQueryAttention takes several
+new tokens on a filled cache only at batch 1); a row may start before its slot's end (the drafts the last
+verification rejected), which drops the tokens past its start. A subclass runs one such batch (``_forward``).
 
 Dimension letters: B slots of one run, W tokens of its widest row, V vocabulary.
 """
@@ -36,11 +39,14 @@ class SlotBatch:
     totals: np.ndarray  # [B] int64, past + the row's real tokens (its attention-mask width)
     real: np.ndarray | None = None  # [B] bool, rows with work (False: an idle slot's dummy token); None: all
     last_only: bool = False  # every row ends at position W - 1 and only that position's logits are read
+    all_logits: bool = False  # every position's logits are read (rows verifying speculative draft tokens)
 
 
 class ContiguousBackend(ABC):
     """A ``Backend`` over per-slot contiguous caches described by ``kv_cache``; subclasses implement
     ``_forward`` (logits [B, W, V] of one ``SlotBatch``, the caches written in place)."""
+
+    multi_logit_rows = True  # rows may ask for num_logits > 1 (speculative verification); see ``Backend``
 
     def __init__(self, kv_cache: KVCacheSpec, *, num_slots: int, max_seq_len: int, vocab_size: int,
                  max_prefill_tokens: int | None = None, max_decode_batch: int | None = None) -> None:
@@ -81,33 +87,44 @@ class ContiguousBackend(ABC):
         return None
 
     def execute(self, step: StepInput) -> np.ndarray:
-        """Run each prefill chunk alone and the decodes batched; logits [rows, V] of each row's last token. A
-        step of decodes only, on slots lo..hi-1 in row order (steady-state decode), returns the run's logits
-        buffer itself, without a copy: valid until the next ``execute``."""
+        """Run each prefill chunk alone and the decodes batched; logits [sum of num_logits, V] (``Backend.execute``).
+        A step of decodes only, on slots lo..hi-1 in row order (steady-state decode), returns the run's logits
+        buffer itself, without a copy: valid until the next ``execute``. Rows with ``num_logits`` > 1 (speculative
+        verification) run alone."""
         slots = [row.slot for row in step.rows]
         in_order = bool(slots) and slots == list(range(slots[0], slots[-1] + 1))
         if (in_order and all(len(row.token_ids) == 1 for row in step.rows)
                 and (self.max_decode_batch is None or len(slots) <= self.max_decode_batch)):
             for row in step.rows:
                 self._check(row)
+                self.lengths[row.slot] = row.start  # drops rejected draft tokens, if any
             logits = self._decode(slots[0], slots[-1] + 1, [row.token_ids[0] for row in step.rows],
                                   step.argmax_only)
             for slot in slots:
                 self.lengths[slot] += 1
             return logits
-        out = np.empty((len(step.rows), self._vocab), np.float32)
+        offsets = [0]  # row i's logits are out[offsets[i]:offsets[i + 1]]
+        for row in step.rows:
+            offsets.append(offsets[-1] + row.num_logits)
+        out = np.empty((offsets[-1], self._vocab), np.float32)
         decodes, prompts = [], []
         for index, row in enumerate(step.rows):
             self._check(row)
-            if len(row.token_ids) == 1:
+            self.lengths[row.slot] = row.start
+            if row.num_logits > 1:  # every position's logits: one run, whatever max_prefill_tokens says
+                end = len(row.token_ids)
+                logits = self._run(row.slot, row.slot + 1, {row.slot: row.token_ids}, all_logits=True)
+                out[offsets[index]:offsets[index + 1]] = logits[0, end - row.num_logits:end]
+                self.lengths[row.slot] += end
+            elif len(row.token_ids) == 1:
                 decodes.append((index, row))
             elif row.start == 0 and self.max_prefill_tokens is None:
                 prompts.append((index, row))
             else:
-                out[index] = self._prefill(row)
+                out[offsets[index]] = self._prefill(row)
         for group in _same_length_runs(prompts):
             if len(group) == 1:
-                out[group[0][0]] = self._prefill(group[0][1])
+                out[offsets[group[0][0]]] = self._prefill(group[0][1])
                 continue
             lo, hi = group[0][1].slot, group[-1][1].slot + 1
             ids = np.array([row.token_ids for _, row in group], np.int64)  # [B, S], no padding
@@ -115,7 +132,7 @@ class ContiguousBackend(ABC):
             positions = np.broadcast_to(np.arange(width, dtype=np.int64), ids.shape)
             logits = self._forward(SlotBatch(lo, hi, ids, positions, zeros, zeros + width, last_only=True))
             for b, (index, row) in enumerate(group):
-                out[index] = logits[b, -1]
+                out[offsets[index]] = logits[b, -1]
                 self.lengths[row.slot] += width
         pending = sorted(decodes, key=lambda item: item[1].slot)
         while pending:
@@ -124,7 +141,7 @@ class ContiguousBackend(ABC):
             pending = pending[len(group):]
             logits = self._run(lo, group[-1][1].slot + 1, {row.slot: row.token_ids for _, row in group})
             for index, row in group:
-                out[index] = logits[row.slot - lo, -1]
+                out[offsets[index]] = logits[row.slot - lo, -1]
                 self.lengths[row.slot] += 1
         return out
 
@@ -141,10 +158,13 @@ class ContiguousBackend(ABC):
     def _check(self, row: RowInput) -> None:
         if not 0 <= row.slot < self._num_slots:
             raise ValueError(f"slot {row.slot} is outside 0..{self._num_slots - 1}")
-        if row.start != self.lengths[row.slot]:
+        if not 0 <= row.start <= self.lengths[row.slot]:
             raise ValueError(f"slot {row.slot} holds {self.lengths[row.slot]} tokens, the row starts at {row.start}")
         if not row.token_ids:
             raise ValueError(f"slot {row.slot}: a row needs at least one token")
+        if not 1 <= row.num_logits <= len(row.token_ids):
+            raise ValueError(f"slot {row.slot}: num_logits {row.num_logits} must be in 1..{len(row.token_ids)} "
+                             "(the row's tokens)")
         if row.start + len(row.token_ids) > self._max_seq_len:
             raise ValueError(f"slot {row.slot}: {row.start + len(row.token_ids)} tokens exceed max_seq_len "
                              f"{self._max_seq_len}")
@@ -157,8 +177,9 @@ class ContiguousBackend(ABC):
         ids = np.array(tokens, np.int64)[:, None]
         return self._forward(SlotBatch(lo, hi, ids, past[:, None], past, past + 1))[:, -1]
 
-    def _run(self, lo: int, hi: int, work: dict[int, tuple[int, ...]]) -> np.ndarray:
-        """Run ``work`` (tokens per slot) on slots lo..hi-1, idle slots with a dummy token; logits [B, W, V]."""
+    def _run(self, lo: int, hi: int, work: dict[int, tuple[int, ...]], *, all_logits: bool = False) -> np.ndarray:
+        """Run ``work`` (tokens per slot) on slots lo..hi-1, idle slots with a dummy token; logits [B, W, V] (every
+        position's when ``all_logits``, else at least each row's last)."""
         width = max(len(tokens) for tokens in work.values())
         batch = hi - lo
         ids = np.zeros((batch, width), np.int64)
@@ -172,7 +193,7 @@ class ContiguousBackend(ABC):
             ids[b, :len(tokens)] = tokens
             totals[b] += len(tokens)
         positions = past[:, None] + np.arange(width, dtype=np.int64)  # [B, W]
-        return self._forward(SlotBatch(lo, hi, ids, positions, past, totals, real))
+        return self._forward(SlotBatch(lo, hi, ids, positions, past, totals, real, all_logits=all_logits))
 
     @abstractmethod
     def _forward(self, batch: SlotBatch) -> np.ndarray:

@@ -401,7 +401,7 @@ class OrtBackend(ContiguousBackend):
             mask = (np.arange(int(batch.totals.max())) < batch.totals[:, None]).astype(np.int64)  # [B, T]
             values = self._session.views(batch.lo, batch.hi)
             # A prefill run (one row) needs only its last token's logits: the graph then projects one row, not S.
-            last_only = batch.hi - batch.lo == 1 or batch.last_only
+            last_only = (batch.hi - batch.lo == 1 or batch.last_only) and not batch.all_logits
             logits = self._session.forward_on(values, batch.ids, batch.positions, mask, last_only=last_only)
         if self._experts is not None and self._session.expert_hits is not None:
             rows = batch.real if batch.real is not None else np.ones(len(batch.ids), bool)

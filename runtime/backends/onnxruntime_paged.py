@@ -91,8 +91,8 @@ class BlockPools:
 def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[str, np.ndarray]:
     """The non-pool inputs of a paged graph for ``rows`` (each with its ``block_table``): their tokens packed
     into T, block tables [B, M] (a short table is padded with its own last block: masked, and never another
-    sequence's data), seq_lens, query_start_loc, and ``logits_indices`` = each row's last token (or every
-    token with ``all_logits``)."""
+    sequence's data), seq_lens, query_start_loc, and ``logits_indices`` = each row's last ``num_logits`` tokens (or
+    every token with ``all_logits``)."""
     counts = [len(r.token_ids) for r in rows]
     starts = np.zeros(len(rows) + 1, np.int32)
     starts[1:] = np.cumsum(counts)
@@ -108,8 +108,16 @@ def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[
         "block_tables": tables,
         "seq_lens": np.array([r.start + len(r.token_ids) for r in rows], np.int32),
         "query_start_loc": starts,
-        "logits_indices": np.arange(total, dtype=np.int64) if all_logits else (starts[1:] - 1).astype(np.int64),
+        "logits_indices": np.arange(total, dtype=np.int64) if all_logits else last_positions(rows, starts),
     }
+
+
+def last_positions(rows: Sequence[RowInput], starts: np.ndarray) -> np.ndarray:
+    """[sum of num_logits] packed indices of each row's last ``num_logits`` tokens, in row then position order."""
+    if all(row.num_logits == 1 for row in rows):
+        return (starts[1:] - 1).astype(np.int64)
+    return np.concatenate([np.arange(end - row.num_logits, end, dtype=np.int64)
+                           for row, end in zip(rows, starts[1:].tolist(), strict=True)])
 
 
 def _session(model_path: Path, *, threads: int | None, providers: list[str] | None, lower: bool = True,
@@ -267,9 +275,11 @@ class PagedOrtBackend:
         self._profiling = False
         return kernel_time_shares(self.session.end_profiling())
 
+    multi_logit_rows = True  # rows may ask for num_logits > 1 (speculative verification); see ``Backend``
+
     def execute(self, step: StepInput) -> np.ndarray:
-        """Run all rows in one packed step; logits [rows, V] of each row's last token, valid until the next
-        ``execute`` (a view of the runner's buffer: no copy per step)."""
+        """Run all rows in one packed step; logits [sum of num_logits, V] of each row's last ``num_logits`` tokens,
+        valid until the next ``execute`` (a view of the runner's buffer: no copy per step)."""
         for row in step.rows:
             self._check(row)
         self._pools.zero_blocks(self._first_written_blocks(step.rows))
@@ -286,6 +296,9 @@ class PagedOrtBackend:
             raise ValueError(f"slot {row.slot}: a paged backend needs the row's block table")
         if not row.token_ids:
             raise ValueError(f"slot {row.slot}: a row needs at least one token")
+        if not 1 <= row.num_logits <= len(row.token_ids):
+            raise ValueError(f"slot {row.slot}: num_logits {row.num_logits} must be in 1..{len(row.token_ids)} "
+                             "(the row's tokens)")
         total = row.start + len(row.token_ids)
         if total > self.max_seq_len:
             raise ValueError(f"slot {row.slot}: {total} tokens exceed max_seq_len {self.max_seq_len}")

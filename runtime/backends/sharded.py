@@ -49,7 +49,7 @@ def encode_step(step: StepInput) -> np.ndarray:
     out: list[int] = [len(step.rows)]
     for row in step.rows:
         blocks = row.block_table
-        out += [row.slot, row.start, len(row.token_ids), -1 if blocks is None else len(blocks)]
+        out += [row.slot, row.start, len(row.token_ids), -1 if blocks is None else len(blocks), row.num_logits]
         out += row.token_ids
         out += blocks or ()
     return np.asarray(out, dtype=np.int64)
@@ -60,13 +60,13 @@ def decode_step(payload: np.ndarray) -> StepInput:
     values = payload.tolist()
     rows, at = [], 1
     for _ in range(values[0]):
-        slot, start, n_tokens, n_blocks = values[at: at + 4]
-        at += 4
+        slot, start, n_tokens, n_blocks, num_logits = values[at: at + 5]
+        at += 5
         tokens = tuple(values[at: at + n_tokens])
         at += n_tokens
         blocks = None if n_blocks < 0 else tuple(values[at: at + n_blocks])
         at += max(n_blocks, 0)
-        rows.append(RowInput(slot=slot, token_ids=tokens, start=start, block_table=blocks))
+        rows.append(RowInput(slot=slot, token_ids=tokens, start=start, block_table=blocks, num_logits=num_logits))
     return StepInput(tuple(rows))
 
 
@@ -135,6 +135,11 @@ class ShardedBackend:
     @property
     def kv_pool(self) -> PoolInfo | None:
         return getattr(self.local, "kv_pool", None)
+
+    @property
+    def multi_logit_rows(self) -> bool:
+        """Whether rows may ask for num_logits > 1: the local backend's answer (the peers run the same kind)."""
+        return bool(getattr(self.local, "multi_logit_rows", False))
 
     def op_time_shares(self) -> dict[str, float] | None:
         return self.local.op_time_shares()

@@ -190,6 +190,9 @@ class TensorRTBackend(ContiguousBackend):
     ``contiguous.py`` over ``engine``, whose profiles cap the prefill and decode runs. The KV spec is the one the
     engine bound its caches with (``engine.kv_cache``), so the two cannot disagree."""
 
+    # Its decode profile is one token per row (W = 1): no speculative verification rows.
+    multi_logit_rows = False
+
     def __init__(self, engine: TrtEngine, *, vocab_size: int) -> None:
         super().__init__(engine.kv_cache, num_slots=engine.num_slots, max_seq_len=engine.kv_cache.max_seq_len,
                          vocab_size=vocab_size, max_prefill_tokens=engine.max_prefill_tokens,
