@@ -136,12 +136,15 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--plot", type=Path, default=None, help="also draw the decode medians to this PNG")
     parser.add_argument("--note", default=None, help="a remark stored with the results (e.g. 'smoke test')")
+    parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                        help="also each artifact with prompt-lookup speculative decoding of K draft tokens (batch 1)")
     args = parser.parse_args()
     batches = sorted(set(args.batch))
     gguf = args.gguf or default_gguf()
     genai_models = ensure_peer_models(args.work_dir, gguf, args.genai) if args.genai else {}
     runners, info = make_runners(args.artifacts, genai_models, None if args.no_llama else gguf, batches,
-                                 args.prompt_len, args.prefill_len, args.threads, args.llama_threads)
+                                 args.prompt_len, args.prefill_len, args.threads, args.llama_threads,
+                                 speculative_tokens=args.speculative_tokens)
     if not runners:
         raise SystemExit("nothing to time: give artifact directories, --genai precisions or llama.cpp")
     vocab = 49152
@@ -153,7 +156,7 @@ def main() -> None:
     print(table)
     result = {"model": "smollm2-135m", "note": args.note, "rounds": args.rounds, "batches": batches,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "prefill_len": args.prefill_len,
-              "threads": args.threads,
+              "threads": args.threads, "speculative_tokens": args.speculative_tokens,
               "hf_conversion": f"transformers from_pretrained({gguf.parent}, gguf_file={gguf.name}, dtype=float32)"
                                f" -> save_pretrained({args.work_dir / 'hf'})",
               "builder_commands": builder_commands(args.work_dir / "hf", genai_models, args.work_dir),

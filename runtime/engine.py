@@ -4,7 +4,8 @@ The scheduler decides which tokens of which requests run (continuous batching, c
 preemption) and alone changes a request's status; the backend runs them on its cache slots (one
 row per running request) and returns each row's last logits; the sampler picks tokens; the
 scheduler records them. The engine owns the slots, stop strings (they need the tokenizer) and
-metrics.
+metrics. With ``EngineConfig.speculative_tokens`` it also drafts each greedy request's next tokens after a
+step (runtime/speculative.py); the next decode feeds them, and sampling verifies them (``_verify``).
 
 Per-request state lives on one ``Request`` (runtime/request.py). The engine holds each in
 ``requests`` from ``add_request`` until its final output has been returned, then drops it; the
@@ -47,7 +48,7 @@ from moeforge.runtime.request import Request, RequestMetrics, RequestStatus, pro
 from moeforge.runtime.request import RequestError as RequestError  # re-exported: raised by add_request
 from moeforge.runtime.sampler import Sampler, SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from moeforge.runtime.speculative import NgramIndex
+from moeforge.runtime.speculative import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +128,13 @@ class EngineConfig:
     # runtime/huge_pages.py): a decode step streams every weight, and 4 KiB pages cost a TLB miss every 4 KiB.
     huge_pages: bool = True
     # Prompt-lookup speculative decoding (runtime/speculative.py): greedy requests (SamplingParams.argmax_only) feed
-    # up to this many draft tokens per decode, copied from where the sequence's last tokens occurred before, and
-    # the model verifies them in the same run. Output is exactly plain greedy decoding's; 0 turns it off.
+    # up to this many draft tokens per decode (fewer, or none for a while, after rejected ones), copied from where
+    # the sequence's last tokens occurred before, and the model verifies them in the same run. Output is plain greedy
+    # decoding's (token for token on float artifacts; see benchmarks/speculative_decoding.py); 0 turns it off.
     speculative_tokens: int = 0
-    speculative_max_ngram: int = 3  # longest tail matched to find drafts (down to 1 token)
+    speculative_max_ngram: int = 3  # longest tail matched to find drafts
+    # Shortest tail matched: 2 drafts less often but far better than 1 (benchmarks/speculative_decoding.py).
+    speculative_min_ngram: int = 2
     # Drafts only while at most this many requests run: a contiguous artifact verifies each row with drafts in a run
     # of its own (ONNX Runtime's GroupQueryAttention takes several new tokens on a filled cache only at batch 1),
     # which beats one batched decode step only at batch 1; a paged artifact verifies every row in its one packed run.
@@ -160,11 +164,15 @@ class EngineConfig:
         for name, minimum, optional in (("max_num_seqs", 1, False), ("max_num_batched_tokens", 1, False),
                                         ("block_size", 1, True), ("long_prefill_chunk", 1, True),
                                         ("threads", 0, True), ("speculative_tokens", 0, False),
-                                        ("speculative_max_ngram", 1, False), ("speculative_max_batch", 1, False)):
+                                        ("speculative_max_ngram", 1, False),
+                                        ("speculative_min_ngram", 1, False), ("speculative_max_batch", 1, False)):
             value = getattr(self, name)
             if not (value is None and optional) and not (is_int(value) and value >= minimum):
                 raise EngineConfigError(f"EngineConfig({name}={value!r}) must be an integer >= {minimum}"
                                         + (" (or None)" if optional else ""))
+        if self.speculative_min_ngram > self.speculative_max_ngram:
+            raise EngineConfigError(f"EngineConfig(speculative_min_ngram={self.speculative_min_ngram}) exceeds "
+                                    f"speculative_max_ngram={self.speculative_max_ngram}: lower it or raise the max")
 
     def num_kv_blocks(self, num_slots: int, max_seq_len: int, block_size: int) -> int:
         """``kv_blocks``, or the default: ``num_slots`` sequences of ``max_seq_len`` tokens each."""
@@ -458,6 +466,9 @@ class LLMEngine:
             tokens[item.request_id] = chosen[:accepted + 1] if drafts else chosen[0]
             self.metrics.draft_tokens += len(drafts)
             self.metrics.accepted_draft_tokens += accepted
+            drafter = self.requests[item.request_id].drafter
+            if drafter is not None:
+                drafter.record(len(drafts), accepted)
         return tokens, logprobs
 
     def _propose_drafts(self, requests: Iterable[Request]) -> None:
@@ -471,11 +482,12 @@ class LLMEngine:
         for request in requests:
             if not request.params.argmax_only:
                 continue
-            index = request.draft_index
-            if index is None:
-                index = request.draft_index = NgramIndex(self.config.speculative_max_ngram)
-            index.extend(request.token_ids(len(index.tokens)))
-            request.spec_token_ids = index.propose(self.config.speculative_tokens)
+            drafter = request.drafter
+            if drafter is None:
+                config = self.config
+                drafter = request.drafter = Drafter(config.speculative_tokens, config.speculative_max_ngram,
+                                                    config.speculative_min_ngram)
+            request.spec_token_ids = drafter.propose(request.token_ids(len(drafter.index.tokens)))
 
     def _apply_stop_strings(self, requests: Iterable[Request]) -> None:
         """Finish requests whose new text completed a stop string, at the token that completed it: a step that

@@ -27,7 +27,7 @@ import numpy as np
 
 from moeforge.errors import MoeforgeError
 from moeforge.runtime.sampler import SamplingParams
-from moeforge.runtime.speculative import NgramIndex
+from moeforge.runtime.speculative import Drafter
 
 
 class RequestError(MoeforgeError):
@@ -129,9 +129,9 @@ class Request:
     slot: int | None = None  # the backend cache row (``RowInput.slot``) while it holds one
     # Speculative decoding (runtime/speculative.py): tokens proposed to follow the known ones, which the next decode
     # feeds after the last sampled token for the model to verify (the scheduler trims them to its limits), and
-    # the n-gram index they are drafted from.
+    # the drafter that proposes them (its n-gram index and draft length).
     spec_token_ids: list[int] = field(default_factory=list)
-    draft_index: NgramIndex | None = None
+    drafter: Drafter | None = None
     num_reported_tokens: int = 0  # output tokens already returned to the caller (streaming deltas)
 
     def __post_init__(self) -> None:

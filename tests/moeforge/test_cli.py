@@ -151,3 +151,15 @@ def test_prompt_errors_are_clear(capsys):
     _expect_bad_input(capsys, "exceeds", "run", "tiny-llama", "--prompt-ids", "1", "--max-new-tokens", "5000")
     _expect_bad_input(capsys, "top_p", "run", "tiny-llama", "--prompt-ids", "1", "--top-p", "0")
     _expect_bad_input(capsys, "shapes only", "run", "deepseek-v3", "--prompt-ids", "1")
+
+
+def test_run_with_speculative_tokens_prints_plain_greedy_tokens(capsys, tmp_path):
+    out = tmp_path / "artifact"
+    assert _run(capsys, "compile", "tiny-llama", "-o", str(out), "--max-seq-len", "64")[0] == 0
+    prompt = ",".join(map(str, [5, 6, 7, 8, 9] * 4))
+    args = ["run", str(out), "--prompt-ids", prompt, "--max-new-tokens", "24", "--ignore-eos", "--json"]
+    plain = json.loads(_run(capsys, *args)[1])["token_ids"]
+    code, speculative, err = _run(capsys, *args, "--speculative-tokens", "4")
+    assert code == 0, err
+    expected = generate(load_model("tiny-llama").model, [5, 6, 7, 8, 9] * 4, SamplingConfig(max_new_tokens=24))
+    assert json.loads(speculative)["token_ids"] == plain == expected.token_ids

@@ -19,7 +19,7 @@ from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
 from moeforge.runtime.request import Request, RequestStatus
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.runtime.scheduler import SchedulerOutput
-from moeforge.runtime.speculative import NgramIndex
+from moeforge.runtime.speculative import Drafter, NgramIndex
 from tests.runtime.test_scheduler import _ROOT, VOCAB, B, make, mix, reference
 
 # -- the drafter ----------------------------------------------------------------------------------
@@ -58,6 +58,22 @@ def test_ngram_index_grown_token_by_token_equals_a_scan_of_the_whole_sequence():
             seq += new
             k = rng.randint(1, 6)
             assert index.propose(k) == brute_force_draft(seq, k, index.max_ngram), (seq, k)
+
+
+def test_the_draft_length_follows_acceptance_and_pauses_after_misses():
+    drafter = Drafter(6, max_ngram=2)
+    assert drafter.propose([1, 2, 3, 4, 5, 6, 7, 8, 1, 2]) == [3, 4, 5, 6, 7, 8]
+    drafter.record(6, 2)  # some accepted: one more than that next time
+    assert drafter.propose([]) == [3, 4, 5]
+    drafter.record(3, 3)  # all accepted: two more
+    assert len(drafter.propose([])) == 5
+    drafter.record(5, 0)  # none: half as many, and a pause of 1, 3, 7 ... steps as misses repeat
+    assert drafter.propose([]) == [] and drafter.propose([]) == [3, 4]
+    drafter.record(2, 0)
+    assert [drafter.propose([]) for _ in range(4)] == [[], [], [], [3]]
+    drafter.record(1, 1)  # an accepted draft resets the pauses
+    drafter.record(3, 0)
+    assert drafter.propose([]) == [] and drafter.propose([]) != []
 
 
 # -- scheduler and cache accounting ---------------------------------------------------------------
@@ -226,7 +242,8 @@ def test_greedy_output_with_drafts_equals_pytorch(artifact, max_batch):
     expected = _torch_greedy(name, prompts, 40)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=max_batch, max_num_batched_tokens=64,
-                                                         speculative_tokens=4, speculative_max_batch=max_batch))
+                                                         speculative_tokens=4, speculative_max_batch=max_batch,
+                                                         speculative_min_ngram=1))
     outputs = engine.generate(prompts, params)
     assert [o.token_ids for o in outputs] == expected
     metrics = engine.metrics
@@ -242,7 +259,8 @@ def test_stop_tokens_stop_strings_and_other_requests_in_a_speculative_batch(arti
     name, path = artifact
     (full,) = _torch_greedy(name, [REPETITIVE], 40)
     engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64,
-                                                         speculative_tokens=4, speculative_max_batch=4))
+                                                         speculative_tokens=4, speculative_max_batch=4,
+                                                         speculative_min_ngram=1))
     stop_token = max(set(full), key=full.index)  # the token that shows up last
     stopped = engine.generate([REPETITIVE], SamplingParams(max_tokens=40, ignore_eos=True,
                                                            stop_token_ids=(stop_token,)))[0]
