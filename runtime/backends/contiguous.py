@@ -158,8 +158,10 @@ class ContiguousBackend(ABC):
     def _check(self, row: RowInput) -> None:
         if not 0 <= row.slot < self._num_slots:
             raise ValueError(f"slot {row.slot} is outside 0..{self._num_slots - 1}")
-        if not 0 <= row.start <= self.lengths[row.slot]:
-            raise ValueError(f"slot {row.slot} holds {self.lengths[row.slot]} tokens, the row starts at {row.start}")
+        # Only a backend that verifies drafts has rows that start before the slot's end (the rejected drafts).
+        held = self.lengths[row.slot]
+        if not (0 <= row.start <= held if self.multi_logit_rows else row.start == held):
+            raise ValueError(f"slot {row.slot} holds {held} tokens, the row starts at {row.start}")
         if not row.token_ids:
             raise ValueError(f"slot {row.slot}: a row needs at least one token")
         if not 1 <= row.num_logits <= len(row.token_ids):
