@@ -112,10 +112,8 @@ class ContiguousBackend(ABC):
             self._check(row)
             self.lengths[row.slot] = row.start
             if row.num_logits > 1:  # every position's logits: one run, whatever max_prefill_tokens says
-                end = len(row.token_ids)
-                logits = self._run(row.slot, row.slot + 1, {row.slot: row.token_ids}, all_logits=True)
-                out[offsets[index]:offsets[index + 1]] = logits[0, end - row.num_logits:end]
-                self.lengths[row.slot] += end
+                out[offsets[index]:offsets[index + 1]] = self._verify(row, step.argmax_only)
+                self.lengths[row.slot] += len(row.token_ids)
             elif len(row.token_ids) == 1:
                 decodes.append((index, row))
             elif row.start == 0 and self.max_prefill_tokens is None:
@@ -178,6 +176,14 @@ class ContiguousBackend(ABC):
         past = np.array(self.lengths[lo:hi], np.int64)
         ids = np.array(tokens, np.int64)[:, None]
         return self._forward(SlotBatch(lo, hi, ids, past[:, None], past, past + 1))[:, -1]
+
+    def _verify(self, row: RowInput, argmax_only: bool = False) -> np.ndarray:
+        """Run a row that asks for ``num_logits`` > 1 (speculative verification) alone on its slot, its cache holding
+        ``lengths[slot]`` = ``row.start`` tokens; logits [num_logits, V] of its last positions. A subclass may
+        override it with a bound run. ``argmax_only``: see ``StepInput`` (this general path ignores it)."""
+        end = len(row.token_ids)
+        logits = self._run(row.slot, row.slot + 1, {row.slot: row.token_ids}, all_logits=True)
+        return logits[0, end - row.num_logits:end]
 
     def _run(self, lo: int, hi: int, work: dict[int, tuple[int, ...]], *, all_logits: bool = False) -> np.ndarray:
         """Run ``work`` (tokens per slot) on slots lo..hi-1, idle slots with a dummy token; logits [B, W, V] (every

@@ -32,7 +32,7 @@ import onnxruntime as ort
 from moeforge.errors import ArtifactError
 from moeforge.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
-from moeforge.runtime.backends.base import ArgmaxHeadStats
+from moeforge.runtime.backends.base import ArgmaxHeadStats, RowInput
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import (
     CacheBinding,
@@ -141,7 +141,8 @@ def check_session(session: ort.InferenceSession, kv: KVCacheSpec, graph: str) ->
 
 @dataclass
 class DecodeBinding:
-    """A reusable IOBinding for decode runs (one new token per row) on cache rows lo..hi-1.
+    """A reusable IOBinding for decode runs (one new token per row; W of them for a speculative verification run)
+    on cache rows lo..hi-1.
 
     Everything but the attention mask is bound once: the cache views (as past inputs and present outputs), the
     ids and positions arrays (refilled in place each step) and the logits buffer. A steady-state decode step
@@ -149,15 +150,15 @@ class DecodeBinding:
     """
 
     io: ort.IOBinding
-    ids: np.ndarray  # [B, 1] int64, bound as input_ids
-    positions: np.ndarray  # [B, 1] int64, bound as position_ids (when the graph has it)
+    ids: np.ndarray  # [B, W] int64, bound as input_ids
+    positions: np.ndarray  # [B, W] int64, bound as position_ids (when the graph has it)
     ones: np.ndarray  # [L] int64 ones: batch 1's attention mask [1, T] is a view of its first T
-    logits: np.ndarray  # [B, 1, V] float32, bound as the logits output (overwritten by the next run)
+    logits: np.ndarray  # [B, W, V] float32, bound as the logits output (overwritten by the next run)
     values: list[ort.OrtValue]  # the cache views, kept alive with the binding
     mask: np.ndarray  # [B * L] int64: batch > 1's attention mask [B, T] is a view of its first B * T
     arange: np.ndarray  # [L] int64 0..L-1, compared with each row's total to fill ``mask``
     argmax_only: np.ndarray | None = None  # [] bool bound as ``argmax_only`` (graphs with the argmax head)
-    certified: np.ndarray | None = None  # [B, 1, 1] bool bound as ``logits_certified``
+    certified: np.ndarray | None = None  # [B, W, 1] bool bound as ``logits_certified``
 
 
 class OrtSession:
@@ -211,9 +212,10 @@ class OrtSession:
         self._ort_values = [ort.OrtValue.ortvalue_from_numpy(buf) for buf in self.buffers]  # zero-copy on CPU
         self._decode_bindings.clear()  # they bound the old buffers
 
-    def decode_binding(self, lo: int, hi: int) -> DecodeBinding:
-        """The ``DecodeBinding`` of cache rows lo..hi-1, made on first use and kept (``MAX_DECODE_BINDINGS``)."""
-        key = (lo, hi)
+    def decode_binding(self, lo: int, hi: int, width: int = 1) -> DecodeBinding:
+        """The ``DecodeBinding`` of cache rows lo..hi-1 and ``width`` new tokens per row, made on first use and kept
+        (``MAX_DECODE_BINDINGS``)."""
+        key = (lo, hi, width)
         found = self._decode_bindings.get(key)
         if found is not None:
             self._decode_bindings.move_to_end(key)
@@ -222,8 +224,8 @@ class OrtSession:
             raise ArtifactError(f"{self.model_path}: the logits output has no static vocabulary size to bind")
         batch = hi - lo
         io = self.session.io_binding()
-        ids, positions = np.zeros((batch, 1), np.int64), np.zeros((batch, 1), np.int64)
-        logits = np.empty((batch, 1, self.vocab_size), np.float32)
+        ids, positions = np.zeros((batch, width), np.int64), np.zeros((batch, width), np.int64)
+        logits = np.empty((batch, width, self.vocab_size), np.float32)
         values = self.views(lo, hi)
         io.bind_ortvalue_input("input_ids", ort.OrtValue.ortvalue_from_numpy(ids))
         if "position_ids" in self.input_names:
@@ -235,7 +237,7 @@ class OrtSession:
         io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         argmax_only = certified = None
         if self.argmax_head:  # both bound once; the flag is flipped in place per run
-            argmax_only, certified = np.zeros((), bool), np.ones((batch, 1, 1), bool)
+            argmax_only, certified = np.zeros((), bool), np.ones((batch, width, 1), bool)
             io.bind_ortvalue_input(ARGMAX_ONLY, ort.OrtValue.ortvalue_from_numpy(argmax_only))
             io.bind_ortvalue_output(LOGITS_CERTIFIED, ort.OrtValue.ortvalue_from_numpy(certified))
         if self.track_experts:
@@ -272,6 +274,27 @@ class OrtSession:
                 mask = bound.mask[:len(totals) * width].reshape(len(totals), width)
                 np.less(bound.arange[:width], np.array(totals)[:, None], out=mask, casting="unsafe")
             bound.io.bind_cpu_input("attention_mask", mask)
+        self._run_bound(bound, argmax_only)
+        return bound.logits
+
+    def verify(self, slot: int, ids: Sequence[int], start: int, argmax_only: bool = False) -> np.ndarray:
+        """Every position's logits of one row of W = len(ids) tokens at positions start .. start+W-1 on cache row
+        ``slot`` (a speculative verification run, through a cached ``DecodeBinding`` of width W): [W, V], a view
+        the next run of this (slot, W) overwrites. ``argmax_only``: see ``decode``."""
+        width = len(ids)
+        total = start + width
+        if total > self.capacity:
+            raise ValueError(f"{total} tokens exceed the cache capacity {self.capacity}")
+        bound = self.decode_binding(slot, slot + 1, width)
+        bound.ids[0] = ids
+        bound.positions[0] = bound.arange[start:total]
+        if "attention_mask" in self.input_names:
+            bound.io.bind_cpu_input("attention_mask", bound.ones[:total].reshape(1, total))
+        self._run_bound(bound, argmax_only)
+        return bound.logits[0]
+
+    def _run_bound(self, bound: DecodeBinding, argmax_only: bool) -> None:
+        """Run a filled ``DecodeBinding``: on the certified argmax head when ``argmax_only`` and the graph has one."""
         if argmax_only and bound.argmax_only is not None and bound.certified is not None:
             self.argmax_runs += 1
             self.argmax_reruns += run_certified(self.session, bound.io, bound.argmax_only, bound.certified)
@@ -281,7 +304,6 @@ class OrtSession:
             self.session.run_with_iobinding(bound.io)
         if self.track_experts:
             self.expert_hits = bound.io.get_outputs()[-1].numpy()
-        return bound.logits
 
     @property
     def capacity(self) -> int:
@@ -393,6 +415,12 @@ class OrtBackend(ContiguousBackend):
             return super()._decode(lo, hi, tokens)
         past = self.lengths[lo:hi]
         return self._session.decode(lo, hi, tokens, past, [p + 1 for p in past], argmax_only)[:, -1]
+
+    def _verify(self, row: RowInput, argmax_only: bool) -> np.ndarray:
+        if self._experts is not None:  # expert counting reads the run's rows: the general path
+            return super()._verify(row, argmax_only)
+        logits = self._session.verify(row.slot, row.token_ids, row.start, argmax_only)
+        return logits[len(row.token_ids) - row.num_logits:]
 
     def _forward(self, batch: SlotBatch) -> np.ndarray:
         if batch.ids.shape[1] == 1:  # a decode run: the cached binding of this slot range
