@@ -52,7 +52,7 @@ def _compare_section(compare: dict[str, Any], intro: str) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| ratio (same run) | value |", "|---|---|"]
     lines += [f"| {name} | {value:.2f} |" for name, value in r["ratios"].items()
-              if name.startswith(("decode", "prefill", "batch"))]
+              if name.startswith(("decode", "prefill", "batch")) and value is not None]
     lines.append("")
     return lines
 
@@ -67,6 +67,23 @@ def speed_section() -> str:
         other = json.loads(path.read_text())
         lines += _compare_section(other, f"The same script on another machine (`{path.name}`"
                                   + (f"; {other['results']['note']}" if other['results'].get("note") else "") + "): ")
+    speculative = _load("speculative_decoding.json")
+    if speculative is not None:
+        sp = speculative["results"]
+        lines += [f"Prompt-lookup speculative decoding against plain decoding (`--speculative-tokens`; "
+                  f"`benchmarks/speculative_decoding.py`, {_machine(speculative)}; batch 1, "
+                  f"{sp['prompts_per_set']} prompts per set, {sp['new_tokens']} greedy tokens, medians; kKnN = K "
+                  "draft tokens at most, tails of N+ tokens matched):", "",
+                  "| artifact | prompts | setting | decode tok/s | vs plain | drafts accepted | outputs = plain's |",
+                  "|---|---|---|---|---|---|---|"]
+        for artifact, by_set in sp["results"].items():
+            for prompts, by_setting in by_set.items():
+                for setting, row in by_setting.items():
+                    accepted = "-" if row["accepted_share"] is None else f"{row['accepted_share']:.0%}"
+                    lines.append(f"| {artifact} | {prompts} | {setting} | {row['decode_tokens_per_s']:.1f} | "
+                                 f"{row['vs_plain']:.2f}x | {accepted} | "
+                                 f"{row['outputs_equal_to_plain']}/{sp['prompts_per_set']} |")
+        lines.append("")
     accuracy = _load("heldout_accuracy.json")
     if accuracy is not None:
         a = accuracy["results"]

@@ -478,6 +478,7 @@ def summarize(records: Sequence[dict[str, Any]], info: dict[str, Any]) -> dict[s
         if len(batches) > 1 and get(system, batches[-1], "decode_tokens_per_s") is not None:
             ratios[f"decode b{batches[-1]} / b{batches[0]}: {system}"] = _ratio(
                 get(system, batches[-1], "decode_tokens_per_s"), get(system, batches[0], "decode_tokens_per_s"))
+    ratios = {name: value for name, value in ratios.items() if value is not None}  # a system absent at a batch
     return {"medians": medians, "ratios": ratios,
             "greedy_prefix_agreement": {"reference": f"{reference[0]} b1" if reference else None, **agreement}}
 
