@@ -194,7 +194,7 @@ class OrtSession:
         self.input_names = {i.name for i in (*self.session.get_inputs(), *self.session.get_overridable_initializers())}
         self.buffers: list[np.ndarray] = []
         self._ort_values: list[ort.OrtValue] = []
-        self._decode_bindings: OrderedDict[tuple[int, int], DecodeBinding] = OrderedDict()
+        self._decode_bindings: OrderedDict[tuple[int, int, int], DecodeBinding] = OrderedDict()
         # MoE graphs' routing output, fetched after each run when expert load is tracked (see ExpertCounter).
         self.expert_hits: np.ndarray | None = None
         self.track_experts = False
@@ -291,7 +291,8 @@ class OrtSession:
         if "attention_mask" in self.input_names:
             bound.io.bind_cpu_input("attention_mask", bound.ones[:total].reshape(1, total))
         self._run_bound(bound, argmax_only)
-        return bound.logits[0]
+        logits: np.ndarray = bound.logits[0]
+        return logits
 
     def _run_bound(self, bound: DecodeBinding, argmax_only: bool) -> None:
         """Run a filled ``DecodeBinding``: on the certified argmax head when ``argmax_only`` and the graph has one."""
@@ -416,7 +417,7 @@ class OrtBackend(ContiguousBackend):
         past = self.lengths[lo:hi]
         return self._session.decode(lo, hi, tokens, past, [p + 1 for p in past], argmax_only)[:, -1]
 
-    def _verify(self, row: RowInput, argmax_only: bool) -> np.ndarray:
+    def _verify(self, row: RowInput, argmax_only: bool = False) -> np.ndarray:
         if self._experts is not None:  # expert counting reads the run's rows: the general path
             return super()._verify(row, argmax_only)
         logits = self._session.verify(row.slot, row.token_ids, row.start, argmax_only)
