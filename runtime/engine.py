@@ -135,10 +135,11 @@ class EngineConfig:
     speculative_max_ngram: int = 3  # longest tail matched to find drafts
     # Shortest tail matched: 2 drafts less often but far better than 1 (benchmarks/speculative_decoding.py).
     speculative_min_ngram: int = 2
-    # Drafts only while at most this many requests run: a contiguous artifact verifies each row with drafts in a run
-    # of its own (ONNX Runtime's GroupQueryAttention takes several new tokens on a filled cache only at batch 1),
-    # which beats one batched decode step only at batch 1; a paged artifact verifies every row in its one packed run.
-    speculative_max_batch: int = 1
+    # Drafts only while at most this many requests run. None: 1 on a contiguous artifact, which verifies each row
+    # with drafts in a run of its own (ONNX Runtime's GroupQueryAttention takes several new tokens on a filled cache
+    # only at batch 1) and so beats one batched decode step only at batch 1; every slot on a paged artifact, which
+    # verifies all rows in its one packed run.
+    speculative_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         def is_int(value: object) -> bool:
@@ -165,7 +166,7 @@ class EngineConfig:
                                         ("block_size", 1, True), ("long_prefill_chunk", 1, True),
                                         ("threads", 0, True), ("speculative_tokens", 0, False),
                                         ("speculative_max_ngram", 1, False),
-                                        ("speculative_min_ngram", 1, False), ("speculative_max_batch", 1, False)):
+                                        ("speculative_min_ngram", 1, False), ("speculative_max_batch", 1, True)):
             value = getattr(self, name)
             if not (value is None and optional) and not (is_int(value) and value >= minimum):
                 raise EngineConfigError(f"EngineConfig({name}={value!r}) must be an integer >= {minimum}"
@@ -198,6 +199,9 @@ class LLMEngine:
                                     "logits per sequence); set speculative_tokens=0")
         self.backend = backend
         self.tokenizer = tokenizer
+        # Requests that may run with drafts at once (EngineConfig.speculative_max_batch, or the backend's default).
+        self.speculative_max_batch = config.speculative_max_batch or (
+            1 if getattr(backend, "kv_pool", None) is None else backend.num_slots)
         self.eos_token_ids = tuple(eos_token_ids)
         self.config = config
         # A paged backend (block pools) has its own block size and pool; its blocks ARE the manager's
@@ -473,9 +477,9 @@ class LLMEngine:
 
     def _propose_drafts(self, requests: Iterable[Request]) -> None:
         """Draft the next tokens of each greedy request (``EngineConfig.speculative_tokens``) for its next decode,
-        while at most ``EngineConfig.speculative_max_batch`` requests run (else none has drafts)."""
+        while at most ``speculative_max_batch`` requests run (else none has drafts; see ``EngineConfig``)."""
         running = self.scheduler.running
-        if len(running) > self.config.speculative_max_batch:
+        if len(running) > self.speculative_max_batch:
             for request in running:
                 request.spec_token_ids = []
             return
