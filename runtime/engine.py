@@ -199,15 +199,14 @@ class LLMEngine:
                                     "logits per sequence); set speculative_tokens=0")
         self.backend = backend
         self.tokenizer = tokenizer
-        # Requests that may run with drafts at once (EngineConfig.speculative_max_batch, or the backend's default).
-        self.speculative_max_batch = config.speculative_max_batch or (
-            1 if getattr(backend, "kv_pool", None) is None else backend.num_slots)
         self.eos_token_ids = tuple(eos_token_ids)
         self.config = config
         # A paged backend (block pools) has its own block size and pool; its blocks ARE the manager's
         # blocks, so prefix-cache hits are shared physically. Contiguous-slot artifacts cannot share a
         # cached prefix, so prefix caching is off for them.
         pool = backend.kv_pool
+        # Requests that may run with drafts at once (EngineConfig.speculative_max_batch, or the backend's default).
+        self.speculative_max_batch = config.speculative_max_batch or (1 if pool is None else backend.num_slots)
         if pool is not None:
             config.check_block_size(pool.block_size)
             if config.kv_blocks is not None and config.kv_blocks != pool.num_blocks:
@@ -450,9 +449,8 @@ class LLMEngine:
         ends = np.cumsum([item.num_draft_tokens + 1 for item in plan.scheduled]).tolist()
         picked = [(item, range(end - item.num_draft_tokens - 1, end))
                   for item, end in zip(plan.scheduled, ends, strict=True) if item.completes_prompt]
-        requests = [self.requests[item.request_id] for item, _ in picked]
         lines = [line for _, span in picked for line in span]
-        owners = [request for request, (_, span) in zip(requests, picked, strict=True) for _ in span]
+        owners = [self.requests[item.request_id] for item, span in picked for _ in span]  # per line, its request
         out = self.sampler.sample(logits[lines], [r.params for r in owners], [r.generator for r in owners],
                                   [r.output_token_ids for r in owners], [r.prompt_token_ids for r in owners])
         greedy, at = out.token_ids.tolist(), 0
@@ -520,10 +518,11 @@ class LLMEngine:
         """The number of output tokens up to the first of ``ids[first_new:]`` whose text completes a stop string,
         None if none does. ``final``: the request ended at its last token (else a trailing U+FFFD may be a
         character whose bytes are still coming, matched once it is whole)."""
-        assert self.tokenizer is not None
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
 
         def completes(end: int, whole: bool) -> bool:
-            text = self.tokenizer.decode(ids[:end], skip_special_tokens=True)  # type: ignore[union-attr]
+            text = tokenizer.decode(ids[:end], skip_special_tokens=True)
             return any(stop in (text if whole else text.rstrip("\ufffd")) for stop in stops)
 
         if not completes(len(ids), final):

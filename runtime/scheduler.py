@@ -310,7 +310,7 @@ class Scheduler:
             got = sampled[item.request_id]
             tokens = list(got) if isinstance(got, Sequence) else [got]
             accepted = tokens[:-1]
-            if not tokens or accepted != item.draft_token_ids[:len(accepted)] or len(accepted) > item.num_draft_tokens:
+            if not tokens or accepted != item.draft_token_ids[:len(accepted)]:  # also refuses more than the drafts
                 raise ValueError(f"request {item.request_id}: sampled {tokens} is not accepted draft tokens (a prefix "
                                  f"of {item.draft_token_ids}) followed by one sampled token")
             tokens_of[item.request_id] = tokens

@@ -45,6 +45,15 @@ class RowInput:
     num_logits: int = 1
 
 
+def check_row_tokens(row: RowInput) -> None:
+    """Raise ValueError for a row without tokens or whose ``num_logits`` is outside 1..S (every backend's check)."""
+    if not row.token_ids:
+        raise ValueError(f"slot {row.slot}: a row needs at least one token")
+    if not 1 <= row.num_logits <= len(row.token_ids):
+        raise ValueError(f"slot {row.slot}: num_logits {row.num_logits} must be in 1..{len(row.token_ids)} "
+                         "(the row's tokens)")
+
+
 @dataclass(frozen=True)
 class PoolInfo:
     """A paged backend's KV block pools: ``num_blocks`` blocks of ``block_size`` tokens per layer buffer."""

@@ -24,7 +24,7 @@ import numpy as np
 
 from moeforge.errors import ArtifactError
 from moeforge.kv_layout import KVCacheSpec
-from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput
+from moeforge.runtime.backends.base import PoolInfo, RowInput, StepInput, check_row_tokens
 
 
 @dataclass(frozen=True)
@@ -160,11 +160,7 @@ class ContiguousBackend(ABC):
         held = self.lengths[row.slot]
         if not (0 <= row.start <= held if self.multi_logit_rows else row.start == held):
             raise ValueError(f"slot {row.slot} holds {held} tokens, the row starts at {row.start}")
-        if not row.token_ids:
-            raise ValueError(f"slot {row.slot}: a row needs at least one token")
-        if not 1 <= row.num_logits <= len(row.token_ids):
-            raise ValueError(f"slot {row.slot}: num_logits {row.num_logits} must be in 1..{len(row.token_ids)} "
-                             "(the row's tokens)")
+        check_row_tokens(row)
         if row.start + len(row.token_ids) > self._max_seq_len:
             raise ValueError(f"slot {row.slot}: {row.start + len(row.token_ids)} tokens exceed max_seq_len "
                              f"{self._max_seq_len}")

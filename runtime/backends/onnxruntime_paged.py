@@ -32,7 +32,7 @@ from moeforge.errors import ArtifactError
 from moeforge.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, KVCacheSpec
 from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
 from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
-from moeforge.runtime.backends.base import ArgmaxHeadStats, PoolInfo, RowInput, StepInput
+from moeforge.runtime.backends.base import ArgmaxHeadStats, PoolInfo, RowInput, StepInput, check_row_tokens
 from moeforge.runtime.backends.kv_bindings import cache_bindings, resident_zeros
 from moeforge.runtime.backends.onnxruntime import (
     ExpertCounter,
@@ -294,11 +294,7 @@ class PagedOrtBackend:
     def _check(self, row: RowInput) -> None:
         if row.block_table is None:
             raise ValueError(f"slot {row.slot}: a paged backend needs the row's block table")
-        if not row.token_ids:
-            raise ValueError(f"slot {row.slot}: a row needs at least one token")
-        if not 1 <= row.num_logits <= len(row.token_ids):
-            raise ValueError(f"slot {row.slot}: num_logits {row.num_logits} must be in 1..{len(row.token_ids)} "
-                             "(the row's tokens)")
+        check_row_tokens(row)
         total = row.start + len(row.token_ids)
         if total > self.max_seq_len:
             raise ValueError(f"slot {row.slot}: {total} tokens exceed max_seq_len {self.max_seq_len}")
