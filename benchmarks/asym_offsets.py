@@ -1,9 +1,10 @@
 """Ways to run int4-asym's block offsets on ONNX Runtime CPU: speed and held-out accuracy of each, side by side.
 
 int4-asym (``--quant int4-asym``) stores min-max blocks W = scale * codes + offset (llama.cpp's Q4_1), which
-``quant_lowering`` runs as y = MatMulNBits(x; codes, scale, default zero point 8) + (x @ E) @ (offset + 8 * scale)
-with E [K, K/32] the block indicator: two small MatMuls and an Add next to every projection. This script rewrites
-that lowering, in memory, into the alternatives and measures each on the same artifact:
+``quant_lowering`` runs as y = MatMulNBits(x; codes, scale, default zero point 8) + S(x) @ (offset + 8 * scale)
+with S(x) [..., K/32] the block sums of x (ReduceSum over a Reshape; artifacts compiled before 2026-12-02: a MatMul
+against the [K, K/32] block indicator): three small nodes next to every projection. This script rewrites that
+lowering, in memory, into the alternatives and measures each on the same artifact:
 
 * ``lowered``: the artifact as compiled (the reference);
 * ``float-zero-points``: one MatMulNBits with float zero points -offset / scale (exact; ORT's slow path);
@@ -11,6 +12,9 @@ that lowering, in memory, into the alternatives and measures each on the same ar
   S = x @ E (block sums, padded to 32s) and the offsets coded as D int4 digits (radix expansion, one scale per
   column and block): one node fewer per projection, K grows by 32 * D per 32 blocks;
 * ``uint4-zero-points``: ORT's own asymmetric int4 (integer zero points, the offsets rounded to a whole step);
+* ``uint4-zero-points+int8-residual``: ORT's native zero points round(-offset / scale) in the MatMulNBits, and the
+  residual offsets (|r| <= scale / 2) as int8 codes (one scale per column and 16 blocks) in a second MatMulNBits
+  over S(x): the same node count, a quarter of the float offsets' bytes;
 * ``uint8-zero-points``: 8-bit codes on the Q4_1 grid at 1/17 of a step with integer zero points (native, no
   extra nodes; 2x the code bytes; offsets rounded to 1/34 of a step);
 * ``offsets-dropped``: the MatMulNBits alone (numerically wrong: what the offsets cost, for timing only).
@@ -54,10 +58,10 @@ MS = "com.microsoft"
 
 
 class Lowered:
-    """One projection of the lowered graph: MatMulNBits + MatMul(x, E) + MatMul(S, shifted) + Add, with its
+    """One projection of the lowered graph: MatMulNBits + block sums S + MatMul(S, shifted) + Add, with its
     arrays: codes [N, K/32, 32] uint8 0..15, scale [N, K/32], shifted [N, K/32] (offset + 8 * scale)."""
 
-    def __init__(self, nbits: onnx.NodeProto, sums: onnx.NodeProto, correction: onnx.NodeProto,
+    def __init__(self, nbits: onnx.NodeProto, sums: list[onnx.NodeProto], correction: onnx.NodeProto,
                  add: onnx.NodeProto, arrays: Callable[[str], np.ndarray]) -> None:
         self.nbits, self.sums, self.correction, self.add = nbits, sums, correction, add
         attributes = {a.name: helper.get_attribute_value(a) for a in nbits.attribute}
@@ -89,8 +93,11 @@ def find_projections(model: onnx.ModelProto, base: Path) -> list[Lowered]:
         if not (first and second and first.op_type == "MatMulNBits" and second.op_type == "MatMul"):
             continue
         sums = producer.get(second.input[0])
+        view = producer.get(sums.input[0]) if sums is not None and sums.op_type == "ReduceSum" else None
         if sums is not None and sums.op_type == "MatMul" and sums.input[0] == first.input[0]:
-            found.append(Lowered(first, sums, second, add, arrays))
+            found.append(Lowered(first, [sums], second, add, arrays))
+        elif view is not None and view.op_type == "Reshape" and view.input[0] == first.input[0]:
+            found.append(Lowered(first, [view, sums], second, add, arrays))
     return found
 
 
@@ -113,7 +120,7 @@ def rewrite(model: onnx.ModelProto, projections: list[Lowered], fn: Rewrite) -> 
     for i, p in enumerate(projections):
         nodes, tensors = fn(p, f"asym_offsets/{i}")
         replaced[p.add.output[0]] = nodes
-        removed.update(n.output[0] for n in (p.nbits, p.sums, p.correction))
+        removed.update(n.output[0] for n in (p.nbits, *p.sums, p.correction))
         extra += tensors
     nodes = []
     for node in out.graph.node:
@@ -198,13 +205,43 @@ def uint4_zero_points(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], list
                    p.k)], tensors
 
 
+def zero_points_residual(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Native zero points z = round(-offset / scale) plus the residual r = offset + z * scale as int8 codes."""
+    blocks, group = p.k // BLOCK, 16  # residual codes: one scale per column and 16 blocks (MatMulNBits' least)
+    zero = np.clip(np.rint(-p.offset / p.scale), 0, 15).astype(np.uint8)  # [N, K/32]
+    groups = -(-blocks // group)
+    residual = np.zeros((p.n, groups * group))
+    residual[:, :blocks] = p.offset + zero * p.scale
+    residual = residual.reshape(p.n, groups, group)
+    step = np.abs(residual).max(-1) / 127
+    step[step == 0] = 1e-30
+    codes = (np.clip(np.rint(residual / step[..., None]), -127, 127) + 128).astype(np.uint8)
+    if zero.shape[1] % 2:
+        zero = np.pad(zero, ((0, 0), (0, 1)))
+    x = p.nbits.input[0]
+    tensors = [numpy_helper.from_array((zero[:, 0::2] | (zero[:, 1::2] << 4)).reshape(-1), stem + ".zp"),
+               numpy_helper.from_array(codes, stem + ".residual"),
+               numpy_helper.from_array(step.astype(np.float32).reshape(-1), stem + ".residual_scale"),
+               numpy_helper.from_array(np.array([0, 0, blocks, BLOCK], np.int64), stem + ".view_shape"),
+               numpy_helper.from_array(np.array([-1], np.int64), stem + ".axis")]
+    nodes = [_nbits([x, p.nbits.input[1], p.nbits.input[2], stem + ".zp"], stem + ".main", p, p.k),
+             helper.make_node("Reshape", [x, stem + ".view_shape"], [stem + ".view"]),
+             helper.make_node("ReduceSum", [stem + ".view", stem + ".axis"], [stem + ".sums"], keepdims=0),
+             helper.make_node("MatMulNBits", [stem + ".sums", stem + ".residual", stem + ".residual_scale"],
+                              [stem + ".correction"], domain=MS, K=blocks, N=p.n, bits=8, block_size=group,
+                              accuracy_level=p.level),
+             helper.make_node("Add", [stem + ".main", stem + ".correction"], [p.add.output[0]])]
+    return nodes, tensors
+
+
 def offsets_dropped(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     return [_nbits(list(p.nbits.input), p.add.output[0], p, p.k)], []
 
 
 VARIANTS: dict[str, Rewrite | None] = {
     "lowered": None, "float-zero-points": float_zero_points, "digits-1": digits(1), "digits-2": digits(2),
-    "digits-3": digits(3), "uint4-zero-points": uint4_zero_points, "uint8-zero-points": uint8_zero_points,
+    "digits-3": digits(3), "uint4-zero-points": uint4_zero_points,
+    "uint4-zero-points+int8-residual": zero_points_residual, "uint8-zero-points": uint8_zero_points,
     "offsets-dropped": offsets_dropped}
 
 

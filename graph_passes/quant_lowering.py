@@ -5,7 +5,7 @@
   the largest power-of-two block <= 256 that divides K. Codes are stored unsigned with MatMulNBits'
   default zero point 2^(bits-1), which is the same symmetric value.
 - ``DequantizeLinear(uint4|uint8 const) -> Reshape -> Add(offset const) -> Reshape -> MatMul`` (``--quant
-  int4-asym`` / ``int8-asym``)  ->  MatMulNBits (default zero point z = 8 / 128) + (x @ block indicator) @
+  int4-asym`` / ``int8-asym``)  ->  MatMulNBits (default zero point z = 8 / 128) + (block sums of x) @
   (offset + z * scale), which is exact like float ``zero_points`` = -offset / scale but keeps the fast integer
   kernel (ORT 1.32 CPU takes float zero points for bits=4 only, on a slow path).
 - ``com.microsoft.MoE`` whose expert weights come from int4/int8 DequantizeLinear  ->
@@ -86,8 +86,8 @@ class QuantLowering:
     def _matmul_asym(self, model: ir.Model, node: ir.Node, codes: np.ndarray, scale: np.ndarray,
                      offset: np.ndarray, block: int, bits: int) -> int:
         """W = scale * codes + offset per block, run as MatMulNBits(codes, scale; default zero point
-        z = 2^(bits-1)) plus the offsets' share: y = MatMulNBits(x) + (x @ E) @ (offset + z * scale), E [K, K/bs]
-        the block indicator. Exact like float zero points, but ORT 1.32 CPU runs float zero points on a slow
+        z = 2^(bits-1)) plus the offsets' share: y = MatMulNBits(x) + S(x) @ (offset + z * scale), S(x) [..., K/bs]
+        x's sums over blocks. Exact like float zero points, but ORT 1.32 CPU runs float zero points on a slow
         path (7 vs 81 tok/s on SmolLM2; 8 bits refuses them), while this keeps the fast integer kernel."""
         k, n = codes.shape  # codes uint8 0..2^bits-1 [K, N]; scale, offset [K/bs, N]
         if block < 16 or block & (block - 1) or k % block:
@@ -101,13 +101,12 @@ class QuantLowering:
         nbits = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN,
                         attributes={"K": k, "N": n, "bits": bits, "block_size": block,
                                     "accuracy_level": self.accuracy_level})
-        indicator = np.repeat(np.eye(k // block, dtype=np.float32), block, axis=0)  # [K, K/bs]
-        block_sums = ir.node("MatMul", [node.inputs[0], add_initializer(graph, f"{stem}.block_indicator", indicator)])
+        block_sums = _block_sums(graph, node.inputs[0], k, block, stem)  # [..., K/bs]
         shifted = (offset + zero * scale).astype(np.float32)  # [K/bs, N]: the offsets with the zero point folded in
-        correction = ir.node("MatMul", [block_sums.outputs[0],
+        correction = ir.node("MatMul", [block_sums[-1].outputs[0],
                                         add_initializer(graph, f"{stem}.block_offset", shifted)])
         total = ir.node("Add", [nbits.outputs[0], correction.outputs[0]])
-        for extra in (nbits, block_sums, correction):
+        for extra in (nbits, *block_sums, correction):
             graph.insert_before(node, extra)
         _swap(graph, node, total)
         return 1
@@ -175,6 +174,42 @@ def _int_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, int, int, i
     if codes.ndim == 3 and not (axis == 2 and block > 0):
         return None
     return codes, scale_v.const_value.numpy(), bits, block, axis
+
+
+def _block_sums(graph: ir.Graph, x: ir.Value | None, k: int, block: int, stem: str) -> list[ir.Node]:
+    """Nodes computing x [..., K] -> its sums over blocks of ``block`` [..., K/bs]; the last node's output is them.
+
+    With x's rank known: ReduceSum(Reshape(x, [0, .., K/bs, bs]), -1), a free view plus ~1 us (SmolLM2, 2 cores);
+    a MatMul against the [K, K/bs] block indicator costs ~5 us per projection in ORT 1.32 whatever its size, and a
+    120-projection model pays that every decode step (benchmarks/asym_offsets.py). Unknown rank: the indicator."""
+    rank = _rank(x)
+    if rank >= 2:
+        view = ir.node("Reshape", [x, add_initializer(graph, f"{stem}.block_view",
+                                                      np.array([0] * (rank - 1) + [k // block, block], np.int64))])
+        sums = ir.node("ReduceSum", [view.outputs[0], add_initializer(graph, f"{stem}.block_axis",
+                                                                      np.array([-1], np.int64))],
+                       attributes={"keepdims": 0})
+        return [view, sums]
+    indicator = np.repeat(np.eye(k // block, dtype=np.float32), block, axis=0)  # [K, K/bs]
+    return [ir.node("MatMul", [x, add_initializer(graph, f"{stem}.block_indicator", indicator)])]
+
+
+_SAME_RANK = frozenset({"Slice", "Cast", "Identity", "Neg", "Sigmoid", "Tanh", "Relu"})  # unary: no broadcasting
+
+
+def _rank(value: ir.Value | None, depth: int = 8) -> int:
+    """``value``'s rank from its shape, else through ops that keep their first input's rank (the head's
+    ``logits_to_keep`` Slice has none); 0 when unknown."""
+    for _ in range(depth):
+        if value is None:
+            return 0
+        if value.shape is not None:
+            return len(value.shape)
+        producer = value.producer()
+        if producer is None or producer.op_type not in _SAME_RANK or producer.domain != "" or not producer.inputs:
+            return 0
+        value = producer.inputs[0]
+    return 0
 
 
 def _asym_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int] | None:

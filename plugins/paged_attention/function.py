@@ -85,7 +85,9 @@ def build_function(latent: bool, core: Core = "matmul", opset: int = OPSET) -> o
     new = b.op("Sub", [ends, starts])  # [B] n_b
     ctx = b.op("Sub", [lens, new])  # [B] tokens already cached
     zero, one = b.const(np.array(0, np.int64)), b.const(np.array(1, np.int64))
-    num_tokens = b.op("Squeeze", [b.shape(query, 0, 1), b.ints(0)])  # scalar T
+    # T and (below) L come from the index inputs, not from query's or the gathered keys' shapes, so that every
+    # layer's index math reads graph inputs only and a lowering can share one copy of it (ort_lowering.py).
+    num_tokens = b.op("Squeeze", [b.op("Slice", [qsl, b.ints(-1), b.ints(_INT64_MAX)]), b.ints(0)])  # scalar T
     t = b.op("Range", [zero, num_tokens, one])  # [T]
     after = b.op("GreaterOrEqual", [b.op("Unsqueeze", [t, b.ints(1)]), b.op("Unsqueeze", [ends, b.ints(0)])])
     seq = b.op("ReduceSum", [b.op("Cast", [after], to=TensorProto.INT64), b.ints(1)], keepdims=0)  # [T]
@@ -125,7 +127,8 @@ def build_function(latent: bool, core: Core = "matmul", opset: int = OPSET) -> o
     # -- 4. mask and attention ----------------------------------------------------------------------------
     q_pos = b.op("Add", [b.op("Unsqueeze", [ctx, b.ints(1)]), i_row])  # [B, Smax]
     q_pos = b.op("Unsqueeze", [q_pos, b.ints(2)])  # [B, Smax, 1]
-    k_pos = b.op("Range", [zero, b.op("Squeeze", [b.shape(keys, 2, 3), b.ints(0)]), one])  # [L]
+    width = b.op("Squeeze", [b.shape(tables, 1, 2), b.ints(0)])  # scalar M
+    k_pos = b.op("Range", [zero, b.op("Mul", [width, block_size]), one])  # [L], L = M * Bs
     mask = b.op("LessOrEqual", [k_pos, q_pos])  # [B, Smax, L]
     window = b.op("Cast", [b.attr_const("sliding_window", "int")], to=TensorProto.INT64)
     window = b.op("Where", [b.op("Greater", [window, zero]), window, b.const(np.array(_INT64_MAX // 2, np.int64))])

@@ -194,11 +194,16 @@ def test_asym_graph_and_exact_fast_lowering(ort_graphs, name, bits):
     QuantLowering(accuracy_level=0).apply(lowered, None)
     nbits = [n for n in lowered.graph if n.op_type == "MatMulNBits"]
     # Fast exact form: MatMulNBits on its default zero point (no zero_points input) + the block offsets'
-    # share as (x @ block indicator) @ offsets.
+    # share as (block sums of x) @ offsets, the sums a ReduceSum over a Reshape (no [K, K/32] indicator MatMul).
     assert len(nbits) == dense and all(len(n.inputs) == 3 and n.attributes["bits"].as_int() == bits for n in nbits)
     offset_matmuls = [n for n in lowered.graph if n.op_type == "MatMul" and (n.inputs[1].name or "").endswith(
         ".block_offset")]
     assert len(offset_matmuls) == dense
+    sums = [m.inputs[0].producer() for m in offset_matmuls]
+    assert all(s is not None and s.op_type == "ReduceSum" for s in sums)
+    assert all((s.inputs[0].producer() or s).op_type == "Reshape" for s in sums if s is not None)
+    assert not any((n.inputs[1].name or "").endswith(".block_indicator") for n in lowered.graph
+                   if n.op_type == "MatMul")
     ops = [n.op_type for n in lowered.graph]
     assert "DequantizeLinear" not in ops and not any(n.op_type == "Add" and (n.outputs[0].name or "").endswith(
         ".blocks_offset") for n in lowered.graph)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from moeforge.export.attention import causal_mask
-from moeforge.plugins.paged_attention.function import single_op_model
+from moeforge.plugins.paged_attention.function import build_function, single_op_model
 from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort, uses_paged_attention
 from moeforge.plugins.paged_attention.reference import paged_attention
 from moeforge.plugins.paged_attention.schema import DOMAIN, OP_TYPE, PagedAttentionAttrs, register_schema
@@ -176,3 +176,27 @@ def test_bad_attributes_are_refused():
         PagedAttentionAttrs(scale=1.0, num_heads=3, num_kv_heads=2, block_size=4, head_size_v=8)
     with pytest.raises(ValueError, match="one KV head"):
         PagedAttentionAttrs(scale=1.0, num_heads=4, num_kv_heads=2, block_size=4, head_size_v=8, latent=True)
+
+
+@pytest.mark.parametrize("latent", [False, True])
+@pytest.mark.parametrize("core", ["matmul", "attention"])
+def test_index_math_reads_only_the_index_inputs(latent, core):
+    # The pool slots (ScatterND's indices), the mask and the output's row indices depend on block_tables /
+    # seq_lens / query_start_loc alone, never on a layer's query, keys or pools: so the per-layer copies that
+    # inlining makes are identical and ONNX Runtime's common-subexpression elimination keeps one (a 30-layer
+    # paged SmolLM2 step ran 2552 nodes before, 1770 after).
+    function = build_function(latent, core=core)
+    tensor_inputs = {"query", "key", "value", "key_cache", "value_cache"}
+    tainted = set(tensor_inputs)
+    for node in function.node:
+        if any(i in tainted for i in node.input):
+            tainted.update(node.output)
+    scatters = [n for n in function.node if n.op_type == "ScatterND"]
+    assert len(scatters) == (1 if latent else 2)
+    assert all(n.input[1] not in tainted for n in scatters)
+    masks = [n.input[3] for n in function.node if n.op_type == "Attention"] or [
+        n.input[0] for n in function.node if n.op_type == "Where" and n.input[0] not in tainted and any(
+            o in tainted for o in n.output)]
+    assert masks and all(m not in tainted for m in masks)
+    final_gather = next(n for n in function.node if n.output and n.output[0] == "output")
+    assert final_gather.op_type == "Gather" and final_gather.input[1] not in tainted
