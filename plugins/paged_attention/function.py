@@ -105,15 +105,23 @@ def build_function(latent: bool, core: Core = "matmul", opset: int = OPSET) -> o
         b.nodes.append(helper.make_node("ScatterND", [value_cache, slots, value], [OUTPUTS[2]]))
 
     # -- 3. per-sequence keys/values and right-padded queries --------------------------------------------
-    def gather_pool(pool: str) -> str:  # [N, Bs, Hkv, D] -> [B, Hkv, L, D]
+    # The attention core takes Attention's 3-D layout ([B, S, H*D], heads as attributes): no Transposes, and
+    # reshape targets built from the index inputs and attributes only (shared across layers, see step 1).
+    width = b.op("Squeeze", [b.shape(tables, 1, 2), b.ints(0)])  # scalar M
+    key_len = b.op("Mul", [width, block_size])  # scalar L = M * Bs
+    flat_3d = b.op("Concat", [b.ints(0), b.op("Unsqueeze", [key_len, b.ints(0)]), b.ints(-1)], axis=0)  # [0, L, -1]
+
+    def gather_pool(pool: str) -> str:  # [N, Bs, Hkv, D] -> [B, Hkv, L, D] (attention core: [B, L, Hkv*D])
         blocks = b.op("Gather", [pool, tables], axis=0)  # [B, M, Bs, Hkv, D]
+        if core == "attention":
+            return b.op("Reshape", [blocks, flat_3d])
         flat = b.op("Reshape", [blocks, b.op("Concat", [b.ints(0, -1), b.shape(pool, 2, 4)], axis=0)])
         return b.op("Transpose", [flat], perm=[0, 2, 1, 3])
 
     keys = gather_pool(OUTPUTS[1])
-    if latent:
+    if latent:  # the value is the latent's prefix (Hkv = 1, so in the 3-D layout too)
         head_v = b.op("Unsqueeze", [b.attr_const("head_size_v", "int"), b.ints(0)])  # [1]
-        values = b.op("Slice", [keys, b.ints(0), head_v, b.ints(3)])  # the value is the latent's prefix
+        values = b.op("Slice", [keys, b.ints(0), head_v, b.ints(2 if core == "attention" else 3)])
     else:
         values = gather_pool(OUTPUTS[2])
     smax = b.op("ReduceMax", [new], keepdims=1)  # [1]
@@ -122,29 +130,36 @@ def build_function(latent: bool, core: Core = "matmul", opset: int = OPSET) -> o
     q_valid = b.op("Less", [i_row, b.op("Unsqueeze", [new, b.ints(1)])])  # [B, Smax]
     q_index = b.op("Add", [b.op("Unsqueeze", [starts, b.ints(1)]), i_row])  # [B, Smax]
     q_index = b.op("Where", [q_valid, q_index, zero])  # padding rows read token 0 (discarded)
-    queries = b.op("Transpose", [b.op("Gather", [query, q_index], axis=0)], perm=[0, 2, 1, 3])  # [B, Hq, Smax, Dk]
+    queries = b.op("Gather", [query, q_index], axis=0)  # [B, Smax, Hq, Dk]
+    if core == "attention":
+        queries = b.op("Reshape", [queries, b.ints(0, 0, -1)])  # [B, Smax, Hq*Dk]
+    else:
+        queries = b.op("Transpose", [queries], perm=[0, 2, 1, 3])  # [B, Hq, Smax, Dk]
 
     # -- 4. mask and attention ----------------------------------------------------------------------------
     q_pos = b.op("Add", [b.op("Unsqueeze", [ctx, b.ints(1)]), i_row])  # [B, Smax]
     q_pos = b.op("Unsqueeze", [q_pos, b.ints(2)])  # [B, Smax, 1]
-    width = b.op("Squeeze", [b.shape(tables, 1, 2), b.ints(0)])  # scalar M
-    k_pos = b.op("Range", [zero, b.op("Mul", [width, block_size]), one])  # [L], L = M * Bs
+    k_pos = b.op("Range", [zero, key_len, one])  # [L]
     mask = b.op("LessOrEqual", [k_pos, q_pos])  # [B, Smax, L]
     window = b.op("Cast", [b.attr_const("sliding_window", "int")], to=TensorProto.INT64)
     window = b.op("Where", [b.op("Greater", [window, zero]), window, b.const(np.array(_INT64_MAX // 2, np.int64))])
     mask = b.op("And", [mask, b.op("Greater", [k_pos, b.op("Sub", [q_pos, window])])])
     mask = b.op("Unsqueeze", [mask, b.ints(1)])  # [B, 1, Smax, L]
+    # -- 5. back to packed tokens: rows [B*Smax, Hq, Dv] --------------------------------------------------
     if core == "attention":
-        out = b.op("Attention", [queries, keys, values, mask])  # [B, Hq, Smax, Dv]
-        ref = onnx.AttributeProto()
-        ref.name, ref.ref_attr_name, ref.type = "scale", "scale", onnx.AttributeProto.FLOAT
-        b.nodes[-1].attribute.append(ref)
+        out = b.op("Attention", [queries, keys, values, mask])  # [B, Smax, Hq*Dv]
+        for name, ref_name, kind in (("scale", "scale", onnx.AttributeProto.FLOAT),
+                                     ("q_num_heads", "num_heads", onnx.AttributeProto.INT),
+                                     ("kv_num_heads", "num_kv_heads", onnx.AttributeProto.INT)):
+            ref = onnx.AttributeProto()
+            ref.name, ref.ref_attr_name, ref.type = name, ref_name, kind
+            b.nodes[-1].attribute.append(ref)
+        heads = [b.op("Unsqueeze", [b.attr_const(a, "int"), b.ints(0)]) for a in ("num_heads", "head_size_v")]
+        rows = b.op("Reshape", [out, b.op("Concat", [b.ints(-1), *heads], axis=0)])
     else:
-        out = _matmul_core(b, queries, keys, values, mask, b.attr_const("scale", "float"))
-
-    # -- 5. back to packed tokens -------------------------------------------------------------------------
-    rows = b.op("Transpose", [out], perm=[0, 2, 1, 3])  # [B, Smax, Hq, Dv]
-    rows = b.op("Reshape", [rows, b.op("Concat", [b.ints(-1), b.shape(rows, 2, 4)], axis=0)])  # [B*Smax, Hq, Dv]
+        out = _matmul_core(b, queries, keys, values, mask, b.attr_const("scale", "float"))  # [B, Hq, Smax, Dv]
+        rows = b.op("Transpose", [out], perm=[0, 2, 1, 3])  # [B, Smax, Hq, Dv]
+        rows = b.op("Reshape", [rows, b.op("Concat", [b.ints(-1), b.shape(rows, 2, 4)], axis=0)])
     flat_index = b.op("Add", [b.op("Mul", [seq, smax]), offset])  # [T]
     b.nodes.append(helper.make_node("Gather", [rows, flat_index], [OUTPUTS[0]], axis=0))
 
