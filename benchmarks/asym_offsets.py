@@ -27,6 +27,10 @@ the held-out text of ``heldout_accuracy.py`` (the GPL-3 preamble).
     python benchmarks/asym_offsets.py /work/perf/int4-asym
 
 Writes benchmarks/results/asym_offsets.json (``moeforge.bench.write_result``) and prints a table.
+
+``--mixed`` instead measures held-out accuracy only (asym_offsets_mixed.json) when integer zero points (no extra
+nodes) replace the exact offsets on part of the model: on each group of same-shaped projections (one kind per
+layer: qkv, o, gate/up, down), and on the first / second half of the projections in graph order.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from moeforge.bench import write_result
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 RESULTS = Path(__file__).resolve().parent / "results" / "asym_offsets.json"
+MIXED_RESULTS = RESULTS.with_name("asym_offsets_mixed.json")
 BLOCK = 32
 MS = "com.microsoft"
 
@@ -245,6 +250,41 @@ VARIANTS: dict[str, Rewrite | None] = {
     "offsets-dropped": offsets_dropped}
 
 
+def mixed(projections: list[Lowered]) -> dict[str, Callable[[Lowered], bool]]:
+    """name -> which projections take integer zero points (the rest keep the exact lowering)."""
+    shapes = sorted({(p.k, p.n) for p in projections})
+    half = len(projections) // 2
+    index = {id(p): i for i, p in enumerate(projections)}
+    out: dict[str, Callable[[Lowered], bool]] = {
+        f"zero points on K{k}xN{n}": (lambda shape: lambda p: (p.k, p.n) == shape)((k, n)) for k, n in shapes}
+    out["zero points on the first half"] = lambda p: index[id(p)] < half
+    out["zero points on the second half"] = lambda p: index[id(p)] >= half
+    return out
+
+
+def mixed_accuracy(base: onnx.ModelProto, projections: list[Lowered], artifact_dir: Path,
+                   results: Path, tokens: int) -> None:
+    artifact = load_artifact(artifact_dir)
+    ids, reference = reference_logits(default_gguf(), prose(DEFAULT_TEXT, DEFAULT_START), tokens)
+    rows: dict[str, dict[str, Any]] = {}
+    print("| integer zero points on | projections | top-1 | mean KL |\n|---|---|---|---|")
+    for name, rounded in mixed(projections).items():
+        def fn(p: Lowered, stem: str, rounded: Callable[[Lowered], bool] = rounded) -> tuple[
+                list[onnx.NodeProto], list[onnx.TensorProto]]:
+            return uint4_zero_points(p, stem) if rounded(p) else ([p.nbits, *p.sums, p.correction, p.add], [])
+        session = OrtSession(artifact.model_path, kv_cache=artifact.manifest.kv_cache,
+                             graph=rewrite(base, projections, fn))
+        session.allocate(1, len(ids) + 1)
+        logits = session.forward(np.array([ids]), np.arange(len(ids))[None], np.ones((1, len(ids)), np.int64))[0]
+        rows[name] = {"projections": sum(map(rounded, projections)), **compare(reference, logits, ids)}
+        print(f"| {name.removeprefix('zero points on ')} | {rows[name]['projections']} | "
+              f"{rows[name]['top1_agreement']:.3f} | {rows[name]['mean_kl']:.3g} |", flush=True)
+    write_result(results, "asym_offsets_mixed", {
+        "artifact": str(artifact_dir), "projections": len(projections), "text": str(DEFAULT_TEXT),
+        "tokens": len(ids), "reference": "transformers fp32 on the GGUF", "rows": rows})
+    print(f"wrote {results}")
+
+
 def decode_rate(session: OrtSession, steps: int) -> float:
     """Greedy decode tokens/s at batch 1 from position 0 (8 warm-up steps first)."""
     session.allocate(1, steps + 16)
@@ -266,7 +306,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=512, help="held-out tokens for the accuracy")
     parser.add_argument("--slow-steps", type=int, default=16, help="decode steps for float-zero-points (slow)")
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--results", type=Path, default=None)
+    parser.add_argument("--mixed", action="store_true", help="held-out accuracy with integer zero points on parts")
     args = parser.parse_args()
 
     artifact = load_artifact(args.artifact)
@@ -275,6 +316,10 @@ def main() -> None:
     projections = find_projections(base, artifact.model_path.parent)
     if not projections:
         raise SystemExit(f"{args.artifact}: no offset-lowered projections (compile it with --quant int4-asym)")
+    if args.mixed:
+        mixed_accuracy(base, projections, args.artifact, args.results or MIXED_RESULTS, args.tokens)
+        return
+    args.results = args.results or RESULTS
     sessions: dict[str, OrtSession] = {}
     node_counts: dict[str, int] = {}
     for name in args.variants:
