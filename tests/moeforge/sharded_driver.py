@@ -4,7 +4,8 @@
 
 Rank 0 runs 8 concurrent greedy requests through ``LLMEngine`` on a ``ShardedBackend`` and writes their tokens to
 OUT.json; every other rank serves the steps. ``--die-after N``: rank 1 exits abruptly after N steps (a rank dying
-mid-step), which must make rank 0 fail with an error, not hang.
+mid-step), which must make rank 0 fail with an error, not hang. ``--speculative-tokens K``: prompt-lookup drafts for
+every running request (``speculative_max_batch`` 8), the draft counts written to OUT.json.metrics.json.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ def main() -> int:
     parser.add_argument("out")
     parser.add_argument("--die-after", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--speculative-tokens", type=int, default=0)
+    parser.add_argument("--prompts", default=None, help="a JSON list of token lists (default: PROMPTS)")
     args = parser.parse_args()
-    config = EngineConfig(max_num_seqs=8, threads=1)
+    config = EngineConfig(max_num_seqs=8, threads=1, speculative_tokens=args.speculative_tokens,
+                          speculative_max_batch=8 if args.speculative_tokens else None)
+    prompts = json.loads(args.prompts) if args.prompts else PROMPTS
     world = start_world(args.artifact, timeout_s=30)
     if world.rank != 0:
         local, _ = open_rank_backend(args.artifact, world, config)
@@ -58,8 +63,11 @@ def main() -> int:
     backend, _ = sharded_backend(args.artifact, world, config)
     try:
         engine = LLMEngine.from_artifact(Path(args.artifact) / rank_dir(0), config, backend=backend)
-        outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
         Path(args.out).write_text(json.dumps([list(o.token_ids) for o in outputs]))
+        metrics = engine.metrics
+        Path(args.out + ".metrics.json").write_text(json.dumps(
+            {"draft_tokens": metrics.draft_tokens, "accepted_draft_tokens": metrics.accepted_draft_tokens}))
     except MoeforgeError as exc:
         print(f"rank 0: error: {exc}", file=sys.stderr)
         return 3

@@ -102,6 +102,27 @@ def test_sharded_engine_matches_unsharded_and_pytorch(case: tuple[str, int, int,
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_sharded_speculative_decoding_gives_the_plain_tokens(case: tuple[str, int, int, str],
+                                                             sharded_artifacts: dict[str, tuple[Path, Path]],
+                                                             tmp_path: Path) -> None:
+    # Prompt-lookup drafts on a sharded artifact: each row's num_logits travels to every rank and all 8 running rows
+    # verify their drafts (speculative_max_batch 8). Repeating prompts make the lookup draft from the first step, and
+    # these seeded tiny models repeat themselves within 40 tokens, so some drafts are accepted; the greedy tokens must
+    # be the unsharded artifact's plain decoding (fp32: exact).
+    sharded, single = sharded_artifacts[_case_id(case)]
+    prompts = [[10 + i, 20 + i, 30 + i, 40 + i] * 3 + [10 + i, 20 + i] for i in range(8)]
+    out = tmp_path / "tokens.json"
+    results = _launch(sharded, out, "--speculative-tokens", "4", "--max-tokens", "40", "--prompts", json.dumps(prompts))
+    assert [code for code, _ in results] == [0, 0], [err[-2000:] for _, err in results]
+    tokens = json.loads(out.read_text())
+    metrics = json.loads(Path(f"{out}.metrics.json").read_text())
+    engine = LLMEngine.from_artifact(single, EngineConfig(max_num_seqs=8, threads=1))
+    plain = [list(o.token_ids) for o in engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))]
+    assert tokens == plain
+    assert metrics["draft_tokens"] > 0 and metrics["accepted_draft_tokens"] > 0, metrics
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_sharded_parity_cli_within_1e4(case: tuple[str, int, int, str],
                                        sharded_artifacts: dict[str, tuple[Path, Path]]) -> None:
     """``moeforge parity DIR`` starts its own ranks; 64-token prompt, 16 cached decode steps."""
