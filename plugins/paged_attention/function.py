@@ -85,9 +85,14 @@ def build_function(latent: bool, core: Core = "matmul", opset: int = OPSET) -> o
     new = b.op("Sub", [ends, starts])  # [B] n_b
     ctx = b.op("Sub", [lens, new])  # [B] tokens already cached
     zero, one = b.const(np.array(0, np.int64)), b.const(np.array(1, np.int64))
-    # T and (below) L come from the index inputs, not from query's or the gathered keys' shapes, so that every
-    # layer's index math reads graph inputs only and a lowering can share one copy of it (ort_lowering.py).
-    num_tokens = b.op("Squeeze", [b.op("Slice", [qsl, b.ints(-1), b.ints(_INT64_MAX)]), b.ints(0)])  # scalar T
+    # The attention core (ORT lowering) reads T from query_start_loc[-1] (the contract: [0, .., T]) and, below, L
+    # from block_tables' width, not from query's or the gathered keys' shapes: every layer's index math then reads
+    # graph inputs only, and ONNX Runtime's CSE keeps one copy of it for all layers (ort_lowering.py). The shipped
+    # body keeps T as query's shape: TensorRT wants shapes from shape tensors, not from an input's values.
+    if core == "attention":
+        num_tokens = b.op("Squeeze", [b.op("Slice", [qsl, b.ints(-1), b.ints(_INT64_MAX)]), b.ints(0)])  # scalar T
+    else:
+        num_tokens = b.op("Squeeze", [b.shape(query, 0, 1), b.ints(0)])
     t = b.op("Range", [zero, num_tokens, one])  # [T]
     after = b.op("GreaterOrEqual", [b.op("Unsqueeze", [t, b.ints(1)]), b.op("Unsqueeze", [ends, b.ints(0)])])
     seq = b.op("ReduceSum", [b.op("Cast", [after], to=TensorProto.INT64), b.ints(1)], keepdims=0)  # [T]
