@@ -15,6 +15,8 @@ lowering, in memory, into the alternatives and measures each on the same artifac
 * ``uint4-zero-points+int8-residual``: ORT's native zero points round(-offset / scale) in the MatMulNBits, and the
   residual offsets (|r| <= scale / 2) as int8 codes (one scale per column and 16 blocks) in a second MatMulNBits
   over S(x): the same node count, a quarter of the float offsets' bytes;
+* ``uint4-zero-points+residual-digit``: the same zero points, the residual as ONE int4 digit per column and 32 blocks
+  in extra K blocks over the block sums (x' = [x, S(x)], one MatMulNBits): one node fewer, not exact;
 * ``uint8-zero-points``: 8-bit codes on the Q4_1 grid at 1/17 of a step with integer zero points (native, no
   extra nodes; 2x the code bytes; offsets rounded to 1/34 of a step);
 * ``offsets-dropped``: the MatMulNBits alone (numerically wrong: what the offsets cost, for timing only).
@@ -239,6 +241,37 @@ def zero_points_residual(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], l
     return nodes, tensors
 
 
+def zero_points_residual_digit(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Native zero points z = round(-offset / scale), and the residual r = offset + z * scale (< scale / 2) as one
+    int4 digit per block in extra K blocks over the block sums: x' = [x, S(x)], one MatMulNBits."""
+    blocks = p.k // BLOCK
+    groups = -(-blocks // BLOCK)  # extra 32-wide blocks holding the block sums (the last one ragged)
+    zero = np.clip(np.rint(-p.offset / p.scale), 0, 15)  # [N, K/32]
+    residual = np.zeros((p.n, groups * BLOCK))
+    residual[:, :blocks] = p.offset + zero * p.scale
+    residual = residual.reshape(p.n, groups, BLOCK)
+    step = np.abs(residual).max(-1) / 7
+    step[step == 0] = 1e-30
+    digit = np.clip(np.rint(residual / step[..., None]), -7, 7)
+    codes = np.concatenate([p.packed, pack((digit + 8).astype(np.uint8))], axis=1)  # [N, K/32 + groups, 16]
+    scales = np.concatenate([p.scale, step], axis=1).astype(np.float32)
+    zeros = np.concatenate([zero, np.full((p.n, groups), 8)], axis=1).astype(np.uint8)
+    if zeros.shape[1] % 2:
+        zeros = np.pad(zeros, ((0, 0), (0, 1)))
+    x = p.nbits.input[0]
+    tensors = [numpy_helper.from_array(codes, stem + ".codes"),
+               numpy_helper.from_array(scales.reshape(-1), stem + ".scale"),
+               numpy_helper.from_array((zeros[:, 0::2] | (zeros[:, 1::2] << 4)).reshape(-1), stem + ".zp"),
+               numpy_helper.from_array(np.array([0, 0, blocks, BLOCK], np.int64), stem + ".view_shape"),
+               numpy_helper.from_array(np.array([-1], np.int64), stem + ".axis")]
+    nodes = [helper.make_node("Reshape", [x, stem + ".view_shape"], [stem + ".view"]),
+             helper.make_node("ReduceSum", [stem + ".view", stem + ".axis"], [stem + ".sums"], keepdims=0),
+             helper.make_node("Concat", [x, stem + ".sums"], [stem + ".x"], axis=-1),
+             _nbits([stem + ".x", stem + ".codes", stem + ".scale", stem + ".zp"], p.add.output[0], p,
+                    p.k + blocks)]
+    return nodes, tensors
+
+
 def offsets_dropped(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     return [_nbits(list(p.nbits.input), p.add.output[0], p, p.k)], []
 
@@ -246,7 +279,8 @@ def offsets_dropped(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], list[o
 VARIANTS: dict[str, Rewrite | None] = {
     "lowered": None, "float-zero-points": float_zero_points, "digits-1": digits(1), "digits-2": digits(2),
     "digits-3": digits(3), "uint4-zero-points": uint4_zero_points,
-    "uint4-zero-points+int8-residual": zero_points_residual, "uint8-zero-points": uint8_zero_points,
+    "uint4-zero-points+int8-residual": zero_points_residual,
+    "uint4-zero-points+residual-digit": zero_points_residual_digit, "uint8-zero-points": uint8_zero_points,
     "offsets-dropped": offsets_dropped}
 
 

@@ -7,7 +7,11 @@
 - ``DequantizeLinear(uint4|uint8 const) -> Reshape -> Add(offset const) -> Reshape -> MatMul`` (``--quant
   int4-asym`` / ``int8-asym``)  ->  MatMulNBits (default zero point z = 8 / 128) + (block sums of x) @
   (offset + z * scale), which is exact like float ``zero_points`` = -offset / scale but keeps the fast integer
-  kernel (ORT 1.32 CPU takes float zero points for bits=4 only, on a slow path).
+  kernel (ORT 1.32 CPU takes float zero points for bits=4 only, on a slow path). ``asym_offsets="digit"``
+  (``--asym-offsets digit``) instead: one MatMulNBits over x' = [x, block sums of x] with integer zero points
+  round(-offset / scale) and the residual offsets (< scale / 2) as one more code per block: one node fewer per
+  projection and no float offsets, at the price of rounding the residual to 2^(bits-1) - 1 levels per column and
+  block_size blocks (SmolLM2 int4-asym: ~9% faster decode, held-out KL 4.6e-3 vs 3.2e-3, top-1 0.955 vs 0.961).
 - ``com.microsoft.MoE`` whose expert weights come from int4/int8 DequantizeLinear  ->
   ``com.microsoft.QMoE`` (same inputs and attributes; router_weights, if any, kept in its slot).
 - float8 DequantizeLinear stays (ONNX Runtime CPU has no fp8 GEMM): fp8 artifacts are 4x smaller on
@@ -38,8 +42,11 @@ class QuantLowering:
 
     name = "quant_lowering"
 
-    def __init__(self, accuracy_level: int = 4) -> None:
+    def __init__(self, accuracy_level: int = 4, asym_offsets: str = "exact") -> None:
+        if asym_offsets not in ("exact", "digit"):
+            raise ValueError(f"asym_offsets {asym_offsets!r}: exact or digit")
         self.accuracy_level = accuracy_level
+        self.asym_offsets = asym_offsets
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         count = 0
@@ -94,6 +101,8 @@ class QuantLowering:
             return 0
         graph = model.graph
         stem = required(node.inputs[1], f"{node.name}: weight input").name or "w"  # _asym_dq matched it
+        if self.asym_offsets == "digit":
+            return self._matmul_asym_digit(graph, node, codes, scale, offset, block, bits, stem)
         zero = 1 << (bits - 1)
         packed = pack_nbits(codes.T.astype(np.int16) - zero, bits, block)  # unsigned codes back, packed [N, K/bs, *]
         inputs = [node.inputs[0], add_initializer(graph, f"{stem}.nbits", packed),
@@ -109,6 +118,44 @@ class QuantLowering:
         for extra in (nbits, *block_sums, correction):
             graph.insert_before(node, extra)
         _swap(graph, node, total)
+        return 1
+
+    def _matmul_asym_digit(self, graph: ir.Graph, node: ir.Node, codes: np.ndarray, scale: np.ndarray,
+                           offset: np.ndarray, block: int, bits: int, stem: str) -> int:
+        """W = scale * (codes - z) + r per block, z = round(-offset / scale) (an integer zero point, native to
+        MatMulNBits) and r = offset + z * scale the residual (|r| <= scale / 2 unless z was clipped). The residual's
+        share, S(x) @ r with S(x) x's block sums, runs in the same MatMulNBits as extra K blocks: x' = [x, S(x)]
+        [..., K + K/bs], each extra block of bs sums coded like a weight block (one scale per column, zero point
+        2^(bits-1))."""
+        k, n = codes.shape
+        blocks = k // block
+        groups = -(-blocks // block)  # extra blocks holding the block sums (the last one ragged)
+        top, middle = (1 << bits) - 1, 1 << (bits - 1)
+        safe = np.where(scale > 0, scale, 1.0)
+        zero = np.where(scale > 0, np.clip(np.rint(-offset / safe), 0, top), 0)  # [K/bs, N]
+        residual = np.zeros((groups * block, n))
+        residual[:blocks] = offset.astype(np.float64) + zero * scale  # [K/bs, N] (padded)
+        residual = residual.reshape(groups, block, n)
+        step = np.abs(residual).max(axis=1) / (middle - 1)  # [groups, N]
+        step[step == 0] = 1.0
+        digits = np.clip(np.rint(residual / step[:, None]), 1 - middle, middle - 1)  # [groups, bs, N]
+        all_codes = np.concatenate([codes.astype(np.int16) - middle, digits.reshape(-1, n).astype(np.int16)])
+        zeros = np.concatenate([zero, np.full((groups, n), middle)]).T.astype(np.uint8)  # [N, K/bs + groups]
+        if bits == 4:  # two 4-bit zero points per byte, each column padded to whole bytes
+            zeros = np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2)))
+            zeros = (zeros[:, 0::2] | (zeros[:, 1::2] << 4)).astype(np.uint8)
+        scales = np.concatenate([scale, step]).T  # [N, K/bs + groups]
+        sums = _block_sums(graph, node.inputs[0], k, block, stem)
+        widened = ir.node("Concat", [node.inputs[0], sums[-1].outputs[0]], attributes={"axis": -1})
+        inputs = [widened.outputs[0], add_initializer(graph, f"{stem}.nbits", pack_nbits(all_codes.T, bits, block)),
+                  add_initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scales, np.float32)),
+                  add_initializer(graph, f"{stem}.nbits_zero", np.ascontiguousarray(zeros.reshape(-1), np.uint8))]
+        nbits = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN,
+                        attributes={"K": k + blocks, "N": n, "bits": bits, "block_size": block,
+                                    "accuracy_level": self.accuracy_level})
+        for extra in (*sums, widened):
+            graph.insert_before(node, extra)
+        _swap(graph, node, nbits)
         return 1
 
     def _moe(self, model: ir.Model, node: ir.Node) -> int:

@@ -36,7 +36,7 @@ from moeforge.parity import (
     torch_reference,
 )
 from moeforge.peers import GENAI_BUILDS, compare_with_genai_builder
-from moeforge.quant.schemes import ACCURACY_LEVELS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
+from moeforge.quant.schemes import ACCURACY_LEVELS, ASYM_OFFSETS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.server import ServeOptions, serve
@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ONNX Runtime MatMulNBits/QMoE compute type: "
                            + "; ".join(f"{level} = {what}" for level, what in ACCURACY_LEVELS.items())
                            + " (default: 4; ONNX Runtime's levels 1-3 compute in fp32 on CPU, like 0)")
+    comp.add_argument("--asym-offsets", choices=list(ASYM_OFFSETS), default=None,
+                      help="int4-asym / int8-asym on ONNX Runtime: "
+                           + "; ".join(f"{name} = {what}" for name, what in ASYM_OFFSETS.items())
+                           + " (default: exact)")
     comp.add_argument("--no-weight-check", dest="check_weights", action="store_false",
                       help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
     comp.add_argument("--no-argmax-head", dest="argmax_head", action="store_false",

@@ -74,7 +74,8 @@ class CompileOptions:
 _FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "kv_cache": ("kv", "layout"), "kv_block_size": ("kv", "block_size"),
     "quant": ("quant", "weights"), "block_size": ("quant", "block_size"), "lm_head": ("quant", "lm_head"),
-    "accuracy_level": ("quant", "accuracy_level"), "keep_fp": ("quant", "keep_fp"), "kv_quant": ("quant", "kv_cache"),
+    "accuracy_level": ("quant", "accuracy_level"), "asym_offsets": ("quant", "asym_offsets"),
+    "keep_fp": ("quant", "keep_fp"), "kv_quant": ("quant", "kv_cache"),
     "calib": ("quant", "calib"),
     "calib_method": ("act", "method"), "percentile": ("act", "percentile"), "smooth_alpha": ("act", "smooth_alpha"),
     "act_keep_fp32": ("act", "keep_fp32"),

@@ -193,6 +193,7 @@ class QuantPlan:
         summary: dict[str, Any] = {
             "scheme": scheme.name, "weights": self.kind, "block_size": self.spec.block,
             "symmetric": not scheme.asymmetric, "accuracy_level": self.spec.level, "keep_fp": self.spec.keep_fp,
+            **({"asym_offsets": self.spec.asym_offsets or "exact"} if scheme.asymmetric else {}),
             "lm_head": head_label, "calibration_prompts": len(self.prompts),
             "always_fp32": ["norms", "softmax", "router", *(["embedding lookup"] if self.embedding == "fp32" else [])],
             "embedding": self.embedding,
@@ -332,7 +333,7 @@ def quant_passes(spec: QuantSpec, prompts: list[list[int]], *,
             passes.append(PlannedActivationQuantization(plan))
             if scheme.activations == "int8":  # exact re-encoding for ORT's non-saturating U8U8 kernel
                 passes.append(OrtActivationLowering())
-        passes.append(QuantLowering(spec.level))
+        passes.append(QuantLowering(spec.level, asym_offsets=spec.asym_offsets or "exact"))
         passes.append(PlannedSharedEmbedding(plan))
     kv = CalibratedKVQuantization(prompts) if spec.kv_cache is not None else None
     if kv is not None:

@@ -11,6 +11,7 @@ from moeforge.errors import MoeforgeError
 from moeforge.quant.act_calibration import ActivationSpec, check_options
 from moeforge.quant.schemes import (
     ACCURACY_LEVELS,
+    ASYM_OFFSETS,
     DEFAULT_ACCURACY_LEVEL,
     KV_CHOICES,
     KV_SCHEMES,
@@ -20,7 +21,7 @@ from moeforge.quant.schemes import (
 )
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
-WEIGHT_FLAGS = ("--block-size", "--keep-fp", "--lm-head", "--accuracy-level")
+WEIGHT_FLAGS = ("--block-size", "--keep-fp", "--lm-head", "--accuracy-level", "--asym-offsets")
 ACTIVATION_FLAGS = ("--calib-method", "--percentile", "--smooth-alpha", "--act-keep-fp32")
 
 
@@ -56,6 +57,7 @@ class QuantSpec:
     block_size: int | None = None
     lm_head: str | None = None  # int8 | int4 | fp8 | fp32; None: the scheme's ``lm_head_default``
     accuracy_level: int | None = None  # None: DEFAULT_ACCURACY_LEVEL
+    asym_offsets: str | None = None  # exact | digit (ASYM_OFFSETS); None: exact
     keep_fp: float = 0.0  # fraction of weights, the most sensitive on --calib, kept fp32
     activations: ActivationOptions = field(default_factory=ActivationOptions)
     kv_cache: str | None = None
@@ -121,7 +123,8 @@ def _refuse_weight_flags_without_scheme(spec: QuantSpec) -> None:
     # --kv-quant alone (fp32 weights, int8 cache) is fine; it brings its own --calib.
     flags: dict[str, object] = {"--block-size": spec.block_size, "--calib": None if spec.kv_cache else spec.calib,
                                 "--keep-fp": spec.keep_fp or None, "--lm-head": spec.lm_head,
-                                "--accuracy-level": spec.accuracy_level, **spec.activations.flags()}
+                                "--accuracy-level": spec.accuracy_level, "--asym-offsets": spec.asym_offsets,
+                                **spec.activations.flags()}
     for flag, value in flags.items():
         if value is not None:
             which = [s.name for s in SCHEMES.values() if s.activations or flag not in ACTIVATION_FLAGS]
@@ -153,6 +156,14 @@ def _check_weights(spec: QuantSpec, scheme: Scheme, target: str) -> None:
         levels = " or ".join(f"{level} ({what})" for level, what in ACCURACY_LEVELS.items())
         raise QuantError(f"--accuracy-level {spec.level} must be {levels}: MatMulNBits' compute type for the "
                          "activations (ONNX Runtime's levels 1-3 compute in fp32 on CPU, like 0)")
+    if spec.asym_offsets is not None:
+        if spec.asym_offsets not in ASYM_OFFSETS:
+            raise QuantError(f"--asym-offsets {spec.asym_offsets!r} is unknown; choose one of "
+                             f"{', '.join(ASYM_OFFSETS)}")
+        if not scheme.asymmetric:
+            asym = [s.name for s in SCHEMES.values() if s.asymmetric]
+            raise QuantError(f"--asym-offsets applies to the min-max schemes with float offsets ({', '.join(asym)}), "
+                             f"not --quant {scheme.name}; drop it")
     if not 0.0 <= spec.keep_fp < 1.0:
         raise QuantError(f"--keep-fp {spec.keep_fp} must be a fraction in [0, 1)")
     if target == "trt" and (spec.keep_fp or spec.lm_head == "fp32"):

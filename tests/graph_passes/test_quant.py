@@ -214,6 +214,45 @@ def test_asym_graph_and_exact_fast_lowering(ort_graphs, name, bits):
     np.testing.assert_allclose(_logits(lowered, feeds, optimize=True), expected, atol=atol)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_asym_digit_lowering_is_one_matmulnbits_and_keeps_the_residual(ort_graphs, bits):
+    # --asym-offsets digit: one MatMulNBits per dense projection over [x, block sums of x] with integer zero points,
+    # no float offsets. With fp32 activations (accuracy level 0) its logits stay close to the exact weights', and
+    # the residual it carries matters: zeroing the extra blocks' scales (integer zero points alone, ORT's own
+    # asymmetric int4) is several times further off.
+    loaded, base = ort_graphs["tiny-llama"]
+    feeds = _feeds(base, loaded.config.vocab_size)
+    portable = _copy(base)
+    WeightQuantization(QuantConfig(f"int{bits}", 32, asymmetric=True, head_asymmetric=True)).apply(portable, None)
+    exact = _logits(portable, feeds)
+    lowered = _copy(portable)
+    dense = QuantLowering(accuracy_level=0, asym_offsets="digit").apply(lowered, None)
+    nbits = [n for n in lowered.graph if n.op_type == "MatMulNBits"]
+    assert dense == len(nbits) > 0
+    ops = [n.op_type for n in lowered.graph]
+    assert "DequantizeLinear" not in ops and not any((n.inputs[1].name or "").endswith(".block_offset")
+                                                    for n in lowered.graph if n.op_type == "MatMul")
+    for node in nbits:
+        widened = node.inputs[0].producer()
+        assert widened is not None and widened.op_type == "Concat" and len(node.inputs) == 4
+        k = widened.inputs[0].shape[-1] if widened.inputs[0].shape is not None else None
+        assert k is None or node.attributes["K"].as_int() == k + k // 32
+    digit = _logits(lowered, feeds)
+    dropped = _copy(lowered)
+    for node in (n for n in dropped.graph if n.op_type == "MatMulNBits"):
+        k, n = node.attributes["K"].as_int(), node.attributes["N"].as_int()
+        main = -(-(k - k // 33) // 32)  # the weight's own blocks; the rest hold the residual
+        scales = node.inputs[2].const_value.numpy().reshape(n, -1).copy()
+        scales[:, main:] = 0
+        node.inputs[2].const_value = ir.tensor(scales.reshape(node.inputs[2].const_value.shape.numpy()),
+                                               name=node.inputs[2].name)
+    no_residual = _logits(dropped, feeds)
+    scale = np.abs(exact).max()
+    err_digit, err_dropped = np.abs(digit - exact).max(), np.abs(no_residual - exact).max()
+    assert err_digit < 0.05 * scale, (err_digit, scale)
+    assert err_digit * 4 < err_dropped, (err_digit, err_dropped)
+
+
 def test_router_and_embedding_stay_fp32(ort_graphs):
     _, base = ort_graphs["tiny-deepseek-v3"]
     model = _copy(base)

@@ -56,6 +56,21 @@ def test_int8_asym_with_fp32_activations(tmp_path):
     assert q["scheme"] == "int8-asym" and not q["symmetric"] and q["lm_head"] == "int8" and q["accuracy_level"] == 0
 
 
+def test_int4_asym_digit_offsets_check_passes(tmp_path):
+    # --asym-offsets digit: every layer weight is ONE MatMulNBits (integer zero points, the residual offsets as an
+    # extra code per block over the block sums), no offset MatMul or Add; --check against PyTorch passes.
+    result = compile_model(CompileOptions.from_flags(model="tiny-llama", output_dir=tmp_path / "a", max_seq_len=64,
+                                                     progress=False, check=True, quant="int4-asym",
+                                                     asym_offsets="digit"))
+    assert result.parity is not None and result.parity.passed, result.parity.table()
+    q = load_artifact(result.output_dir).manifest.quantization
+    assert q["scheme"] == "int4-asym" and q["asym_offsets"] == "digit"
+    graph = onnx.load(str(result.output_dir / "model.onnx"), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert len([n for n in nbits if len(n.input) == 4]) == len(q["layers"]) - 1  # all but the symmetric int8 head
+    assert not any(n.op_type == "MatMul" and n.input[1].endswith(".block_offset") for n in graph.node)
+
+
 @pytest.mark.parametrize(("kw", "error", "match"), [
     ({"quant": "int8", "lm_head": "int4"}, QuantError, "needs blocks.*--block-size 32"),
     ({"lm_head": "int4"}, MoeforgeError, "--lm-head needs --quant"),
@@ -64,6 +79,9 @@ def test_int8_asym_with_fp32_activations(tmp_path):
     ({"quant": "w8a8", "calib": CALIB, "lm_head": "int4"}, QuantError, "not available with --quant w8a8"),
     ({"quant": "int4-awq", "calib": CALIB, "kv_cache": "paged"}, QuantError, "use --kv-cache contiguous"),
     ({"quant": "int8", "calib": CALIB, "keep_fp": 0.1, "kv_cache": "paged"}, QuantError, "--keep-fp calibrates"),
+    ({"quant": "int4", "asym_offsets": "digit"}, QuantError, "--asym-offsets applies to .*int4-asym.*not --quant int4"),
+    ({"quant": "int4-asym", "asym_offsets": "nibble"}, QuantError, "--asym-offsets 'nibble' is unknown"),
+    ({"asym_offsets": "digit"}, MoeforgeError, "--asym-offsets needs --quant"),
 ])
 def test_bad_lm_head_options(tmp_path, kw, error, match):
     with pytest.raises(error, match=match):
