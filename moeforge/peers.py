@@ -344,11 +344,13 @@ class LlamaCppRunner:
 
 
 def artifact_label(artifact: Path) -> tuple[str, str]:
-    """(label, weight kind) of a moeforge artifact: ``moeforge int4-asym`` / ``int4``, ``moeforge fp32`` / ``fp32``."""
+    """(label, weight kind) of a moeforge artifact: ``moeforge int4-asym`` / ``int4``, ``moeforge fp32`` / ``fp32``;
+    ``--asym-offsets digit`` artifacts are ``moeforge int4-asym digit``."""
     quant = load_artifact(artifact, verify=False).manifest.quantization
     if not quant:
         return "moeforge fp32", "fp32"
-    return f"moeforge {quant['scheme']}", str(quant.get("weights", quant["scheme"]))
+    offsets = " digit" if quant.get("asym_offsets") == "digit" else ""
+    return f"moeforge {quant['scheme']}{offsets}", str(quant.get("weights", quant["scheme"]))
 
 
 def make_runners(artifacts: Sequence[Path], genai_models: dict[str, Path], gguf: Path | None,

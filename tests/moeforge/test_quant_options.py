@@ -11,6 +11,7 @@ import pytest
 from moeforge.artifact import load_artifact
 from moeforge.compile import CompileOptions, compile_model
 from moeforge.errors import MoeforgeError
+from moeforge.peers import artifact_label
 from moeforge.quant.spec import QuantError
 
 CALIB = Path(__file__).resolve().parents[1] / "data" / "quant_calib_en.txt"
@@ -69,6 +70,7 @@ def test_int4_asym_digit_offsets_check_passes(tmp_path):
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert len([n for n in nbits if len(n.input) == 4]) == len(q["layers"]) - 1  # all but the symmetric int8 head
     assert not any(n.op_type == "MatMul" and n.input[1].endswith(".block_offset") for n in graph.node)
+    assert artifact_label(result.output_dir) == ("moeforge int4-asym digit", "int4")  # its own row in comparisons
 
 
 @pytest.mark.parametrize(("kw", "error", "match"), [
