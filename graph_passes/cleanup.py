@@ -1,16 +1,21 @@
-"""Cleanup: constant folding, common-subexpression elimination, no-op reshape removal, dead-code removal."""
+"""Cleanup: constant folding, common-subexpression elimination, no-op reshape removal, Reshape chains collapsed,
+dead-code removal."""
 
 from __future__ import annotations
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 import onnxscript.optimizer
+from onnxscript.rewriter.pattern import RewriteRuleSet
+from onnxscript.rewriter.rules.common import reshape_reshape_rule
 
 from moeforge.graph_passes.base import PassContext
 
 
 class Cleanup:
-    """Fold constants, merge duplicate subexpressions, bypass reshape round trips, drop unused
+    """Fold constants, merge duplicate subexpressions, bypass reshape round trips, collapse Reshape(Reshape(x))
+    into one Reshape (onnxscript's rule: a constant outer shape, its 0 resolved; the paged graphs' rotary and
+    PagedAttention plumbing left 4 such pairs per layer, each a kernel launch per decode step), drop unused
     nodes/functions/opsets.
 
     Reports the number of nodes removed (the graph shrinks; nothing changes numerically).
@@ -23,6 +28,11 @@ class Cleanup:
         onnxscript.optimizer.fold_constants(model)
         common.CommonSubexpressionEliminationPass()(model)
         drop_reshape_round_trips(model.graph)
+        common.RemoveUnusedNodesPass()(model)  # first: a dead second consumer blocks the collapse below
+        collapse = RewriteRuleSet([reshape_reshape_rule])
+        for _ in range(8):  # one sweep shortens a chain of n Reshapes by about half: repeat to a fixed point
+            if not collapse.apply_to_model(model):
+                break
         common.RemoveUnusedNodesPass()(model)
         common.RemoveUnusedFunctionsPass()(model)  # type: ignore[no-untyped-call]  # onnx-ir: unannotated __init__
         common.RemoveUnusedOpsetsPass()(model)

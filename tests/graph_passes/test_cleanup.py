@@ -1,4 +1,5 @@
-"""Cleanup's reshape round-trip bypass: equal known shapes are bypassed, anything else is left alone."""
+"""Cleanup's reshape round-trip bypass (equal known shapes are bypassed, anything else is left alone) and its
+Reshape-chain collapse."""
 
 from __future__ import annotations
 
@@ -68,3 +69,31 @@ def test_a_graph_output_reshape_is_kept():
     proto.graph.output.append(helper.make_tensor_value_info("x3", TensorProto.FLOAT, ["batch", "seq", 12]))
     model = ir.serde.deserialize_model(proto)
     assert drop_reshape_round_trips(model.graph) == 0  # x3 is named by the graph's outputs
+
+
+def test_the_paged_pipeline_leaves_no_reshape_chain(fresh_model):
+    """Paged attention's plumbing after the rotary fusion left Reshape -> Reshape pairs (4 per layer on tiny-llama);
+    Cleanup collapses each into one Reshape, and the graph still computes the same logits."""
+    from moeforge.graph_passes.base import PassContext
+    from moeforge.graph_passes.cleanup import Cleanup
+    from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
+
+    loaded, model = fresh_model("tiny-llama")
+    passes = ort_pipeline("paged")
+    run_passes(model, PassContext(config=loaded.config, max_seq_len=64), passes)
+    assert _reshape_chains(model) == []
+    # Without Cleanup the same pipeline keeps them (so the assertion above is about Cleanup, not the export).
+    _, plain = fresh_model("tiny-llama")
+    run_passes(plain, PassContext(config=loaded.config, max_seq_len=64),
+               [p for p in passes if not isinstance(p, Cleanup)])
+    assert _reshape_chains(plain)
+
+
+def _reshape_chains(model: ir.Model) -> list[ir.Node]:
+    """Reshapes whose input is a Reshape's output that nothing else reads (so the pair could be one Reshape)."""
+    chains = []
+    for node in model.graph:
+        producer = node.inputs[0].producer() if node.op_type == "Reshape" and node.inputs[0] is not None else None
+        if producer is not None and producer.op_type == "Reshape" and len(producer.outputs[0].uses()) == 1:
+            chains.append(node)
+    return chains
