@@ -56,6 +56,7 @@ from heldout_accuracy import DEFAULT_START, DEFAULT_TEXT, compare, prose, refere
 
 from moeforge.artifact import load_artifact
 from moeforge.bench import write_result
+from moeforge.graph_passes.quant_lowering import asym_digit_weights
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 RESULTS = Path(__file__).resolve().parent / "results" / "asym_offsets.json"
@@ -212,6 +213,16 @@ def uint4_zero_points(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], list
                    p.k)], tensors
 
 
+def _block_sum_nodes(x: str, stem: str, blocks: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Reshape + ReduceSum writing ``stem``.sums: x [B, S, K]'s sums over its ``blocks`` blocks of 32 (the lowering's
+    form, quant_lowering._block_sums)."""
+    tensors = [numpy_helper.from_array(np.array([0, 0, blocks, BLOCK], np.int64), stem + ".view_shape"),
+               numpy_helper.from_array(np.array([-1], np.int64), stem + ".axis")]
+    nodes = [helper.make_node("Reshape", [x, stem + ".view_shape"], [stem + ".view"]),
+             helper.make_node("ReduceSum", [stem + ".view", stem + ".axis"], [stem + ".sums"], keepdims=0)]
+    return nodes, tensors
+
+
 def zero_points_residual(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """Native zero points z = round(-offset / scale) plus the residual r = offset + z * scale as int8 codes."""
     blocks, group = p.k // BLOCK, 16  # residual codes: one scale per column and 16 blocks (MatMulNBits' least)
@@ -226,14 +237,11 @@ def zero_points_residual(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], l
     if zero.shape[1] % 2:
         zero = np.pad(zero, ((0, 0), (0, 1)))
     x = p.nbits.input[0]
-    tensors = [numpy_helper.from_array((zero[:, 0::2] | (zero[:, 1::2] << 4)).reshape(-1), stem + ".zp"),
-               numpy_helper.from_array(codes, stem + ".residual"),
-               numpy_helper.from_array(step.astype(np.float32).reshape(-1), stem + ".residual_scale"),
-               numpy_helper.from_array(np.array([0, 0, blocks, BLOCK], np.int64), stem + ".view_shape"),
-               numpy_helper.from_array(np.array([-1], np.int64), stem + ".axis")]
-    nodes = [_nbits([x, p.nbits.input[1], p.nbits.input[2], stem + ".zp"], stem + ".main", p, p.k),
-             helper.make_node("Reshape", [x, stem + ".view_shape"], [stem + ".view"]),
-             helper.make_node("ReduceSum", [stem + ".view", stem + ".axis"], [stem + ".sums"], keepdims=0),
+    sum_nodes, tensors = _block_sum_nodes(x, stem, blocks)
+    tensors += [numpy_helper.from_array((zero[:, 0::2] | (zero[:, 1::2] << 4)).reshape(-1), stem + ".zp"),
+                numpy_helper.from_array(codes, stem + ".residual"),
+                numpy_helper.from_array(step.astype(np.float32).reshape(-1), stem + ".residual_scale")]
+    nodes = [_nbits([x, p.nbits.input[1], p.nbits.input[2], stem + ".zp"], stem + ".main", p, p.k), *sum_nodes,
              helper.make_node("MatMulNBits", [stem + ".sums", stem + ".residual", stem + ".residual_scale"],
                               [stem + ".correction"], domain=MS, K=blocks, N=p.n, bits=8, block_size=group,
                               accuracy_level=p.level),
@@ -244,31 +252,15 @@ def zero_points_residual(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], l
 def zero_points_residual_digit(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """Native zero points z = round(-offset / scale), and the residual r = offset + z * scale (< scale / 2) as one
     int4 digit per block in extra K blocks over the block sums: x' = [x, S(x)], one MatMulNBits."""
-    blocks = p.k // BLOCK
-    groups = -(-blocks // BLOCK)  # extra 32-wide blocks holding the block sums (the last one ragged)
-    zero = np.clip(np.rint(-p.offset / p.scale), 0, 15)  # [N, K/32]
-    residual = np.zeros((p.n, groups * BLOCK))
-    residual[:, :blocks] = p.offset + zero * p.scale
-    residual = residual.reshape(p.n, groups, BLOCK)
-    step = np.abs(residual).max(-1) / 7
-    step[step == 0] = 1e-30
-    digit = np.clip(np.rint(residual / step[..., None]), -7, 7)
-    codes = np.concatenate([p.packed, pack((digit + 8).astype(np.uint8))], axis=1)  # [N, K/32 + groups, 16]
-    scales = np.concatenate([p.scale, step], axis=1).astype(np.float32)
-    zeros = np.concatenate([zero, np.full((p.n, groups), 8)], axis=1).astype(np.uint8)
-    if zeros.shape[1] % 2:
-        zeros = np.pad(zeros, ((0, 0), (0, 1)))
+    # The compiler's arrays (graph_passes/quant_lowering.py), from the lowered artifact's codes, scale and offsets.
+    codes, scales, zeros = asym_digit_weights(p.codes.reshape(p.n, p.k).T, p.scale.T, p.offset.T, BLOCK, 4)
     x = p.nbits.input[0]
-    tensors = [numpy_helper.from_array(codes, stem + ".codes"),
-               numpy_helper.from_array(scales.reshape(-1), stem + ".scale"),
-               numpy_helper.from_array((zeros[:, 0::2] | (zeros[:, 1::2] << 4)).reshape(-1), stem + ".zp"),
-               numpy_helper.from_array(np.array([0, 0, blocks, BLOCK], np.int64), stem + ".view_shape"),
-               numpy_helper.from_array(np.array([-1], np.int64), stem + ".axis")]
-    nodes = [helper.make_node("Reshape", [x, stem + ".view_shape"], [stem + ".view"]),
-             helper.make_node("ReduceSum", [stem + ".view", stem + ".axis"], [stem + ".sums"], keepdims=0),
-             helper.make_node("Concat", [x, stem + ".sums"], [stem + ".x"], axis=-1),
+    sum_nodes, tensors = _block_sum_nodes(x, stem, p.k // BLOCK)
+    tensors += [numpy_helper.from_array(codes, stem + ".codes"), numpy_helper.from_array(scales, stem + ".scale"),
+                numpy_helper.from_array(zeros, stem + ".zp")]
+    nodes = [*sum_nodes, helper.make_node("Concat", [x, stem + ".sums"], [stem + ".x"], axis=-1),
              _nbits([stem + ".x", stem + ".codes", stem + ".scale", stem + ".zp"], p.add.output[0], p,
-                    p.k + blocks)]
+                    p.k + p.k // BLOCK)]
     return nodes, tensors
 
 

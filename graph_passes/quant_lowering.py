@@ -128,30 +128,14 @@ class QuantLowering:
         [..., K + K/bs], each extra block of bs sums coded like a weight block (one scale per column, zero point
         2^(bits-1))."""
         k, n = codes.shape
-        blocks = k // block
-        groups = -(-blocks // block)  # extra blocks holding the block sums (the last one ragged)
-        top, middle = (1 << bits) - 1, 1 << (bits - 1)
-        safe = np.where(scale > 0, scale, 1.0)
-        zero = np.where(scale > 0, np.clip(np.rint(-offset / safe), 0, top), 0)  # [K/bs, N]
-        residual = np.zeros((groups * block, n))
-        residual[:blocks] = offset.astype(np.float64) + zero * scale  # [K/bs, N] (padded)
-        residual = residual.reshape(groups, block, n)
-        step = np.abs(residual).max(axis=1) / (middle - 1)  # [groups, N]
-        step[step == 0] = 1.0
-        digits = np.clip(np.rint(residual / step[:, None]), 1 - middle, middle - 1)  # [groups, bs, N]
-        all_codes = np.concatenate([codes.astype(np.int16) - middle, digits.reshape(-1, n).astype(np.int16)])
-        zeros = np.concatenate([zero, np.full((groups, n), middle)]).T.astype(np.uint8)  # [N, K/bs + groups]
-        if bits == 4:  # two 4-bit zero points per byte, each column padded to whole bytes
-            zeros = np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2)))
-            zeros = (zeros[:, 0::2] | (zeros[:, 1::2] << 4)).astype(np.uint8)
-        scales = np.concatenate([scale, step]).T  # [N, K/bs + groups]
+        packed, scales, zeros = asym_digit_weights(codes, scale, offset, block, bits)
         sums = _block_sums(graph, node.inputs[0], k, block, stem)
         widened = ir.node("Concat", [node.inputs[0], sums[-1].outputs[0]], attributes={"axis": -1})
-        inputs = [widened.outputs[0], add_initializer(graph, f"{stem}.nbits", pack_nbits(all_codes.T, bits, block)),
-                  add_initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scales, np.float32)),
-                  add_initializer(graph, f"{stem}.nbits_zero", np.ascontiguousarray(zeros.reshape(-1), np.uint8))]
+        inputs = [widened.outputs[0], add_initializer(graph, f"{stem}.nbits", packed),
+                  add_initializer(graph, f"{stem}.nbits_scale", scales),
+                  add_initializer(graph, f"{stem}.nbits_zero", zeros)]
         nbits = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN,
-                        attributes={"K": k + blocks, "N": n, "bits": bits, "block_size": block,
+                        attributes={"K": k + k // block, "N": n, "bits": bits, "block_size": block,
                                     "accuracy_level": self.accuracy_level})
         for extra in (*sums, widened):
             graph.insert_before(node, extra)
@@ -221,6 +205,34 @@ def _int_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, int, int, i
     if codes.ndim == 3 and not (axis == 2 and block > 0):
         return None
     return codes, scale_v.const_value.numpy(), bits, block, axis
+
+
+def asym_digit_weights(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, block: int,
+                       bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits' (B, scales, zero_points) for ``--asym-offsets digit``: codes uint 0..2^bits-1 [K, N], scale and
+    offset [K/bs, N] (W = scale * codes + offset) -> the layer over x' = [x, block sums of x] (K' = K + K/bs):
+    B [N, K/bs + groups, bs*bits/8] uint8, scales [N, K/bs + groups] float32, zero points uint8 (4-bit: two per
+    byte), groups = ceil(K/bs / bs) extra blocks holding the residual offsets as one code each."""
+    k, n = codes.shape
+    blocks = k // block
+    groups = -(-blocks // block)  # extra blocks holding the block sums (the last one ragged)
+    top, middle = (1 << bits) - 1, 1 << (bits - 1)
+    safe = np.where(scale > 0, scale, 1.0)
+    zero = np.where(scale > 0, np.clip(np.rint(-offset / safe), 0, top), 0)  # [K/bs, N]
+    residual = np.zeros((groups * block, n))
+    residual[:blocks] = offset.astype(np.float64) + zero * scale  # [K/bs, N] (padded)
+    residual = residual.reshape(groups, block, n)
+    step = np.abs(residual).max(axis=1) / (middle - 1)  # [groups, N]
+    step[step == 0] = 1.0
+    digits = np.clip(np.rint(residual / step[:, None]), 1 - middle, middle - 1)  # [groups, bs, N]
+    all_codes = np.concatenate([codes.astype(np.int16) - middle, digits.reshape(-1, n).astype(np.int16)])
+    zeros = np.concatenate([zero, np.full((groups, n), middle)]).T.astype(np.uint8)  # [N, K/bs + groups]
+    if bits == 4:  # two 4-bit zero points per byte, each column padded to whole bytes
+        zeros = np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2)))
+        zeros = (zeros[:, 0::2] | (zeros[:, 1::2] << 4)).astype(np.uint8)
+    scales = np.concatenate([scale, step]).T  # [N, K/bs + groups]
+    return (pack_nbits(all_codes.T, bits, block), np.ascontiguousarray(scales, np.float32),
+            np.ascontiguousarray(zeros.reshape(-1), np.uint8))
 
 
 def _block_sums(graph: ir.Graph, x: ir.Value | None, k: int, block: int, stem: str) -> list[ir.Node]:
