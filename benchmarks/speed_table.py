@@ -3,8 +3,8 @@
 `python benchmarks/speed_table.py` reads benchmarks/results/genai_compare.json (moeforge vs onnxruntime-genai's
 builder models and llama.cpp, one alternating run; ``genai_compare_*.json``: the same script on other machines),
 heldout_accuracy.json (top-1 / KL on a text the project did not write), step_overhead.json (host time per decode
-step) and compile_time.json, and rewrites the part of README.md between ``<!-- speed:start -->`` and
-``<!-- speed:end -->``. ``--print`` only prints it.
+step), decode_breakdown.json (the step's parts inside ONNX Runtime) and compile_time.json, and rewrites the part of
+README.md between ``<!-- speed:start -->`` and ``<!-- speed:end -->``. ``--print`` only prints it.
 """
 
 from __future__ import annotations
@@ -106,6 +106,14 @@ def speed_section() -> str:
                          f"{row['ort_run_ms']:.2f} | {row['host_overhead_ms']:.3f} | "
                          f"{row.get('host_only_ms', 0):.3f} |")
         lines.append("")
+    breakdown = _load("decode_breakdown.json")
+    if breakdown is not None:
+        b = breakdown["results"]
+        lines += [f"Inside ONNX Runtime's run, by part (`benchmarks/decode_breakdown.py`, {_machine(breakdown)}; batch "
+                  f"{b['batch']}, {b['past']} cached tokens, medians of {b['rounds']} alternating rounds; a part = the "
+                  "step minus a copy of the graph without it; int4-asym's offsets = its step minus the symmetric "
+                  f"int4 artifact's; 1.25x {b['baseline']}'s speed needs a {b['bar_1_25x_ms']:.2f} ms step):", "",
+                  b["markdown"], ""]
     compile_time = _load("compile_time.json")
     if compile_time is not None:
         for row in compile_time["results"]["rows"]:
