@@ -21,7 +21,6 @@ from moeforge.quant.schemes import (
 )
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
-WEIGHT_FLAGS = ("--block-size", "--keep-fp", "--lm-head", "--accuracy-level", "--asym-offsets")
 ACTIVATION_FLAGS = ("--calib-method", "--percentile", "--smooth-alpha", "--act-keep-fp32")
 
 
