@@ -82,8 +82,7 @@ PARTS = (HEAD, ATTENTION)
 SYMMETRIC = "moeforge int4"  # the artifact int4-asym's offsets are measured against
 HEAD_OPS = frozenset({"MatMul", "MatMulNBits", "Gemm", "FusedMatMul", "If"})
 ATTENTION_OPS = frozenset({"GroupQueryAttention"})
-ONNX_ITEMSIZE = {onnx.TensorProto.FLOAT: 4.0, onnx.TensorProto.FLOAT16: 2.0, onnx.TensorProto.UINT8: 1.0,
-                 onnx.TensorProto.INT8: 1.0, onnx.TensorProto.INT64: 8.0, onnx.TensorProto.UINT4: 0.5}
+PACKED_4BIT = frozenset({onnx.TensorProto.UINT4, onnx.TensorProto.INT4})  # two elements per byte
 
 
 @dataclass
@@ -123,32 +122,27 @@ def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     return {output: node for node in graph.node for output in node.output}
 
 
-def initializer_names(graph: onnx.GraphProto) -> set[str]:
-    """Names of the graph's initializers."""
-    return {t.name for t in graph.initializer}
-
-
-def head_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The node that makes ``logits``, or the one feeding it through shape-only ops (Reshape, Slice, ...)."""
+def head_node(graph: onnx.GraphProto) -> onnx.NodeProto | None:
+    """The node that makes ``logits``, or the one feeding it through ops on its first input (Reshape, an
+    int4-asym head's offsets Add, ...); None when there is none within 4 nodes."""
     made_by = producers(graph)
     name = "logits"
     for _ in range(4):
         node = made_by.get(name)
         if node is None:
-            return []
+            return None
         if node.op_type in HEAD_OPS:
-            return [node]
+            return node
         name = node.input[0]
-    return []
+    return None
 
 
 def cut_head(graph: onnx.GraphProto) -> bool:
     """``logits`` = the head's input (the final norm's output, [B, S, H]); False when no head is found. What made
     ``logits`` from the head's output (an int4-asym head's offsets Add) goes with it."""
-    heads = head_nodes(graph)
-    if not heads:
+    head = head_node(graph)
+    if head is None:
         return False
-    head = heads[0]
     hidden = if_hidden(head) if head.op_type == "If" else head.input[0]  # If(argmax_only) reads it in its branches
     last = producers(graph)["logits"]
     replace(graph, last, [helper.make_node("Identity", [hidden], ["logits"])])
@@ -249,18 +243,16 @@ def variants(model: Model) -> dict[str, onnx.ModelProto | None]:
     return out
 
 
-def weight_mb(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> float:
-    """MB of the initializers ``nodes`` read, as stored (from their dims; external data is not read). For an ``If``
+def weight_mb(graph: onnx.GraphProto, node: onnx.NodeProto | None) -> float:
+    """MB of the initializers ``node`` reads, as stored (from their dims; external data is not read). For an ``If``
     (the argmax head), those its greedy branch's matmuls read: that is the branch a greedy step runs."""
-    sizes = {t.name: float(np.prod(t.dims, dtype=np.float64)) * ONNX_ITEMSIZE.get(t.data_type, 4.0)
+    sizes = {t.name: float(np.prod(t.dims, dtype=np.float64))
+             * (0.5 if t.data_type in PACKED_4BIT else helper.tensor_dtype_to_np_dtype(t.data_type).itemsize)
              for t in graph.initializer}
-    readers = []
-    for node in nodes:
-        if node.op_type == "If":
-            branch = next(a.g for a in node.attribute if a.name == "then_branch")
-            readers += [n for n in branch.node if n.op_type in HEAD_OPS]
-        else:
-            readers.append(node)
+    readers = [] if node is None else [node]
+    if node is not None and node.op_type == "If":
+        branch = next(a.g for a in node.attribute if a.name == "then_branch")
+        readers = [n for n in branch.node if n.op_type in HEAD_OPS]
     names = {i for n in readers for i in n.input if i in sizes}
     return round(sum(sizes[i] for i in names) / 1e6, 2)
 
@@ -350,7 +342,7 @@ def summarize(model: Model, times: dict[tuple[str, str], list[float]]) -> dict[s
     """One model's row: ``parts`` plus the graph and the weight MB its head reads."""
     graph = onnx.load(str(model.path), load_external_data=False).graph
     return {"model": str(model.path), **parts(model.name, times),
-            "head_weight_mb": weight_mb(graph, head_nodes(graph))}
+            "head_weight_mb": weight_mb(graph, head_node(graph))}
 
 
 def offsets_ms(rows: dict[str, dict[str, Any]], name: str) -> float | None:
