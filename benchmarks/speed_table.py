@@ -3,7 +3,8 @@
 `python benchmarks/speed_table.py` reads benchmarks/results/genai_compare.json (moeforge vs onnxruntime-genai's
 builder models and llama.cpp, one alternating run; ``genai_compare_*.json``: the same script on other machines),
 heldout_accuracy.json (top-1 / KL on a text the project did not write), step_overhead.json (host time per decode
-step), decode_breakdown.json (the step's parts inside ONNX Runtime) and compile_time.json, and rewrites the part of
+step), decode_breakdown*.json (the step's parts inside ONNX Runtime, per batch), matmul_scaling.json (matmul
+kernels against rows) and compile_time.json, and rewrites the part of
 README.md between ``<!-- speed:start -->`` and ``<!-- speed:end -->``. ``--print`` only prints it.
 """
 
@@ -106,14 +107,22 @@ def speed_section() -> str:
                          f"{row['ort_run_ms']:.2f} | {row['host_overhead_ms']:.3f} | "
                          f"{row.get('host_only_ms', 0):.3f} |")
         lines.append("")
-    breakdown = _load("decode_breakdown.json")
-    if breakdown is not None:
+    for path in sorted(RESULTS.glob("decode_breakdown*.json")):  # batch 1, then other batches (_b8 ...)
+        breakdown = json.loads(path.read_text())
         b = breakdown["results"]
-        lines += [f"Inside ONNX Runtime's run, by part (`benchmarks/decode_breakdown.py`, {_machine(breakdown)}; batch "
-                  f"{b['batch']}, {b['past']} cached tokens, medians of {b['rounds']} alternating rounds; a part = the "
-                  "step minus a copy of the graph without it; int4-asym's offsets = its step minus the symmetric "
-                  f"int4 artifact's; 1.25x {b['baseline']}'s speed needs a {b['bar_1_25x_ms']:.2f} ms step):", "",
-                  b["markdown"], ""]
+        lines += [f"Inside ONNX Runtime's run, by part (`benchmarks/decode_breakdown.py`, `{path.name}`, "
+                  f"{_machine(breakdown)}; batch {b['batch']}, {b['past']} cached tokens, medians of {b['rounds']} "
+                  "alternating rounds; a part = the step minus a copy of the graph without it; int4-asym's offsets = "
+                  f"its step minus the symmetric int4 artifact's; 1.25x {b['baseline']}'s speed needs a "
+                  f"{b['bar_1_25x_ms']:.2f} ms step):", "", b["markdown"], ""]
+    scaling = _load("matmul_scaling.json")
+    if scaling is not None:
+        m = scaling["results"]
+        shapes = ", ".join(f"{k}x{n}" for k, n in m["shapes"])
+        lines += [f"ONNX Runtime's CPU matmul kernels against the rows they multiply (`benchmarks/matmul_scaling.py`, "
+                  f"{_machine(scaling)}; us per layer of SmolLM2 projections ({shapes}), {m['copies']} distinct "
+                  "copies so the weights stream from memory, each output checked against NumPy first; batch 8 can "
+                  "decode at most 8 / (M=8 / M=1) times batch 1's tokens on a kernel):", "", m["markdown"], ""]
     compile_time = _load("compile_time.json")
     if compile_time is not None:
         for row in compile_time["results"]["rows"]:
