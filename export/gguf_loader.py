@@ -24,7 +24,8 @@ from gguf.quants import dequantize
 
 from moeforge.errors import CheckpointError, ConfigError
 
-from .config import ModelConfig, MoEConfig, RopeConfig, check_float, check_int
+from .config import ModelConfig, MoEConfig, RopeConfig
+from .config_fields import check_float, check_int
 from .gguf_deepseek import DEEPSEEK2_BLOCK_NAMES, SPLIT_KV_B, deepseek2_config, join_kv_b
 from .gguf_metadata import ArchMetadata
 from .model import CausalLM

@@ -8,7 +8,7 @@ from typing import Any
 
 from moeforge.errors import ConfigError
 
-from .config import check_bool, check_float, check_int
+from .config_fields import check_bool, check_float, check_int
 
 
 def uniform(key: str, value: Any) -> Any:
