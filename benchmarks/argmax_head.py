@@ -5,7 +5,7 @@ whether its tokens are the float head's.
 twice into ``--work-dir`` (cached: with the argmax head, the default, and with ``--no-argmax-head``), then:
 
 * decode tokens/s of both artifacts, greedy, 128 new tokens from 8-token prompts, batch 1 and 8, alternating rounds
-  in one process (``moeforge.bench``'s rules: the order rotates each round), medians and the ratio;
+  in one process (``moeforge.cli.bench``'s rules: the order rotates each round), medians and the ratio;
 * on held-out prose (the GPL-3 preamble, as ``heldout_accuracy.py``; ``--text``), teacher-forced at every position
   with ``argmax_only`` fed: the share of positions certified, and whether each certified argmax equals the float
   head's (it must: a mismatch is a bug, and the script exits 1);
@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from moeforge.artifact import load_artifact
-from moeforge.bench import write_result
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.tokenizer import Tokenizer
-from moeforge.kv_layout import ARGMAX_ONLY, LOGITS_CERTIFIED
+from moeforge.cli.bench import write_result
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.core.kv_layout import ARGMAX_ONLY, LOGITS_CERTIFIED
+from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams

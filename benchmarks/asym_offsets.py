@@ -28,7 +28,7 @@ the held-out text of ``heldout_accuracy.py`` (the GPL-3 preamble).
     moeforge compile smollm2-135m -o /work/perf/int4-asym --quant int4-asym
     python benchmarks/asym_offsets.py /work/perf/int4-asym
 
-Writes benchmarks/results/asym_offsets.json (``moeforge.bench.write_result``) and prints a table.
+Writes benchmarks/results/asym_offsets.json (``moeforge.cli.bench.write_result``) and prints a table.
 
 ``--mixed`` instead measures held-out accuracy only (asym_offsets_mixed.json) when integer zero points (no extra
 nodes) replace the exact offsets on part of the model: on each group of same-shaped projections (one kind per
@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # heldout_accuracy, be
 from genai_compare import default_gguf
 from heldout_accuracy import DEFAULT_START, DEFAULT_TEXT, compare, prose, reference_logits
 
-from moeforge.artifact import load_artifact
-from moeforge.bench import write_result
-from moeforge.graph_passes.quant_lowering import asym_digit_weights
+from moeforge.cli.bench import write_result
+from moeforge.core.artifact import load_artifact
+from moeforge.passes.quant_lowering import asym_digit_weights
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 RESULTS = Path(__file__).resolve().parent / "results" / "asym_offsets.json"

@@ -75,7 +75,7 @@ def main() -> None:
     print("| caches | load s | first step ms | decode tok/s |\n|---|---|---|---|")
     for variant, row in summary.items():
         print(f"| {variant} | {row['load_s']} | {row['first_step_ms']} | {row['decode_tokens_per_s']} |")
-    from moeforge.bench import write_result
+    from moeforge.cli.bench import write_result
 
     write_result(args.results, "cold_start", {"artifact": args.artifact, "batch": args.batch, "rounds": args.rounds,
                                                "medians": summary, "runs": runs})

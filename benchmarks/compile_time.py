@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from moeforge.bench import write_result
-from moeforge.export.loader import load_config
-from moeforge.export.model import CausalLM
+from moeforge.cli.bench import write_result
+from moeforge.model.loader import load_config
+from moeforge.model.model import CausalLM
 
 RESULTS = Path(__file__).parent / "results" / "compile_time.json"
 # The child runs the CLI, then prints its own peak RSS (KiB on Linux) and CPU seconds as the last stderr line.

@@ -67,9 +67,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
+from peers import GENAI_BUILDS, artifact_label, default_peer_dir, ensure_peer_models, usable_cores
 
-from moeforge.bench import write_result
-from moeforge.peers import GENAI_BUILDS, artifact_label, default_peer_dir, ensure_peer_models, usable_cores
+from moeforge.cli.bench import write_result
 from moeforge.runtime.backends.onnxruntime import make_session
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # genai_compare, beside this script

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moeforge.artifact import load_artifact
-from moeforge.bench import write_result
+from moeforge.cli.bench import write_result
+from moeforge.core.artifact import load_artifact
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 RESULTS = Path(__file__).parent / "results" / "decode_position.json"

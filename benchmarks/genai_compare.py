@@ -47,9 +47,9 @@ Run (from the repository root)::
 
 It prints a markdown table (medians over rounds, and the ratios moeforge int4 / GenAI int4, moeforge fp32 /
 GenAI fp32, moeforge / llama.cpp Q4_1, batch-8 / batch-1 aggregate decode) and writes
-benchmarks/results/genai_compare.json through ``moeforge.bench.write_result`` (which records the machine);
+benchmarks/results/genai_compare.json through ``moeforge.cli.bench.write_result`` (which records the machine);
 ``--plot FILE.png`` also draws the decode medians (matplotlib, when installed). The reusable parts
-(``ensure_peer_models``, ``make_runners``, ``run_rounds``, ``summarize``, ``markdown``) live in ``moeforge.peers``,
+(``ensure_peer_models``, ``make_runners``, ``run_rounds``, ``summarize``, ``markdown``) live in ``peers``,
 which ``moeforge bench ARTIFACT --compare-genai-builder`` also drives for one artifact.
 """
 
@@ -62,10 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from moeforge.artifact import load_artifact
-from moeforge.bench import write_result
-from moeforge.peers import (  # noqa: F401  (GENAI_BUILDS, artifact_label, describe_onnx: heldout_accuracy's)
+from peers import (  # noqa: F401  (GENAI_BUILDS, artifact_label, describe_onnx: heldout_accuracy's)
     GENAI_BUILDS,
     GENAI_PRECISIONS,
     artifact_label,
@@ -79,6 +76,9 @@ from moeforge.peers import (  # noqa: F401  (GENAI_BUILDS, artifact_label, descr
     summarize,
     usable_cores,
 )
+
+from moeforge.cli.bench import write_result
+from moeforge.core.artifact import load_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "genai_compare.json"

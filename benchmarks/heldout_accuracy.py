@@ -24,7 +24,7 @@ Run (from the repository root)::
 
     python benchmarks/heldout_accuracy.py /work/perf/fp32 /work/perf/int4a
 
-Writes benchmarks/results/heldout_accuracy.json (``moeforge.bench.write_result``) and prints one line per model.
+Writes benchmarks/results/heldout_accuracy.json (``moeforge.cli.bench.write_result``) and prints one line per model.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from genai_compare import (
     ensure_peer_models,
 )
 
-from moeforge.artifact import load_artifact
-from moeforge.bench import write_result
-from moeforge.calibration import mean_kl
+from moeforge.cli.bench import write_result
+from moeforge.core.artifact import load_artifact
+from moeforge.quant.calibration import mean_kl
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 ROOT = Path(__file__).resolve().parents[1]

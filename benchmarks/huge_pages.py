@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
-    from moeforge.bench import write_result
+    from moeforge.cli.bench import write_result
 
     results = [measure(a, b, args.new_tokens, args.rounds) for a in args.artifacts for b in args.batch]
     print("| artifact | batch | tok/s on | tok/s off | paired on/off (median) | rounds on faster | load s on / off "

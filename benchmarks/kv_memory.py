@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moeforge.artifact import load_artifact
-from moeforge.bench import write_result
+from moeforge.cli.bench import write_result
+from moeforge.core.artifact import load_artifact
 from moeforge.runtime.backends.base import StepInput
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams

@@ -21,15 +21,15 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from moeforge.bench import write_result
-from moeforge.calibration import mean_kl, read_prompts, tokenize_prompts
-from moeforge.export.loader import load_model
-from moeforge.export.onnx_export import export_stateless
-from moeforge.graph_passes.base import PassContext
-from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
-from moeforge.kv_layout import KVCacheSpec, contiguous_spec
+from moeforge.cli.bench import write_result
+from moeforge.compile.onnx_export import export_stateless
+from moeforge.core.kv_layout import KVCacheSpec, contiguous_spec
+from moeforge.model.loader import load_model
+from moeforge.passes.base import PassContext
+from moeforge.passes.pipeline import ort_pipeline, run_passes
+from moeforge.quant.calibration import mean_kl, read_prompts, tokenize_prompts
 from moeforge.quant.kv_calibration import CalibratedKVQuantization
-from moeforge.quant.passes import CALIB_MAX_TOKENS, quant_passes
+from moeforge.quant.plan import CALIB_MAX_TOKENS, quant_passes
 from moeforge.quant.spec import QuantSpec
 from moeforge.runtime.backends.onnxruntime import OrtSession
 

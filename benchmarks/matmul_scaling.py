@@ -43,10 +43,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+from peers import usable_cores
 
-from moeforge.bench import write_result
-from moeforge.graph_passes.quant_math import pack_nbits
-from moeforge.peers import usable_cores
+from moeforge.cli.bench import write_result
+from moeforge.passes.quant_math import pack_nbits
 
 RESULTS = Path(__file__).resolve().parent / "results" / "matmul_scaling.json"
 SMOLLM2_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N): QKV, O, gate/up, down

@@ -11,7 +11,7 @@ Runtime's optimisations (the per-layer index math is shared by common-subexpress
     moeforge compile smollm2-135m -o /work/perf/int4-asym-paged --quant int4-asym --kv-cache paged
     python benchmarks/paged_decode.py /work/perf/int4-asym /work/perf/int4-asym-paged
 
-Writes benchmarks/results/paged_decode.json (``moeforge.bench.write_result``) and prints a table.
+Writes benchmarks/results/paged_decode.json (``moeforge.cli.bench.write_result``) and prints a table.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 import onnx
 import onnxruntime as ort
 
-from moeforge.artifact import load_artifact
-from moeforge.bench import write_result
-from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort
+from moeforge.cli.bench import write_result
+from moeforge.core.artifact import load_artifact
+from moeforge.ops.paged_attention.ort_lowering import lower_for_ort
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 

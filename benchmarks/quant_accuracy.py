@@ -23,14 +23,14 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from moeforge.bench import write_result
-from moeforge.calibration import mean_kl, read_prompts, tokenize_prompts
-from moeforge.export.loader import load_model
-from moeforge.export.onnx_export import export_stateless, unmark_layers
-from moeforge.graph_passes.base import PassContext
-from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
-from moeforge.kv_layout import KVCacheSpec, contiguous_spec
-from moeforge.quant.passes import CALIB_MAX_TOKENS, quant_passes
+from moeforge.cli.bench import write_result
+from moeforge.compile.onnx_export import export_stateless, unmark_layers
+from moeforge.core.kv_layout import KVCacheSpec, contiguous_spec
+from moeforge.model.loader import load_model
+from moeforge.passes.base import PassContext
+from moeforge.passes.pipeline import ort_pipeline, run_passes
+from moeforge.quant.calibration import mean_kl, read_prompts, tokenize_prompts
+from moeforge.quant.plan import CALIB_MAX_TOKENS, quant_passes
 from moeforge.quant.spec import ActivationOptions, QuantSpec
 from moeforge.runtime.backends.onnxruntime import OrtSession
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from moeforge.bench import write_result
-from moeforge.export.loader import load_model
+from moeforge.cli.bench import write_result
+from moeforge.model.loader import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "tests" / "data" / "quant_eval_en.txt"

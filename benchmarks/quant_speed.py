@@ -12,8 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
-from moeforge.artifact import load_artifact
-from moeforge.bench import bench_engine, write_result
+from moeforge.cli.bench import bench_engine, write_result
+from moeforge.core.artifact import load_artifact
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

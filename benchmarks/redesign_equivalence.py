@@ -34,7 +34,7 @@ from typing import Any
 import onnx
 from onnx import numpy_helper
 
-from moeforge.bench import machine_info
+from moeforge.cli.bench import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIB = "tests/data/quant_calib_en.txt"

@@ -34,9 +34,9 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from moeforge.bench import write_result
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.net import free_port
+from moeforge.cli.bench import write_result
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.parallel.net import free_port
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 

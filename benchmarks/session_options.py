@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moeforge.bench import write_result
+from moeforge.cli.bench import write_result
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 

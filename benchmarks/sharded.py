@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moeforge.bench import write_result
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.loader import load_config
-from moeforge.net import free_port
+from moeforge.cli.bench import write_result
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.model.loader import load_config
+from moeforge.model.sharding import plan_sharding
+from moeforge.parallel.net import free_port
 from moeforge.runtime.backends.base import Backend, RowInput, StepInput
 from moeforge.runtime.engine import EngineConfig
-from moeforge.sharding import plan_sharding
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sharded.json"
 SPLITS = [("deepseek-v3", 1, 1), ("deepseek-v3", 8, 8), ("deepseek-v3", 16, 16), ("deepseek-v3", 8, 1),
@@ -62,7 +62,7 @@ def _config() -> EngineConfig:
 
 def _rank_main(artifact: str, out: str) -> int:
     """One rank of a measured sharded run (started by ``measure_sharded`` with torchrun's variables)."""
-    from moeforge.launch import open_rank_backend, run_worker, sharded_backend, start_world
+    from moeforge.parallel.launch import open_rank_backend, run_worker, sharded_backend, start_world
 
     world = start_world(artifact)
     if world.rank != 0:
@@ -88,7 +88,7 @@ def measure_sharded(artifact: Path, world: int) -> dict[str, float]:
 
 
 def measure_unsharded(artifact: Path) -> dict[str, float]:
-    from moeforge.artifact import load_artifact
+    from moeforge.core.artifact import load_artifact
     from moeforge.runtime.backends.onnxruntime import OrtBackend
 
     manifest = load_artifact(artifact).manifest

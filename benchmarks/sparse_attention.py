@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from moeforge.artifact import load_artifact
-from moeforge.bench import write_result
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.config import DSAConfig, MLAConfig, ModelConfig
-from moeforge.export.presets import PRESETS, TINY_BOS, TINY_EOS, Preset, _deepseek_yarn
-from moeforge.plugins.sparse_mla.function import Core
-from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort
+from moeforge.cli.bench import write_result
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.core.config import DSAConfig, MLAConfig, ModelConfig
+from moeforge.model.presets import PRESETS, TINY_BOS, TINY_EOS, Preset, _deepseek_yarn
+from moeforge.ops.sparse_mla.function import Core
+from moeforge.ops.sparse_mla.ort_lowering import lower_for_ort
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 RESULTS = Path(__file__).parent / "results" / "sparse_attention.json"

@@ -2,7 +2,7 @@
 
 For each artifact and each setting (plain decoding, then k draft tokens with a minimum matched tail of n tokens),
 one engine generates ``--new-tokens`` greedy tokens from every prompt of two sets, the settings alternating per
-prompt: ``random`` (``moeforge.bench``'s random-token prompts, 8 tokens, what ``bench --compare-genai-builder``
+prompt: ``random`` (``moeforge.cli.bench``'s random-token prompts, 8 tokens, what ``bench --compare-genai-builder``
 uses) and ``heldout`` (64-token passages of the held-out text of heldout_accuracy.py, the GPL-3 preamble: prose).
 Reported per set: the median decode tokens/s (first token to last), its ratio to plain decoding, the share of
 draft tokens accepted, and how many outputs equal plain decoding's token for token (with the mean length of the
@@ -10,7 +10,7 @@ common prefix). fp32 artifacts agree exactly; on int4 MatMulNBits artifacts a mu
 quantises its activations in other blocks than a one-token step, so at a near-tie the greedy token can differ, as
 it does between batch sizes.
 
-Writes benchmarks/results/speculative_decoding.json (``moeforge.bench.write_result``) and prints a table.
+Writes benchmarks/results/speculative_decoding.json (``moeforge.cli.bench.write_result``) and prints a table.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # heldout_accuracy, be
 
 from heldout_accuracy import DEFAULT_START, DEFAULT_TEXT, prose
 
-from moeforge.artifact import load_artifact
-from moeforge.bench import _prompts, write_result
-from moeforge.export.tokenizer import Tokenizer
+from moeforge.cli.bench import _prompts, write_result
+from moeforge.core.artifact import load_artifact
+from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 

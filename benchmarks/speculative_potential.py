@@ -9,12 +9,12 @@ halves, on an artifact:
 
 * acceptance: the engine greedily generates ``--new-tokens`` tokens from each prompt set; the drafter is replayed
   over those outputs (a draft token counts while it equals the greedy token at its place);
-  prompt sets: ``random`` (``moeforge.bench``'s random-token prompts, as genai_compare.py uses) and ``heldout``
+  prompt sets: ``random`` (``moeforge.cli.bench``'s random-token prompts, as genai_compare.py uses) and ``heldout``
   (passages of the held-out text of heldout_accuracy.py, the GPL-3 preamble: natural prose);
 * cost: ``OrtSession`` runs a 1-token decode step and (k + 1)-token steps on a cache holding ``--past`` tokens,
   alternating, medians.
 
-Writes benchmarks/results/speculative_potential.json (``moeforge.bench.write_result``) and prints a table. Nothing
+Writes benchmarks/results/speculative_potential.json (``moeforge.cli.bench.write_result``) and prints a table. Nothing
 here changes the engine: it says whether building the feature would pay on this machine.
 """
 
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # heldout_accuracy, be
 
 from heldout_accuracy import DEFAULT_START, DEFAULT_TEXT, prose
 
-from moeforge.artifact import load_artifact
-from moeforge.bench import _prompts, write_result
-from moeforge.export.tokenizer import Tokenizer
+from moeforge.cli.bench import _prompts, write_result
+from moeforge.core.artifact import load_artifact
+from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams

@@ -28,7 +28,7 @@ from typing import Any
 
 import onnxruntime as ort
 
-from moeforge.bench import write_result
+from moeforge.cli.bench import write_result
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moeforge.bench import write_result
+from moeforge.cli.bench import write_result
 
 RESULTS = Path(__file__).parent / "results" / "trt_build.json"
 CHILD = ("import resource, sys; from moeforge.cli import main; sys.argv[0] = 'moeforge'; code = main(sys.argv[1:]); "

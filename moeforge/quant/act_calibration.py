@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.calibration import GraphRunner
-from moeforge.errors import MoeforgeError
-from moeforge.graph_passes.quant_math import FP8_MAX
-from moeforge.graph_passes.quant_weights import QuantTarget, quant_targets
+from moeforge.core.errors import MoeforgeError
+from moeforge.passes.quant_math import FP8_MAX
+from moeforge.passes.quant_weights import QuantTarget, quant_targets
+from moeforge.quant.calibration import GraphRunner
 from moeforge.quant.schemes import SCHEMES
 
 METHODS = ("minmax", "percentile")

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.calibration import GraphRunner
-from moeforge.export.config import ModelConfig
-from moeforge.graph_passes.base import PassContext
-from moeforge.graph_passes.kv_quant import KVCacheQuantization, KVScales, scales_from_amax
-from moeforge.kv_layout import cache_names
+from moeforge.core.config import ModelConfig
+from moeforge.core.kv_layout import cache_names
+from moeforge.passes.base import PassContext
+from moeforge.passes.kv_quant import KVCacheQuantization, KVScales, scales_from_amax
+from moeforge.quant.calibration import GraphRunner
 
 # Per head (the MLA latent is one head): see graph_passes/kv_quant.py for why not per channel.
 DEFAULT_GRANULARITY = "head"

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.calibration import GraphRunner, mean_kl
-from moeforge.graph_passes.quant_math import fake_quantize
-from moeforge.graph_passes.quant_weights import QuantTarget, quant_targets
+from moeforge.passes.quant_math import fake_quantize
+from moeforge.passes.quant_weights import QuantTarget, quant_targets
 from moeforge.quant.act_calibration import weight_array
+from moeforge.quant.calibration import GraphRunner, mean_kl
 
 
 @dataclass(frozen=True)

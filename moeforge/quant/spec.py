@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moeforge.calibration import read_prompts
-from moeforge.errors import MoeforgeError
+from moeforge.core.errors import MoeforgeError
 from moeforge.quant.act_calibration import ActivationSpec, check_options
+from moeforge.quant.calibration import read_prompts
 from moeforge.quant.schemes import (
     ACCURACY_LEVELS,
     ASYM_OFFSETS,

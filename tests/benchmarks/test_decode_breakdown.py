@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeforge.compile import CompileOptions, compile_model
+from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.runtime.backends.onnxruntime import make_session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

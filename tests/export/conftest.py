@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 import torch
 
-from moeforge.export.gguf_loader import GGUFCheckpoint, find_smollm2_gguf, read_gguf
+from moeforge.model.gguf_loader import GGUFCheckpoint, find_smollm2_gguf, read_gguf
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from moeforge.errors import ConfigError
-from moeforge.export.config import MLAConfig, ModelConfig, MoEConfig
-from moeforge.export.presets import PRESETS, get_preset
+from moeforge.core.config import MLAConfig, ModelConfig, MoEConfig
+from moeforge.core.errors import ConfigError
+from moeforge.model.presets import PRESETS, get_preset
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -151,7 +151,7 @@ def test_deepseek_v2_norm_topk_prob_is_ignored_as_transformers_does(caplog):
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
           "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4,
           "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": True}
-    with caplog.at_level("WARNING", logger="moeforge.export.hf_config"):
+    with caplog.at_level("WARNING", logger="moeforge.core.hf_config"):
         config = ModelConfig.from_hf_dict(v2)
     assert config.moe is not None and config.moe.norm_topk_prob is False
     assert any("norm_topk_prob" in r.getMessage() and "ignores" in r.getMessage() for r in caplog.records)

@@ -19,14 +19,14 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moeforge.errors import ConfigError
-from moeforge.export.config import ModelConfig
-from moeforge.export.dsa import Indexer
-from moeforge.export.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
-from moeforge.export.generate import SamplingConfig, generate
-from moeforge.export.loader import load_model
-from moeforge.export.presets import PRESETS
-from moeforge.export.safetensors_loader import expected_keys
+from moeforge.core.config import ModelConfig
+from moeforge.core.errors import ConfigError
+from moeforge.model.dsa import Indexer
+from moeforge.model.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
+from moeforge.model.loader import load_model
+from moeforge.model.presets import PRESETS
+from moeforge.model.safetensors_loader import expected_keys
+from moeforge.verify.generate import SamplingConfig, generate
 from tests.export.test_moe_families import KIMI_YARN, PROMPT_LEN, STEPS, TINY, VOCAB, cached_logits, randomise
 
 # The smallest score gap at the top-k boundary we accept as a real (not tie-broken) selection.

@@ -20,10 +20,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from moeforge.errors import ConfigError
-from moeforge.export.config import ModelConfig
-from moeforge.export.gguf_loader import read_gguf, supported_tensor_types
-from moeforge.export.loader import load_model
+from moeforge.core.config import ModelConfig
+from moeforge.core.errors import ConfigError
+from moeforge.model.gguf_loader import read_gguf, supported_tensor_types
+from moeforge.model.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_hf_parity import _randomise  # the HF parity tests' weight spread
@@ -254,7 +254,7 @@ def test_llama3_rope_freqs_change_the_model(written: tuple[str, Any, Path]) -> N
         pytest.skip("rope_freqs is Llama-3.x's")
     import dataclasses
 
-    from moeforge.export.loader import build_from_tensors
+    from moeforge.model.loader import build_from_tensors
 
     ckpt = read_gguf(path)
     plain = dataclasses.replace(ckpt.config, rope=dataclasses.replace(ckpt.config.rope, frequency_factors=None))
@@ -268,7 +268,7 @@ def test_llama3_rope_freqs_change_the_model(written: tuple[str, Any, Path]) -> N
 def test_rope_factors_are_validated() -> None:
     base = dict(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=4, num_key_value_heads=4, head_dim=16)
-    from moeforge.export.config import RopeConfig
+    from moeforge.core.config import RopeConfig
 
     ModelConfig(**base, rope=RopeConfig(frequency_factors=(1.0,) * 8))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"3 given.*8 frequencies"):

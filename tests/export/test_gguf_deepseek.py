@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from moeforge.errors import CheckpointError
-from moeforge.export.gguf_loader import read_gguf
-from moeforge.export.loader import load_model
+from moeforge.core.errors import CheckpointError
+from moeforge.model.gguf_loader import read_gguf
+from moeforge.model.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_gguf_architectures import _close, _hparams_kv, _stacked_experts, _tokenizer_kv  # the writer's shared parts

@@ -12,10 +12,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from moeforge.errors import CheckpointError, ConfigError
-from moeforge.export import gguf_loader
-from moeforge.export.config import ModelConfig
-from moeforge.export.gguf_loader import GGUFCheckpoint, find_smollm2_gguf, read_gguf
+from moeforge.core.config import ModelConfig
+from moeforge.core.errors import CheckpointError, ConfigError
+from moeforge.model import gguf_loader
+from moeforge.model.gguf_loader import GGUFCheckpoint, find_smollm2_gguf, read_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

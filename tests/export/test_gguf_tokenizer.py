@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from moeforge.export.gguf_tokenizer import merges_from_scores
-from moeforge.export.tokenizer import Tokenizer
+from moeforge.model.gguf_tokenizer import merges_from_scores
+from moeforge.model.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -105,7 +105,7 @@ def test_merges_from_scores_order() -> None:
 
 
 def test_a_vocabulary_of_huge_tokens_is_refused_not_ground_through() -> None:
-    from moeforge.errors import TokenizerError
+    from moeforge.core.errors import TokenizerError
 
     tokens = ["x" * 20_000] * 2 + ["a", "b"]  # 2 x 4e8 slicing steps if tried
     with pytest.raises(TokenizerError, match="too long to recover merges"):
@@ -114,7 +114,7 @@ def test_a_vocabulary_of_huge_tokens_is_refused_not_ground_through() -> None:
 
 
 def test_a_bos_id_outside_the_vocabulary_is_named(tmp_path: Path) -> None:
-    from moeforge.errors import TokenizerError
+    from moeforge.core.errors import TokenizerError
 
     path = tmp_path / "spm.gguf"
     _write(path)
@@ -128,7 +128,7 @@ def test_chat_prompts_carry_the_templates_bos_only(tmp_path: Path) -> None:
     transformers' apply_chat_template(tokenize=True) gives."""
     import argparse
 
-    from moeforge.cli import _prompt_ids
+    from moeforge.cli.commands import _prompt_ids
 
     path = tmp_path / "spm.gguf"
     _write(path)

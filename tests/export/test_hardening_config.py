@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from moeforge.cli import main
-from moeforge.errors import CheckpointError, ConfigError
-from moeforge.export.config import ModelConfig
-from moeforge.export.gguf_loader import read_gguf
-from moeforge.export.loader import build_from_tensors, load_config, load_model
-from moeforge.export.model import CausalLM
-from moeforge.export.safetensors_loader import read_hf_checkpoint
+from moeforge.core.config import ModelConfig
+from moeforge.core.errors import CheckpointError, ConfigError
+from moeforge.model.gguf_loader import read_gguf
+from moeforge.model.loader import build_from_tensors, load_config, load_model
+from moeforge.model.model import CausalLM
+from moeforge.model.safetensors_loader import read_hf_checkpoint
 
 LLAMA: dict[str, Any] = {
     "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -330,7 +330,7 @@ def test_quantization_config_of_wrong_type(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------- item 15: no tokenizer
 def test_hf_folder_without_tokenizer_warns_at_load(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     folder = write_hf(tmp_path / "no_tok")
-    with caplog.at_level(logging.WARNING, logger="moeforge.export.loader"):
+    with caplog.at_level(logging.WARNING, logger="moeforge.model.loader"):
         loaded = load_model(str(folder))
     assert loaded.tokenizer is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

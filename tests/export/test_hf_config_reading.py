@@ -17,8 +17,8 @@ import pytest
 import torch
 import transformers
 
-from moeforge.export.config import ModelConfig
-from moeforge.export.loader import load_model
+from moeforge.core.config import ModelConfig
+from moeforge.model.loader import load_model
 
 TINY = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
             tie_word_embeddings=False)

@@ -8,8 +8,8 @@ within 1e-4 of our uncached forward over 16 steps.
 import pytest
 import torch
 
-from moeforge.export.generate import SamplingConfig, generate
-from moeforge.export.loader import load_model
+from moeforge.model.loader import load_model
+from moeforge.verify.generate import SamplingConfig, generate
 
 PROMPT_LEN, STEPS = 32, 16
 

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from moeforge.export.attention import causal_mask
-from moeforge.export.model import CausalLM, init_random_weights
-from moeforge.export.presets import get_preset
+from moeforge.model.attention import causal_mask
+from moeforge.model.model import CausalLM, init_random_weights
+from moeforge.model.presets import get_preset
 
 PROMPT_LEN, STEPS = 16, 16
 

@@ -21,14 +21,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moeforge.cli import main
-from moeforge.errors import CheckpointError, ConfigError
-from moeforge.export.config import ModelConfig
-from moeforge.export.generate import SamplingConfig, generate
-from moeforge.export.loader import load_model
-from moeforge.export.model import CausalLM, init_random_weights
-from moeforge.export.presets import PRESETS
-from moeforge.export.routing import route_tokens
-from moeforge.export.safetensors_loader import expected_keys
+from moeforge.core.config import ModelConfig
+from moeforge.core.errors import CheckpointError, ConfigError
+from moeforge.model.loader import load_model
+from moeforge.model.model import CausalLM, init_random_weights
+from moeforge.model.presets import PRESETS
+from moeforge.model.routing import route_tokens
+from moeforge.model.safetensors_loader import expected_keys
+from moeforge.verify.generate import SamplingConfig, generate
 
 PROMPT_LEN, STEPS, VOCAB = 64, 16, 320
 TINY = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

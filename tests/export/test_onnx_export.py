@@ -10,9 +10,9 @@ import weakref
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.export import onnx_export
-from moeforge.export.loader import load_model, release_weights
-from moeforge.export.onnx_export import export_stateless
+from moeforge.compile import onnx_export
+from moeforge.compile.onnx_export import export_stateless
+from moeforge.model.loader import load_model, release_weights
 
 
 def _summary(model: ir.Model) -> tuple[list[tuple[str, str, list[str]]], dict[str, np.ndarray]]:

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeforge.export.config import MoEConfig
-from moeforge.export.routing import route_tokens
+from moeforge.core.config import MoEConfig
+from moeforge.model.routing import route_tokens
 
 
 def _numpy_route(logits: np.ndarray, bias: np.ndarray | None, moe: MoEConfig):

@@ -18,10 +18,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from moeforge.errors import CheckpointError, ConfigError
-from moeforge.export.config import ModelConfig
-from moeforge.export.fp8 import FP8_MAX, dequantize_fp8_blockwise, quantize_fp8_blockwise
-from moeforge.export.safetensors_loader import HFCheckpoint, expected_keys, read_hf_checkpoint
+from moeforge.core.config import ModelConfig
+from moeforge.core.errors import CheckpointError, ConfigError
+from moeforge.model.fp8 import FP8_MAX, dequantize_fp8_blockwise, quantize_fp8_blockwise
+from moeforge.model.safetensors_loader import HFCheckpoint, expected_keys, read_hf_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never touch the network
 transformers = pytest.importorskip("transformers")
@@ -270,7 +270,7 @@ def test_mtp_layer_and_inv_freq_are_skipped(
         return out
 
     folder = _rewrite(saved["deepseek_v3"], tmp_path / "mtp", add_mtp)
-    with caplog.at_level(logging.DEBUG, logger="moeforge.export.safetensors_loader"):
+    with caplog.at_level(logging.DEBUG, logger="moeforge.model.safetensors_loader"):
         _, with_mtp, names = _load(folder)
     _, plain, _ = _load(saved["deepseek_v3"])
     _assert_same(with_mtp, plain)
@@ -561,7 +561,7 @@ def test_fp8_scale_wrong_shape(saved: dict[str, Path], tmp_path: Path) -> None:
 @torch.no_grad()
 def test_fp8_model_matches_transformers_on_dequantised_weights(fp8_model: nn.Module, tmp_path: Path) -> None:
     """End to end: our model from the FP8 checkpoint == transformers running the dequantised weights."""
-    from moeforge.export.loader import load_model
+    from moeforge.model.loader import load_model
 
     float_dir = tmp_path / "float"
     fp8_model.save_pretrained(float_dir)

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from moeforge.export.generate import SamplingConfig, generate
-from moeforge.export.loader import LoadedModel, load_model
+from moeforge.model.loader import LoadedModel, load_model
+from moeforge.verify.generate import SamplingConfig, generate
 
 pytestmark = pytest.mark.heavy
 

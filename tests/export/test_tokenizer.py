@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from moeforge.errors import TokenizerError
-from moeforge.export.gguf_loader import find_smollm2_gguf, read_gguf
-from moeforge.export.tokenizer import Tokenizer
+from moeforge.core.errors import TokenizerError
+from moeforge.model.gguf_loader import find_smollm2_gguf, read_gguf
+from moeforge.model.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -167,7 +167,7 @@ def test_gguf_metadata_errors() -> None:
 
 def test_tiny_gguf_metadata_tokenizer() -> None:
     """A hand-made byte-level BPE: merges, a control token, a user-defined token, llama3 pre-tokenizer."""
-    from moeforge.export.tokenizer import bytes_to_unicode
+    from moeforge.model.tokenizer import bytes_to_unicode
 
     alphabet = [bytes_to_unicode()[b] for b in range(256)]
     tokens = [*alphabet, "he", "hel", "hell", "hello", "Ġw", "<|eot|>", "<think>"]

@@ -10,8 +10,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from moeforge.export.loader import load_model
-from moeforge.export.onnx_export import export_stateless
+from moeforge.compile.onnx_export import export_stateless
+from moeforge.model.loader import load_model
 
 PRESET_NAMES = ("tiny-llama", "tiny-deepseek-v3", "tiny-deepseek-v2")
 

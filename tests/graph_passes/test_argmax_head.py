@@ -11,10 +11,10 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from moeforge.artifact import load_artifact
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.graph_passes.argmax_head import BLOCK, SAFETY, quantize_head
-from moeforge.kv_layout import ARGMAX_ONLY, LOGITS_CERTIFIED
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.core.kv_layout import ARGMAX_ONLY, LOGITS_CERTIFIED
+from moeforge.passes.argmax_head import BLOCK, SAFETY, quantize_head
 from moeforge.runtime.backends.base import ArgmaxHeadStats
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine

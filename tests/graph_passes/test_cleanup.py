@@ -9,7 +9,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from moeforge.graph_passes.cleanup import drop_reshape_round_trips
+from moeforge.passes.cleanup import drop_reshape_round_trips
 
 
 def _model(second_shape: list[int]) -> onnx.ModelProto:
@@ -56,8 +56,8 @@ def test_a_real_reshape_is_kept():
 
 def test_the_ort_pipeline_leaves_no_reshape_round_trip(fresh_model):
     """tiny-llama's export + fusions leave 6 Reshapes per layer around attention that only undo each other."""
-    from moeforge.graph_passes.base import PassContext
-    from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
+    from moeforge.passes.base import PassContext
+    from moeforge.passes.pipeline import ort_pipeline, run_passes
 
     loaded, model = fresh_model("tiny-llama")
     run_passes(model, PassContext(config=loaded.config, max_seq_len=64), ort_pipeline())
@@ -74,9 +74,9 @@ def test_a_graph_output_reshape_is_kept():
 def test_the_paged_pipeline_leaves_no_reshape_chain(fresh_model):
     """Paged attention's plumbing after the rotary fusion left Reshape -> Reshape pairs (4 per layer on tiny-llama);
     Cleanup collapses each into one Reshape, and the graph still computes the same logits."""
-    from moeforge.graph_passes.base import PassContext
-    from moeforge.graph_passes.cleanup import Cleanup
-    from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
+    from moeforge.passes.base import PassContext
+    from moeforge.passes.cleanup import Cleanup
+    from moeforge.passes.pipeline import ort_pipeline, run_passes
 
     loaded, model = fresh_model("tiny-llama")
     passes = ort_pipeline("paged")

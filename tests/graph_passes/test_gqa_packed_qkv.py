@@ -4,8 +4,8 @@ pipeline against PyTorch."""
 
 import pytest
 
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext
-from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
+from moeforge.passes.base import MS_DOMAIN, PassContext
+from moeforge.passes.pipeline import ort_pipeline, run_passes
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])

@@ -7,10 +7,10 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from moeforge.graph_passes.base import PassContext
-from moeforge.graph_passes.cleanup import Cleanup
-from moeforge.graph_passes.kv_cache import KVCacheInsertion
-from moeforge.kv_layout import contiguous_spec
+from moeforge.core.kv_layout import contiguous_spec
+from moeforge.passes.base import PassContext
+from moeforge.passes.cleanup import Cleanup
+from moeforge.passes.kv_cache_io import KVCacheInsertion
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
 
@@ -75,7 +75,7 @@ def test_gqa_graph_has_genai_names(fresh_model, tmp_path):
 
 
 def test_rope_folds_into_attention_for_gqa(fresh_model, tmp_path):
-    from moeforge.graph_passes.rotary import RotaryFusion
+    from moeforge.passes.rotary import RotaryFusion
 
     loaded, model = fresh_model("tiny-llama")  # head size 16: GQA's rotary accepts multiples of 16
     ctx = PassContext(loaded.config, 128)

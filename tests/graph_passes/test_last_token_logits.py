@@ -9,8 +9,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.kv_layout import LOGITS_TO_KEEP
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.kv_layout import LOGITS_TO_KEEP
 from moeforge.quant.spec import QuantSpec
 
 from .conftest import artifact_feeds

@@ -18,17 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from moeforge.export import moe_op
-from moeforge.export.config import MoEConfig
-from moeforge.export.moe import apply_experts
-from moeforge.export.presets import get_preset
-from moeforge.export.routing import route_tokens
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext
-from moeforge.graph_passes.moe_lowering import MoELowering
-from moeforge.plugins.moe_router import schema as router_schema
-from moeforge.plugins.moe_router.function import router_function_proto
-from moeforge.plugins.moe_router.reference import route
-from moeforge.plugins.moe_router.schema import RouterAttributes
+from moeforge.core.config import MoEConfig
+from moeforge.model import moe_op
+from moeforge.model.moe import apply_experts
+from moeforge.model.presets import get_preset
+from moeforge.model.routing import route_tokens
+from moeforge.ops.moe_router import schema as router_schema
+from moeforge.ops.moe_router.function import router_function_proto
+from moeforge.ops.moe_router.reference import route
+from moeforge.ops.moe_router.schema import RouterAttributes
+from moeforge.passes.base import MS_DOMAIN, PassContext
+from moeforge.passes.moe_lowering import MoELowering
 
 # Helpers of the shared conftest (pytest's importlib mode registers it under its path-derived name).
 from tests.graph_passes.conftest import random_feeds, run_ort

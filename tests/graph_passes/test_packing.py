@@ -5,8 +5,8 @@ import collections
 import numpy as np
 import pytest
 
-from moeforge.graph_passes.base import PassContext
-from moeforge.graph_passes.packing import ProjectionPacking
+from moeforge.passes.base import PassContext
+from moeforge.passes.packing import ProjectionPacking
 
 from .conftest import random_feeds, run_ort
 
@@ -43,7 +43,7 @@ def test_packing_counts_and_parity(fresh_model, name):
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
 def test_cleanup_keeps_numerics(fresh_model, name):
-    from moeforge.graph_passes.cleanup import Cleanup
+    from moeforge.passes.cleanup import Cleanup
 
     loaded, model = fresh_model(name)
     feeds = random_feeds(loaded.config.vocab_size)

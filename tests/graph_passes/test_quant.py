@@ -11,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeforge.export.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
-from moeforge.graph_passes.base import PassContext
-from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
-from moeforge.graph_passes.quant_lowering import QuantLowering
-from moeforge.graph_passes.quant_math import awq_search, fake_quantize, quantize, quantize_asym, quantize_fp8_exact
-from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
+from moeforge.model.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
+from moeforge.passes.base import PassContext
+from moeforge.passes.pipeline import ort_pipeline, run_passes
+from moeforge.passes.quant_lowering import QuantLowering
+from moeforge.passes.quant_math import awq_search, fake_quantize, quantize, quantize_asym, quantize_fp8_exact
+from moeforge.passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
 from moeforge.quant.sensitivity import choose_kept, measure
 
 from .conftest import run_ort

@@ -15,15 +15,15 @@ from hypothesis import strategies as st
 from onnx import TensorProto, numpy_helper
 from onnx import helper as oh
 
-from moeforge.graph_passes.base import PassContext
-from moeforge.graph_passes.pipeline import ort_pipeline, run_passes
-from moeforge.graph_passes.quant_activations import (
+from moeforge.passes.base import PassContext
+from moeforge.passes.pipeline import ort_pipeline, run_passes
+from moeforge.passes.quant_activations import (
     ActivationQuantization,
     OrtActivationLowering,
     fake_quantize_activation,
 )
-from moeforge.graph_passes.quant_math import fake_quantize
-from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
+from moeforge.passes.quant_math import fake_quantize
+from moeforge.passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
 from moeforge.quant.act_calibration import ActivationPlan, ActivationSpec, calibrate, percentile_from_top, top_count
 
 V, K, N = 64, 256, 128

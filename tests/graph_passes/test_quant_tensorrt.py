@@ -10,9 +10,9 @@ from __future__ import annotations
 import onnx_ir as ir
 import pytest
 
-from moeforge.graph_passes.base import PassContext
-from moeforge.graph_passes.cleanup import Cleanup
-from moeforge.graph_passes.quant_weights import QuantConfig, WeightQuantization
+from moeforge.passes.base import PassContext
+from moeforge.passes.cleanup import Cleanup
+from moeforge.passes.quant_weights import QuantConfig, WeightQuantization
 
 trt = pytest.importorskip("tensorrt_rtx_bindings")
 

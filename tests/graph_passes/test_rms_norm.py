@@ -12,9 +12,9 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from moeforge.export.config import ModelConfig
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext
-from moeforge.graph_passes.rms_norm import RmsNormFusion, SkipRmsNormFusion
+from moeforge.core.config import ModelConfig
+from moeforge.passes.base import MS_DOMAIN, PassContext
+from moeforge.passes.rms_norm import RmsNormFusion, SkipRmsNormFusion
 
 from .conftest import PRESET_NAMES, random_feeds, run_ort
 

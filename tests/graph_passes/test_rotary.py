@@ -14,13 +14,13 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from moeforge.export.model import CausalLM, init_random_weights
-from moeforge.export.onnx_export import export_stateless
-from moeforge.export.presets import get_preset
-from moeforge.export.rope import rope_inverse_frequencies
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext
-from moeforge.graph_passes.cleanup import Cleanup
-from moeforge.graph_passes.rotary import COS_CACHE, SIN_CACHE, RotaryFusion
+from moeforge.compile.onnx_export import export_stateless
+from moeforge.model.model import CausalLM, init_random_weights
+from moeforge.model.presets import get_preset
+from moeforge.model.rope import rope_inverse_frequencies
+from moeforge.passes.base import MS_DOMAIN, PassContext
+from moeforge.passes.cleanup import Cleanup
+from moeforge.passes.rotary import COS_CACHE, SIN_CACHE, RotaryFusion
 
 from .conftest import PRESET_NAMES, random_feeds, run_ort
 

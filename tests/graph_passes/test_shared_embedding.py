@@ -12,9 +12,9 @@ import onnxruntime as ort
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from moeforge.artifact import load_artifact
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.loader import load_model
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.model.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
 from test_gguf_loader import VOCAB, H, write_tiny_gguf  # a tiny llama written as llama.cpp would

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moeforge.errors import MoeforgeError
-from moeforge.launch import open_rank_backend, run_worker, sharded_backend, start_world
+from moeforge.compile.sharded_compile import rank_dir
+from moeforge.core.errors import MoeforgeError
+from moeforge.parallel.launch import open_rank_backend, run_worker, sharded_backend, start_world
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
-from moeforge.sharded import rank_dir
 
 PROMPTS = [[1 + (7 * i + 3 * j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
 

@@ -15,7 +15,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from moeforge.artifact import (
+from moeforge.cli.inspect import op_counts, summarize
+from moeforge.compile.genai_config import genai_config
+from moeforge.core.artifact import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     SHARDED_FILE,
@@ -27,12 +29,10 @@ from moeforge.artifact import (
     load_artifact,
     write_artifact,
 )
-from moeforge.errors import MoeforgeError
-from moeforge.export.presets import get_preset
-from moeforge.genai_config import genai_config
-from moeforge.inspect import op_counts, summarize
-from moeforge.kv_layout import contiguous_spec as kv_cache_spec
-from moeforge.manifest import TensorSpec, tool_versions
+from moeforge.core.errors import MoeforgeError
+from moeforge.core.kv_layout import contiguous_spec as kv_cache_spec
+from moeforge.core.manifest import TensorSpec, tool_versions
+from moeforge.model.presets import get_preset
 
 LLAMA = get_preset("tiny-llama").config
 DEEPSEEK = get_preset("tiny-deepseek-v3").config
@@ -221,7 +221,7 @@ def test_real_sigint_during_payload(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from moeforge.artifact import KVCacheSpec, Manifest, write_artifact
+        from moeforge.core.artifact import KVCacheSpec, Manifest, write_artifact
         kv = KVCacheSpec(layout="gqa", num_layers=1, past_input_names=[["k", "v"]],
                          present_output_names=[["pk", "pv"]], shape=[], dtype="float32",
                          values_per_token_per_layer=2, bytes_per_token=8, max_seq_len=4)
@@ -255,7 +255,7 @@ def test_payload_must_write_model(tmp_path):
 
 
 def test_stale_scratch_of_a_dead_process_is_removed(tmp_path):
-    from moeforge.artifact import _host_tag
+    from moeforge.core.artifact import _host_tag
 
     stale = tmp_path / f".art.moeforge-tmp.{_host_tag()}.999999999.deadbeef"
     stale.mkdir()
@@ -328,7 +328,7 @@ def test_deleted_file(artifact_dir):
 
 def test_extra_file_warns(artifact_dir, caplog):
     (artifact_dir / "notes.txt").write_text("hi")
-    with caplog.at_level(logging.WARNING, logger="moeforge.artifact"):
+    with caplog.at_level(logging.WARNING, logger="moeforge.core.artifact"):
         art = load_artifact(artifact_dir)
     assert art.extra_files == ["notes.txt"]
     assert "notes.txt" in caplog.text

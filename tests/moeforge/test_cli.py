@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moeforge.cli import main
-from moeforge.export.generate import SamplingConfig, generate
-from moeforge.export.loader import load_model
+from moeforge.model.loader import load_model
+from moeforge.verify.generate import SamplingConfig, generate
 
 
 def _run(capsys, *args):

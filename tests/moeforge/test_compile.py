@@ -12,12 +12,12 @@ import numpy as np
 import onnx
 import pytest
 
-from moeforge.artifact import ArtifactError, load_artifact
 from moeforge.cli import main
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.loader import load_model
-from moeforge.inspect import op_counts
-from moeforge.parity import default_prompt, run_parity
+from moeforge.cli.inspect import op_counts
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import ArtifactError, load_artifact
+from moeforge.model.loader import load_model
+from moeforge.verify.parity import default_prompt, run_parity
 
 PRESETS = ("tiny-llama", "tiny-deepseek-v3", "tiny-deepseek-v2")
 
@@ -194,7 +194,7 @@ def _engine_greedy_until_eos(path: Path, prompt: list[int], new_tokens: int) -> 
 
 def test_genai_runs_a_gqa_artifact(artifacts):
     pytest.importorskip("onnxruntime_genai")
-    from moeforge.genai_config import genai_greedy
+    from moeforge.compile.genai_config import genai_greedy
 
     path = artifacts["tiny-llama"]
     prompt = default_prompt(512, 12, seed=3)
@@ -208,7 +208,7 @@ def test_genai_runs_a_gqa_artifact(artifacts):
 def test_per_layer_parity_names_the_first_diverging_layer(artifacts, name):
     import torch
 
-    from moeforge.parity import run_layer_parity
+    from moeforge.verify.parity import run_layer_parity
 
     artifact = load_artifact(artifacts[name])
     config = load_model(name).config
@@ -236,8 +236,8 @@ def test_cli_per_layer(capsys, artifacts):
 def test_golden_outputs_are_saved_in_polygraphy_format(artifacts):
     from polygraphy.json import load_json
 
-    from moeforge.golden import compare_with_golden, load_golden
     from moeforge.runtime.backends.onnxruntime import OrtSession
+    from moeforge.verify.golden import compare_with_golden, load_golden
 
     root = artifacts["tiny-deepseek-v3"]
     assert {"golden/inputs.json", "golden/outputs.json"} <= set(load_artifact(root).manifest.files)

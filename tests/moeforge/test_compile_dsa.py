@@ -16,14 +16,14 @@ import numpy as np
 import onnx
 import pytest
 
-from moeforge.artifact import load_artifact
 from moeforge.cli import main
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.generate import SamplingConfig, generate
-from moeforge.export.loader import load_model
-from moeforge.parity import default_prompt, run_parity
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.model.loader import load_model
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
+from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.verify.parity import default_prompt, run_parity
 
 MODEL, PROMPT_LEN, STEPS = "tiny-deepseek-v3.2", 64, 16
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeforge.artifact import load_artifact
-from moeforge.cli import EXIT_OK, main
-from moeforge.compile import CompileOptions, compile_model
+from moeforge.cli.commands import EXIT_OK, main
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
 from test_gguf_architectures import BUILDERS, _randomise, write_gguf  # tiny models written as llama.cpp would
@@ -62,8 +62,8 @@ def test_qwen2_gguf_artifact_matches_transformers(tmp_path: Path, capsys: pytest
 
 def test_transformers_reference_refuses_what_its_gguf_reader_gets_wrong(tmp_path: Path) -> None:
     """transformers reads a Mixtral GGUF as a dense Llama (random MLPs) and ignores rope_freqs: refused by name."""
-    from moeforge.errors import MoeforgeError
-    from moeforge.transformers_reference import load_transformers_model
+    from moeforge.core.errors import MoeforgeError
+    from moeforge.verify.transformers_reference import load_transformers_model
 
     for kind, reason in (("mixtral", "llama GGUF with experts"), ("llama", "rope_freqs.weight")):
         with pytest.raises(MoeforgeError, match=reason):

@@ -7,16 +7,16 @@ import numpy as np
 import onnx
 import pytest
 
-from moeforge.artifact import load_artifact
 from moeforge.cli import main
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import MoeforgeError
-from moeforge.export.generate import SamplingConfig, generate
-from moeforge.export.loader import load_model
-from moeforge.golden import load_golden
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.core.errors import MoeforgeError
+from moeforge.model.loader import load_model
 from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
+from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.verify.golden import load_golden
 
 
 def _cli(capsys, *args: str) -> tuple[int, str, str]:

@@ -5,11 +5,11 @@ and onnxruntime-genai (a C++ runtime) runs the artifact with identical greedy to
 import onnx
 import pytest
 
-from moeforge.artifact import load_artifact
-from moeforge.export.gguf_loader import find_smollm2_gguf
-from moeforge.export.loader import load_model
-from moeforge.inspect import op_counts
-from moeforge.parity import run_parity
+from moeforge.cli.inspect import op_counts
+from moeforge.core.artifact import load_artifact
+from moeforge.model.gguf_loader import find_smollm2_gguf
+from moeforge.model.loader import load_model
+from moeforge.verify.parity import run_parity
 
 pytestmark = [
     pytest.mark.heavy,
@@ -63,7 +63,7 @@ def test_parity_with_pytorch(smollm2_artifact, reference):
 
 def test_genai_runs_the_artifact_with_identical_greedy_tokens(smollm2_artifact, reference):
     pytest.importorskip("onnxruntime_genai")
-    from moeforge.genai_config import genai_greedy
+    from moeforge.compile.genai_config import genai_greedy
     from moeforge.runtime.engine import LLMEngine
     from moeforge.runtime.sampler import SamplingParams
 
@@ -80,9 +80,9 @@ def test_genai_runs_the_artifact_with_identical_greedy_tokens(smollm2_artifact, 
 
 
 def test_engine_greedy_equals_pytorch_batch_1_and_8(smollm2_artifact, reference):
-    from moeforge.export.generate import SamplingConfig, generate
     from moeforge.runtime.engine import EngineConfig, LLMEngine
     from moeforge.runtime.sampler import SamplingParams
+    from moeforge.verify.generate import SamplingConfig, generate
 
     texts = ["The capital of France is", "Water boils at", "def fibonacci(n):", "Once upon a time, in a small village",
              "1, 2, 3, 4,", "The quick brown fox", "Photosynthesis is the process by which plants", "Hello"]

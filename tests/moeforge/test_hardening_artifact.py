@@ -21,9 +21,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moeforge import artifact as artifact_mod
-from moeforge import bench as bench_mod
-from moeforge.artifact import (
+from moeforge.cli import bench as bench_mod
+from moeforge.cli import main
+from moeforge.cli.bench import bench_memory, check_bench_memory, run_bench
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core import artifact as artifact_mod
+from moeforge.core.artifact import (
     MANIFEST_FILE,
     MODEL_FILE,
     ArtifactError,
@@ -32,11 +35,8 @@ from moeforge.artifact import (
     load_artifact,
     write_artifact,
 )
-from moeforge.bench import bench_memory, check_bench_memory, run_bench
-from moeforge.cli import main
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import MoeforgeError
-from moeforge.manifest import MAX_SEQ_LEN, Manifest
+from moeforge.core.errors import MoeforgeError
+from moeforge.core.manifest import MAX_SEQ_LEN, Manifest
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 
 DATA_FILE = "model.onnx.data"
@@ -164,7 +164,7 @@ def _crash_between_renames(art: Path) -> tuple[Path, Path]:
 def test_load_restores_the_artifact_a_killed_replace_moved_aside(art: Path, caplog: pytest.LogCaptureFixture) -> None:
     old, _ = _crash_between_renames(art)
     expected = _snapshot(old)
-    with caplog.at_level(logging.WARNING, logger="moeforge.artifact"):
+    with caplog.at_level(logging.WARNING, logger="moeforge.core.artifact"):
         assert main(["inspect", str(art)]) == 0
     assert "restored" in caplog.text and not old.exists()
     assert _snapshot(art) == expected
@@ -241,7 +241,7 @@ def test_unwritable_output_is_refused_before_loading(tmp_path: Path, monkeypatch
     def no_load(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the model was loaded before the output location was checked")
 
-    monkeypatch.setattr("moeforge.compile.load_model", no_load)
+    monkeypatch.setattr("moeforge.compile.driver.load_model", no_load)
     with pytest.raises(ArtifactError, match="not writable"):
         compile_model(CompileOptions(model="tiny-llama", output_dir=locked / "art", max_seq_len=64, progress=False))
     assert list(locked.iterdir()) == []

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeforge.cli import build_parser, main
-from moeforge.errors import TokenizerError
-from moeforge.export import onnx_export
-from moeforge.export.tokenizer import CHAT_TEMPLATE_MAX_CHARS, CHAT_TEMPLATE_TIME_LIMIT_S, Tokenizer
-from moeforge.quant.passes import resolve_block_size
+from moeforge.cli.commands import build_parser, main
+from moeforge.compile import onnx_export
+from moeforge.core.errors import TokenizerError
+from moeforge.model.tokenizer import CHAT_TEMPLATE_MAX_CHARS, CHAT_TEMPLATE_TIME_LIMIT_S, Tokenizer
+from moeforge.quant.plan import resolve_block_size
 from moeforge.quant.schemes import KV_SCHEMES
 from moeforge.quant.spec import KVQuantError, QuantError, QuantSpec, validate
 
@@ -188,7 +188,7 @@ def _odd_llama(folder: Path) -> Path:
 def test_default_block_size_falls_back_to_one_that_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         caplog: pytest.LogCaptureFixture) -> None:
     model = str(_odd_llama(tmp_path / "m"))
-    with caplog.at_level(logging.WARNING, logger="moeforge.quant.passes"):
+    with caplog.at_level(logging.WARNING, logger="moeforge.quant.plan"):
         code, _, err = _run(capsys, "compile", model, "-o", str(tmp_path / "a"), "--quant", "int4",
                             "--max-seq-len", "32", "--quiet")
     assert code == 0, err

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from moeforge.export.presets import get_preset
-from moeforge.kv_layout import KVCacheSpec, contiguous_spec, paged_spec, static_spec
+from moeforge.core.kv_layout import KVCacheSpec, contiguous_spec, paged_spec, static_spec
+from moeforge.model.presets import get_preset
 
 LLAMA = get_preset("tiny-llama").config  # GQA: 2 layers, 2 kv heads of 16
 DEEPSEEK = get_preset("tiny-deepseek-v3").config  # absorbed MLA: 3 layers, latent 32 + 8

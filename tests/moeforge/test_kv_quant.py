@@ -11,18 +11,18 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from moeforge.artifact import load_artifact
-from moeforge.calibration import CalibrationError, read_prompts, tokenize_prompts
 from moeforge.cli import main
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import MoeforgeError
-from moeforge.export.loader import load_model
-from moeforge.parity import default_prompt
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.core.errors import MoeforgeError
+from moeforge.model.loader import load_model
+from moeforge.quant.calibration import CalibrationError, read_prompts, tokenize_prompts
 from moeforge.quant.schemes import THRESHOLDS, thresholds_for
 from moeforge.quant.spec import KVQuantError
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
+from moeforge.verify.parity import default_prompt
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CALIB = DATA / "quant_calib_en.txt"
@@ -135,8 +135,8 @@ def test_prefill_and_decode_equal_pytorch_reading_an_int8_cache(kv_artifact, mon
     """Independent reference: PyTorch whose attention reads keys/values rounded to the artifact's int8 grid
     (prefill included: the kernel writes the new tokens first, then attends over the quantised cache). The
     artifact is far closer to it than to plain fp32 PyTorch and picks the same greedy tokens."""
-    import moeforge.export.attention as gqa_module
-    import moeforge.export.mla as mla_module
+    import moeforge.model.attention as gqa_module
+    import moeforge.model.mla as mla_module
 
     name, path = kv_artifact
     model = load_model(name, mla_impl="absorb").model

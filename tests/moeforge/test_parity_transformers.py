@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeforge.cli import EXIT_CHECK_FAILED, EXIT_OK, main
-from moeforge.compile import CompileOptions, compile_model
+from moeforge.cli.commands import EXIT_CHECK_FAILED, EXIT_OK, main
+from moeforge.compile.driver import CompileOptions, compile_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
 from test_hf_parity import _qwen3, _randomise  # the tiny transformers builders of the HF parity tests

@@ -14,13 +14,13 @@ import torch
 import transformers
 from onnx import numpy_helper
 
-from moeforge.artifact import load_artifact
-from moeforge.calibration import CalibrationError
-from moeforge.cli import build_parser, main
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import MoeforgeError
-from moeforge.export.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
-from moeforge.inspect import op_counts
+from moeforge.cli.commands import build_parser, main
+from moeforge.cli.inspect import op_counts
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.core.errors import MoeforgeError
+from moeforge.model.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
+from moeforge.quant.calibration import CalibrationError
 from moeforge.quant.spec import QuantError
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -180,6 +180,6 @@ def test_fp8_checkpoint_weights_are_kept_exactly(tmp_path, fp8_checkpoint):
 
 
 def test_fp8_checkpoint_to_int4_warns(tmp_path, fp8_checkpoint, caplog):
-    with caplog.at_level(logging.WARNING, logger="moeforge.quant.passes"):
+    with caplog.at_level(logging.WARNING, logger="moeforge.quant.plan"):
         _compile(tmp_path, str(fp8_checkpoint), quant="int4")
     assert any("stores FP8 weights" in r.message and "requantised to int4" in r.message for r in caplog.records)

@@ -3,16 +3,19 @@ the manifest."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import onnx
 import pytest
 
-from moeforge.artifact import load_artifact
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import MoeforgeError
-from moeforge.peers import artifact_label
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.core.errors import MoeforgeError
 from moeforge.quant.spec import QuantError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from peers import artifact_label  # the benchmarks' label of an artifact (benchmarks/peers.py)
 
 CALIB = Path(__file__).resolve().parents[1] / "data" / "quant_calib_en.txt"
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from moeforge.artifact import load_artifact
-from moeforge.cli import build_parser
-from moeforge.compile import CompileOptions, compile_model
+from moeforge.cli.commands import build_parser
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.compile.targets import TARGETS
+from moeforge.core.artifact import load_artifact
 from moeforge.quant import schemes
-from moeforge.quant.passes import AwqScales, PlannedWeightQuantization, quant_passes
+from moeforge.quant.plan import AwqScales, PlannedWeightQuantization, quant_passes
 from moeforge.quant.schemes import KV_CHOICES, LM_HEAD_KINDS, SCHEMES, Scheme, precision_name, thresholds_for
 from moeforge.quant.spec import QuantError, QuantSpec, validate
-from moeforge.targets import TARGETS
 
 CALIB = Path(__file__).resolve().parents[1] / "data" / "quant_calib_en.txt"
 

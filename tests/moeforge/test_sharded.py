@@ -20,16 +20,16 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import MoeforgeError
-from moeforge.export.loader import load_model
-from moeforge.net import free_port
-from moeforge.parity import torch_reference
-from moeforge.runtime.collectives import _library, cpu_graph
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.compile.sharded_compile import SHARDED_FILE, read_sharded
+from moeforge.core.errors import MoeforgeError
+from moeforge.model.loader import load_model
+from moeforge.model.sharding import plan_sharding
+from moeforge.ops.collectives.ort import _library, cpu_graph
+from moeforge.parallel.net import free_port
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
-from moeforge.sharded import SHARDED_FILE, read_sharded
-from moeforge.sharding import plan_sharding
+from moeforge.verify.parity import torch_reference
 from tests.conftest import wait_healthy
 
 pytestmark = pytest.mark.heavy

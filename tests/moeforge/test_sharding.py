@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeforge.export.loader import load_config, load_model
-from moeforge.sharding import ShardingError, plan_sharding
+from moeforge.model.loader import load_config, load_model
+from moeforge.model.sharding import ShardingError, plan_sharding
 
 
 @pytest.mark.parametrize(("name", "tp", "ep"), [("tiny-llama", 2, 1), ("tiny-deepseek-v3", 2, 2),

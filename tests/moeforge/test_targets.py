@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from moeforge.artifact import load_artifact
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import MoeforgeError
-from moeforge.manifest import Manifest
-from moeforge.targets import TARGETS, CompileJob, OrtTarget, Target, TrtTarget
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.compile.targets import TARGETS, CompileJob, OrtTarget, Target, TrtTarget
+from moeforge.core.artifact import load_artifact
+from moeforge.core.errors import MoeforgeError
+from moeforge.core.manifest import Manifest
 
 
 class BareOnnx(OrtTarget):

@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from moeforge.artifact import load_artifact
 from moeforge.cli import main
+from moeforge.core.artifact import load_artifact
 
 CALIB = Path(__file__).resolve().parents[1] / "data" / "quant_calib_en.txt"
 

@@ -21,16 +21,16 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from moeforge.export import moe_op
-from moeforge.export.config import MoEConfig
-from moeforge.export.moe import apply_experts
-from moeforge.export.routing import route_tokens, router_attributes
-from moeforge.graph_passes.base import MS_DOMAIN, PassContext
-from moeforge.graph_passes.moe_lowering import MoELowering
-from moeforge.plugins.moe_router import schema
-from moeforge.plugins.moe_router.function import attach_function, check_nodes, router_function_proto
-from moeforge.plugins.moe_router.reference import route
-from moeforge.plugins.moe_router.schema import RouterAttributes, RouterOpError
+from moeforge.core.config import MoEConfig
+from moeforge.model import moe_op
+from moeforge.model.moe import apply_experts
+from moeforge.model.routing import route_tokens, router_attributes
+from moeforge.ops.moe_router import schema
+from moeforge.ops.moe_router.function import attach_function, check_nodes, router_function_proto
+from moeforge.ops.moe_router.reference import route
+from moeforge.ops.moe_router.schema import RouterAttributes, RouterOpError
+from moeforge.passes.base import MS_DOMAIN, PassContext
+from moeforge.passes.moe_lowering import MoELowering
 
 OPSET = 23
 
@@ -345,8 +345,8 @@ def test_lowering_refuses_a_router_node_that_differs_from_its_function() -> None
 @pytest.mark.heavy  # one tiny-deepseek-v3 export (~20 s)
 def test_exported_deepseek_v3_carries_router_nodes_and_runs_without_custom_ops(tmp_path) -> None:
     """The stateless export: one MoERouter (+ function) per MoE layer; a fresh ORT process runs it = torch."""
-    from moeforge.export.loader import load_model
-    from moeforge.export.onnx_export import export_stateless
+    from moeforge.compile.onnx_export import export_stateless
+    from moeforge.model.loader import load_model
 
     loaded = load_model("tiny-deepseek-v3")
     config = loaded.model.config

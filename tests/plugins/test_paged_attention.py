@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from moeforge.export.attention import causal_mask
-from moeforge.plugins.paged_attention.function import build_function, single_op_model
-from moeforge.plugins.paged_attention.ort_lowering import lower_for_ort, uses_paged_attention
-from moeforge.plugins.paged_attention.reference import paged_attention
-from moeforge.plugins.paged_attention.schema import DOMAIN, OP_TYPE, PagedAttentionAttrs, register_schema
+from moeforge.model.attention import causal_mask
+from moeforge.ops.paged_attention.function import build_function, single_op_model
+from moeforge.ops.paged_attention.ort_lowering import lower_for_ort, uses_paged_attention
+from moeforge.ops.paged_attention.reference import paged_attention
+from moeforge.ops.paged_attention.schema import DOMAIN, OP_TYPE, PagedAttentionAttrs, register_schema
 
 ATOL = 1e-5
 

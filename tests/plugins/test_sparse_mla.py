@@ -9,9 +9,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from moeforge.plugins.sparse_mla import function, reference
-from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort, uses_sparse_mla
-from moeforge.plugins.sparse_mla.schema import (
+from moeforge.ops.sparse_mla import function, reference
+from moeforge.ops.sparse_mla.ort_lowering import lower_for_ort, uses_sparse_mla
+from moeforge.ops.sparse_mla.schema import (
     CACHED_INPUTS,
     CACHED_OP_TYPE,
     CACHED_OUTPUTS,

@@ -5,11 +5,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.generate import SamplingConfig, generate
-from moeforge.export.loader import load_model
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.model.loader import load_model
 from moeforge.runtime.engine import EngineConfig, LLMEngine, RequestError
 from moeforge.runtime.sampler import SamplingParams, SamplingParamsError
+from moeforge.verify.generate import SamplingConfig, generate
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 

@@ -14,7 +14,7 @@ import pytest
 
 from moeforge.runtime.backends.base import PoolInfo, StepInput
 from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine, RequestOutput
-from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 from moeforge.runtime.request import Request, RequestStatus
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.loader import load_model
-from moeforge.export.moe import MoERouter
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.model.loader import load_model
+from moeforge.model.moe import MoERouter
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
 

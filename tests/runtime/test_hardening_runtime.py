@@ -11,16 +11,16 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import TokenizerError
-from moeforge.export.generate import SamplingConfig, generate, generate_stream
-from moeforge.export.loader import load_model
-from moeforge.export.model import CausalLM
-from moeforge.export.tokenizer import Tokenizer
-from moeforge.kv_layout import paged_spec
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.errors import TokenizerError
+from moeforge.core.kv_layout import paged_spec
+from moeforge.model.loader import load_model
+from moeforge.model.model import CausalLM
+from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime import engine as engine_module
 from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine, RequestError, check_host_memory
 from moeforge.runtime.sampler import SamplingParams, SamplingParamsError
+from moeforge.verify.generate import SamplingConfig, generate, generate_stream
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 # What `moeforge run` would pass (flag names for SamplingParams fields), so both paths speak of its flags.

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from moeforge.runtime.block_pool import CacheFullError, KVCacheStats, full_block_hashes, hash_block_tokens
-from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 
 B = 16
 

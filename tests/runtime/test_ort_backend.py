@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from moeforge.artifact import load_artifact
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import ArtifactError
-from moeforge.export.loader import load_model
-from moeforge.manifest import KVCacheSpec
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.core.errors import ArtifactError
+from moeforge.core.manifest import KVCacheSpec
+from moeforge.model.loader import load_model
 from moeforge.runtime.backends.base import RowInput, StepInput
 from moeforge.runtime.backends.onnxruntime import OrtBackend, OrtSession
 

@@ -14,14 +14,14 @@ import numpy as np
 import onnx
 import pytest
 
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.generate import SamplingConfig, generate
-from moeforge.export.gguf_loader import find_smollm2_gguf
-from moeforge.export.loader import load_model
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.model.gguf_loader import find_smollm2_gguf
+from moeforge.model.loader import load_model
 from moeforge.runtime.backends.base import RowInput, StepInput
 from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
+from moeforge.verify.generate import SamplingConfig, generate
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 BLOCK = 16
@@ -54,7 +54,7 @@ def _prompts(n: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
 
 
 def test_paged_artifact_graph_and_manifest(deepseek):
-    from moeforge.artifact import load_artifact
+    from moeforge.core.artifact import load_artifact
 
     kv = load_artifact(deepseek["paged"]).manifest.kv_cache
     assert kv.paged and kv.block_size == BLOCK and kv.layout == "mla_latent"
@@ -132,7 +132,7 @@ def test_a_bare_onnxruntime_session_loads_the_paged_artifact(deepseek):
 
 
 def _kv(path: Path):
-    from moeforge.artifact import load_artifact
+    from moeforge.core.artifact import load_artifact
 
     return load_artifact(path).manifest.kv_cache
 

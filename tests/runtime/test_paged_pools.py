@@ -13,8 +13,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from moeforge.errors import ArtifactError
-from moeforge.manifest import KVCacheSpec
+from moeforge.core.errors import ArtifactError
+from moeforge.core.manifest import KVCacheSpec
 from moeforge.runtime.backends.base import RowInput
 from moeforge.runtime.backends.kv_bindings import CacheBinding, cache_bindings, resident_zeros
 from moeforge.runtime.backends.onnxruntime import check_session

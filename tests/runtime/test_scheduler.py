@@ -17,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 from moeforge.runtime.request import Request, RequestStatus
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput

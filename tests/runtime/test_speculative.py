@@ -10,16 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.generate import SamplingConfig, generate
-from moeforge.export.loader import load_model
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.model.loader import load_model
 from moeforge.runtime.backends.base import StepInput
 from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine
-from moeforge.runtime.kv_cache import KVCacheConfig, KVCacheManager
+from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 from moeforge.runtime.request import Request, RequestStatus
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.runtime.scheduler import SchedulerOutput
 from moeforge.runtime.speculative import Drafter, NgramIndex
+from moeforge.verify.generate import SamplingConfig, generate
 from tests.runtime.test_scheduler import _ROOT, VOCAB, B, make, mix, reference
 
 # -- the drafter ----------------------------------------------------------------------------------

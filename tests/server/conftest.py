@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import uvicorn
 
-from moeforge.net import free_port
+from moeforge.parallel.net import free_port
 from moeforge.runtime.backends.base import StepInput
 from moeforge.runtime.engine import EngineConfig, LLMEngine
-from moeforge.server import ServerConfig, create_app
+from moeforge.serve import ServerConfig, create_app
 
 MODEL = "tiny-llama"
 API_KEY = "test-key"
@@ -30,7 +30,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% end
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-llama (GQA, contiguous cache, byte-level tokenizer), max_seq_len 128."""
-    from moeforge.compile import CompileOptions, compile_model  # the compile stack: only this fixture needs it
+    from moeforge.compile.driver import CompileOptions, compile_model  # the compile stack: only this fixture needs it
 
     out = tmp_path_factory.mktemp("serve") / "tiny-llama"
     return compile_model(CompileOptions(model=MODEL, output_dir=out, max_seq_len=128, progress=False)).output_dir

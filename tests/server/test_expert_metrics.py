@@ -11,10 +11,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from moeforge.export.loader import load_model
-from moeforge.export.moe import MoERouter
+from moeforge.model.loader import load_model
+from moeforge.model.moe import MoERouter
 from moeforge.runtime.engine import EngineConfig, LLMEngine
-from moeforge.server import ServerConfig, create_app
+from moeforge.serve import ServerConfig, create_app
 
 from .conftest import _running
 
@@ -23,7 +23,7 @@ MOE_MODEL = "tiny-deepseek-v3"
 
 @pytest.fixture(scope="module")
 def moe_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from moeforge.compile import CompileOptions, compile_model  # the compile stack: only this fixture needs it
+    from moeforge.compile.driver import CompileOptions, compile_model  # the compile stack: only this fixture needs it
 
     out = tmp_path_factory.mktemp("serve-moe") / MOE_MODEL
     return compile_model(CompileOptions(model=MOE_MODEL, output_dir=out, max_seq_len=64, progress=False)).output_dir

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from moeforge.export.tokenizer import Tokenizer
+from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.engine import LLMEngine, RequestOutput
 from moeforge.runtime.sampler import SamplingParams
 

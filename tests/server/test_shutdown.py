@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from moeforge.net import free_port
+from moeforge.parallel.net import free_port
 from tests.conftest import wait_healthy
 
 

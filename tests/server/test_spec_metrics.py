@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from moeforge.compile import CompileOptions, compile_model
+from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.runtime.engine import EngineConfig, LLMEngine
 from moeforge.runtime.sampler import SamplingParams
-from moeforge.server import ServerConfig, create_app
+from moeforge.serve import ServerConfig, create_app
 
 from .conftest import MODEL, _running
 

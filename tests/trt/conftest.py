@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from moeforge.compile import CompileOptions, compile_model
+from moeforge.compile.driver import CompileOptions, compile_model
 
 TRT_PRESETS = ("tiny-llama", "tiny-deepseek-v3")
 MAX_SEQ_LEN = 64

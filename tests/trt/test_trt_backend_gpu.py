@@ -12,13 +12,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pytest
 
-from moeforge.artifact import load_artifact
-from moeforge.errors import MoeforgeError
-from moeforge.manifest import KVCacheSpec
+from moeforge.core.artifact import load_artifact
+from moeforge.core.errors import MoeforgeError
+from moeforge.core.manifest import KVCacheSpec
 from moeforge.runtime.backends.base import RowInput, StepInput
 from moeforge.runtime.backends.kv_bindings import CacheBinding
 from moeforge.runtime.backends.tensorrt import TensorRTBackend, engine_cache_bindings
-from moeforge.trt.adapter import local_sm
+from moeforge.runtime.backends.trt_adapter import local_sm
 
 from .conftest import have_cuda, needs_trt_rtx
 
@@ -101,7 +101,7 @@ def test_backend_runs_prefills_and_decodes_within_the_engine_profiles():
 def gpu_artifacts(trt_artifacts, tmp_path_factory):
     if local_sm() == 89:
         return trt_artifacts
-    from moeforge.compile import CompileOptions, compile_model
+    from moeforge.compile.driver import CompileOptions, compile_model
 
     root = tmp_path_factory.mktemp("trt_gpu")
     return {name: compile_model(CompileOptions(model=name, output_dir=root / name, target="trt", max_seq_len=64,
@@ -114,7 +114,7 @@ def gpu_artifacts(trt_artifacts, tmp_path_factory):
 @needs_gpu
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
 def test_engine_matches_golden(gpu_artifacts, name):
-    from moeforge.golden import check_engine
+    from moeforge.verify.golden import check_engine
 
     check, tolerance = check_engine(gpu_artifacts[name])
     assert check.max_abs_err <= tolerance and check.top1_agreement >= 0.9
@@ -127,7 +127,7 @@ def test_engine_matches_golden(gpu_artifacts, name):
 def test_backend_matches_onnxruntime_on_the_same_graph(gpu_artifacts, cuda_graphs):
     """Two sequences in two slots: prefill, then 8 batched greedy decodes with the caches bound in place;
     every step's logits match ONNX Runtime running the same lowered graph teacher-forced on those tokens."""
-    from moeforge.trt.reference import run_steps
+    from moeforge.compile.trt.reference import run_steps
 
     artifact = load_artifact(gpu_artifacts["tiny-llama"])
     backend = TensorRTBackend.from_artifact(artifact.root, num_slots=2, cuda_graphs=cuda_graphs)

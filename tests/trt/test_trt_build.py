@@ -10,12 +10,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from moeforge.artifact import load_artifact
 from moeforge.cli import main
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.loader import load_model
-from moeforge.golden import load_golden
-from moeforge.inspect import summarize
+from moeforge.cli.inspect import summarize
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.model.loader import load_model
+from moeforge.verify.golden import load_golden
 
 from .conftest import MAX_SEQ_LEN, TRT_PRESETS, needs_trt_rtx
 
@@ -72,8 +72,8 @@ def test_native_layers(trt_artifacts, name):
 
 
 def test_plan_header_reads_without_gpu(trt_artifacts):
-    from moeforge.trt.adapter import load_tensorrt
-    from moeforge.trt.build import plan_diagnostics
+    from moeforge.compile.trt.engine_build import plan_diagnostics
+    from moeforge.runtime.backends.trt_adapter import load_tensorrt
 
     trt = load_tensorrt("tensorrt-rtx")
     plan = (trt_artifacts["tiny-llama"] / "model.plan").read_bytes()
@@ -119,7 +119,7 @@ def test_unsupported_sm_fails_fast(tmp_path, capsys):
 def test_no_tensorrt_installed(monkeypatch, tmp_path):
     import importlib
 
-    from moeforge.trt.adapter import TensorRTNotInstalled
+    from moeforge.runtime.backends.trt_adapter import TensorRTNotInstalled
 
     real = importlib.import_module
 
@@ -137,7 +137,7 @@ def test_no_tensorrt_installed(monkeypatch, tmp_path):
 
 def test_unregistered_plugin_is_named(tmp_path):
     """A node in a custom domain with no local function and no registered plugin: a clear error."""
-    from moeforge.trt.build import BuildOptions, PluginNotRegistered, build_engine
+    from moeforge.compile.trt.engine_build import BuildOptions, PluginNotRegistered, build_engine
 
     node = helper.make_node("MoERouter", ["x"], ["y"], domain="moeforge", plugin_version="1",
                             plugin_namespace="moeforge", top_k=2)

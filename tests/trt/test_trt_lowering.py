@@ -9,12 +9,12 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from moeforge.export.loader import load_model
-from moeforge.export.onnx_export import export_stateless
-from moeforge.graph_passes.base import PassContext
-from moeforge.graph_passes.pipeline import run_passes
-from moeforge.graph_passes.trt_lowering import trt_pipeline
-from moeforge.trt.reference import run_steps
+from moeforge.compile.onnx_export import export_stateless
+from moeforge.compile.trt.reference import run_steps
+from moeforge.model.loader import load_model
+from moeforge.passes.base import PassContext
+from moeforge.passes.pipeline import run_passes
+from moeforge.passes.trt_lowering import trt_pipeline
 
 from .conftest import TRT_PRESETS
 
@@ -95,13 +95,12 @@ def test_nothing_imports_tensorrt_unless_used(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, moeforge.cli, moeforge.compile, moeforge.inspect, moeforge.runtime.engine, "
-            "moeforge.runtime.backends.tensorrt, moeforge.trt.build, moeforge.targets.trt, moeforge.golden, "
-            "moeforge.plugins.moe_router.tensorrt, moeforge.plugins.paged_attention.tensorrt, "
-            "moeforge.plugins.sparse_mla.tensorrt; "
+    code = ("import sys, moeforge.cli.commands, moeforge.compile.driver, moeforge.cli.inspect, "
+            "moeforge.runtime.engine, moeforge.runtime.backends.tensorrt, moeforge.compile.trt.engine_build, "
+            "moeforge.compile.targets.trt, moeforge.verify.golden, "
+            "moeforge.ops.moe_router.tensorrt, moeforge.ops.paged_attention.tensorrt, "
+            "moeforge.ops.sparse_mla.tensorrt; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'tensorrt_rtx_bindings')))")
-    # cwd outside the checkout: `python -c` puts the cwd first on sys.path, where the source folder `moeforge/`
-    # would shadow the installed package (whose subpackages map to the top-level folders).
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=tmp_path).stdout
     assert out.strip() == "[]"

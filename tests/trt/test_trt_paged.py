@@ -9,10 +9,10 @@ import onnx
 import pytest
 import torch
 
-from moeforge.artifact import load_artifact
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.loader import load_model
-from moeforge.golden import load_golden
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.model.loader import load_model
+from moeforge.verify.golden import load_golden
 
 from .conftest import needs_trt_rtx
 
@@ -76,8 +76,8 @@ def test_graph_keeps_plugin_convention_nodes_with_functions(paged_artifact):
 
 def test_parsed_network_inlines_router_and_paged_attention(paged_artifact):
     """The parser inlined each node's local function (layers tagged with the calling node), no plugin layer."""
-    from moeforge.trt.adapter import load_tensorrt
-    from moeforge.trt.build import ParsedNetwork
+    from moeforge.compile.trt.engine_build import ParsedNetwork
+    from moeforge.runtime.backends.trt_adapter import load_tensorrt
 
     parsed = ParsedNetwork(load_tensorrt("tensorrt-rtx"), paged_artifact.model_path)
     net = parsed.network
@@ -163,12 +163,12 @@ def test_latent_node_parses_only_with_bound_empty_inputs(tmp_path):
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from moeforge.graph_passes.trt_paged import TrtPagedInputs
-    from moeforge.plugins.paged_attention.function import single_op_model
-    from moeforge.plugins.paged_attention.reference import paged_attention
-    from moeforge.plugins.paged_attention.schema import PagedAttentionAttrs
-    from moeforge.trt.adapter import load_tensorrt
-    from moeforge.trt.build import EngineBuildError, ParsedNetwork
+    from moeforge.compile.trt.engine_build import EngineBuildError, ParsedNetwork
+    from moeforge.ops.paged_attention.function import single_op_model
+    from moeforge.ops.paged_attention.reference import paged_attention
+    from moeforge.ops.paged_attention.schema import PagedAttentionAttrs
+    from moeforge.passes.trt_paged import TrtPagedInputs
+    from moeforge.runtime.backends.trt_adapter import load_tensorrt
 
     attrs = PagedAttentionAttrs(scale=0.2, num_heads=4, num_kv_heads=1, block_size=4, head_size_v=8, latent=True)
     proto = single_op_model(attrs)
@@ -203,7 +203,7 @@ def test_latent_node_parses_only_with_bound_empty_inputs(tmp_path):
 
 
 def test_contiguous_engine_runner_refuses_paged_engines(paged_artifact):
-    from moeforge.errors import MoeforgeError
+    from moeforge.core.errors import MoeforgeError
     from moeforge.runtime.backends.tensorrt import TrtEngine
 
     with pytest.raises(MoeforgeError, match="paged TensorRT engine"):

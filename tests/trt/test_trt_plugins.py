@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from moeforge.export.config import MoEConfig
-from moeforge.export.routing import route_tokens
-from moeforge.plugins.moe_router import tensorrt as router_plugin
-from moeforge.plugins.moe_router.tensorrt import RouterAttrs, route
-from moeforge.plugins.paged_attention import tensorrt as paged_plugin
-from moeforge.plugins.paged_attention.tensorrt import PagedAttentionAttrs, paged_attention
+from moeforge.core.config import MoEConfig
+from moeforge.model.routing import route_tokens
+from moeforge.ops.moe_router import tensorrt as router_plugin
+from moeforge.ops.moe_router.tensorrt import RouterAttrs, route
+from moeforge.ops.paged_attention import tensorrt as paged_plugin
+from moeforge.ops.paged_attention.tensorrt import PagedAttentionAttrs, paged_attention
 
 from .conftest import full_tensorrt_with_gpu, needs_trt_rtx
 
@@ -173,8 +173,8 @@ def _paged_function() -> onnx.FunctionProto:
 def test_plugin_convention_nodes_build_on_cpu(tmp_path):
     """MoERouter / PagedAttention nodes (op type = plugin name, plugin_version, plugin_namespace) with local
     functions: TensorRT-RTX (no plugin registered) inlines the functions and builds an SM89 plan."""
-    from moeforge.trt.adapter import load_tensorrt
-    from moeforge.trt.build import BuildOptions, ParsedNetwork, build_engine
+    from moeforge.compile.trt.engine_build import BuildOptions, ParsedNetwork, build_engine
+    from moeforge.runtime.backends.trt_adapter import load_tensorrt
 
     common = {"domain": "moeforge", "plugin_version": "1", "plugin_namespace": "moeforge"}
     router = helper.make_node("MoERouter", ["logits", "bias"], ["ids", "weights"], scoring="sigmoid", top_k=2,
@@ -238,7 +238,7 @@ def test_python_plugins_refuse_tensorrt_rtx():
     """Registering would make the parser import the node as a Python plugin, which aborts RTX 1.7."""
     import tensorrt_rtx_bindings as trt
 
-    from moeforge.errors import MoeforgeError
+    from moeforge.core.errors import MoeforgeError
 
     for module in (router_plugin, paged_plugin):
         with pytest.raises(MoeforgeError, match="aborts the process"):

@@ -9,12 +9,12 @@ import onnx
 import pytest
 import torch
 
-from moeforge.artifact import load_artifact
-from moeforge.calibration import mean_kl
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.errors import MoeforgeError
-from moeforge.export.loader import load_model
-from moeforge.golden import load_golden
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.core.errors import MoeforgeError
+from moeforge.model.loader import load_model
+from moeforge.quant.calibration import mean_kl
+from moeforge.verify.golden import load_golden
 
 from .conftest import MAX_SEQ_LEN, needs_trt_rtx
 

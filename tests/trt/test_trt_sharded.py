@@ -11,8 +11,8 @@ from pathlib import Path
 import onnx
 import pytest
 
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.loader import load_config
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.model.loader import load_config
 from tests.trt.conftest import needs_trt_rtx
 
 pytestmark = [needs_trt_rtx, pytest.mark.heavy]

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from moeforge.artifact import load_artifact
-from moeforge.compile import CompileOptions, compile_model
-from moeforge.export.loader import load_model
-from moeforge.golden import load_golden
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.model.loader import load_model
+from moeforge.verify.golden import load_golden
 
 from .conftest import needs_trt_rtx
 

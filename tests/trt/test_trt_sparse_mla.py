@@ -13,8 +13,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from moeforge.plugins.sparse_mla import function
-from moeforge.plugins.sparse_mla.schema import (
+from moeforge.ops.sparse_mla import function
+from moeforge.ops.sparse_mla.schema import (
     CACHED_INPUTS,
     CACHED_OP_TYPE,
     CACHED_OUTPUTS,
@@ -52,8 +52,8 @@ def _shapes(form: str) -> dict[str, tuple[list[Any], int]]:
 @needs_trt_rtx
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_sparse_mla_builds_with_tensorrt_rtx_on_cpu(form: str, tmp_path: Path) -> None:
-    from moeforge.trt.adapter import load_tensorrt
-    from moeforge.trt.build import ParsedNetwork
+    from moeforge.compile.trt.engine_build import ParsedNetwork
+    from moeforge.runtime.backends.trt_adapter import load_tensorrt
 
     op, inputs, outputs = FORMS[form]
     shapes = _shapes(form)
@@ -91,9 +91,9 @@ def test_v32_tensorrt_target_matches_pytorch_and_builds(tmp_path: Path) -> None:
     stays within half-precision error."""
     import numpy as np
 
-    from moeforge.compile import CompileOptions, compile_model
-    from moeforge.export.loader import load_model
-    from moeforge.trt.reference import run_steps
+    from moeforge.compile.driver import CompileOptions, compile_model
+    from moeforge.compile.trt.reference import run_steps
+    from moeforge.model.loader import load_model
     from tests.trt.test_trt_lowering import _lower, _reference
 
     loaded = load_model("tiny-deepseek-v3.2", mla_impl="absorb")

@@ -15,11 +15,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from moeforge.plugins.sparse_mla import function, reference
-from moeforge.plugins.sparse_mla import tensorrt as sparse_plugin
-from moeforge.plugins.sparse_mla.function import Core
-from moeforge.plugins.sparse_mla.ort_lowering import lower_for_ort
-from moeforge.plugins.sparse_mla.schema import (
+from moeforge.ops.sparse_mla import function, reference
+from moeforge.ops.sparse_mla import tensorrt as sparse_plugin
+from moeforge.ops.sparse_mla.function import Core
+from moeforge.ops.sparse_mla.ort_lowering import lower_for_ort
+from moeforge.ops.sparse_mla.schema import (
     CACHED_OP_TYPE,
     DOMAIN,
     PAGED_INPUTS,
@@ -27,7 +27,7 @@ from moeforge.plugins.sparse_mla.schema import (
     PAGED_OUTPUTS,
     SparseMLAAttrs,
 )
-from moeforge.plugins.sparse_mla.tensorrt import sparse_mla_cached, sparse_mla_paged
+from moeforge.ops.sparse_mla.tensorrt import sparse_mla_cached, sparse_mla_paged
 
 from .conftest import full_tensorrt_with_gpu, needs_trt_rtx
 
@@ -196,7 +196,7 @@ def test_plugin_creator_names_missing_fields() -> None:
 def test_sparse_mla_plugin_refuses_tensorrt_rtx() -> None:
     import tensorrt_rtx_bindings as trt
 
-    from moeforge.errors import MoeforgeError
+    from moeforge.core.errors import MoeforgeError
 
     with pytest.raises(MoeforgeError, match="aborts the process"):
         sparse_plugin.register(trt)

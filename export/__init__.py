@@ -1,1 +1,0 @@
-"""PyTorch side: config, model definition, checkpoint loaders, reference generation."""

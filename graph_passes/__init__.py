@@ -1,1 +1,0 @@
-"""ONNX -> ONNX graph passes (onnx-ir); one rule family per file."""

@@ -1,0 +1,256 @@
+"""Benchmark helpers: a description of the machine, and writing results as JSON."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moeforge.cli.inspect import format_bytes
+from moeforge.compile.genai_config import genai_greedy
+from moeforge.core.artifact import KVCacheSpec, load_artifact
+from moeforge.core.errors import MoeforgeError
+from moeforge.core.manifest import tool_versions
+from moeforge.model.loader import load_model
+from moeforge.model.model import CausalLM
+from moeforge.runtime.engine import EngineConfig, LLMEngine, available_memory
+from moeforge.runtime.sampler import SamplingParams
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: CPU model, cores, memory, OS, Python and library versions."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gib = None
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        memory_gib = round(pages * page_size / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": memory_gib,
+        "os": f"{platform.system()} {platform.release()}",
+        "machine": platform.machine(),
+        "gpu": None,
+        "versions": tool_versions(),
+    }
+
+
+def peak_rss_mib(children: bool = False) -> float:
+    """Peak resident set size of this process (or of its finished children), MiB."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF)
+    return usage.ru_maxrss / 1024  # Linux reports KiB
+
+
+def write_result(path: str | Path, name: str, results: dict[str, Any]) -> Path:
+    """Write ``{"benchmark", "date_utc", "machine", "command", "results"}`` as indented JSON."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": name,
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "results": results,
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------- moeforge bench
+def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(batch)]
+
+
+def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
+                 threads: int | None = None, speculative_tokens: int = 0) -> dict[str, Any]:
+    """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT (and with
+    ``speculative_tokens`` the draft tokens fed and accepted)."""
+    engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(max_num_seqs=batch,
+                                                                max_num_batched_tokens=batch * prompt_len,
+                                                                threads=threads,
+                                                                speculative_tokens=speculative_tokens))
+    vocab = engine.backend.vocab_size
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    engine.generate(_prompts(vocab, batch, prompt_len, seed=99), SamplingParams(max_tokens=2, ignore_eos=True))
+    start = time.perf_counter()
+    for prompt in _prompts(vocab, batch, prompt_len):
+        engine.add_request(prompt, params)
+    first_tokens_at = None
+    started: set[int] = set()  # requests that produced their first token
+    outputs = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.token_ids:
+                started.add(out.request_id)
+            if out.finished:
+                outputs.append(out)
+        if first_tokens_at is None and len(started) == batch:
+            first_tokens_at = time.perf_counter()
+    end = time.perf_counter()
+    assert first_tokens_at is not None
+    ttfts = [o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None]
+    rss = peak_rss_mib()  # before the profiled engine below is loaded
+    drafts = {"speculative_tokens": speculative_tokens, "draft_tokens": engine.metrics.draft_tokens,
+              "accepted_draft_tokens": engine.metrics.accepted_draft_tokens} if speculative_tokens else {}
+    del engine  # free its caches first: one engine's memory at a time (what check_bench_memory assumes)
+    gc.collect()
+    # Attention's share of kernel time, from a separate profiled run (profiling perturbs the timings).
+    profiled = LLMEngine.from_artifact(artifact_dir, EngineConfig(max_num_seqs=batch, threads=threads, profile=True,
+                                                                  max_num_batched_tokens=batch * prompt_len))
+    profiled.generate(_prompts(vocab, batch, prompt_len), params)
+    return {
+        "attention_time_share": round(profiled.attention_time_share() or 0.0, 3),
+        "prefill_tokens_per_s": batch * prompt_len / (first_tokens_at - start),
+        "decode_tokens_per_s": batch * (new_tokens - 1) / (end - first_tokens_at),
+        "ttft_ms_median": 1e3 * sorted(ttfts)[len(ttfts) // 2],
+        "peak_rss_mib": round(rss, 1),
+        **drafts,
+    }
+
+
+def bench_torch(model: CausalLM, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict[str, Any]:
+    """Our PyTorch model (eager, fp32, its own KV cache), same work."""
+    ids = torch.tensor(_prompts(vocab, batch, prompt_len))
+    with torch.inference_mode():
+        model(ids[:, :4], torch.arange(4).expand(batch, -1))  # warm-up
+        start = time.perf_counter()
+        out = model(ids, torch.arange(prompt_len).expand(batch, -1))
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        first = time.perf_counter()
+        past = out.past_key_values
+        for step in range(new_tokens - 1):
+            pos = torch.full((batch, 1), prompt_len + step)
+            out = model(token, pos, past)
+            past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        end = time.perf_counter()
+    return {"prefill_tokens_per_s": batch * prompt_len / (first - start),
+            "decode_tokens_per_s": batch * (new_tokens - 1) / (end - first)}
+
+
+def bench_transformers(source: str, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict[str, Any] | None:
+    """transformers eager on the same weights (HF folder or GGUF), when installed."""
+    try:
+        # transformers is an optional (dev) dependency and slow to import: only this comparison needs it.
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    path = Path(source)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    elif (path / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        return None
+    model.eval()
+    ids = torch.tensor(_prompts(vocab, batch, prompt_len))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        model.generate(ids[:, :4], attention_mask=mask[:, :4], max_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        first = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False)
+        end = time.perf_counter()
+    prefill = first - start
+    return {"prefill_tokens_per_s": batch * prompt_len / prefill,
+            "decode_tokens_per_s": batch * (new_tokens - 1) / max(end - first - prefill, 1e-9)}
+
+
+def bench_genai(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
+                vocab: int) -> dict[str, Any] | None:
+    """onnxruntime-genai running the same artifact from its genai_config.json, when installed."""
+    try:
+        import onnxruntime_genai as og  # optional (dev) dependency: only this comparison needs it
+    except ImportError:
+        return None
+    if not (Path(artifact_dir) / "genai_config.json").is_file():
+        return None
+    model = og.Model(str(artifact_dir))
+    prompts = _prompts(vocab, batch, prompt_len)
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        genai_greedy(model, prompts, n, min_new_tokens=n)
+        return time.perf_counter() - start
+
+    run(2)
+    prefill = run(1)
+    total = run(new_tokens)
+    return {"prefill_tokens_per_s": batch * prompt_len / prefill,
+            "decode_tokens_per_s": batch * (new_tokens - 1) / max(total - prefill, 1e-9)}
+
+
+def bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int) -> int:
+    """Bytes each engine of ``bench_engine`` allocates at least, counted as ``runtime.engine.check_host_memory``
+    counts them: the KV cache of ``batch`` sequences of ``max_seq_len`` tokens (whole blocks when paged) and the
+    float32 logits of one full step of ``batch * prompt_len`` tokens. Weights and activations come on top."""
+    if kv.paged:
+        block = kv.block_size or 1
+        cache = kv.bytes_for(-(-kv.max_seq_len // block) * block, batch)
+    else:
+        cache = kv.bytes_for(kv.max_seq_len, batch)
+    return cache + 4 * vocab * batch * min(prompt_len, kv.max_seq_len)
+
+
+def check_bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int,
+                       available: int | None = None) -> None:
+    """Refuse (``MoeforgeError``, naming both numbers and the largest batch that fits) a benchmark whose
+    ``bench_memory`` exceeds ``available`` (default: ``available_memory()``; unknown: no check). The engine
+    would refuse it too, but in its own terms (max_num_seqs); this names the bench's flag."""
+    available = available_memory() if available is None else available
+    need = bench_memory(kv, vocab, batch, prompt_len)
+    if available is None or need <= available:
+        return
+    fits = available // bench_memory(kv, vocab, 1, prompt_len)
+    hint = f"lower --batch to at most {fits}" if fits >= 1 else "this artifact does not fit even at --batch 1"
+    raise MoeforgeError(
+        f"--batch {batch} needs {format_bytes(need)} ({need} bytes) for the KV cache ({kv.bytes_per_token} B per "
+        f"token x max_seq_len {kv.max_seq_len} x {batch} sequences) and the logits of one step, more than the "
+        f"{format_bytes(available)} of memory available; {hint}"
+    )
+
+
+def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
+              threads: int | None = None, compare: bool = True, speculative_tokens: int = 0) -> dict[str, Any]:
+    """All measurements of ``moeforge bench`` in one run, with ratios to our engine. A batch whose cache and
+    logits do not fit in the available memory is refused before anything is allocated."""
+    artifact = load_artifact(artifact_dir)
+    vocab = int(artifact.manifest.model_config["vocab_size"])
+    if artifact.manifest.engine is None:  # a TensorRT engine's cache lives in GPU memory, sized by its profiles
+        check_bench_memory(artifact.manifest.kv_cache, vocab, batch, prompt_len)
+    result: dict[str, Any] = {"artifact": str(artifact_dir), "model": artifact.manifest.model_config.get("name"),
+                              "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                              "moeforge_onnxruntime": bench_engine(artifact_dir, batch, prompt_len, new_tokens,
+                                                                   threads, speculative_tokens)}
+    if compare:
+        source = artifact.manifest.source
+        result["pytorch_eager"] = bench_torch(load_model(source).model, batch, prompt_len, new_tokens, vocab)
+        result["transformers_eager"] = bench_transformers(source, batch, prompt_len, new_tokens, vocab)
+        result["onnxruntime_genai"] = bench_genai(artifact_dir, batch, prompt_len, new_tokens, vocab)
+        ours = result["moeforge_onnxruntime"]["decode_tokens_per_s"]
+        result["decode_speedup_vs"] = {name: round(ours / r["decode_tokens_per_s"], 2)
+                                       for name in ("pytorch_eager", "transformers_eager", "onnxruntime_genai")
+                                       if (r := result[name]) is not None}
+    return result

@@ -1,0 +1,667 @@
+"""The ``moeforge`` command line. Exit codes: 0 success, 1 failed check, 2 bad input."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeforge import __version__
+from moeforge.cli.bench import run_bench, write_result
+from moeforge.cli.inspect import summarize
+from moeforge.compile.driver import CompileOptions, ParityCheckFailed, compile_model
+from moeforge.compile.sharded_compile import is_sharded, rank_dir, read_sharded
+from moeforge.compile.targets import TARGETS
+from moeforge.core.artifact import load_artifact, restore_interrupted
+from moeforge.core.errors import MoeforgeError
+from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
+from moeforge.model.loader import LoadedModel, load_config, load_model
+from moeforge.model.tokenizer import Tokenizer
+from moeforge.parallel.launch import (
+    World,
+    open_rank_backend,
+    open_rank_session,
+    run_worker,
+    sharded_backend,
+    start_world,
+)
+from moeforge.quant.schemes import ACCURACY_LEVELS, ASYM_OFFSETS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
+from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.sampler import SamplingParams
+from moeforge.serve import ServeOptions, serve
+from moeforge.serve.runner import engine_config, model_name
+from moeforge.verify.generate import SamplingConfig, generate_stream
+from moeforge.verify.golden import check_engine
+from moeforge.verify.parity import (
+    TorchReference,
+    compare_with_reference,
+    default_prompt,
+    layer_table,
+    run_layer_parity,
+    torch_reference,
+)
+from moeforge.verify.transformers_reference import load_transformers_model, transformers_reference
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+NO_HUGE_PAGES_HELP = ("keep the weights on 4 KiB pages (default: the memory the session allocates goes on transparent "
+                      "huge pages, Linux; faster decode, ~4 ms per MB more load time)")
+SPECULATIVE_HELP = ("prompt-lookup speculative decoding: greedy requests feed up to K draft tokens per decode, "
+                    "copied from where the sequence's last tokens occurred before, and the model verifies them in the "
+                    "same run (at most one running request; default 0: off)")
+DESCRIPTION = ("Compile LLMs into ONNX Runtime (--target ort) or TensorRT (--target trt) artifacts, run them, and "
+               "check them against PyTorch. Exit codes: 0 success, 1 failed check, 2 bad input.")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends each option's default to its help, unless it is None / False, the help already says it, or the
+    option is a switch (store_true / store_false: its default is just "not given")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        switch = isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction)
+        if (action.option_strings and default is not None and default is not False and default is not argparse.SUPPRESS
+                and "default" not in text and not switch):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _subcommand(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeforge", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"moeforge {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = _subcommand(sub, "run", "generate text from an artifact, a checkpoint, a .gguf or a preset")
+    run.add_argument("model", help="artifact directory, HF folder, .gguf file, or a preset / built-in name")
+    run.add_argument("--backend", choices=["torch", "onnxruntime"], default=None,
+                     help="onnxruntime for artifacts (default; a TensorRT artifact runs its engine on a CUDA GPU), "
+                          "torch (the PyTorch reference) for checkpoints")
+    run.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    run.add_argument("--no-huge-pages", action="store_true",
+                     help=NO_HUGE_PAGES_HELP)
+    prompt = run.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenised with the model's tokenizer)")
+    prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids, e.g. 1,2,3")
+    run.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
+    run.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                     help="onnxruntime artifacts: " + SPECULATIVE_HELP)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    run.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible)")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    run.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    run.add_argument("--mla-impl", choices=["absorb", "naive"], default="absorb", help="MLA cache layout")
+    run.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    run.add_argument("--no-weight-check", dest="check_weights", action="store_false",
+                     help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
+
+    comp = _subcommand(sub, "compile", "compile a model into an artifact directory: an ONNX Runtime graph "
+                       "(--target ort) or a TensorRT engine (--target trt)")
+    comp.add_argument("model", help="HF folder, .gguf file, or a preset / built-in name")
+    comp.add_argument("-o", "--output", required=True, help="artifact directory to create")
+    comp.add_argument("--target", choices=list(TARGETS), default="ort",
+                      help="ort (an ONNX Runtime graph; runs on CPU) or trt (a TensorRT engine; runs on an "
+                           "NVIDIA GPU with TensorRT)")
+    comp.add_argument("--trt-impl", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
+                      help="trt: full TensorRT (builds for the local GPU) or TensorRT-RTX (ahead of time, "
+                      "no GPU needed); auto: full TensorRT if installed, else TensorRT-RTX")
+    comp.add_argument("--sm", type=int, default=None,
+                      help="trt: target compute capability, e.g. 89 (default: 89 with TensorRT-RTX; full "
+                      "TensorRT builds for the local GPU)")
+    comp.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16", help="trt: engine precision (default fp16)")
+    comp.add_argument("--max-batch", type=int, default=8, help="trt: largest decode batch of the engine's profile")
+    comp.add_argument("--max-seq-len", type=int, default=None,
+                      help="longest sequence the artifact serves (default: min(2048, the model's limit))")
+    comp.add_argument("--kv-cache", choices=KV_CACHE_KINDS, default="contiguous",
+                      help="KV-cache layout: per-sequence buffers, or block pools (paged attention)")
+    comp.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                      help="tokens per KV block (--kv-cache paged)")
+    comp.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel ranks: write one artifact per rank (DIR/rank0 ..) and DIR/sharded.json; "
+                           "run it with moeforge run/serve/parity, which start one process per rank")
+    comp.add_argument("--ep", type=int, default=1,
+                      help="expert-parallel ranks with --tp: 1 (each expert split over the ranks) or equal to --tp "
+                           "(whole experts per rank)")
+    comp.add_argument("--force", action="store_true", help="replace an existing output directory")
+    comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
+    comp.add_argument("--quiet", action="store_true", help="no progress bar")
+    comp.add_argument("--quant", choices=list(SCHEMES), default=None,
+                      help="quantisation (default fp32): " + "; ".join(f"{s.name}: {s.help}" for s in SCHEMES.values()))
+    comp.add_argument("--block-size", type=int, default=None,
+                      help="quantisation block along the input dimension, a power of two 16..256 that divides "
+                           "it (default: int4 32, fp8 128, int8 per channel)")
+    comp.add_argument("--calib", type=Path, default=None,
+                      help="calibration text file, one prompt per line (UTF-8), tokenised with the model's "
+                           "tokenizer; needed by int4-awq, w8a8, --keep-fp and --kv-quant")
+    comp.add_argument("--calib-method", choices=["minmax", "percentile"], default=None,
+                      help="w8a8: activation range per tensor, max |x| (default) or a percentile of |x|")
+    comp.add_argument("--percentile", type=float, default=None, metavar="P",
+                      help="w8a8 --calib-method percentile: the percentile of |x|, 50 < P <= 100 (default 99.99)")
+    comp.add_argument("--smooth-alpha", type=float, default=None, metavar="A",
+                      help="w8a8: SmoothQuant migration strength 0..1 (default 0.5, w8a8-fp8 0; 0 = off)")
+    comp.add_argument("--act-keep-fp32", default=None, metavar="PATTERNS",
+                      help="w8a8: comma-separated weight-name patterns whose MatMul activations stay fp32 "
+                           "(default down_proj, where Llama-style models put massive activations; w8a8-fp8 and "
+                           "'': none)")
+    comp.add_argument("--kv-quant", choices=KV_CHOICES, default=None,
+                      help="int8: KV cache stored as int8 with per-head scales calibrated on --calib, read and "
+                           "written by GroupQueryAttention (4x smaller than fp32; works with or without --quant) "
+                           "(default: the activations' type)")
+    comp.add_argument("--lm-head", choices=LM_HEAD_KINDS, default=None,
+                      help="precision of the LM head under --quant (default: int8 for int4 schemes, which costs "
+                           "decode speed but keeps top-1 agreement; otherwise the scheme's own)")
+    comp.add_argument("--accuracy-level", type=int, choices=list(ACCURACY_LEVELS), default=None,
+                      help="ONNX Runtime MatMulNBits/QMoE compute type: "
+                           + "; ".join(f"{level} = {what}" for level, what in ACCURACY_LEVELS.items())
+                           + " (default: 4; ONNX Runtime's levels 1-3 compute in fp32 on CPU, like 0)")
+    comp.add_argument("--asym-offsets", choices=list(ASYM_OFFSETS), default=None,
+                      help="int4-asym / int8-asym on ONNX Runtime: "
+                           + "; ".join(f"{name} = {what}" for name, what in ASYM_OFFSETS.items())
+                           + " (default: exact)")
+    comp.add_argument("--no-weight-check", dest="check_weights", action="store_false",
+                      help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
+    comp.add_argument("--no-argmax-head", dest="argmax_head", action="store_false",
+                      help="leave a float32 LM head as one MatMul: no int8 copy for greedy steps (the certified "
+                           "argmax head costs V x H bytes more and makes plain greedy decoding ~10%% faster)")
+    comp.add_argument("--keep-fp", type=float, default=0.0, metavar="FRACTION",
+                      help="keep this fraction of weights, the most quantisation-sensitive on --calib, in fp32")
+
+    insp = _subcommand(sub, "inspect", "print an artifact's manifest, op counts and KV bytes per token")
+    insp.add_argument("artifact", help="artifact directory")
+    insp.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    insp.add_argument("--no-verify", action="store_true", help="skip checking file hashes")
+
+    par = _subcommand(sub, "parity", "compare an artifact with the PyTorch model, teacher-forced (ONNX Runtime), "
+                      "or a TensorRT artifact's engine with its golden logits (--backend tensorrt, GPU)")
+    par.add_argument("artifact", help="artifact directory")
+    par.add_argument("--model", help="the model to compare with (default: the artifact's source)")
+    par.add_argument("--prompt-len", type=int, default=16, help="tokens of the random prompt")
+    par.add_argument("--steps", type=int, default=16, help="decode steps after the prefill")
+    par.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    par.add_argument("--per-layer", action="store_true",
+                     help="also compare every decoder layer's output and name the first that diverges")
+    par.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
+                     help="tensorrt: run the artifact's engine (GPU) on its golden inputs and compare")
+    par.add_argument("--reference", choices=["torch", "transformers"], default="torch",
+                     help="what the artifact is compared with: moeforge's PyTorch model, or Hugging Face transformers "
+                          "running the source checkpoint (an independent implementation: also proves the checkpoint "
+                          "and its config were read as transformers reads them)")
+    par.add_argument("--json", action="store_true")
+    par.add_argument("--no-weight-check", dest="check_weights", action="store_false",
+                     help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
+
+    bench = _subcommand(sub, "bench", "prefill/decode tokens/s, TTFT, RSS; compared with PyTorch, "
+                        "transformers and onnxruntime-genai on the same work (benchmarks/genai_builder.py: "
+                        "against GenAI's own builder models and llama.cpp)")
+    bench.add_argument("artifact", help="artifact directory")
+    bench.add_argument("--batch", type=int, default=1, help="concurrent requests")
+    bench.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    bench.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request")
+    bench.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    bench.add_argument("--no-compare", action="store_true", help="measure only moeforge")
+    bench.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                       help=SPECULATIVE_HELP)
+    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--save", action="store_true", help="also write benchmarks/results/bench_<model>_b<B>.json")
+
+    cfg = _subcommand(sub, "config", "print a model's config, parameter count and KV bytes per token")
+    cfg.add_argument("model", help="HF folder, .gguf file, or a preset name (full-size presets included)")
+    cfg.add_argument("--json", action="store_true")
+
+    srv = _subcommand(sub, "serve", "serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, "
+                      "/v1/chat/completions, /v1/models, /health, /metrics) until SIGTERM")
+    srv.add_argument("artifact", help="artifact directory")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOEFORGE_API_KEY, which keeps "
+                          "the key out of the process list; no authentication if neither is set)")
+    srv.add_argument("--max-num-seqs", type=int, default=8, help="requests in the running batch at most")
+    srv.add_argument("--max-queued", type=int, default=256,
+                     help="requests that may wait beyond the running ones; more get 429 with Retry-After")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
+    srv.add_argument("--kv-blocks", type=int, default=None,
+                     help="KV-cache blocks (default: every running request can reach max_seq_len)")
+    srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    srv.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help=SPECULATIVE_HELP)
+    srv.add_argument("--no-huge-pages", action="store_true",
+                     help=NO_HUGE_PAGES_HELP)
+    srv.add_argument("--chat-template", type=Path, default=None,
+                     help="Jinja chat template file to use instead of the tokenizer's")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients pass (default: the artifact directory's name)")
+    srv.add_argument("--shutdown-timeout", type=int, default=30,
+                     help="seconds in-flight requests may run on after SIGTERM before they are aborted")
+    srv.add_argument("--profile-steps", type=int, default=0,
+                     help="profile the first N engine steps for moeforge:attention_time_share (0 = off)")
+    srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                     help="uvicorn's log level")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    commands = {"run": _cmd_run, "config": _cmd_config, "compile": _cmd_compile, "inspect": _cmd_inspect,
+                "parity": _cmd_parity, "bench": _cmd_bench, "serve": _cmd_serve}
+    try:
+        if args.command in commands:
+            code = commands[args.command](args)
+            sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
+            return code
+    except BrokenPipeError:
+        # The reader went away (`moeforge inspect DIR | head`): what it wanted was written. Point stdout at
+        # /dev/null so the interpreter's final flush cannot fail again (Python docs, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except MoeforgeError as exc:
+        print(f"moeforge {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return EXIT_BAD_INPUT
+
+
+def _is_artifact(path: str) -> bool:
+    restore_interrupted(path)  # a compile killed mid-replace left the artifact aside: put it back first
+    return (Path(path) / "manifest.json").is_file() or is_sharded(path)
+
+
+# The engine and the PyTorch reference name the field (max_tokens, max_new_tokens, perhaps followed by the flag in
+# parentheses); the user typed the flag.
+_MAX_TOKENS_FIELD = re.compile(r"\bmax_(?:new_)?tokens\b(?: \(the CLI's --max-new-tokens\))?")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except MoeforgeError as exc:
+        message = _MAX_TOKENS_FIELD.sub("--max-new-tokens", str(exc))
+        if message == str(exc):
+            raise
+        raise MoeforgeError(message) from exc
+
+
+def _run(args: argparse.Namespace) -> int:
+    artifact = _is_artifact(args.model)
+    backend = args.backend or ("onnxruntime" if artifact else "torch")
+    if backend == "onnxruntime" and is_sharded(args.model):
+        return _run_artifact(args)
+    if backend == "onnxruntime":
+        if not artifact:
+            raise MoeforgeError(f"{args.model} is not an artifact directory; compile it first "
+                                "(moeforge compile MODEL -o DIR) or use --backend torch")
+        manifest = load_artifact(args.model, verify=False).manifest  # sizes only: the engine verifies hashes
+        if manifest.engine is not None and args.backend == "onnxruntime":
+            raise MoeforgeError(_tensorrt_only(args.model, manifest.source, "ONNX Runtime does not run its engine"))
+        if manifest.engine is not None and not torch.cuda.is_available():
+            raise MoeforgeError(_tensorrt_only(args.model, manifest.source, _NO_GPU))
+        return _run_artifact(args)
+    if artifact:
+        raise MoeforgeError("--backend torch runs checkpoints; for an artifact use --backend onnxruntime")
+    return _run_torch(args)
+
+
+_NO_GPU = "its engine (model.plan) needs a CUDA GPU with TensorRT, and this host has none"
+
+
+def _tensorrt_only(path: str, source: str, why: str) -> str:
+    """Why a TensorRT artifact cannot run or be compared here, and what does work (its model.onnx is the graph
+    lowered for TensorRT, which the engine and golden files are built from, not an ONNX Runtime artifact)."""
+    return (f"{path} is a TensorRT artifact (--target trt): {why}. To run or check this model on CPU, compile it "
+            f"for ONNX Runtime: moeforge compile {source} -o DIR --target ort. On a host with a CUDA GPU and "
+            f"TensorRT, 'moeforge run {path}' runs the engine and 'moeforge parity {path} --backend tensorrt' "
+            "checks it against the golden logits saved at compile time")
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer | None, model: str) -> list[int]:
+    """The prompt as token ids: --prompt-ids as given, or --prompt encoded (in the chat template with --chat)."""
+    if args.prompt is None:
+        if args.chat:
+            raise MoeforgeError("--chat needs a text --prompt")
+        return list(args.prompt_ids)
+    if tokenizer is None:
+        raise MoeforgeError(f"{model} ships no tokenizer: pass --prompt-ids instead of --prompt")
+    if args.chat:
+        return tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    ids: list[int] = tokenizer.encode(args.prompt)
+    return ids
+
+
+class _Printer:
+    """Prints a generation: streamed text as it grows (--stream), then the result (text or --json)."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer: Tokenizer | None) -> None:
+        self.args, self.tokenizer, self.printed = args, tokenizer, ""
+
+    def _text(self, token_ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def progress(self, token_ids: list[int]) -> None:
+        if self.args.stream and not self.args.json and self.tokenizer is not None:
+            # Decode the whole output each time: byte-level BPE pieces only form text together.
+            text = self._text(token_ids) or ""
+            print(text[len(self.printed):], end="", flush=True)
+            self.printed = text
+
+    def done(self, token_ids: list[int]) -> None:
+        text = self._text(token_ids)
+        if self.args.json:
+            print(json.dumps({"token_ids": token_ids, "text": text}))
+        elif self.args.stream and text is not None:
+            print()
+        else:
+            print(text if text is not None else ",".join(map(str, token_ids)))
+
+
+def _run_artifact(args: argparse.Namespace) -> int:
+    config = EngineConfig(max_num_seqs=1, threads=args.threads, huge_pages=not args.no_huge_pages,
+                          speculative_tokens=args.speculative_tokens)
+    if is_sharded(args.model):
+        return _sharded(args.model, lambda world: open_rank_backend(args.model, world, config)[0],
+                        lambda backend: _generate(args, LLMEngine.from_artifact(Path(args.model) / rank_dir(0), config,
+                                                                                backend=backend)),
+                        lambda world: sharded_backend(args.model, world, config)[0])
+    return _generate(args, LLMEngine.from_artifact(args.model, config))
+
+
+def _sharded(path: str, worker: Callable[[World], Any], main: Callable[[Any], int],
+             rank0: Callable[[World], Any]) -> int:
+    """Run a command on a sharded artifact: start or join the ranks; rank 0 opens its side (``rank0``) and runs
+    ``main`` on it, the others serve it (``worker`` opens their side). Always tells the ranks to stop."""
+    world = start_world(path)
+    if world.rank != 0:
+        return run_worker(worker(world), world)
+    side, code = None, EXIT_BAD_INPUT
+    try:
+        side = rank0(world)
+        code = main(side)
+    finally:  # on an error too: stop the other ranks and wait for them (the error propagates)
+        if side is not None:
+            side.close()
+        code = world.finish(code)
+    return code
+
+
+def _generate(args: argparse.Namespace, engine: LLMEngine) -> int:
+    prompt = _prompt_ids(args, engine.tokenizer, args.model)
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    printer = _Printer(args, engine.tokenizer)
+    final = None
+    for out in engine.stream(prompt, params):
+        final = out
+        printer.progress(out.token_ids)
+    assert final is not None
+    if final.error:
+        raise MoeforgeError(final.error)
+    printer.done(final.token_ids)
+    return EXIT_OK
+
+
+def _run_torch(args: argparse.Namespace) -> int:
+    loaded = load_model(args.model, mla_impl=args.mla_impl, check_finite=args.check_weights)
+    tokenizer = loaded.tokenizer
+    prompt_ids = _prompt_ids(args, tokenizer, args.model)
+    stop_ids: tuple[int, ...] = ()
+    if not args.ignore_eos:
+        stop_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else loaded.config.eos_token_ids
+    sampling = SamplingConfig(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, stop_token_ids=stop_ids,
+    )
+    printer = _Printer(args, tokenizer)
+    generated: list[int] = []
+    for token, _ in generate_stream(loaded.model, prompt_ids, sampling):
+        generated.append(token)
+        printer.progress(generated)
+    printer.done(generated)
+    return EXIT_OK
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    # Every other compile flag's argparse dest is its name in CompileOptions.from_flags.
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "verbose", "model", "output", "quiet")}
+    options = CompileOptions.from_flags(model=args.model, output_dir=args.output, progress=not args.quiet, **flags)
+    try:
+        result = compile_model(options)
+    except ParityCheckFailed as failed:
+        print(failed.report.table(), file=sys.stderr)
+        print(f"moeforge compile: {failed}; nothing was written to {args.output}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    for report in result.manifest.passes:
+        print(f"  pass {report['name']:<14} {report['matches']:>5} match(es)  {report['seconds']:.2f}s")
+    if result.parity is not None:
+        print(result.parity.table().splitlines()[-1])
+    if result.manifest.engine is not None:
+        engine = result.manifest.engine
+        print(f"  engine {engine['plan_file']}: {engine['impl']} {engine['tensorrt_version']}, "
+              f"{engine['compute_capability']}, {engine['plan_bytes'] / 2**20:.1f} MiB, "
+              f"built in {engine['build_seconds']:.1f}s")
+    print(f"wrote {result.output_dir}")
+    return EXIT_OK
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    artifact = load_artifact(args.artifact, verify=not args.no_verify)
+    print(artifact.manifest.to_json() if args.json else summarize(artifact))
+    return EXIT_OK
+
+
+def _cmd_parity(args: argparse.Namespace) -> int:
+    if args.backend == "tensorrt":
+        return _golden_parity_tensorrt(args)
+    if is_sharded(args.artifact):
+        return _sharded_parity(args)
+    artifact = load_artifact(args.artifact)
+    if artifact.manifest.engine is not None:
+        raise MoeforgeError(_tensorrt_only(args.artifact, artifact.manifest.source,
+                                           "parity against PyTorch runs ONNX Runtime artifacts, not engines"))
+    if args.prompt_len < 1 or args.steps < 0:
+        raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
+    if args.prompt_len + args.steps + 1 > artifact.manifest.kv_cache.max_seq_len:
+        raise MoeforgeError(f"--prompt-len + --steps exceeds the artifact's max_seq_len "
+                            f"({artifact.manifest.kv_cache.max_seq_len})")
+    if args.per_layer and args.reference == "transformers":
+        raise MoeforgeError("--per-layer compares each layer with moeforge's PyTorch model: drop --reference "
+                            "transformers (or run the two checks one after the other)")
+    reference, loaded = _parity_reference(args, args.model or artifact.manifest.source)
+    report = compare_with_reference(artifact.model_path, artifact.manifest.kv_cache, reference,
+                                    precision=artifact.manifest.precision)
+    result = {**report.to_dict(), "reference": args.reference}
+    passed = report.passed
+    layer_text = ""
+    if args.per_layer:
+        assert loaded is not None  # the torch reference
+        if not artifact.manifest.layer_outputs:
+            raise MoeforgeError("this artifact records no layer outputs; recompile it to use --per-layer")
+        rows, first = run_layer_parity(artifact.model_path, artifact.manifest.kv_cache, artifact.manifest.layer_outputs,
+                                       loaded.model, reference.prompt_ids)
+        result["layers"] = [vars(row) for row in rows]
+        result["first_diverging_layer"] = first
+        layer_text = "\n" + layer_table(rows, first)
+        passed = passed and first is None
+    text = f"reference: {args.reference}\n" + report.table() + layer_text
+    print(json.dumps(result, indent=2) if args.json else text)
+    return EXIT_OK if passed else EXIT_CHECK_FAILED
+
+
+def _parity_reference(args: argparse.Namespace, spec: str) -> tuple[TorchReference, LoadedModel | None]:
+    """The greedy reference run ``--reference`` names, on ``spec``'s checkpoint: moeforge's PyTorch model (returned
+    too, for --per-layer) or transformers running the checkpoint (``moeforge/transformers_reference.py``)."""
+    if args.reference == "transformers":
+        model = load_transformers_model(spec)
+        prompt = default_prompt(int(model.config.vocab_size), args.prompt_len, args.seed)
+        return transformers_reference(model, prompt, args.steps), None
+    loaded = load_model(spec, mla_impl="absorb", check_finite=args.check_weights)
+    prompt = default_prompt(loaded.config.vocab_size, args.prompt_len, args.seed)
+    return torch_reference(loaded.model, prompt, args.steps), loaded
+
+
+def _sharded_parity(args: argparse.Namespace) -> int:
+    """``moeforge parity DIR`` on a sharded artifact: its ranks against the unsharded PyTorch model."""
+    sharded = read_sharded(args.artifact)
+    if args.per_layer:
+        raise MoeforgeError("--per-layer reads one graph's intermediate values; a sharded artifact has one graph per "
+                            "rank: check it without --per-layer")
+    if args.prompt_len < 1 or args.steps < 0:
+        raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
+    max_len = args.prompt_len + args.steps + 1
+
+    def main(session: Any) -> int:
+        manifest = load_artifact(Path(args.artifact) / rank_dir(0), verify=False).manifest
+        reference, _ = _parity_reference(args, args.model or sharded.source)
+        report = compare_with_reference(Path(args.artifact) / rank_dir(0) / "model.onnx", manifest.kv_cache,
+                                        reference, precision=manifest.precision, session=session)
+        result = {**report.to_dict(), "tp": sharded.tp, "ep": sharded.ep, "reference": args.reference}
+        print(json.dumps(result, indent=2) if args.json else
+              f"sharded tp {sharded.tp} ep {sharded.ep}, reference: {args.reference}\n" + report.table())
+        return EXIT_OK if report.passed else EXIT_CHECK_FAILED
+
+    return _sharded(args.artifact, lambda world: open_rank_session(args.artifact, world, max_len)[0], main,
+                    lambda world: open_rank_session(args.artifact, world, max_len)[0])
+
+
+def _golden_parity_tensorrt(args: argparse.Namespace) -> int:
+    manifest = load_artifact(args.artifact, verify=False).manifest  # check_engine verifies the hashes
+    if manifest.engine is None:
+        raise MoeforgeError(f"{args.artifact} is an ONNX Runtime artifact (no engine): drop --backend tensorrt")
+    if not torch.cuda.is_available():
+        raise MoeforgeError(_tensorrt_only(args.artifact, manifest.source, _NO_GPU))
+    check, tolerance = check_engine(args.artifact)
+    passed = check.max_abs_err <= tolerance
+    result = {"backend": "tensorrt", "max_abs_err": check.max_abs_err, "tolerance": tolerance,
+              "top1_agreement": check.top1_agreement, "passed": passed}
+    print(json.dumps(result, indent=2) if args.json else
+          f"engine vs golden (ONNX Runtime CPU): max_abs_err {check.max_abs_err:.3e} (tolerance {tolerance:.3e}), "
+          f"top1 {check.top1_agreement:.3f} -> {'PASS' if passed else 'FAIL'}")
+    return EXIT_OK if passed else EXIT_CHECK_FAILED
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2 or args.speculative_tokens < 0:
+        raise MoeforgeError("--batch and --prompt-len must be >= 1, --new-tokens >= 2, --speculative-tokens >= 0")
+    result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
+                       compare=not args.no_compare, speculative_tokens=args.speculative_tokens)
+    if args.save:
+        name = str(result["model"] or "model").lower().replace(" ", "-")
+        write_result(f"benchmarks/results/bench_{name}_b{args.batch}.json", "bench", result)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return EXIT_OK
+    print(f"{result['model']}: batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens")
+    print(f"{'runtime':<22} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    for key in ("moeforge_onnxruntime", "pytorch_eager", "transformers_eager", "onnxruntime_genai"):
+        row = result.get(key)
+        if row:
+            print(f"{key:<22} {row['prefill_tokens_per_s']:>14.1f} {row['decode_tokens_per_s']:>13.1f}")
+    ours = result["moeforge_onnxruntime"]
+    print(f"TTFT median {ours['ttft_ms_median']:.1f} ms, peak RSS {ours['peak_rss_mib']:.0f} MiB, "
+          f"attention {100 * ours['attention_time_share']:.0f}% of kernel time")
+    for name, ratio in result.get("decode_speedup_vs", {}).items():
+        print(f"decode speed vs {name}: {ratio:.2f}x")
+    return EXIT_OK
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if is_sharded(args.artifact):
+        return _sharded_serve(args)
+    return serve(_serve_options(args))
+
+
+def _sharded_serve(args: argparse.Namespace) -> int:
+    options = _serve_options(args, check=False)
+    options = dataclasses.replace(options, served_model_name=options.served_model_name or model_name(options.artifact))
+    config = engine_config(options)
+    return _sharded(args.artifact, lambda world: open_rank_backend(args.artifact, world, config)[0],
+                    lambda backend: serve(dataclasses.replace(options, artifact=Path(args.artifact) / rank_dir(0),
+                                                              backend=backend)),
+                    lambda world: sharded_backend(args.artifact, world, config)[0])
+
+
+def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions:
+    if check and not _is_artifact(args.artifact):
+        raise MoeforgeError(f"{args.artifact} is not an artifact directory; compile it first (moeforge compile "
+                            "MODEL -o DIR)")
+    return ServeOptions(
+        artifact=Path(args.artifact), host=args.host, port=args.port, max_queued=args.max_queued,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("MOEFORGE_API_KEY") or None,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_blocks=args.kv_blocks, threads=args.threads, huge_pages=not args.no_huge_pages,
+        speculative_tokens=args.speculative_tokens,
+        chat_template=args.chat_template,
+        served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
+        profile_steps=args.profile_steps, log_level=args.log_level)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    config = load_config(args.model)
+    params = config.num_parameters()
+    per_token = {impl: config.kv_cache_values_per_token(impl) for impl in ("absorb", "naive")}
+    summary = {
+        "config": config.to_dict(),
+        "parameters": params,
+        "kv_cache_values_per_token_per_layer": per_token if config.mla else per_token["naive"],
+        "kv_cache_bytes_per_token_fp16": {
+            impl: 2 * v * config.num_hidden_layers for impl, v in per_token.items()
+        } if config.mla else 2 * per_token["naive"] * config.num_hidden_layers,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return EXIT_OK
+    print(f"{config.name} ({config.model_type}, {config.attention_kind}"
+          f"{', MoE' if config.moe else ''}): {_count(params)} parameters")
+    print(f"  layers {config.num_hidden_layers}, hidden {config.hidden_size}, heads "
+          f"{config.num_attention_heads}/{config.num_key_value_heads}, vocab {config.vocab_size}")
+    if config.moe:
+        m = config.moe
+        print(f"  experts {m.n_routed_experts} routed + {m.n_shared_experts} shared, top-{m.num_experts_per_tok}, "
+              f"{m.scoring_func} {m.topk_method} (groups {m.topk_group}/{m.n_group})")
+    kv = summary["kv_cache_bytes_per_token_fp16"]
+    if config.dsa is not None and isinstance(kv, dict):  # DeepSeek-V3.2: the indexer's keys are cached too
+        d, index_bytes = config.dsa, 2 * config.dsa.index_head_dim * config.num_hidden_layers
+        print(f"  sparse attention (DSA): indexer {d.index_n_heads} heads x {d.index_head_dim}, top-{d.index_topk} "
+              f"tokens; absorbed cache = latent {kv['absorb'] - index_bytes} B + indexer {index_bytes} B")
+    if isinstance(kv, dict):
+        print(f"  KV cache per token (fp16, all layers): absorbed MLA {kv['absorb']} B, naive {kv['naive']} B")
+    else:
+        print(f"  KV cache per token (fp16, all layers): {kv} B")
+    return EXIT_OK
+
+
+def _count(n: int) -> str:
+    """``n`` with a K/M/B unit and 3 significant digits: 671B, 135M, 82.4K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.3g}{unit}" if value < 1000 else f"{value:,.0f}{unit}"
+    return str(n)
+

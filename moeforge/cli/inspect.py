@@ -1,0 +1,136 @@
+"""Human-readable summary of an artifact (``moeforge inspect``) and graph op counts."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from moeforge.compile.trt.inspect_engine import engine_lines
+from moeforge.core.artifact import MODEL_FILE, Artifact
+from moeforge.core.config import ModelConfig
+
+
+def _iter_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _iter_nodes(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _iter_nodes(sub)
+
+
+def op_counts(model_path: str | Path) -> dict[str, int]:
+    """Node count per op type (subgraphs included), most frequent first. Ops outside the default
+    domain are qualified: ``com.microsoft.GroupQueryAttention``. Weights are not loaded."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    counts = Counter(
+        f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        for node in _iter_nodes(model.graph)
+    )
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _shape_str(shape: list[int | str]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _model_line(cfg: dict[str, Any]) -> str:
+    name = cfg.get("name") or cfg.get("model_type", "?")
+    parts = [str(cfg.get("model_type", "?")), f"{cfg.get('num_hidden_layers', '?')} layers",
+             f"hidden {cfg.get('hidden_size', '?')}", f"vocab {cfg.get('vocab_size', '?')}"]
+    if cfg.get("mla"):
+        parts.append(f"MLA {cfg.get('num_attention_heads', '?')} heads, kv_lora_rank {cfg['mla'].get('kv_lora_rank')}")
+    else:
+        parts.append(f"GQA {cfg.get('num_attention_heads', '?')}/{cfg.get('num_key_value_heads', '?')} heads "
+                     f"x {cfg.get('head_dim', '?')}")
+    if cfg.get("moe"):
+        m = cfg["moe"]
+        parts.append(f"MoE {m.get('n_routed_experts')} experts top-{m.get('num_experts_per_tok')}")
+    try:
+        params = ModelConfig.from_dict(cfg).num_parameters()
+        parts.append(f"{params / 1e9:.3f} B params" if params >= 1e8 else f"{params / 1e6:.2f} M params")
+    except Exception:  # a summary must not fail on an odd config
+        pass
+    return f"{name} ({', '.join(parts)})"
+
+
+def summarize(artifact: Artifact) -> str:
+    """Human-readable description for ``moeforge inspect DIR``."""
+    m = artifact.manifest
+    lines = [f"artifact   {artifact.root}  (format {m.format_version})",
+             f"model      {_model_line(m.model_config)}",
+             f"target     {m.target}, precision {m.precision}"]
+    if m.source:
+        lines.append(f"source     {m.source}")
+    versions = ", ".join(f"{k} {v}" for k, v in m.tool_versions.items() if v)
+    lines.append(f"created    {m.created_utc or '?'}" + (f" with {versions}" if versions else ""))
+
+    lines.append("")
+    lines.append("inputs")
+    lines += _table([[t.name, t.dtype, _shape_str(t.shape)] for t in m.inputs])
+    lines.append("outputs")
+    lines += _table([[t.name, t.dtype, _shape_str(t.shape)] for t in m.outputs])
+
+    kv = m.kv_cache
+    buffers = {"gqa": "key + value", "mla_dsa": "latent + indexer keys"}.get(kv.layout, "latent")
+    lines.append("")
+    lines.append(f"KV cache   {kv.layout}: {kv.num_layers} layers x {buffers}, {kv.dtype} "
+                 f"{_shape_str(kv.shape)} per buffer"
+                 + (f" (last dims {' / '.join(map(str, kv.buffer_widths))})" if kv.buffer_widths else ""))
+    lines.append(f"           {kv.values_per_token_per_layer} values/token/layer, {format_bytes(kv.bytes_per_token)} "
+                 f"per token (all layers), {format_bytes(kv.bytes_for(kv.max_seq_len))} per sequence at "
+                 f"max_seq_len {kv.max_seq_len}")
+    if kv.num_layers:
+        lines.append(f"           names {', '.join(kv.past_input_names[0])} -> {', '.join(kv.present_output_names[0])}"
+                     + (" (layer 0)" if kv.num_layers > 1 else ""))
+
+    lines.append("")
+    if m.passes:
+        lines.append("passes")
+        rows = [[str(p.get("name", "?")), f"{p.get('matches', '?')} matches",
+                 f"{float(p['seconds']):.2f} s" if isinstance(p.get("seconds"), int | float) else "? s"]
+                for p in m.passes]
+        lines += _table(rows)
+    else:
+        lines.append("passes     none")
+
+    lines.append("")
+    try:
+        counts = op_counts(artifact.model_path)
+        lines.append(f"ops        {sum(counts.values())} nodes, {len(counts)} op types")
+        lines += _table([[op, str(n)] for op, n in counts.items()])
+    except Exception as exc:  # inspect should still show the rest
+        lines.append(f"ops        cannot read {MODEL_FILE}: {exc}")
+
+    if m.engine is not None:  # TensorRT target
+        lines += engine_lines(artifact)
+
+    lines.append("")
+    total = sum(int(e["bytes"]) for e in m.files.values())
+    lines.append(f"files      {len(m.files)} files, {format_bytes(total)}")
+    lines += _table([[rel, format_bytes(int(e["bytes"])), str(e["sha256"])[:12]] for rel, e in sorted(m.files.items())])
+    if artifact.extra_files:
+        lines.append(f"           not in the manifest (ignored): {', '.join(artifact.extra_files)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,81 @@
+"""The compile driver: checkpoint -> torch model -> stateless ONNX -> passes -> artifact directory, for every target.
+
+The stages run once, in this order, with a progress bar: check the options (``quant.spec.validate``, the
+target's own ``check``) and the output location; load; export; the target's ordered pass list (quantisation
+included); one manifest; write. The artifact is written to a temporary directory and renamed at the end
+(``artifact.write_artifact``), so a failed or interrupted compile leaves nothing behind. What differs
+between ONNX Runtime and TensorRT lives in ``moeforge/targets/``.
+
+The stages after loading are ``build.py``'s (shared with ``sharded.py``, which runs them once per rank for
+``--tp``). Memory: never two full copies of the weights at once (see ``build.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from moeforge.compile.options import CompileOptions, KVOptions, TrtOptions
+from moeforge.compile.sharded_compile import ShardedCompileResult, compile_sharded
+from moeforge.compile.stages import DATA_FILE, build_artifact, make_job
+from moeforge.compile.targets import TARGETS, Target
+from moeforge.core.artifact import check_output_dir
+from moeforge.core.errors import MoeforgeError
+from moeforge.core.kv_layout import KV_CACHE_KINDS
+from moeforge.core.manifest import Manifest
+from moeforge.model.loader import load_model
+from moeforge.quant.spec import QuantSpec, validate
+from moeforge.verify.parity import ParityCheckFailed, ParityReport
+
+__all__ = ["DATA_FILE", "CompileOptions", "CompileResult", "KVOptions", "ParityCheckFailed", "QuantSpec",
+           "ShardedCompileResult", "TrtOptions", "compile_model"]
+
+
+@dataclass
+class CompileResult:
+    output_dir: Path
+    manifest: Manifest
+    parity: ParityReport | None
+
+
+def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResult:
+    """Run every stage; raise MoeforgeError (bad input) or ParityCheckFailed, leaving nothing written.
+    With ``options.tp`` > 1 the artifact is sharded: one artifact per rank (``moeforge.compile.sharded_compile``)."""
+    target = _target(options)
+    _check_options(options)
+    validate(options.quant, target=options.target, kv_cache=options.kv.layout)
+    target.check()
+    if options.tp > 1 or options.ep > 1:
+        return compile_sharded(options)
+    check_output_dir(options.output_dir, force=options.force)  # before the expensive stages
+
+    bar = tqdm(total=5, desc="compile", unit="stage", disable=not options.progress, leave=False)
+    try:
+        bar.set_postfix_str("load checkpoint")
+        loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
+        job = make_job(options, loaded)
+        bar.update()
+        out, manifest = build_artifact(job, target, options.output_dir, bar)
+        return CompileResult(out, manifest, target.parity)
+    finally:
+        bar.close()
+
+
+def _target(options: CompileOptions) -> Target:
+    if options.target not in TARGETS:
+        raise MoeforgeError(f"target {options.target!r} is not supported here; targets: {', '.join(TARGETS)}")
+    return TARGETS[options.target](options)
+
+
+def _check_options(options: CompileOptions) -> None:
+    """The options every target shares: the sequence length and the KV-cache layout."""
+    if options.max_seq_len is not None and options.max_seq_len < 2:
+        raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
+    if options.kv.layout not in KV_CACHE_KINDS:
+        raise MoeforgeError(f"--kv-cache {options.kv.layout!r} is not one of {', '.join(KV_CACHE_KINDS)}")
+    if options.kv.block_size < 1:
+        raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv.block_size}")
+
+

@@ -1,0 +1,84 @@
+"""What ``moeforge compile`` is asked for, grouped by concern: the KV-cache layout, quantisation
+(``moeforge.quant.spec.QuantSpec``) and the TensorRT build. Read by ``compile.py`` and the targets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE
+from moeforge.quant.spec import ActivationOptions, QuantSpec
+
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    """``--kv-cache contiguous|paged`` and ``--kv-block-size`` (tokens per pool block, paged only)."""
+
+    layout: str = "contiguous"
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @property
+    def paged(self) -> bool:
+        return self.layout == "paged"
+
+
+@dataclass(frozen=True)
+class TrtOptions:
+    """``--target trt``: which TensorRT, the target SM, the engine precision and its optimisation profiles."""
+
+    impl: str = "auto"  # auto | tensorrt | tensorrt-rtx
+    sm: int | None = None  # TensorRT-RTX target SM (default 89); full TensorRT: the local GPU
+    dtype: str = "fp16"  # fp16 | bf16
+    max_batch: int = 8
+    max_prefill_tokens: int = 256
+    optimization_level: int | None = None  # TensorRT builder level 0..5 (None: its default, 3)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """One compile: the model, where to write it, the target, and the option groups."""
+
+    model: str
+    output_dir: Path
+    target: str = "ort"  # a name in moeforge.compile.targets.TARGETS
+    max_seq_len: int | None = None  # None: min(DEFAULT_MAX_SEQ_LEN, the model's max_position_embeddings)
+    force: bool = False
+    check: bool = False  # parity against PyTorch before publishing (ONNX Runtime target)
+    check_steps: int = 16
+    progress: bool = True
+    check_weights: bool = True  # refuse NaN/Inf weights at load (--no-weight-check skips the scan)
+    tp: int = 1  # tensor-parallel ranks: > 1 writes one artifact per rank (moeforge/sharded.py)
+    ep: int = 1  # expert-parallel ranks: 1 (each expert split tp ways) or tp (whole experts per rank)
+    argmax_head: bool = True  # ONNX Runtime, float32 head: the certified greedy head (graph_passes/argmax_head.py)
+    kv: KVOptions = field(default_factory=KVOptions)
+    quant: QuantSpec = field(default_factory=QuantSpec)
+    trt: TrtOptions = field(default_factory=TrtOptions)
+
+    @classmethod
+    def from_flags(cls, *, model: str, output_dir: str | Path, **flags: Any) -> CompileOptions:
+        """Options from the command line's flat flag names (``quant="int4", kv_cache="paged", trt_impl=...``): the
+        one place that maps each ``moeforge compile`` flag to its group. An unknown name is a TypeError."""
+        groups: dict[str, dict[str, Any]] = {"top": {}, "kv": {}, "quant": {}, "act": {}, "trt": {}}
+        for name, value in flags.items():
+            group, field_name = _FLAG_FIELDS.get(name, ("top", name))
+            groups[group][field_name] = value
+        activations = ActivationOptions(**groups["act"])
+        return cls(model=model, output_dir=Path(output_dir), **groups["top"], kv=KVOptions(**groups["kv"]),
+                   quant=QuantSpec(**groups["quant"], activations=activations), trt=TrtOptions(**groups["trt"]))
+
+
+# flag name (argparse dest) -> (option group, field)
+_FLAG_FIELDS: dict[str, tuple[str, str]] = {
+    "kv_cache": ("kv", "layout"), "kv_block_size": ("kv", "block_size"),
+    "quant": ("quant", "weights"), "block_size": ("quant", "block_size"), "lm_head": ("quant", "lm_head"),
+    "accuracy_level": ("quant", "accuracy_level"), "asym_offsets": ("quant", "asym_offsets"),
+    "keep_fp": ("quant", "keep_fp"), "kv_quant": ("quant", "kv_cache"),
+    "calib": ("quant", "calib"),
+    "calib_method": ("act", "method"), "percentile": ("act", "percentile"), "smooth_alpha": ("act", "smooth_alpha"),
+    "act_keep_fp32": ("act", "keep_fp32"),
+    **{f"trt_{f.name}" if f.name in ("impl", "optimization_level") else f.name: ("trt", f.name)
+       for f in fields(TrtOptions)},
+}

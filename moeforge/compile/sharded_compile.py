@@ -1,0 +1,270 @@
+"""Sharded artifacts: ``moeforge compile MODEL -o DIR --tp N [--ep M]`` writes one complete artifact per rank.
+
+    DIR/sharded.json     the mapping: world size, tp/ep, per rank its heads / kv heads / vocabulary rows /
+                         experts, weight and KV bytes, the sha256 of its manifest.json; the collective points;
+                         the replicated tensors
+    DIR/rank0 .. rank{N-1}/   each a complete artifact of its shard (graph, weights, manifest with hashes)
+
+Each rank's graph is its ``export/parallel.py`` model exported and run through the ordinary ONNX Runtime pass
+list: the same KV-cache, fusion and quantisation passes, on its heads and experts. Its collectives are
+``com.microsoft.AllReduce`` / ``AllGather`` nodes (ONNX Runtime's CUDA execution provider runs them over NCCL; on
+CPU ``runtime/collectives.py`` maps them to gloo). The whole directory is written under a temporary name and
+renamed at the end, as a single artifact is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from moeforge.compile.options import CompileOptions
+from moeforge.compile.stages import build_artifact, make_job
+from moeforge.compile.targets import TARGETS, Target
+from moeforge.compile.targets.ort import OrtTarget
+from moeforge.core.artifact import (
+    MANIFEST_FILE,
+    SHARDED_FILE,
+    SHARDED_FORMAT_NAME,
+    Artifact,
+    check_output_dir,
+    install_directory,
+    load_artifact,
+    restore_interrupted,
+)
+from moeforge.core.errors import ArtifactError, MoeforgeError
+from moeforge.core.manifest import Manifest
+from moeforge.model.loader import LoadedModel, load_model, release_weights
+from moeforge.model.rank_model import shard_model
+from moeforge.model.sharding import plan_sharding
+
+SHARDED_FORMAT = 1
+# Where the ranks meet, in graph order (what sharded.json records for a reader; the graphs hold the nodes).
+COLLECTIVE_POINTS = (
+    "embed_tokens: AllReduce of the vocab-parallel lookup [B, S, H]",
+    "each layer's attention: AllReduce after o_proj (row-parallel) [B, S, H], then its bias",
+    "each layer's MLP or MoE: one AllReduce of the routed + shared experts' partial sums [B, S, H]",
+    "lm_head: AllGather of the vocab-parallel logits along the vocabulary axis -> [B, S, V] on every rank",
+)
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank{rank}"
+
+
+@dataclass
+class ShardedManifest:
+    """``sharded.json``: how the ranks' artifacts fit together."""
+
+    tp: int
+    ep: int
+    model_config: dict[str, Any]
+    ranks: list[dict[str, Any]]
+    compile_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    collectives: list[str] = field(default_factory=lambda: list(COLLECTIVE_POINTS))
+    replicated: list[str] = field(default_factory=list)
+    kv_cache_note: str = ""
+    source: str = ""
+    created_utc: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    format_version: int = SHARDED_FORMAT
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": SHARDED_FORMAT_NAME, "format_version": self.format_version, "world_size": self.world_size,
+                "tp": self.tp, "ep": self.ep, "compile_id": self.compile_id, "source": self.source,
+                "created_utc": self.created_utc, "model_config": self.model_config, "ranks": self.ranks,
+                "collectives": self.collectives, "replicated": self.replicated, "kv_cache_note": self.kv_cache_note}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: Path) -> ShardedManifest:
+        fix = "recompile it with moeforge compile ... --tp N"
+        if not isinstance(data, dict) or data.get("format") != SHARDED_FORMAT_NAME:
+            raise ArtifactError(f"{where} is not a moeforge sharded manifest; {fix}")
+        if data.get("format_version") != SHARDED_FORMAT:
+            raise ArtifactError(f"{where}: sharded format_version {data.get('format_version')!r}, this moeforge reads "
+                                f"{SHARDED_FORMAT}; {fix}")
+        try:
+            tp, ep, ranks = int(data["tp"]), int(data["ep"]), list(data["ranks"])
+            if not 1 <= tp <= 1024 or ep not in (1, tp) or len(ranks) != tp or data.get("world_size") != tp:
+                raise ValueError(f"tp {tp}, ep {ep}, world_size {data.get('world_size')}, {len(ranks)} ranks")
+            for index, entry in enumerate(ranks):
+                if entry.get("rank") != index or entry.get("dir") != rank_dir(index):
+                    raise ValueError(f"ranks[{index}] is {entry.get('rank')!r} in {entry.get('dir')!r}")
+                if not isinstance(entry.get("manifest_sha256"), str):
+                    raise ValueError(f"ranks[{index}] has no manifest_sha256")
+            return cls(tp=tp, ep=ep, model_config=dict(data["model_config"]), ranks=ranks,
+                       compile_id=str(data["compile_id"]), collectives=list(data.get("collectives", [])),
+                       replicated=list(data.get("replicated", [])), kv_cache_note=str(data.get("kv_cache_note", "")),
+                       source=str(data.get("source", "")), created_utc=str(data.get("created_utc", "")))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ArtifactError(f"{where} is malformed ({exc}); {fix}") from None
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded artifact directory (holds ``sharded.json``)."""
+    return (Path(path) / SHARDED_FILE).is_file()
+
+
+def read_sharded(path: str | Path) -> ShardedManifest:
+    """Parse ``path/sharded.json`` (no rank is opened)."""
+    root = Path(path).expanduser().absolute()
+    restore_interrupted(root)
+    where = root / SHARDED_FILE
+    try:
+        text = where.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ArtifactError(f"{root} has no {SHARDED_FILE}: it is not a sharded artifact") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"cannot read {where}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ArtifactError(f"{where} is not valid JSON: {exc}") from None
+    return ShardedManifest.from_dict(data, where)
+
+
+def manifest_digest(rank_root: Path) -> str:
+    """sha256 of a rank's manifest.json, which lists the sha256 of every other file of the rank."""
+    return hashlib.sha256((rank_root / MANIFEST_FILE).read_bytes()).hexdigest()
+
+
+def load_rank(path: str | Path, rank: int, world_size: int, verify: bool = True) -> tuple[ShardedManifest, Artifact]:
+    """Open rank ``rank``'s artifact and check that it belongs to this sharded artifact and this world: the
+    process count matches, its manifest is the one ``sharded.json`` recorded (not a rank of another compile)
+    and names this rank. ``ArtifactError`` says which."""
+    root = Path(path).expanduser().absolute()
+    sharded = read_sharded(root)
+    if world_size != sharded.world_size:
+        raise ArtifactError(f"{root} is sharded over {sharded.world_size} ranks (tp {sharded.tp}) but "
+                            f"{world_size} processes were started: launch it with --nproc-per-node "
+                            f"{sharded.world_size} (or WORLD_SIZE={sharded.world_size})")
+    if not 0 <= rank < world_size:
+        raise ArtifactError(f"rank {rank} is outside the world of {world_size} ranks")
+    rank_root = root / rank_dir(rank)
+    artifact = load_artifact(rank_root, verify=verify)
+    digest = manifest_digest(rank_root)
+    expected = sharded.ranks[rank]["manifest_sha256"]
+    if digest != expected:
+        raise ArtifactError(f"{rank_root} is not the rank {rank} that {SHARDED_FILE} (compile {sharded.compile_id}) "
+                            f"records: its manifest.json has sha256 {digest[:12]}, expected {expected[:12]} -- a rank "
+                            f"directory from another compile; recompile {root} with --tp {sharded.tp} --force")
+    info = artifact.manifest.sharding or {}
+    if info.get("rank") != rank or info.get("tp") != sharded.tp:
+        raise ArtifactError(f"{rank_root}'s manifest describes rank {info.get('rank')!r} of tp {info.get('tp')!r}, "
+                            f"not rank {rank} of tp {sharded.tp}; recompile {root}")
+    return sharded, artifact
+
+
+# ---------------------------------------------------------------------------------------------- compile
+def rank_target(options: CompileOptions) -> Target:
+    """One rank's target: ONNX Runtime (``RankOrtTarget``), or TensorRT, whose plan turns the collectives into
+    TensorRT's distributed collective layers (``moeforge/trt/collectives.py``)."""
+    if options.target == "ort":
+        return RankOrtTarget(options)
+    target = TARGETS[options.target](options)
+    target.check()
+    return target
+
+
+class RankOrtTarget(OrtTarget):
+    """The ONNX Runtime target for one rank: the same passes; no golden logits, genai config or ``--check`` in
+    the rank's directory (its graph runs only beside the other ranks: ``moeforge parity DIR`` checks them)."""
+
+    def write_payload(self, job: Any, folder: Path, manifest: Manifest) -> None:
+        return None
+
+
+@dataclass
+class ShardedCompileResult:
+    """What ``compile_sharded`` wrote: the directory, ``sharded.json``, and rank 0's manifest (for the CLI)."""
+
+    output_dir: Path
+    sharded: ShardedManifest
+    manifest: Manifest
+    parity: None = None
+
+
+def _check(options: CompileOptions) -> None:
+    if options.check:
+        raise MoeforgeError("--check runs one process; a sharded artifact is checked with all its ranks: compile "
+                            "without --check, then run moeforge parity DIR")
+    if options.quant.calib is not None:
+        raise MoeforgeError("--calib calibrates on one process's graph; it is not supported with --tp yet: "
+                            "use a scheme without calibration (int8, int4, int4-asym, fp8)")
+
+
+def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
+    """Compile ``options.model`` into ``options.tp`` rank artifacts plus ``sharded.json``; nothing is left behind
+    on failure. Raises ``ShardingError`` (a split the model cannot take) or ``MoeforgeError``."""
+    _check(options)
+    out = Path(options.output_dir).expanduser().absolute()
+    check_output_dir(out, force=options.force)  # a sharded or unsharded artifact may be replaced
+    tp, ep = options.tp, options.ep
+    bar = tqdm(total=1 + 2 * tp, desc=f"compile tp{tp}", unit="stage", disable=not options.progress, leave=False)
+    scratch = out.parent / f".{out.name}.moeforge-sharded-tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        bar.set_postfix_str("load checkpoint")
+        loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
+        plan = plan_sharding(loaded.config, tp, ep)  # a bad split fails before anything is written
+        bar.update()
+        scratch.mkdir(parents=True)
+        ranks: list[dict[str, Any]] = []
+        rank_options = _rank_options(options)
+        for rank in range(tp):
+            model, config, layout = shard_model(loaded.model, tp, ep, rank)
+            rank_loaded = LoadedModel(model, config, loaded.tokenizer, loaded.source)
+            job = make_job(rank_options, rank_loaded)
+            bar.set_postfix_str(f"rank {rank}")
+            rank_root, manifest = build_artifact(job, rank_target(rank_options), scratch / rank_dir(rank), bar,
+                                                 sharding={**layout.to_dict()})
+            ranks.append({"rank": rank, "dir": rank_dir(rank), **layout.to_dict(),
+                          "weight_bytes": _weight_bytes(manifest),
+                          "kv_bytes_per_token": manifest.kv_cache.bytes_per_token,
+                          "manifest_sha256": manifest_digest(rank_root)})
+            if rank == 0:
+                first = manifest
+        release_weights(loaded.model)
+        sharded = ShardedManifest(
+            tp=tp, ep=ep, model_config=loaded.config.to_dict(), ranks=ranks, replicated=plan.replicated(),
+            kv_cache_note=_kv_note(loaded.config.mla is not None, tp, loaded.config.num_key_value_heads),
+            source=options.model if loaded.source.kind == "preset" else str(Path(loaded.source.location).resolve()))
+        (scratch / SHARDED_FILE).write_text(json.dumps(sharded.to_dict(), indent=2) + "\n", encoding="utf-8")
+        install_directory(scratch, out)
+        bar.update()
+        return ShardedCompileResult(out, sharded, first)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+
+
+def _rank_options(options: CompileOptions) -> CompileOptions:
+    return dataclasses.replace(options, force=False, check=False)
+
+
+def _weight_bytes(manifest: Manifest) -> int:
+    return sum(entry["bytes"] for rel, entry in manifest.files.items() if rel.endswith(".onnx.data"))
+
+
+def _kv_note(mla: bool, tp: int, kv_heads: int) -> str:
+    if mla:
+        return ("MLA: attention heads are split, the latent they all read is not; every rank caches the full latent "
+                "(kv_lora_rank + rope dims per token and layer). Data-parallel attention would split sequences "
+                "instead, dividing the cache by the ranks at the price of replicated attention weights.")
+    if kv_heads < tp:
+        return (f"GQA with {kv_heads} kv heads over {tp} ranks: each rank caches the one kv head its query heads "
+                f"read; each head is cached on {tp // kv_heads} ranks.")
+    return f"GQA: each rank caches its {kv_heads // tp} of the {kv_heads} kv heads."

@@ -1,0 +1,136 @@
+"""One artifact's stages after loading: export, the target's passes, the manifest, the atomic write.
+
+``compile.py`` runs them once for an unsharded compile; ``sharded.py`` once per rank. Memory: never two full
+copies of the weights at once. The graph's initializers view the torch tensors; the torch model is released once
+``target.passes(job)`` returns (a target takes what it needs of it there, e.g. ``--check``'s PyTorch reference),
+and the graph's weights once it is saved, before ONNX Runtime loads its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import onnx_ir as ir
+from tqdm import tqdm
+
+from moeforge.compile.onnx_export import export_stateless, unmark_layers
+from moeforge.compile.options import DEFAULT_MAX_SEQ_LEN, CompileOptions
+from moeforge.compile.targets import CompileJob, Target
+from moeforge.core.artifact import write_artifact
+from moeforge.core.errors import MoeforgeError
+from moeforge.core.manifest import MODEL_FILE, Manifest, TensorSpec, tool_versions
+from moeforge.model.loader import LoadedModel, release_weights
+from moeforge.passes.base import PassReport
+from moeforge.passes.pipeline import run_passes
+from moeforge.quant.calibration import read_prompts, tokenize_prompts
+from moeforge.quant.plan import CALIB_MAX_TOKENS, check_block_size, in_features
+from moeforge.quant.spec import QuantSpec
+
+DATA_FILE = "model.onnx.data"
+# glibc's malloc_trim(pad): returns freed heap pages to the OS. None elsewhere (freed memory then stays ours).
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
+
+
+def make_job(options: CompileOptions, loaded: LoadedModel) -> CompileJob:
+    """The ``CompileJob`` of ``loaded``: its sequence length and calibration prompts; a quantisation block size
+    that does not fit fails here, before the export."""
+    job = CompileJob(options, loaded, _max_seq_len(options, loaded), _prompts(options.quant, loaded))
+    if options.quant.scheme is not None:
+        check_block_size(options.quant, in_features(job.config), job.config.name or options.model)
+    return job
+
+
+def build_artifact(job: CompileJob, target: Target, output_dir: Path, bar: tqdm,
+                   sharding: dict[str, object] | None = None) -> tuple[Path, Manifest]:
+    """Export ``job``'s model, run ``target``'s passes and write the artifact to ``output_dir`` (atomically).
+    ``sharding``: the rank's entry for the manifest when the model is one rank of a sharded compile."""
+    options, loaded = job.options, job.loaded
+    bar.set_postfix_str("export to ONNX")
+    model = export_stateless(loaded.model, mark_layers=True)
+    bar.update()
+
+    passes = target.passes(job)
+    # The graph holds what it needs of the weights (its initializers view them); the torch copy of the rest
+    # (e.g. the q/k/v and gate/up weights packing concatenates) would only add to the peak from here on.
+    release_weights(loaded.model)
+    bar.total += len(passes)
+
+    def pass_done(report: PassReport) -> None:
+        bar.set_postfix_str(f"pass {report.name}: {report.matches}")
+        bar.update()
+
+    reports = run_passes(model, job.context, passes, on_pass_done=pass_done)
+    manifest = _manifest(model, job, target, reports)
+    manifest.sharding = sharding
+    bar.set_postfix_str("write artifact")
+
+    def payload(folder: Path) -> None:
+        ir.save(model, folder / MODEL_FILE, external_data=DATA_FILE)
+        _release_initializers(model.graph)  # saved: ONNX Runtime (golden, --check) loads its own copy
+        if loaded.tokenizer is not None:
+            loaded.tokenizer.save(folder)
+        bar.update()
+        target.write_payload(job, folder, manifest)
+        bar.update()
+
+    out = write_artifact(output_dir, write_payload=payload, manifest=manifest, force=options.force)
+    bar.update()
+    return out, manifest
+
+
+def _release_initializers(graph: ir.Graph) -> None:
+    """Free the weights of a graph that is saved and no longer needed. Explicitly: dropping our reference is not
+    enough, as onnxscript's rewrite rules keep the last graph they matched. Then hand the pages back to the OS:
+    glibc keeps freed heap blocks (most weights are heap blocks, below its adaptive mmap threshold) otherwise."""
+    for value in graph.initializers.values():
+        value.const_value = None
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _max_seq_len(options: CompileOptions, loaded: LoadedModel) -> int:
+    limit = loaded.config.max_position_embeddings
+    max_seq_len = options.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, limit)
+    if max_seq_len > limit:
+        raise MoeforgeError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings ({limit})")
+    return max_seq_len
+
+
+def _prompts(spec: QuantSpec, loaded: LoadedModel) -> list[list[int]]:
+    """The ``--calib`` prompts, tokenised once for every calibration pass ([] without ``--calib``)."""
+    if spec.calib is None:
+        return []
+    return tokenize_prompts(read_prompts(spec.calib), loaded.tokenizer, CALIB_MAX_TOKENS)
+
+
+def _tensor_specs(values: list[ir.Value]) -> list[TensorSpec]:
+    specs = []
+    for value in values:
+        shape = [d if isinstance(d, int) else str(d.value if isinstance(d, ir.SymbolicDim) else d)
+                 for d in (value.shape or [])]
+        dtype = str(value.dtype.numpy()) if value.dtype is not None else "unknown"  # numpy names: float32
+        specs.append(TensorSpec(name=value.name or "", dtype=dtype, shape=shape))
+    return specs
+
+
+def _manifest(model: ir.Model, job: CompileJob, target: Target, reports: list[PassReport]) -> Manifest:
+    loaded = job.loaded
+    layer_outputs = unmark_layers(model)  # first: the markers are graph outputs until then
+    return Manifest(
+        model_config=job.config.to_dict(),
+        inputs=_tensor_specs(list(model.graph.inputs)),
+        outputs=_tensor_specs(list(model.graph.outputs)),
+        kv_cache=target.kv_spec(job),
+        passes=[r.to_dict() for r in reports],
+        target=target.name,
+        precision=target.precision(),
+        quantization=target.quantization(reports),
+        tool_versions=tool_versions(),
+        files={},
+        source=job.options.model if loaded.source.kind == "preset" else str(Path(loaded.source.location).resolve()),
+        created_utc=datetime.now(UTC).isoformat(timespec="seconds"),
+        layer_outputs=layer_outputs,  # values inside model.onnx, for parity --per-layer
+    )

@@ -1,0 +1,114 @@
+"""MoE block (DeepSeekMoE and the GQA MoE families): router ("gate"), stacked routed SwiGLU experts, optional
+shared experts.
+
+Dimension letters: B batch, S tokens, T = B*S, H hidden, I expert intermediate, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeforge.core.config import ModelConfig
+from moeforge.model.mlp import SwiGLU
+from moeforge.model.routing import route_tokens
+
+
+def apply_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, gate_proj: torch.Tensor,
+                  up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """x [T, H], ids/weights [T, K], stacked SwiGLU weights -> [T, H] (only the chosen experts run)."""
+    out = torch.zeros_like(x)
+    # The loop is over a static expert count; which tokens an expert gets is a tensor op
+    # (exports to NonZero/Gather/ScatterND), so there is no data-dependent Python control flow.
+    for e in range(gate_proj.shape[0]):
+        token_idx, slot = torch.where(expert_ids == e)  # [n_e], [n_e]
+        xs = x[token_idx]
+        h = F.silu(F.linear(xs, gate_proj[e])) * F.linear(xs, up_proj[e])
+        y = F.linear(h, down_proj[e]) * expert_weights[token_idx, slot, None].to(x.dtype)
+        out = out.index_add(0, token_idx, y)
+    return out
+
+
+class MoERouter(nn.Module):
+    """Router logits in fp32 (weight [E, H]) plus DeepSeek-V3's score correction bias [E]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.moe is not None
+        self.moe = config.moe
+        self.weight = nn.Parameter(torch.empty(config.moe.n_routed_experts, config.hidden_size))
+        if config.moe.has_correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.moe.n_routed_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H] -> expert ids [T, K] int64, weights [T, K] float32
+        logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        return route_tokens(logits, self.e_score_correction_bias, self.moe)
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts held as stacked tensors: gate/up [E, I, H], down [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; expert_ids, weights: [T, K] -> [T, H]
+        return apply_experts(x, expert_ids, weights, self.gate_proj, self.up_proj, self.down_proj)
+
+
+def hold_local_experts(expert_ids: torch.Tensor, weights: torch.Tensor, first: int,
+                       count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert-parallel rank holds experts first .. first+count-1: ids [T, K] become local (0 .. count-1); a slot
+    routed to another rank's expert gets id ``count`` (no expert of this rank) and weight 0, so it runs nothing
+    here (its rank adds it)."""
+    local = expert_ids - first
+    held = (local >= 0) & (local < count)
+    return torch.where(held, local, count), torch.where(held, weights, 0.0)
+
+
+class MoEBlock(nn.Module):
+    """out = sum_k w_k * expert_k(x) + shared_experts(x).
+
+    On a tensor-parallel rank (``export/parallel.py``) the block holds a part of the experts (``first_expert``
+    onwards, or a slice of every expert's intermediate) and of the shared experts, and ``reduce`` (an AllReduce
+    over the ranks) sums the parts: one collective per MoE layer.
+    """
+
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.first_expert = 0  # expert parallelism: the global id of this block's first routed expert
+        self.reduce: nn.Module | None = None  # tensor parallelism: sums the ranks' partial outputs
+        self.gate = MoERouter(config)
+        self.experts = RoutedExperts(moe.n_routed_experts, config.hidden_size, moe.moe_intermediate_size)
+        self.shared_experts = (
+            SwiGLU(config.hidden_size, moe.moe_intermediate_size * moe.n_shared_experts)
+            if moe.n_shared_experts > 0
+            else None
+        )
+
+    def local_routing(self, expert_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's global choices [T, K] as this block's: unchanged when it holds every routed expert, else
+        (an expert-parallel rank) ``hold_local_experts``."""
+        if self.experts.num_experts == self.gate.moe.n_routed_experts:
+            return expert_ids, weights
+        return hold_local_experts(expert_ids, weights, self.first_expert, self.experts.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, S, H]
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
+        expert_ids, weights = self.local_routing(*self.gate(flat))
+        out: torch.Tensor = self.experts(flat, expert_ids, weights).view_as(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out if self.reduce is None else self.reduce(out)

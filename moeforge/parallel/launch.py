@@ -1,0 +1,172 @@
+"""Running a sharded artifact: one process per rank on torch.distributed, torchrun's environment as the contract.
+
+``moeforge run|serve|parity DIR`` on a sharded artifact calls ``start_world``. Under torchrun (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) this process is the rank torchrun says, on one node or
+several::
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 -m moeforge.cli serve DIR
+
+Without torchrun, the command starts the other ranks of one node itself: the same command line in child
+processes with those variables set (MASTER_ADDR 127.0.0.1, a free port). Rank 0 does the command's work (engine,
+sampler, tokenizer, HTTP server) through a ``ShardedBackend``; every other rank runs ``serve_rank`` until rank 0
+sends STOP. Before any step the ranks check together that each holds its own rank of the same compile
+(``sharded.load_rank``): a mismatch is reported by every rank, and all exit non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from moeforge.compile.sharded_compile import load_rank, read_sharded
+from moeforge.core.artifact import Artifact
+from moeforge.core.errors import ArtifactError, MoeforgeError
+from moeforge.ops.collectives.ort import DEFAULT_TIMEOUT_S, CollectiveError, init_process_group
+from moeforge.parallel.net import free_port
+from moeforge.runtime.backends.base import Backend
+from moeforge.runtime.backends.onnxruntime import OrtBackend, OrtSession
+from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend, PagedSequenceSession
+from moeforge.runtime.backends.sharded import ShardedBackend, ShardedSession, agree, gather_status, serve_rank
+
+CHILD_WAIT_S = 60.0  # how long rank 0 waits for the other ranks to exit after STOP
+
+
+@dataclass
+class World:
+    """This process's place among the ranks, and the rank processes it started (rank 0 without torchrun)."""
+
+    rank: int
+    world_size: int
+    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def finish(self, code: int) -> int:
+        """Wait for the ranks this process started; non-zero if this rank or one of them failed."""
+        for child in self.children:
+            try:
+                child_code = child.wait(timeout=CHILD_WAIT_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child_code = child.wait()
+            if child_code != 0 and code == 0:
+                print(f"moeforge: a rank process exited with status {child_code}", file=sys.stderr)
+                code = 1
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return code
+
+
+def start_world(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+    """Join (under torchrun) or start (one node) the ranks of the sharded artifact at ``path``; the process group
+    is initialised on return."""
+    sharded = read_sharded(path)
+    size = sharded.world_size
+    children: list[subprocess.Popen[bytes]] = []
+    if "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    else:
+        rank, world = 0, size
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(size),
+               "LOCAL_WORLD_SIZE": str(size)}
+        os.environ.update(env, RANK="0", LOCAL_RANK="0")
+        # -P: no current directory on sys.path, so a checkout's top-level ``moeforge/`` folder cannot shadow the
+        # installed package when the command runs from the repository root.
+        for child_rank in range(1, size):
+            child_env = {**os.environ, "RANK": str(child_rank), "LOCAL_RANK": str(child_rank)}
+            children.append(subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", *sys.argv[1:]], env=child_env,
+                                             stdout=subprocess.DEVNULL))
+    if world != size:
+        raise ArtifactError(f"{path} is sharded over {size} ranks but WORLD_SIZE is {world}: start it with "
+                            f"--nproc-per-node {size} (times the nodes: {size} processes in all)")
+    try:
+        init_process_group(rank, world, timeout_s=timeout_s)
+    except CollectiveError:
+        for child in children:
+            child.kill()
+        raise
+    return World(rank, world, children)
+
+
+def _open_rank(path: str | Path, world: World) -> Artifact:
+    """This rank's artifact, checked by all ranks together: every rank raises if any rank's check failed."""
+    problem, artifact = "", None
+    try:
+        _, artifact = load_rank(path, world.rank, world.world_size)
+    except MoeforgeError as exc:
+        problem = str(exc)
+    statuses = gather_status(problem)
+    bad = [f"rank {r}: {text}" for r, text in enumerate(statuses) if text]
+    if bad:
+        raise ArtifactError("the ranks do not hold one sharded artifact: " + "; ".join(bad))
+    assert artifact is not None
+    if artifact.manifest.engine is not None:
+        raise ArtifactError(f"{path} holds TensorRT plans (--target trt): running sharded plans needs NVIDIA GPUs, "
+                            "NCCL and a communicator per execution context, which moeforge's TensorRT backend does "
+                            "not set up yet; compile with --target ort to run it here")
+    return artifact
+
+
+def open_rank_backend(path: str | Path, world: World, config: Any) -> tuple[Backend, Artifact]:
+    """This rank's ONNX Runtime backend, sized by rank 0's ``config`` (an ``EngineConfig``): every rank
+    allocates the same slots and blocks, so the engine's block tables mean the same on all of them."""
+    artifact = _open_rank(path, world)
+    kv = artifact.manifest.kv_cache
+    vocab = int(artifact.manifest.model_config["vocab_size"])
+    blocks = config.num_kv_blocks(config.max_num_seqs, kv.max_seq_len, kv.block_size) if kv.paged else 0
+    slots, blocks = agree([config.max_num_seqs, blocks])
+    providers = list(config.providers) if config.providers else None
+    backend: Backend
+    if kv.paged:
+        backend = PagedOrtBackend(artifact.model_path, kv_cache=kv, num_blocks=blocks, num_slots=slots,
+                                  vocab_size=vocab, threads=config.threads, providers=providers,
+                                  session_config=config.session_config, collectives=True,
+                                  huge_pages=config.huge_pages)
+    else:
+        backend = OrtBackend(artifact.model_path, kv_cache=kv, num_slots=slots, max_seq_len=kv.max_seq_len,
+                             vocab_size=vocab, threads=config.threads, providers=providers,
+                             session_config=config.session_config, collectives=True,
+                             huge_pages=config.huge_pages)
+    return backend, artifact
+
+
+def sharded_backend(path: str | Path, world: World, config: Any) -> tuple[ShardedBackend, Artifact]:
+    """Rank 0's backend for the engine (``LLMEngine(backend, ...)``)."""
+    local, artifact = open_rank_backend(path, world, config)
+    return ShardedBackend(local, world.world_size, heartbeat_s=DEFAULT_TIMEOUT_S / 4), artifact
+
+
+def open_rank_session(path: str | Path, world: World, max_len: int) -> tuple[Any, Artifact]:
+    """This rank's whole-sequence session (parity): rank 0 gets a ``ShardedSession``."""
+    artifact = _open_rank(path, world)
+    kv = artifact.manifest.kv_cache
+    (max_len,) = agree([max_len])
+    session: Any
+    if kv.paged:
+        session = PagedSequenceSession(artifact.model_path, max_len, kv_cache=kv, collectives=True)
+    else:
+        session = OrtSession(artifact.model_path, kv_cache=kv, collectives=True)
+        session.allocate(batch=1, max_len=max_len)
+    return (ShardedSession(session) if world.rank == 0 else session), artifact
+
+
+def run_worker(local: Any, world: World) -> int:
+    """A rank other than 0: serve rank 0's steps until STOP; the process's exit status.
+
+    SIGINT and SIGTERM are ignored here: a terminal's Ctrl-C and torchrun's or a supervisor's SIGTERM reach every
+    rank, and rank 0 decides how to stop (a server drains its requests first, and needs every rank for that). A
+    rank 0 that dies ends the others through their next collective, which fails at once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        serve_rank(local)
+    except MoeforgeError as exc:
+        print(f"moeforge rank {world.rank}: error: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)  # the group is broken: tearing it down could wait on the dead peer
+    return world.finish(0)

@@ -1,0 +1,112 @@
+"""Calibration data: a text file of prompts, one per line, run through the compiled fp32 graph.
+
+``read_prompts`` checks the file; ``GraphRunner`` runs an in-memory onnx-ir graph in ONNX Runtime
+(prefill from an empty cache) and can return internal values (MatMul inputs for AWQ) and take
+replacement weights as feeds (one weight swapped at a time for the sensitivity sweep).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from moeforge.core.errors import MoeforgeError
+from moeforge.model.tokenizer import Tokenizer
+
+PAST_PREFIX = "past_key_values."
+
+
+class CalibrationError(MoeforgeError):
+    """The calibration file is missing, empty or unusable."""
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Non-blank lines of ``path`` (UTF-8), one prompt each."""
+    path = Path(path)
+    if not path.is_file():
+        raise CalibrationError(f"calibration file {path} does not exist; pass --calib FILE with one prompt per line")
+    try:
+        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except UnicodeDecodeError as exc:
+        raise CalibrationError(f"calibration file {path} is not UTF-8 text ({exc.reason})") from None
+    prompts = [line for line in lines if line]
+    if not prompts:
+        raise CalibrationError(f"calibration file {path} is empty; write one prompt per line")
+    return prompts
+
+
+def tokenize_prompts(prompts: list[str], tokenizer: Tokenizer | None, max_len: int) -> list[list[int]]:
+    """Token ids per prompt (truncated to ``max_len``); prompts that encode to nothing are dropped."""
+    if tokenizer is None:
+        raise CalibrationError("the model ships no tokenizer, so text calibration prompts cannot be encoded")
+    ids = [tokenizer.encode(p)[:max_len] for p in prompts]
+    ids = [row for row in ids if row]
+    if not ids:
+        raise CalibrationError("no calibration prompt encodes to any token")
+    return ids
+
+
+class GraphRunner:
+    """An in-memory graph in an ONNX Runtime session; ``overridable`` weights can be fed per run."""
+
+    def __init__(self, model: ir.Model, extra_outputs: tuple[str, ...] = (),
+                 overridable: tuple[str, ...] = (), threads: int | None = None) -> None:
+        proto = ir.serde.serialize_model(model)
+        existing = {o.name for o in proto.graph.output}
+        for name in extra_outputs:
+            if name not in existing:
+                proto.graph.output.append(_value_info(name))
+        if overridable:
+            # An initializer that is also a graph input takes a fed value over its stored one.
+            by_name = {init.name: init for init in proto.graph.initializer}
+            for name in overridable:
+                init = by_name[name]
+                proto.graph.input.append(_tensor_info(name, init.data_type, list(init.dims)))
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # overridable initializers are intended: no warning per weight
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        self.extra_outputs = extra_outputs
+        self.inputs = {i.name: i for i in self.session.get_inputs()}
+
+    def run(self, ids: list[int], weights: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        """Prefill ``ids`` from an empty cache: [logits [S, V], *extras]."""
+        s = len(ids)
+        feeds: dict[str, np.ndarray] = {
+            "input_ids": np.array([ids], np.int64), "position_ids": np.arange(s, dtype=np.int64)[None],
+            "attention_mask": np.ones((1, s), np.int64),
+        }
+        feeds = {k: v for k, v in feeds.items() if k in self.inputs}
+        for name, arg in self.inputs.items():
+            if name.startswith(PAST_PREFIX):
+                _, heads, _, dim = arg.shape
+                feeds[name] = np.zeros((1, heads, s, dim), np.int8 if arg.type == "tensor(int8)" else np.float32)
+        feeds.update(weights or {})
+        outputs = self.session.run(["logits", *self.extra_outputs], feeds)
+        return [outputs[0][0], *outputs[1:]]
+
+
+def _value_info(name: str) -> onnx.ValueInfoProto:
+    return onnx.helper.make_empty_tensor_value_info(name)
+
+
+def _tensor_info(name: str, elem_type: int, dims: list[int]) -> onnx.ValueInfoProto:
+    return onnx.helper.make_tensor_value_info(name, elem_type, dims)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    out: np.ndarray = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return out
+
+
+def mean_kl(ref_logits: np.ndarray, logits: np.ndarray) -> float:
+    """Mean over positions of KL(softmax(ref) || softmax(ours)); inputs [P, V]."""
+    ref, ours = log_softmax(ref_logits), log_softmax(logits)
+    return float((np.exp(ref) * (ref - ours)).sum(-1).mean())

@@ -1,0 +1,122 @@
+"""The Backend protocol: what the engine needs from an execution backend (ONNX Runtime, TensorRT).
+
+Dimension letters: S tokens of one row this step, V vocabulary.
+
+If ``execute`` raises, the engine finishes that step's requests with an error and keeps serving: a
+backend must stay usable after a failed step (the failed rows' slots are released, their blocks freed).
+
+A backend owns the KV-cache memory of one artifact. The engine gives it, per step, the rows to run:
+each row names its cache slot, the tokens to feed and the position of the first one; the backend
+returns, per row, the logits of the row's last token (of its last ``num_logits`` tokens for a row that verifies
+speculative draft tokens). Everything a step needs is in ``StepInput``: no state about sequences lives in the
+backend besides the cache contents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from moeforge.core.errors import MoeforgeError
+
+
+class FatalBackendError(MoeforgeError):
+    """The backend cannot run another step (a rank of a sharded artifact died): the engine re-raises it rather
+    than failing one step's requests and serving on."""
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """One sequence's work this step: feed ``token_ids`` [S] at positions start .. start+S-1 into ``slot``.
+
+    The slot's cache must already hold ``start`` tokens (positions 0 .. start-1) of this sequence. It may hold more
+    (draft tokens that the previous step's verification rejected): those are dropped and overwritten.
+    """
+
+    slot: int
+    token_ids: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...] | None = None  # paged backends: the sequence's pool blocks, in token order
+    # Logits of the row's last ``num_logits`` tokens (1 <= num_logits <= S): > 1 for a decode that feeds speculative
+    # draft tokens, whose every position's argmax verifies the next draft. Only for backends whose
+    # ``multi_logit_rows`` is True.
+    num_logits: int = 1
+
+
+def check_row_tokens(row: RowInput) -> None:
+    """Raise ValueError for a row without tokens or whose ``num_logits`` is outside 1..S (every backend's check)."""
+    if not row.token_ids:
+        raise ValueError(f"slot {row.slot}: a row needs at least one token")
+    if not 1 <= row.num_logits <= len(row.token_ids):
+        raise ValueError(f"slot {row.slot}: num_logits {row.num_logits} must be in 1..{len(row.token_ids)} "
+                         "(the row's tokens)")
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """A paged backend's KV block pools: ``num_blocks`` blocks of ``block_size`` tokens per layer buffer."""
+
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """All rows of one engine step (prefill chunks and decodes mixed)."""
+
+    rows: tuple[RowInput, ...]
+    # The caller takes only each row's argmax (plain greedy, no logprobs): a backend may then return logits whose
+    # argmax is the exact one and whose other values are approximate (graph_passes/argmax_head.py). Optional.
+    argmax_only: bool = False
+
+
+@dataclass(frozen=True)
+class ArgmaxHeadStats:
+    """Runs of the certified argmax head (graph_passes/argmax_head.py) over a backend's life: ``runs`` fed
+    ``argmax_only``, ``reruns`` of them repeated on the float head because a row was not certified."""
+
+    runs: int
+    reruns: int
+
+
+class Backend(Protocol):
+    """An artifact ready to run, with its cache memory."""
+
+    @property
+    def num_slots(self) -> int:
+        """How many sequences can hold a cache at once."""
+        ...
+
+    @property
+    def max_seq_len(self) -> int:
+        """Most tokens one slot holds (prompt + generated)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def kv_pool(self) -> PoolInfo | None:
+        """The block pools of a paged backend, whose blocks are the engine's ``KVCacheManager`` blocks
+        (rows then carry ``block_table``); None for per-slot contiguous caches. Optional: the engine
+        treats a backend without this property as contiguous."""
+        ...
+
+    def execute(self, step: StepInput) -> np.ndarray:
+        """Run one step; return logits [sum of rows' num_logits, V] float32: each row's last ``num_logits`` tokens
+        in position order, rows in step order ([len(step.rows), V] when every row has num_logits 1)."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """Forget a slot's contents (its sequence finished or was preempted)."""
+        ...
+
+    def op_time_shares(self) -> dict[str, float] | None:
+        """Share of compute time per op type, if the backend can tell (else None)."""
+        ...
+
+    # Optional (the engine reads them with getattr): ``argmax_head_stats() -> ArgmaxHeadStats | None``, the certified
+    # argmax head's runs where the artifact has one; ``multi_logit_rows: bool`` (absent: False), whether rows may ask
+    # for ``num_logits`` > 1 and start before the cache's end (what speculative decoding needs).

@@ -1,0 +1,678 @@
+"""LLMEngine: the decode loop over an artifact. One step is schedule -> execute -> sample -> update.
+
+The scheduler decides which tokens of which requests run (continuous batching, chunked prefill,
+preemption) and alone changes a request's status; the backend runs them on its cache slots (one
+row per running request) and returns each row's last logits; the sampler picks tokens; the
+scheduler records them. The engine owns the slots, stop strings (they need the tokenizer) and
+metrics. With ``EngineConfig.speculative_tokens`` it also drafts each greedy request's next tokens after a
+step (runtime/speculative.py); the next decode feeds them, and sampling verifies them (``_verify``).
+
+Per-request state lives on one ``Request`` (runtime/request.py). The engine holds each in
+``requests`` from ``add_request`` until its final output has been returned, then drops it; the
+scheduler indexes only the unfinished ones and drops a request the moment it finishes. The engine
+keeps its own map because a request must outlive the scheduler's: an aborted or rejected request
+is reported by the next ``step``, after the scheduler has let it go.
+
+A bad request fails alone: it is rejected with a clear error (or finished with one) and the engine
+keeps serving the others; ``generate`` checks every prompt of its batch before it queues any. A step
+whose backend call (or sampling) raises fails alone too: the requests it scheduled finish with
+``finish_reason="error"`` and the exception's message, the prefix-cache keys it registered are
+dropped, and the next steps serve the other and new requests as usual. ``from_artifact`` refuses a
+configuration whose caches cannot fit in host memory before allocating them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moeforge.core.artifact import Artifact, load_artifact
+from moeforge.core.errors import MoeforgeError, TokenizerError
+from moeforge.core.kv_layout import KVCacheSpec
+from moeforge.model.tokenizer import Tokenizer
+from moeforge.runtime.backends.base import ArgmaxHeadStats, Backend, FatalBackendError, RowInput, StepInput
+from moeforge.runtime.backends.onnxruntime import OPTION_PREFIX, OrtBackend, session_option
+from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
+from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
+from moeforge.runtime.request import Request, RequestMetrics, RequestStatus, prompt_token_ids
+from moeforge.runtime.request import RequestError as RequestError  # re-exported: raised by add_request
+from moeforge.runtime.sampler import Sampler, SamplingParams
+from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from moeforge.runtime.speculative import Drafter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PARAMS = SamplingParams()
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: all generated ids so far, the new ones, and (``text``) their text when the
+    artifact has a tokenizer."""
+
+    request_id: int
+    token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+    logprobs: list[float] = field(default_factory=list)  # per token, when SamplingParams.logprobs is set
+    metrics: RequestMetrics | None = None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob) pairs
+    tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def text(self) -> str | None:
+        """The generated text (special tokens skipped), None without a tokenizer. Decoded on first access, so a
+        step that nobody reads the text of costs no detokenisation."""
+        return None if self.tokenizer is None else self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+
+
+@dataclass
+class EngineMetrics:
+    """Totals over the engine's life."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    failed_steps: int = 0  # steps whose backend call or sampling raised (their requests finished with an error)
+    execute_seconds: float = 0.0
+    # Speculative decoding: draft tokens fed for verification (counted in decode_tokens too) and those accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+
+class EngineConfigError(MoeforgeError):
+    """An ``EngineConfig`` that cannot work (with this artifact): the message names the field to change."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity knobs. ``kv_blocks`` blocks of ``block_size`` tokens is the KV memory budget that drives
+    admission and preemption. Default: ``max_num_seqs * ceil(max_seq_len / block_size)`` blocks, so
+    every slot can reach ``max_seq_len`` at once -- for a paged artifact the same memory as the
+    contiguous layout; set ``kv_blocks`` lower to save memory when typical requests are much shorter
+    than ``max_seq_len`` (requests then wait for blocks or are preempted and recomputed).
+
+    Paged artifacts: ``kv_blocks`` is also the number of blocks preallocated in each pool, and the
+    block size is the artifact's (``--kv-block-size`` at compile time): leave ``block_size`` None or
+    give that value (another one raises). Contiguous artifacts: ``block_size`` (None: 16) is only
+    the accounting unit of the budget."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    block_size: int | None = None  # None: the paged artifact's, else 16
+    kv_blocks: int | None = None  # None: max_num_seqs * ceil(max_seq_len / block_size)
+    long_prefill_chunk: int | None = None
+    threads: int | None = None
+    providers: tuple[str, ...] | None = None  # ONNX Runtime execution providers (default: CPU)
+    # ONNX Runtime session config entries, e.g. (("session.intra_op.allow_spinning", "0"),): what a service tunes
+    # (benchmarks/session_options.py measures the common ones).
+    session_config: tuple[tuple[str, str], ...] = ()
+    # MoE artifacts: count routed tokens per layer and expert (LLMEngine.expert_load); costs a small output
+    # fetch per step, so off by default.
+    track_expert_load: bool = False
+    profile: bool = False  # time kernels (costs a little) so attention_time_share() can answer
+    # Put the memory the session allocates (its prepacked weights) on transparent huge pages (Linux; see
+    # runtime/huge_pages.py): a decode step streams every weight, and 4 KiB pages cost a TLB miss every 4 KiB.
+    huge_pages: bool = True
+    # Prompt-lookup speculative decoding (runtime/speculative.py): greedy requests (SamplingParams.argmax_only) feed
+    # up to this many draft tokens per decode (fewer, or none for a while, after rejected ones), copied from where
+    # the sequence's last tokens occurred before, and the model verifies them in the same run. Output is plain greedy
+    # decoding's (token for token on float artifacts; see benchmarks/speculative_decoding.py); 0 turns it off.
+    speculative_tokens: int = 0
+    speculative_max_ngram: int = 3  # longest tail matched to find drafts
+    # Shortest tail matched: 2 drafts less often but far better than 1 (benchmarks/speculative_decoding.py).
+    speculative_min_ngram: int = 2
+    # Drafts only while at most this many requests run. None: 1 on a contiguous artifact, which verifies each row
+    # with drafts in a run of its own (ONNX Runtime's GroupQueryAttention takes several new tokens on a filled cache
+    # only at batch 1) and so beats one batched decode step only at batch 1; every slot on a paged artifact, which
+    # verifies all rows in its one packed run.
+    speculative_max_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        def is_int(value: object) -> bool:
+            return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+        entries = self.session_config
+        if not isinstance(entries, tuple) or not all(
+                isinstance(e, tuple) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in entries):
+            raise EngineConfigError(f"EngineConfig(session_config={entries!r}) must be a tuple of (key, value) string "
+                                    "pairs, e.g. (('session.intra_op.allow_spinning', '0'),)")
+        for key, value in entries:
+            if key.startswith(OPTION_PREFIX):
+                try:
+                    session_option(key, value)
+                except ValueError as error:
+                    raise EngineConfigError(f"EngineConfig: {error}") from None
+        for name in ("huge_pages", "profile", "track_expert_load"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineConfigError(f"EngineConfig({name}={getattr(self, name)!r}) must be True or False")
+        if self.kv_blocks is not None and not (is_int(self.kv_blocks) and self.kv_blocks >= 1):
+            raise EngineConfigError(f"EngineConfig(kv_blocks={self.kv_blocks!r}): give at least 1 block, "
+                                    "or None for the default (every slot can reach max_seq_len)")
+        for name, minimum, optional in (("max_num_seqs", 1, False), ("max_num_batched_tokens", 1, False),
+                                        ("block_size", 1, True), ("long_prefill_chunk", 1, True),
+                                        ("threads", 0, True), ("speculative_tokens", 0, False),
+                                        ("speculative_max_ngram", 1, False),
+                                        ("speculative_min_ngram", 1, False), ("speculative_max_batch", 1, True)):
+            value = getattr(self, name)
+            if not (value is None and optional) and not (is_int(value) and value >= minimum):
+                raise EngineConfigError(f"EngineConfig({name}={value!r}) must be an integer >= {minimum}"
+                                        + (" (or None)" if optional else ""))
+        if self.speculative_min_ngram > self.speculative_max_ngram:
+            raise EngineConfigError(f"EngineConfig(speculative_min_ngram={self.speculative_min_ngram}) exceeds "
+                                    f"speculative_max_ngram={self.speculative_max_ngram}: lower it or raise the max")
+
+    def num_kv_blocks(self, num_slots: int, max_seq_len: int, block_size: int) -> int:
+        """``kv_blocks``, or the default: ``num_slots`` sequences of ``max_seq_len`` tokens each."""
+        return self.kv_blocks or num_slots * -(-max_seq_len // block_size)
+
+    def check_block_size(self, artifact_block_size: int) -> None:
+        """Refuse a ``block_size`` that differs from a paged artifact's."""
+        if self.block_size is not None and self.block_size != artifact_block_size:
+            raise EngineConfigError(
+                f"EngineConfig(block_size={self.block_size}) differs from the paged artifact's block size "
+                f"{artifact_block_size} (set at compile time with --kv-block-size): leave block_size None")
+
+
+class LLMEngine:
+    """Serve generation requests on one backend (``from_artifact`` builds the ONNX Runtime one)."""
+
+    def __init__(self, backend: Backend, *, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
+                 config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        if config.speculative_tokens and not getattr(backend, "multi_logit_rows", False):
+            raise EngineConfigError(f"EngineConfig(speculative_tokens={config.speculative_tokens}): the "
+                                    f"{type(backend).__name__} cannot verify draft tokens (it returns one row of "
+                                    "logits per sequence); set speculative_tokens=0")
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.config = config
+        # A paged backend (block pools) has its own block size and pool; its blocks ARE the manager's
+        # blocks, so prefix-cache hits are shared physically. Contiguous-slot artifacts cannot share a
+        # cached prefix, so prefix caching is off for them.
+        pool = backend.kv_pool
+        # Requests that may run with drafts at once (EngineConfig.speculative_max_batch, or the backend's default).
+        self.speculative_max_batch = config.speculative_max_batch or (1 if pool is None else backend.num_slots)
+        if pool is not None:
+            config.check_block_size(pool.block_size)
+            if config.kv_blocks is not None and config.kv_blocks != pool.num_blocks:
+                raise EngineConfigError(f"EngineConfig(kv_blocks={config.kv_blocks}) differs from the backend's "
+                                        f"pool of {pool.num_blocks} blocks")
+            block_size, num_blocks = pool.block_size, pool.num_blocks
+        else:
+            block_size = config.block_size or 16
+            # Blocks beyond what the slots can hold could never be used; capping them keeps a huge kv_blocks
+            # from costing the block pool's bookkeeping (one object per block).
+            slots_blocks = backend.num_slots * -(-backend.max_seq_len // block_size)
+            num_blocks = min(config.num_kv_blocks(backend.num_slots, backend.max_seq_len, block_size), slots_blocks)
+        self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size, enable_prefix_caching=pool is not None))
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=min(config.max_num_seqs, backend.num_slots),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            long_prefill_chunk=config.long_prefill_chunk, max_model_len=backend.max_seq_len,
+        ), self.kv)
+        self.sampler = Sampler()
+        self.metrics = EngineMetrics()
+        self._ids = itertools.count()
+        self.requests: dict[int, Request] = {}  # added, final output not returned yet (read-only outside)
+        self._free_slots = list(range(backend.num_slots))  # a heap: the lowest free slot first
+        # Outputs of other requests that generate() / stream() stepped past: the next step() returns them first.
+        self._held: list[RequestOutput] = []
+
+    @classmethod
+    def from_artifact(cls, path: str | Path, config: EngineConfig | None = None,
+                      backend: Backend | None = None) -> LLMEngine:
+        """Open an artifact directory (hashes verified) on ONNX Runtime, CPU by default. Raises
+        ``EngineConfigError`` before allocating anything when ``config`` needs more host memory than is
+        available (see ``check_host_memory``). ``backend``: one already opened on this artifact (a sharded
+        artifact's ``ShardedBackend``, with ``path`` its rank 0): only the tokenizer is read here."""
+        config = config or EngineConfig()
+        artifact = load_artifact(path)
+        manifest = artifact.manifest
+        kv = manifest.kv_cache
+        vocab_size = int(manifest.model_config["vocab_size"])
+        providers = list(config.providers) if config.providers else None
+        if backend is not None:
+            pass
+        elif manifest.engine is not None:  # --target trt: the engine plan on a GPU
+            from moeforge.runtime.backends.tensorrt import TensorRTBackend  # lazy: needs TensorRT and a GPU
+
+            # Its caches are device memory, which TensorRT/torch account for; the host check does not apply.
+            backend = TensorRTBackend.from_artifact(artifact.root, num_slots=config.max_num_seqs)
+        elif kv.block_size is not None:  # a paged artifact
+            config.check_block_size(kv.block_size)
+            num_blocks = config.num_kv_blocks(config.max_num_seqs, kv.max_seq_len, kv.block_size)
+            check_host_memory(config, kv, vocab_size, num_blocks)
+            backend = PagedOrtBackend(artifact.model_path, kv_cache=kv, num_blocks=num_blocks,
+                                      num_slots=config.max_num_seqs, vocab_size=vocab_size, threads=config.threads,
+                                      providers=providers, profile=config.profile,
+                                      session_config=config.session_config,
+                                      track_expert_load=config.track_expert_load, huge_pages=config.huge_pages)
+        else:
+            check_host_memory(config, kv, vocab_size)
+            backend = OrtBackend(artifact.model_path, kv_cache=kv, num_slots=config.max_num_seqs,
+                                 max_seq_len=kv.max_seq_len, vocab_size=vocab_size, threads=config.threads,
+                                 providers=providers, profile=config.profile, session_config=config.session_config,
+                                 track_expert_load=config.track_expert_load, huge_pages=config.huge_pages)
+        tokenizer, eos = _tokenizer_and_eos(artifact)
+        return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams = DEFAULT_PARAMS) -> int:
+        """Queue a request; returns its id. Raises ``RequestError`` or ``SamplingParamsError`` (nothing queued)
+        for bad input."""
+        ids, params = self._check_request(prompt, params)
+        return self._queue(ids, params)
+
+    def _check_request(self, prompt: object, params: object) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the params to run with, or the error a bad request raises."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.backend.vocab_size)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this artifact has no tokenizer: pass prompt token ids")
+            try:
+                encoded = self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
+            except TokenizerError as exc:
+                raise RequestError(f"the prompt: {exc}") from None
+            ids = prompt_token_ids(encoded, self.backend.vocab_size)
+        else:
+            ids = prompt_token_ids(prompt, self.backend.vocab_size)
+        if len(ids) + params.max_tokens > self.backend.max_seq_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the artifact's max_seq_len "
+                f"{self.backend.max_seq_len}; shorten the prompt or lower max_tokens (the CLI's --max-new-tokens); "
+                "nothing is truncated")
+        if not params.ignore_eos and self.eos_token_ids:
+            params = dataclasses.replace(params, stop_token_ids=tuple({*params.stop_token_ids, *self.eos_token_ids}))
+        return ids, params
+
+    def _queue(self, ids: list[int], params: SamplingParams) -> int:
+        request = Request(next(self._ids), ids, params)
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request; its cache slot and blocks are freed, the next ``step`` returns its final output."""
+        if self.scheduler.abort(request_id):
+            self._release_slot(self.requests[request_id])
+
+    def has_unfinished(self) -> bool:
+        """Whether some request's final output has not been returned yet (call ``step``)."""
+        return bool(self.requests) or bool(self._held)
+
+    def attention_time_share(self) -> float | None:
+        """Fraction of backend compute spent in attention kernels so far, when the backend can tell
+        (ONNX Runtime with ``EngineConfig(profile=True)``); None otherwise. Ends profiling."""
+        shares = self.backend.op_time_shares()
+        if shares is None:
+            return None
+        return sum(share for op, share in shares.items() if "Attention" in op)
+
+    def expert_load(self) -> np.ndarray | None:
+        """Tokens routed to each expert of each MoE layer so far, [L_moe, E] int64 (prompt and generated tokens
+        the model ran, recomputed ones again), when the backend tracks them (``EngineConfig(track_expert_load=True)``
+        on a MoE artifact); None otherwise."""
+        counter = getattr(self.backend, "expert_load", None)
+        return counter() if counter is not None else None
+
+    def argmax_head_stats(self) -> ArgmaxHeadStats | None:
+        """Runs of the certified argmax head so far (greedy steps fed ``argmax_only``, and those repeated on the
+        float head), when the backend's artifact has one (graph_passes/argmax_head.py); None otherwise."""
+        stats = getattr(self.backend, "argmax_head_stats", None)
+        return stats() if stats is not None else None
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + max_tokens one request can have: the artifact's max_seq_len, or less when the
+        KV cache holds fewer tokens (``kv_blocks``; the last sampled token needs no cache)."""
+        return min(self.backend.max_seq_len, self.kv.config.num_blocks * self.kv.block_size + 1)
+
+    @property
+    def kv_blocks_in_use(self) -> int:
+        """KV-cache blocks held by running requests now."""
+        return self.kv.stats().blocks_in_use
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the outputs of requests that advanced or finished (after any that
+        ``generate`` / ``stream`` stepped past for other callers). A finished request's output is its last one:
+        the engine then forgets it."""
+        plan = self.scheduler.schedule()
+        for request_id in plan.preempted:
+            self._release_slot(self.requests[request_id])
+            self.metrics.preemptions += 1
+        # ``finished`` may name a request that a stop string ended last step: its final output went out then.
+        ended = [self.requests[i] for i in plan.finished if i in self.requests]
+        for request in ended:
+            self._release_slot(request)
+        try:
+            sampled, logprobs = self._execute(plan) if plan.scheduled else ({}, {})
+        except FatalBackendError:  # the backend itself is gone (a sharded rank died): nothing more can run
+            raise
+        except Exception as exc:  # any failure of the model step: fail its requests, keep serving
+            log.exception("engine step failed; its %d requests finish with an error", len(plan.scheduled))
+            self.metrics.failed_steps += 1
+            sampled, logprobs = {}, {}
+            done = self.scheduler.fail(plan, f"the model step failed ({type(exc).__name__}: {exc})")
+        else:
+            done = self.scheduler.update(plan, sampled)
+        now = time.perf_counter()
+        for request_id in sampled:
+            request = self.requests[request_id]
+            if request.metrics.first_token is None:
+                request.metrics.first_token = now
+        for request_id, (logprob, top) in logprobs.items():
+            request = self.requests[request_id]
+            request.logprobs.append(logprob)
+            request.top_logprobs.append(top)
+        touched = {item.request_id: self.requests[item.request_id] for item in plan.scheduled}
+        touched.update((request.request_id, request) for request in ended)
+        self._apply_stop_strings(touched.values())
+        for request in done:
+            self._release_slot(request)
+        if self.config.speculative_tokens:
+            self._propose_drafts(request for request in touched.values() if not request.is_finished)
+        outputs, self._held = self._held, []
+        for request_id in sorted(touched):
+            request = touched[request_id]
+            if request_id in sampled or request.is_finished:
+                outputs.append(self._output(request))
+            if request.is_finished:
+                del self.requests[request_id]  # its final output is in ``outputs``
+        return outputs
+
+    def _execute(self, plan: SchedulerOutput
+                 ) -> tuple[dict[int, int | list[int]], dict[int, tuple[float, list[tuple[int, float]]]]]:
+        """Run the backend on ``plan`` and sample; returns {request id: token, or for a decode with draft tokens the
+        accepted drafts and the token after them} and, for requests that asked for logprobs, {request id:
+        (logprob, top logprobs)}."""
+        rows = []
+        argmax_only = True  # every request of the step reads only its argmax (StepInput.argmax_only)
+        for item in plan.scheduled:
+            request = self.requests[item.request_id]
+            if request.slot is None:
+                request.slot = heapq.heappop(self._free_slots)
+            rows.append(RowInput(request.slot, tuple(item.token_ids), item.start, tuple(item.block_table),
+                                 item.num_draft_tokens + 1))
+            argmax_only = argmax_only and request.params.argmax_only
+        start = time.perf_counter()
+        logits = self.backend.execute(StepInput(tuple(rows), argmax_only))
+        self.metrics.execute_seconds += time.perf_counter() - start
+        self.metrics.steps += 1
+        sample_rows = [i for i, item in enumerate(plan.scheduled) if item.completes_prompt]
+        for item in plan.scheduled:
+            if item.is_prefill_chunk:
+                self.metrics.prefill_tokens += item.num_tokens
+            else:
+                self.metrics.decode_tokens += item.num_tokens
+        if not sample_rows:
+            return {}, {}
+        if any(item.num_draft_tokens for item in plan.scheduled):
+            return self._verify(plan, logits)
+        requests = [self.requests[plan.scheduled[i].request_id] for i in sample_rows]
+        out = self.sampler.sample(
+            logits if len(sample_rows) == len(logits) else logits[sample_rows],  # no copy in steady decode
+            [r.params for r in requests], [r.generator for r in requests],
+            [r.output_token_ids for r in requests], [r.prompt_token_ids for r in requests],
+        )
+        tokens = {r.request_id: t for r, t in zip(requests, out.token_ids.tolist(), strict=True)}
+        if all(r.params.logprobs is None for r in requests):
+            return tokens, {}
+        logprobs = {r.request_id: (float(lp), top)
+                    for r, lp, top in zip(requests, out.logprobs, out.top_logprobs, strict=True)
+                    if r.params.logprobs is not None}
+        return tokens, logprobs
+
+    def _verify(self, plan: SchedulerOutput, logits: np.ndarray
+                ) -> tuple[dict[int, int | list[int]], dict[int, tuple[float, list[tuple[int, float]]]]]:
+        """``_execute``'s sampling for a step with draft tokens (their requests are greedy, ``argmax_only``): per
+        decode with drafts, the drafts that equal the argmax after the token before them, then the argmax after the
+        last accepted one; per other sampled row, its token (and logprobs where asked). ``logits`` [sum of
+        num_logits, V] (``Backend.execute``)."""
+        ends = np.cumsum([item.num_draft_tokens + 1 for item in plan.scheduled]).tolist()
+        picked = [(item, range(end - item.num_draft_tokens - 1, end))
+                  for item, end in zip(plan.scheduled, ends, strict=True) if item.completes_prompt]
+        lines = [line for _, span in picked for line in span]
+        owners = [self.requests[item.request_id] for item, span in picked for _ in span]  # per line, its request
+        out = self.sampler.sample(logits[lines], [r.params for r in owners], [r.generator for r in owners],
+                                  [r.output_token_ids for r in owners], [r.prompt_token_ids for r in owners])
+        greedy, at = out.token_ids.tolist(), 0
+        tokens: dict[int, int | list[int]] = {}
+        logprobs = {}
+        for item, span in picked:
+            chosen = greedy[at:at + len(span)]
+            if owners[at].params.logprobs is not None:  # a request with logprobs is never greedy-only: no drafts
+                logprobs[item.request_id] = (float(out.logprobs[at]), out.top_logprobs[at])
+            at += len(span)
+            drafts = item.draft_token_ids
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
+                accepted += 1
+            tokens[item.request_id] = chosen[:accepted + 1] if drafts else chosen[0]
+            self.metrics.draft_tokens += len(drafts)
+            self.metrics.accepted_draft_tokens += accepted
+            drafter = self.requests[item.request_id].drafter
+            if drafter is not None:
+                drafter.record(len(drafts), accepted)
+        return tokens, logprobs
+
+    def _propose_drafts(self, requests: Iterable[Request]) -> None:
+        """Draft the next tokens of each greedy request (``EngineConfig.speculative_tokens``) for its next decode,
+        while at most ``speculative_max_batch`` requests run (else none has drafts; see ``EngineConfig``)."""
+        running = self.scheduler.running
+        if len(running) > self.speculative_max_batch:
+            for request in running:
+                request.spec_token_ids = []
+            return
+        for request in requests:
+            if not request.params.argmax_only:
+                continue
+            drafter = request.drafter
+            if drafter is None:
+                config = self.config
+                drafter = request.drafter = Drafter(config.speculative_tokens, config.speculative_max_ngram,
+                                                    config.speculative_min_ngram)
+            request.spec_token_ids = drafter.propose(request.token_ids(len(drafter.index.tokens)))
+
+    def _apply_stop_strings(self, requests: Iterable[Request]) -> None:
+        """Finish requests whose new text completed a stop string, at the token that completed it: a step that
+        yields several tokens (accepted draft tokens) drops those after it, as plain decoding would never have
+        made them."""
+        if self.tokenizer is None:
+            return
+        for request in requests:
+            ids = request.output_token_ids
+            first_new = request.num_reported_tokens  # this step's tokens are ids[first_new:]
+            # A request that reached max_tokens or a stop token this step still reports "stop" (and loses the tokens
+            # after it) when one of its new tokens completed a stop string (vLLM's order); other endings stand.
+            ended_now = request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+            if not request.params.stop_strings or len(ids) <= first_new or (request.is_finished and not ended_now):
+                continue
+            end = self._stop_string_end(request.params.stop_strings, ids, first_new, final=request.is_finished)
+            if end is None:
+                continue
+            if not request.is_finished:
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                self._release_slot(request)
+            request.status = RequestStatus.FINISHED_STOPPED  # for one already ended, only the reason changes
+            del ids[end:]  # the request is finished: the scheduler no longer reads its tokens
+
+    def _stop_string_end(self, stops: Sequence[str], ids: list[int], first_new: int, *, final: bool) -> int | None:
+        """The number of output tokens up to the first of ``ids[first_new:]`` whose text completes a stop string,
+        None if none does. ``final``: the request ended at its last token (else a trailing U+FFFD may be a
+        character whose bytes are still coming, matched once it is whole)."""
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
+
+        def completes(end: int, whole: bool) -> bool:
+            text = tokenizer.decode(ids[:end], skip_special_tokens=True)
+            return any(stop in (text if whole else text.rstrip("\ufffd")) for stop in stops)
+
+        if not completes(len(ids), final):
+            return None
+        return next((end for end in range(first_new + 1, len(ids)) if completes(end, False)), len(ids))
+
+    def _release_slot(self, request: Request) -> None:
+        if request.slot is not None:
+            self.backend.release(request.slot)
+            heapq.heappush(self._free_slots, request.slot)
+            request.slot = None
+
+    def _output(self, request: Request) -> RequestOutput:
+        ids = list(request.output_token_ids)
+        new = ids[request.num_reported_tokens:]
+        request.num_reported_tokens = len(ids)
+        if request.is_finished and request.metrics.finished is None:
+            request.metrics.finished = time.perf_counter()
+        return RequestOutput(request.request_id, ids, new, request.is_finished, request.finish_reason,
+                             request.error, list(request.logprobs), request.metrics, list(request.top_logprobs),
+                             self.tokenizer)
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] = DEFAULT_PARAMS) -> list[RequestOutput]:
+        """Run prompts to completion together; a bad prompt (or its params) yields an output with ``error``
+        set, naming its index. Every prompt is checked before any is queued, and if the run itself is
+        interrupted the batch's requests are aborted and forgotten: the engine never keeps half a batch.
+        Raises ``RequestError`` (nothing queued) when the batch itself is malformed."""
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+            raise RequestError(f"generate() takes a list of prompts, got {type(prompts).__name__}; "
+                               "for one prompt pass [prompt]")
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise RequestError(f"generate() got {len(per_prompt)} SamplingParams for {len(prompts)} prompts: "
+                               "give one SamplingParams, or one per prompt")
+        checked: list[tuple[list[int], SamplingParams] | RequestOutput] = []
+        for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+            try:
+                checked.append(self._check_request(prompt, p))
+            except MoeforgeError as exc:
+                checked.append(RequestOutput(-1, [], [], True, "error", f"prompt {index}: {exc}"))
+        order = [item if isinstance(item, RequestOutput) else self._queue(*item) for item in checked]
+        mine = {item for item in order if isinstance(item, int)}
+        results: dict[int, RequestOutput] = {}
+        held: list[RequestOutput] = []  # other callers' requests run alongside: theirs, kept for their step()
+        try:
+            while len(results) < len(mine):
+                for out in self.step():
+                    if out.request_id not in mine:
+                        held.append(out)
+                    elif out.finished:
+                        results[out.request_id] = out
+        except BaseException:
+            # Interrupted (Ctrl-C, an unexpected error): drop this batch so later calls start clean.
+            for item in order:
+                if isinstance(item, int) and item in self.requests:
+                    self.abort(item)
+                    del self.requests[item]
+            held = [out for out in held if out.request_id not in mine]
+            self._held = [out for out in self._held if out.request_id not in mine]
+            raise
+        finally:
+            self._held = held + self._held
+        return [item if isinstance(item, RequestOutput) else results[item] for item in order]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams = DEFAULT_PARAMS) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that gave it new tokens, until it finishes."""
+        request_id = self.add_request(prompt, params)
+        finished = False
+        try:
+            while not finished:
+                outputs = self.step()
+                self._held.extend(out for out in outputs if out.request_id != request_id)  # other callers'
+                for out in outputs:
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:  # the caller stopped iterating (break, close, an error): the request stops and is forgotten
+            if not finished and request_id in self.requests:
+                self.abort(request_id)
+                del self.requests[request_id]
+            if not finished:  # outputs another stream() or generate() held for it: nobody will read them
+                self._held = [out for out in self._held if out.request_id != request_id]
+
+
+def _tokenizer_and_eos(artifact: Artifact) -> tuple[Tokenizer | None, tuple[int, ...]]:
+    """The artifact's tokenizer (None without tokenizer.json) and EOS ids (the tokenizer's, else the manifest's)."""
+    tokenizer = Tokenizer.from_file(artifact.root) if (artifact.root / "tokenizer.json").is_file() else None
+    eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(
+        artifact.manifest.model_config.get("eos_token_ids", ()))
+    return tokenizer, eos
+
+
+# (limit, usage) files of a container's memory cgroup: v2, then v1 (v1 says "no limit" with a huge number).
+CGROUP_MEMORY_FILES = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+                       (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                        Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory this process can still allocate, None where unknown: Linux's MemAvailable (free
+    plus reclaimable cache), else the free pages (``SC_AVPHYS_PAGES``), lowered to what a cgroup limit (a
+    container's, v2 or v1) leaves."""
+    found = []
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        meminfo = ""
+    found += [int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
+    if not found:
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):  # not every platform has these names
+            pass
+    for limit_file, usage_file in CGROUP_MEMORY_FILES:
+        try:
+            limit = limit_file.read_text().strip()
+            if limit != "max":
+                found.append(int(limit) - int(usage_file.read_text()))
+        except (OSError, ValueError):  # no such cgroup, or no limit
+            pass
+    return min(found) if found else None
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:,.2f} GiB"
+
+
+def check_host_memory(config: EngineConfig, kv: KVCacheSpec, vocab_size: int, num_blocks: int | None = None) -> None:
+    """Refuse, before anything is allocated, an ``EngineConfig`` whose buffers cannot fit in the host memory
+    ``available_memory()`` reports. Counted (a lower bound; weights and other activations come on top): the KV
+    cache from ``kv`` -- ``num_blocks`` pool blocks of a paged artifact, else ``max_num_seqs`` contiguous rows of
+    ``max_seq_len`` tokens -- and the float32 logits of one full step. Only what certainly cannot fit is refused."""
+    limit = available_memory()
+    if limit is None:
+        return
+    if num_blocks is not None:
+        cache = num_blocks * kv.bytes_per_block
+        what = f"KV cache {num_blocks:,} blocks x {kv.bytes_per_block:,} bytes"
+        fix = "lower kv_blocks (or max_num_seqs, which sets the default)"
+    else:
+        cache = kv.bytes_for(kv.max_seq_len, config.max_num_seqs)
+        what = f"KV cache {config.max_num_seqs:,} sequences x {kv.max_seq_len} tokens x {kv.bytes_per_token:,} bytes"
+        fix = "lower max_num_seqs"
+    step_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * kv.max_seq_len)
+    logits = step_tokens * vocab_size * 4
+    if cache + logits > limit:
+        raise EngineConfigError(
+            f"EngineConfig(max_num_seqs={config.max_num_seqs}, kv_blocks={config.kv_blocks}, max_num_batched_tokens="
+            f"{config.max_num_batched_tokens}) needs at least {_gib(cache + logits)} of host memory ({what} = "
+            f"{_gib(cache)}; step logits {step_tokens:,} tokens x {vocab_size:,} x 4 bytes = {_gib(logits)}) and "
+            f"{_gib(limit)} is available: {fix}, or max_num_batched_tokens if the logits dominate")

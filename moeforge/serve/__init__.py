@@ -1,0 +1,13 @@
+"""Layer 10, ``moeforge serve``: an OpenAI-compatible HTTP server over ``LLMEngine`` (FastAPI + uvicorn), with
+Prometheus metrics. ``create_app`` builds the app over an engine; ``serve`` runs an artifact until SIGTERM.
+
+Modules: protocol (request/response bodies), engine_loop (the one thread that drives the engine), streams
+(loop thread -> asyncio bridge, admission), output_text (text deltas, stop strings, logprobs), serving (the
+generation endpoints), errors (OpenAI error bodies), metrics (Prometheus), app (the FastAPI app), runner
+(uvicorn, signals).
+"""
+
+from moeforge.serve.app import ServerConfig, create_app
+from moeforge.serve.runner import ServeOptions, serve
+
+__all__ = ["ServeOptions", "ServerConfig", "create_app", "serve"]

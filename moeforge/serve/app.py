@@ -1,0 +1,164 @@
+"""``create_app(engine, config)``: the FastAPI application of ``moeforge serve``.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (serving.py),
+``GET /health``, ``GET /metrics`` (Prometheus text). The app's lifespan starts the engine loop thread and,
+at shutdown, stops it (whatever is still running then is aborted). A pure ASGI gate in front of the routes
+checks the bearer token of ``/v1/*`` requests (``--api-key``; /health and /metrics stay open, as vLLM's do)
+and refuses new ``/v1/*`` requests with a 503 once draining has begun (``start_draining``, on SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from moeforge.model.tokenizer import Tokenizer
+from moeforge.runtime.engine import LLMEngine
+from moeforge.serve.engine_loop import EngineLoop
+from moeforge.serve.errors import error_response, install_error_handlers
+from moeforge.serve.metrics import CONTENT_TYPE, ServerMetrics
+from moeforge.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from moeforge.serve.serving import RETRY_AFTER_S, OpenAIServing
+from moeforge.serve.streams import Admission
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUED = 256
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the server adds to the engine. ``max_queued``: requests that may wait beyond the ``max_num_seqs``
+    running ones before new ones get a 429. ``chat_template`` (Jinja source) replaces the tokenizer's.
+    ``profile_steps`` > 0 profiles the first that many engine steps for ``moeforge:attention_time_share``."""
+
+    model_name: str
+    max_queued: int = DEFAULT_MAX_QUEUED
+    api_key: str | None = None
+    chat_template: str | None = None
+    profile_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be a non-empty string (or None for no authentication)")
+
+
+class _Gate:
+    """Bearer-token check and drain refusal for ``/v1/*``, before any body is read."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, server: ServerState) -> None:
+        self.app = app
+        self.expected = None if api_key is None else api_key.encode()
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            response = self._refusal(scope)
+            if response is not None:
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> JSONResponse | None:
+        if self.expected is not None:
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            # The scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time: it is a secret.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.expected):
+                self.server.metrics.reject("unauthorized")
+                return error_response(401, "missing or invalid API key: send 'Authorization: Bearer KEY'",
+                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if self.server.draining and scope["method"] == "POST":
+            self.server.metrics.reject("shutting_down")
+            return error_response(503, "the server is shutting down", type="server_error", code="shutting_down",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+        return None
+
+
+@dataclass
+class ServerState:
+    """The app's live objects (``app.state.server``)."""
+
+    engine: EngineLoop
+    metrics: ServerMetrics
+    admission: Admission
+    draining: bool = False
+
+    def start_draining(self) -> None:
+        """Refuse new generation requests from now on; in-flight ones go on (the SIGTERM path)."""
+        self.draining = True
+
+
+def _chat_tokenizer(tokenizer: Tokenizer | None, template: str | None) -> Tokenizer | None:
+    """The tokenizer the chat endpoint renders with: the artifact's, or a copy with ``template`` as its template."""
+    if template is None or tokenizer is None:
+        return tokenizer
+    return Tokenizer(tokenizer.backend, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
+                     chat_template=template, add_bos=tokenizer.add_bos)
+
+
+def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    """The server over ``engine``, which the app's engine loop owns from startup on (touch it no more)."""
+    metrics = ServerMetrics(config.model_name)
+    loop = EngineLoop(engine, metrics, profile_steps=config.profile_steps)
+    # Read now, before the loop thread owns the engine.
+    max_seq_len = engine.max_model_len  # prompt + max_tokens: the artifact's context, or what the KV cache holds
+    if max_seq_len < engine.backend.max_seq_len:
+        log.warning("the KV cache holds %d tokens (--kv-blocks), fewer than the artifact's context (%d): requests "
+                    "are limited to prompt + max_tokens <= %d", max_seq_len - 1, engine.backend.max_seq_len,
+                    max_seq_len)
+    capacity = engine.scheduler.config.max_num_seqs + config.max_queued
+    state = ServerState(loop, metrics, Admission(capacity))
+    serving = OpenAIServing(loop, model_name=config.model_name, tokenizer=engine.tokenizer,
+                            chat_tokenizer=_chat_tokenizer(engine.tokenizer, config.chat_template),
+                            max_seq_len=max_seq_len, admission=state.admission, metrics=metrics)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        yield
+        # The HTTP server has stopped taking requests and waited for (or cancelled) the ones in flight:
+        # anything still in the engine now has nobody to answer, so it is aborted at once.
+        state.start_draining()
+        await asyncio.to_thread(loop.stop, 0.0)
+
+    app = FastAPI(title="moeforge", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(_Gate, api_key=config.api_key, server=state)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not loop.state.alive or state.draining:
+            why = loop.state.error or ("shutting down" if state.draining else "the engine loop is not running")
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=config.model_name, created=created, max_model_len=max_seq_len)])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        return await serving.completions(request, raw)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        return await serving.chat(request, raw)
+
+    return app

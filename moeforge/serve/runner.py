@@ -1,0 +1,117 @@
+"""``serve(options)``: open an artifact and serve it with uvicorn until SIGTERM / SIGINT.
+
+Shutdown (SIGTERM): new generation requests get a 503 at once and uvicorn stops accepting connections;
+in-flight requests run on for up to ``shutdown_timeout`` seconds; then uvicorn cancels the ones left (each
+aborts its engine requests, freeing their KV blocks) and the app's lifespan stops the engine loop. The
+process then exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from moeforge.core.errors import MoeforgeError
+from moeforge.runtime.backends.base import Backend
+from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.serve.app import DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
+
+log = logging.getLogger(__name__)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    artifact: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queued: int = DEFAULT_MAX_QUEUED
+    api_key: str | None = None
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    kv_blocks: int | None = None
+    threads: int | None = None
+    huge_pages: bool = True  # EngineConfig.huge_pages
+    speculative_tokens: int = 0  # EngineConfig.speculative_tokens
+    chat_template: Path | None = None
+    served_model_name: str | None = None
+    shutdown_timeout: int = 30  # seconds
+    profile_steps: int = 0
+    log_level: str = "info"
+    backend: Backend | None = None  # opened already (a sharded artifact's ShardedBackend); artifact is its rank 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app to drain the moment a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self._state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._state.start_draining()
+        super().handle_exit(sig, frame)
+
+
+def model_name(artifact: Path) -> str:
+    """The name clients pass as ``model`` by default: the artifact directory's name (``artifacts/smollm2`` ->
+    ``smollm2``), predictable from the command line, where the manifest's source may be a long file path."""
+    return artifact.resolve().name
+
+
+def engine_config(options: ServeOptions) -> EngineConfig:
+    """The engine settings ``options`` ask for (expert-load tracking is a no-op on artifacts without MoE)."""
+    return EngineConfig(max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+                        kv_blocks=options.kv_blocks, threads=options.threads, profile=options.profile_steps > 0,
+                        track_expert_load=True, huge_pages=options.huge_pages,
+                        speculative_tokens=options.speculative_tokens)
+
+
+def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
+    """The app and its state for ``options`` (engine built, not started)."""
+    if options.shutdown_timeout < 0:
+        raise MoeforgeError(f"--shutdown-timeout must be >= 0, got {options.shutdown_timeout}")
+    if options.max_queued < 0:
+        raise MoeforgeError(f"--max-queued must be >= 0, got {options.max_queued}")
+    if options.api_key == "":
+        raise MoeforgeError("--api-key is empty: give a key, or leave it out for no authentication")
+    template = None
+    if options.chat_template is not None:
+        try:
+            template = options.chat_template.read_text()
+        except OSError as exc:
+            raise MoeforgeError(f"cannot read --chat-template {options.chat_template}: {exc}") from None
+    engine = LLMEngine.from_artifact(options.artifact, engine_config(options), backend=options.backend)
+    name = options.served_model_name or model_name(options.artifact)
+    app = create_app(engine, ServerConfig(model_name=name, max_queued=options.max_queued, api_key=options.api_key,
+                                          chat_template=template, profile_steps=options.profile_steps))
+    state: ServerState = app.state.server
+    return app, state
+
+
+def serve(options: ServeOptions) -> int:
+    """Serve until a shutdown signal; returns the exit code (0 after a graceful shutdown)."""
+    app, state = build_app(options)
+    if options.host not in LOOPBACK and options.api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach this host can use it", options.host)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+                            access_log=False, timeout_graceful_shutdown=options.shutdown_timeout, lifespan="on")
+    server = _Server(config, state)
+    # uvicorn re-raises the signal it shut down for once it has restored the previous handler; a handler that
+    # does nothing makes that a no-op, so SIGTERM ends in a clean exit 0 rather than death by the signal.
+    previous = signal.signal(signal.SIGTERM, _ignore)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0 if server.started else 1
+
+
+def _ignore(sig: int, frame: FrameType | None) -> None:
+    """SIGTERM after the server has shut down: nothing left to do."""

@@ -1,0 +1,307 @@
+"""The two generation endpoints: /v1/completions and /v1/chat/completions, streamed (SSE) or not.
+
+One flow for both: check the request -> token ids of each prompt (chat: the chat template, off the event loop)
+-> one engine request per prompt and choice (``n``) -> admission (429 beyond the limit) -> submit to the
+engine loop (its refusals become 400s) -> collect the outputs into one response, or send each as an SSE
+chunk as it comes, ending with ``data: [DONE]``. Whatever ends a request early (client disconnect, error,
+shutdown) aborts its unfinished choices, which frees their KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from moeforge.core.errors import MoeforgeError
+from moeforge.model.tokenizer import Tokenizer
+from moeforge.runtime.engine import RequestOutput
+from moeforge.runtime.sampler import SamplingParams
+from moeforge.serve.engine_loop import EngineLoop, ServerShuttingDown
+from moeforge.serve.errors import APIError
+from moeforge.serve.metrics import ServerMetrics
+from moeforge.serve.output_text import ChoiceText, chat_logprobs, completion_logprobs
+from moeforge.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    SamplingRequest,
+    UnsupportedField,
+    Usage,
+)
+from moeforge.serve.streams import Admission, ChoiceStream
+
+RETRY_AFTER_S = 1
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that aborts its requests however it ends -- even when the client is gone before the
+    body generator ever ran (its own ``finally`` would then never run)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+@dataclass
+class _Job:
+    """One HTTP request, prepared: its prompts' token ids and the engine requests (prompt x n) to run."""
+
+    request: SamplingRequest
+    prompts: list[list[int]]
+    logprobs: int | None
+    max_tokens: list[int]  # per prompt
+    chat: bool
+    id: str
+    created: int
+
+    def engine_requests(self) -> list[tuple[list[int], SamplingParams]]:
+        n = self.request.n
+        return [(ids, self.request.sampling_params(self.max_tokens[p], self.logprobs, j))
+                for p, ids in enumerate(self.prompts) for j in range(n)]
+
+
+def _sse(body: BaseModel | dict[str, Any]) -> str:
+    payload = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
+    return f"data: {payload}\n\n"
+
+
+class OpenAIServing:
+    """Serves the generation endpoints over one engine loop."""
+
+    def __init__(self, loop: EngineLoop, *, model_name: str, tokenizer: Tokenizer | None,
+                 chat_tokenizer: Tokenizer | None, max_seq_len: int, admission: Admission,
+                 metrics: ServerMetrics) -> None:
+        self.loop = loop
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.chat_tokenizer = chat_tokenizer  # the tokenizer with the chat template in use
+        self.max_seq_len = max_seq_len
+        self.admission = admission
+        self.metrics = metrics
+
+    # ---- preparing
+    def _check(self, request: SamplingRequest) -> None:
+        if request.model != self.model_name:
+            raise APIError(404, f"the model {request.model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+        try:
+            request.check_supported()
+        except UnsupportedField as exc:
+            raise APIError.bad_request(str(exc), exc.param) from None
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError.bad_request("this artifact ships no tokenizer: give the prompt as token ids", "prompt")
+        ids: list[int] = self.tokenizer.encode(text, max_tokens=self.max_seq_len)
+        return ids
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.chat_tokenizer
+        if tokenizer is None or not tokenizer.chat_template:
+            raise APIError.bad_request("this artifact has no chat template: use /v1/completions, or start the "
+                                       "server with --chat-template FILE", "messages")
+        try:
+            messages = [m.for_template() for m in request.messages]
+            return tokenizer.encode_chat(messages, add_generation_prompt=request.add_generation_prompt,
+                                         max_tokens=self.max_seq_len)
+        except UnsupportedField as exc:
+            raise APIError.bad_request(str(exc), exc.param) from None
+        except MoeforgeError as exc:
+            raise APIError.bad_request(str(exc), "messages") from None
+
+    async def _prepare(self, request: CompletionRequest | ChatCompletionRequest) -> _Job:
+        self._check(request)
+        chat = isinstance(request, ChatCompletionRequest)
+        try:
+            if isinstance(request, ChatCompletionRequest):
+                # Templates and long prompts cost milliseconds: off the event loop, which serves every stream.
+                prompts = [await asyncio.to_thread(self._chat_prompt, request)]
+                logprobs = request.engine_logprobs
+                limit = request.max_completion_tokens or request.max_tokens
+            else:
+                texts = request.prompts()
+                prompts = [await asyncio.to_thread(self._encode, p) if isinstance(p, str) else p for p in texts]
+                logprobs, limit = request.logprobs, request.max_tokens or 16  # OpenAI's default
+        except MoeforgeError as exc:  # a tokenizer refusing the text
+            raise APIError.bad_request(str(exc), "prompt") from None
+        if not prompts:
+            raise APIError.bad_request("prompt is an empty batch", "prompt")
+        # Chat without max_tokens: whatever room the context leaves (vLLM's default).
+        max_tokens = [limit or max(self.max_seq_len - len(p), 1) for p in prompts]
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return _Job(request, prompts, logprobs, max_tokens, chat, prefix + uuid.uuid4().hex, int(time.time()))
+
+    async def _start(self, job: _Job) -> ChoiceStream:
+        """Admit and submit the job's engine requests; its stream, or the APIError that refused it."""
+        engine_requests = job.engine_requests()
+        arrival = time.perf_counter()
+        if len(engine_requests) > self.admission.capacity:  # would never fit: not a "retry later"
+            raise APIError.bad_request(
+                f"this request makes {len(engine_requests)} engine requests (prompts x n) but the server holds at "
+                f"most {self.admission.capacity} (max_num_seqs + --max-queued): split it", "n")
+        if not self.admission.try_acquire(len(engine_requests)):
+            raise APIError(429, f"the server is at capacity ({self.admission.in_flight} requests in flight, at most "
+                           f"{self.admission.capacity} = max_num_seqs + --max-queued): retry later",
+                           type="rate_limit_exceeded", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        stream = ChoiceStream(self.loop, self.admission, len(engine_requests))
+        try:
+            await stream.submit(engine_requests, arrival)
+        except ServerShuttingDown as exc:
+            raise APIError(503, str(exc), type="server_error", code="shutting_down",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except MoeforgeError as exc:  # RequestError, SamplingParamsError, a request that can never run
+            raise APIError.from_engine(exc) from None
+        return stream
+
+    # ---- endpoints
+    async def completions(self, request: CompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        return await self._serve(await self._prepare(request), raw)
+
+    async def chat(self, request: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+        return await self._serve(await self._prepare(request), raw)
+
+    async def _serve(self, job: _Job, raw: Request) -> JSONResponse | StreamingResponse:
+        stream = await self._start(job)
+        if job.request.stream:
+            return _EventStream(self._events(job, stream), stream.close)
+        watcher = asyncio.ensure_future(_disconnected(raw))
+        collector = asyncio.ensure_future(self._collect(job, stream))
+        try:
+            done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if collector not in done:  # the client left: stop its requests now, not after max_tokens
+                raise APIError(499, "client disconnected", type="client_closed_request")
+            return collector.result()
+        finally:  # also when this handler is cancelled (shutdown deadline)
+            watcher.cancel()
+            collector.cancel()
+            stream.close()
+
+    def _texts(self, job: _Job) -> list[ChoiceText]:
+        stop = job.request.stop_strings
+        return [ChoiceText(self.tokenizer, stop) for _ in range(len(job.prompts) * job.request.n)]
+
+    async def _collect(self, job: _Job, stream: ChoiceStream) -> JSONResponse:
+        texts = self._texts(job)
+        final: dict[int, RequestOutput] = {}
+        while not stream.done:
+            index, out = await stream.next()
+            texts[index].update(out)
+            if out.finished:
+                final[index] = out
+                if out.finish_reason == "error":
+                    raise APIError(500, out.error or "the request failed", type="server_error")
+        outs = [final[i] for i in range(len(texts))]
+        usage = Usage(prompt_tokens=sum(len(p) for p in job.prompts),
+                      completion_tokens=sum(len(o.token_ids) for o in outs),
+                      total_tokens=sum(len(p) for p in job.prompts) + sum(len(o.token_ids) for o in outs))
+        ids = job.request.return_token_ids
+        body: BaseModel
+        if job.chat:
+            body = ChatCompletionResponse(
+                id=job.id, created=job.created, model=self.model_name, usage=usage,
+                prompt_token_ids=job.prompts[0] if ids else None,
+                choices=[ChatChoice(index=i, message=AssistantMessage(content=texts[i].text),
+                                    finish_reason=o.finish_reason, token_ids=o.token_ids if ids else None,
+                                    logprobs=chat_logprobs(self.tokenizer, o, 0, len(o.token_ids))
+                                    if job.logprobs is not None else None)
+                         for i, o in enumerate(outs)])
+        else:
+            body = CompletionResponse(
+                id=job.id, created=job.created, model=self.model_name, usage=usage,
+                prompt_token_ids=job.prompts if ids else None,
+                choices=[CompletionChoice(index=i, text=texts[i].text, finish_reason=o.finish_reason,
+                                          token_ids=o.token_ids if ids else None,
+                                          logprobs=completion_logprobs(self.tokenizer, o, 0, len(o.token_ids), 0)
+                                          if job.logprobs is not None else None)
+                         for i, o in enumerate(outs)])
+        return JSONResponse(body.model_dump())
+
+    async def _events(self, job: _Job, stream: ChoiceStream) -> AsyncIterator[str]:
+        texts = self._texts(job)
+        completion_tokens = 0
+        try:
+            if job.chat:  # OpenAI opens each choice with the assistant role
+                for i in range(len(texts)):
+                    yield _sse(self._chat_chunk(job, ChatChunkChoice(index=i, delta=Delta(role="assistant",
+                                                                                          content=""))))
+            while not stream.done:
+                index, out = await stream.next()
+                if out.finish_reason == "error":
+                    yield _sse({"error": {"message": out.error or "the request failed", "type": "server_error",
+                                          "param": None, "code": None}})
+                    break
+                text = texts[index]
+                start = text.num_tokens
+                delta = text.update(out)
+                new_ids = out.token_ids[start:]
+                if not (delta or out.finished or (new_ids and (job.logprobs is not None or
+                                                               job.request.return_token_ids))):
+                    continue  # held back (a partial character or stop string): nothing to send yet
+                if out.finished:
+                    completion_tokens += len(out.token_ids)
+                yield _sse(self._chunk(job, index, out, delta, start, len(text.text) - len(delta)))
+            if job.request.stream_options is not None and job.request.stream_options.include_usage:
+                prompt_tokens = sum(len(p) for p in job.prompts)
+                usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens)
+                if job.chat:
+                    yield _sse(self._chat_chunk(job, None, usage))
+                else:
+                    yield _sse(CompletionResponse(id=job.id, created=job.created, model=self.model_name, choices=[],
+                                                  usage=usage))
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.close()
+
+    def _chunk(self, job: _Job, index: int, out: RequestOutput, delta: str, start: int, offset: int) -> BaseModel:
+        """The SSE chunk of one output: its text ``delta`` (which starts at ``offset`` of the choice's text) and
+        output tokens [start, end)."""
+        reason = out.finish_reason if out.finished else None
+        ids = out.token_ids[start:] if job.request.return_token_ids else None
+        end = len(out.token_ids)
+        if job.chat:
+            choice = ChatChunkChoice(index=index, delta=Delta(content=delta) if delta else Delta(),
+                                     finish_reason=reason, token_ids=ids,
+                                     logprobs=chat_logprobs(self.tokenizer, out, start, end)
+                                     if job.logprobs is not None else None)
+            return self._chat_chunk(job, choice)
+        choice_c = CompletionChoice(index=index, text=delta, finish_reason=reason, token_ids=ids,
+                                    logprobs=completion_logprobs(self.tokenizer, out, start, end, offset)
+                                    if job.logprobs is not None else None)
+        return CompletionResponse(id=job.id, created=job.created, model=self.model_name, choices=[choice_c])
+
+    def _chat_chunk(self, job: _Job, choice: ChatChunkChoice | None, usage: Usage | None = None) -> BaseModel:
+        return ChatCompletionChunk(id=job.id, created=job.created, model=self.model_name,
+                                   choices=[] if choice is None else [choice], usage=usage)
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client closes the connection (the body has been read: the next message says so)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return

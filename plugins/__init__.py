@@ -1,1 +1,0 @@
-"""Custom ops (MoE routing, paged attention): one folder per op."""

@@ -1,1 +1,0 @@
-"""Runtime: backends, KV cache, scheduler, sampler, engine."""
