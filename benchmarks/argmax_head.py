@@ -1,4 +1,4 @@
-"""The certified argmax head (graph_passes/argmax_head.py) measured: speed, how often it proves the argmax, and
+"""The certified argmax head (moeforge/passes/argmax_head.py) measured: speed, how often it proves the argmax, and
 whether its tokens are the float head's.
 
 `python benchmarks/argmax_head.py [--model smollm2-135m] [--work-dir DIR] [--rounds 4]` compiles the model at fp32

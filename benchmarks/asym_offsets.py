@@ -252,7 +252,7 @@ def zero_points_residual(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], l
 def zero_points_residual_digit(p: Lowered, stem: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """Native zero points z = round(-offset / scale), and the residual r = offset + z * scale (< scale / 2) as one
     int4 digit per block in extra K blocks over the block sums: x' = [x, S(x)], one MatMulNBits."""
-    # The compiler's arrays (graph_passes/quant_lowering.py), from the lowered artifact's codes, scale and offsets.
+    # The compiler's arrays (moeforge/passes/quant_lowering.py), from the lowered artifact's codes, scale and offsets.
     codes, scales, zeros = asym_digit_weights(p.codes.reshape(p.n, p.k).T, p.scale.T, p.offset.T, BLOCK, 4)
     x = p.nbits.input[0]
     sum_nodes, tensors = _block_sum_nodes(x, stem, p.k // BLOCK)

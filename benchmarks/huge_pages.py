@@ -1,7 +1,7 @@
 """Does putting the session's weights on transparent huge pages speed up decode? Measured, alternating, in one run.
 
 `python benchmarks/huge_pages.py ARTIFACT [ARTIFACT ...] [--rounds 6] [--batch 1] [--new-tokens 128]` runs greedy
-decode on each artifact with ``EngineConfig(huge_pages=True)`` (the default, ``runtime/huge_pages.py``) and with
+decode on each artifact with ``EngineConfig(huge_pages=True)`` (the default, ``moeforge/core/huge_pages.py``) and with
 ``huge_pages=False``, each run in a fresh process (huge pages are a property of the process's memory, and a fresh
 process is what a deployment starts), the two alternating and the first of each round swapped every round, so
 a machine that drifts slows both alike. Per variant it reports the median decode tokens/s, the engine's load
@@ -30,8 +30,8 @@ def run_once(artifact: str, batch: int, new_tokens: int, huge_pages: bool) -> di
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from session_options import decode_rate
 
+    from moeforge.core.huge_pages import huge_bytes
     from moeforge.runtime.engine import EngineConfig, LLMEngine
-    from moeforge.runtime.huge_pages import huge_bytes
 
     start = time.perf_counter()
     engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=batch, huge_pages=huge_pages))

@@ -88,7 +88,7 @@ def _nbits(bits: int, level: int) -> Builder:
 
 
 def _nbits_offsets(rng: np.random.Generator, x: str, output: str, stem: str, k: int, n: int) -> Weight:
-    """int4 plus fp32 block offsets, as graph_passes/quant_lowering.py lowers int4-asym."""
+    """int4 plus fp32 block offsets, as moeforge/passes/quant_lowering.py lowers int4-asym."""
     main = _nbits(4, 4)(rng, x, stem + ".main", stem, k, n)
     offsets = (rng.standard_normal((k // BLOCK, n)) / (8 * np.sqrt(k))).astype(np.float32)  # [K/32, N]
     nodes = [*main.nodes,

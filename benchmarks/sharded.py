@@ -1,6 +1,6 @@
 """Per-rank weight and KV-cache bytes of sharded DeepSeek-V3 (and the tiny presets), from the config alone.
 
-`python benchmarks/sharded.py` plans (moeforge/sharding.py: Megatron / DeepSeek-reference column, row, vocab and
+`python benchmarks/sharded.py` plans (moeforge/model/sharding.py: Megatron / DeepSeek-reference column, row, vocab and
 expert rules, the model built on PyTorch's meta device: no weights) deepseek-v3's real shapes at tp 1, tp 8 / ep 8,
 tp 16 / ep 16 and tp 8 / ep 1, and writes per rank: weight bytes in bf16 and fp8 (DeepSeek-V3's checkpoint format;
 norms and the router stay as they are in the count, a small overcount), the replicated share, and the KV-cache

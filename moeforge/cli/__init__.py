@@ -1,5 +1,5 @@
 """The ``moeforge`` command line (the top layer): argument parsing and one function per command."""
 
-from moeforge.cli import main
+from moeforge.cli.commands import main
 
 __all__ = ["main"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from moeforge.cli import main
+from moeforge.cli.commands import main
 
 sys.exit(main())

@@ -516,7 +516,7 @@ def _cmd_parity(args: argparse.Namespace) -> int:
 
 def _parity_reference(args: argparse.Namespace, spec: str) -> tuple[TorchReference, LoadedModel | None]:
     """The greedy reference run ``--reference`` names, on ``spec``'s checkpoint: moeforge's PyTorch model (returned
-    too, for --per-layer) or transformers running the checkpoint (``moeforge/transformers_reference.py``)."""
+    too, for --per-layer) or transformers running the checkpoint (``moeforge/verify/transformers_reference.py``)."""
     if args.reference == "transformers":
         model = load_transformers_model(spec)
         prompt = default_prompt(int(model.config.vocab_size), args.prompt_len, args.seed)

@@ -4,7 +4,7 @@ The stages run once, in this order, with a progress bar: check the options (``qu
 target's own ``check``) and the output location; load; export; the target's ordered pass list (quantisation
 included); one manifest; write. The artifact is written to a temporary directory and renamed at the end
 (``artifact.write_artifact``), so a failed or interrupted compile leaves nothing behind. What differs
-between ONNX Runtime and TensorRT lives in ``moeforge/targets/``.
+between ONNX Runtime and TensorRT lives in ``moeforge/compile/targets/``.
 
 The stages after loading are ``build.py``'s (shared with ``sharded.py``, which runs them once per rank for
 ``--tp``). Memory: never two full copies of the weights at once (see ``build.py``).

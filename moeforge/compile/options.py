@@ -50,9 +50,9 @@ class CompileOptions:
     check_steps: int = 16
     progress: bool = True
     check_weights: bool = True  # refuse NaN/Inf weights at load (--no-weight-check skips the scan)
-    tp: int = 1  # tensor-parallel ranks: > 1 writes one artifact per rank (moeforge/sharded.py)
+    tp: int = 1  # tensor-parallel ranks: > 1 writes one artifact per rank (moeforge/compile/sharded_compile.py)
     ep: int = 1  # expert-parallel ranks: 1 (each expert split tp ways) or tp (whole experts per rank)
-    argmax_head: bool = True  # ONNX Runtime, float32 head: the certified greedy head (graph_passes/argmax_head.py)
+    argmax_head: bool = True  # ONNX Runtime, float32 head: the certified greedy head (moeforge/passes/argmax_head.py)
     kv: KVOptions = field(default_factory=KVOptions)
     quant: QuantSpec = field(default_factory=QuantSpec)
     trt: TrtOptions = field(default_factory=TrtOptions)

@@ -5,10 +5,10 @@
                          the replicated tensors
     DIR/rank0 .. rank{N-1}/   each a complete artifact of its shard (graph, weights, manifest with hashes)
 
-Each rank's graph is its ``export/parallel.py`` model exported and run through the ordinary ONNX Runtime pass
+Each rank's graph is its ``moeforge/model/rank_model.py`` model exported and run through the ordinary ONNX Runtime pass
 list: the same KV-cache, fusion and quantisation passes, on its heads and experts. Its collectives are
 ``com.microsoft.AllReduce`` / ``AllGather`` nodes (ONNX Runtime's CUDA execution provider runs them over NCCL; on
-CPU ``runtime/collectives.py`` maps them to gloo). The whole directory is written under a temporary name and
+CPU ``moeforge/ops/collectives/ort.py`` maps them to gloo). The whole directory is written under a temporary name and
 renamed at the end, as a single artifact is.
 """
 
@@ -170,7 +170,7 @@ def load_rank(path: str | Path, rank: int, world_size: int, verify: bool = True)
 # ---------------------------------------------------------------------------------------------- compile
 def rank_target(options: CompileOptions) -> Target:
     """One rank's target: ONNX Runtime (``RankOrtTarget``), or TensorRT, whose plan turns the collectives into
-    TensorRT's distributed collective layers (``moeforge/trt/collectives.py``)."""
+    TensorRT's distributed collective layers (``moeforge/ops/collectives/tensorrt.py``)."""
     if options.target == "ort":
         return RankOrtTarget(options)
     target = TARGETS[options.target](options)

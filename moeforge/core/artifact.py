@@ -190,13 +190,13 @@ def _hash_tree(root: Path) -> dict[str, dict[str, Any]]:
     return {rel: {"sha256": sha, "bytes": size} for rel, (sha, size) in zip(rels, results, strict=True)}
 
 
-SHARDED_FILE = "sharded.json"  # a sharded artifact's own record, beside its rank directories (moeforge/sharded.py)
+SHARDED_FILE = "sharded.json"  # the sharded record, beside the rank directories (compile/sharded_compile.py)
 SHARDED_FORMAT_NAME = "moeforge-sharded"  # its "format" field
 _RANK_DIR = re.compile(r"rank\d+")
 
 
 def _check_sharded_replaceable(out: Path, refuse: str) -> None:
-    """A sharded artifact (moeforge/sharded.py) is ours to delete when its sharded.json reads as one and every
+    """A sharded artifact (compile/sharded_compile.py) is ours to delete when its sharded.json reads as one and every
     other entry is a rank directory holding a replaceable artifact (with its manifest)."""
     try:
         data = json.loads((out / SHARDED_FILE).read_text(encoding="utf-8"))

@@ -1,6 +1,6 @@
 """The KV-cache layout, owned in one place: graph I/O names, buffer shapes and the manifest's ``KVCacheSpec``.
 
-Every stage reads names from here: the passes that create the cache inputs (``graph_passes/kv_cache.py``,
+Every stage reads names from here: the passes that create the cache inputs (``moeforge/passes/kv_cache_io.py``,
 ``paged_kv.py``, ``trt_kv_cache.py``), calibration, the manifest and the backends (which bind buffers from
 ``manifest.kv_cache``, never by parsing names). A leaf module: it imports nothing from moeforge but errors and
 the model config.
@@ -41,14 +41,14 @@ DEFAULT_DTYPE = "float32"  # the cache in the graph's activation type (a quantis
 
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 POOL_PREFIX, POOL_OUT_PREFIX = "kv_pool.", "kv_pool_out."
-# An optional int64 [1] input (default 0 = all positions): logits of only the last k positions (graph_passes/
+# An optional int64 [1] input (default 0 = all positions): logits of only the last k positions (moeforge/passes/
 # last_token_logits.py); fed by the backends when a prefill needs only its last token's logits.
 LOGITS_TO_KEEP = "logits_to_keep"
-# An optional bool [] input (default false) and a bool [B, S', 1] output (graph_passes/argmax_head.py): fed true on
+# An optional bool [] input (default false) and a bool [B, S', 1] output (moeforge/passes/argmax_head.py): fed true on
 # steps that take only each row's argmax; where ``logits_certified`` is false that step must run again without it.
 ARGMAX_ONLY, LOGITS_CERTIFIED = "argmax_only", "logits_certified"
 # MoE artifacts (ONNX Runtime): bool [L_moe, T, E], which experts each token was routed to in each MoE layer
-# (graph_passes/expert_load.py); backends that track expert load bind it and count the real tokens' rows.
+# (moeforge/passes/expert_load.py); backends that track expert load bind it and count the real tokens' rows.
 EXPERT_HITS = "expert_hits"
 # Named dynamic axes of the buffers.
 BATCH_AXIS, MAX_SEQ_AXIS, POOL_AXIS = "batch_size", "max_sequence_length", "num_blocks"

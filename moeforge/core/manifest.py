@@ -3,7 +3,7 @@
 ``TensorSpec`` (graph I/O), ``KVCacheSpec`` (cache layout: contiguous per-slot buffers or paged pools,
 bytes per token / block), ``Manifest`` (format version, model config, I/O, KV layout, passes, target,
 precision, quantisation choices, TensorRT engine, tool versions, file hashes). Writing and loading the
-directory lives in ``moeforge/artifact.py``.
+directory lives in ``moeforge/core/artifact.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ GENAI_CONFIG_FILE = "genai_config.json"
 # Bounds on the KV-cache numbers of a manifest being read. A backend preallocates slots x max_seq_len x layers
 # of cache from them before it runs anything, so a corrupted or hand-edited manifest is refused here, not by
 # the allocator (max_seq_len 1e12 asked for 116 TiB). The model's own sizes (vocab, layers, heads ...) are
-# bounded by ``ModelConfig.validate`` (``export/config.py``), which ``Manifest.from_dict`` runs.
+# bounded by ``ModelConfig.validate`` (``moeforge/core/config.py``), which ``Manifest.from_dict`` runs.
 MAX_SEQ_LEN = 2**24  # tokens; the limit of max_position_embeddings
 MAX_KV_LAYERS = 1024  # the limit of num_hidden_layers
 MAX_BLOCK_SIZE = 2**16  # tokens per paged pool block
@@ -201,10 +201,10 @@ class Manifest:
     source: str = ""
     created_utc: str = field(default_factory=_utc_now)
     layer_outputs: list[str] = field(default_factory=list)
-    # TensorRT target: the engine plan beside the ONNX (moeforge/trt/build.py EngineInfo.to_dict()).
+    # TensorRT target: the engine plan beside the ONNX (moeforge/compile/trt/engine_build.py EngineInfo.to_dict()).
     engine: dict[str, Any] | None = None
     quantization: dict[str, Any] | None = None  # moeforge/quant/ summary: scheme, block, per-weight choices
-    # One rank of a sharded artifact (moeforge/sharded.py): rank, tp, ep and the heads/vocab/experts it holds.
+    # One rank of a sharded artifact (compile/sharded_compile.py): rank, tp, ep and the heads/vocab/experts it holds.
     sharding: dict[str, Any] | None = None
 
     def config(self) -> ModelConfig:

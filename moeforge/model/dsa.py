@@ -2,7 +2,7 @@
 
 Exactly transformers' ``DeepseekV32Indexer`` (modular_deepseek_v32.py), with the selection made explicit: MLA
 then reads only the K selected cache rows (``gather_rows``), so its cost per step follows K, not the context.
-The selection and the sparse attention live in ``plugins/sparse_mla/reference.py`` (the ``moeforge.SparseMLA``
+The selection and the sparse attention live in ``moeforge/ops/sparse_mla/reference.py`` (the ``moeforge.SparseMLA``
 op's reference, which the exported graph carries as one node).
 
 Dimension letters: B batch, S new tokens, L = cached + new tokens, Hi indexer heads, Di index_head_dim,

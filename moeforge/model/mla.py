@@ -8,7 +8,7 @@ absorb: cache (latent [B, L, R+Dr],): c_kv and the shared rope key only. W_UK is
         query and W_UV applied after attention, making it multi-query attention with key dim R+Dr
         and value = the first R dims of the key.
 DSA (DeepSeek-V3.2, ``config.dsa``): each layer's cache gains the indexer's keys [B, L, Di] as its last
-        entry; the indexer picks K rows per query and attention reads only those (``export/dsa.py``).
+        entry; the indexer picks K rows per query and attention reads only those (``moeforge/model/dsa.py``).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def hold_local_experts(expert_ids: torch.Tensor, weights: torch.Tensor, first: i
 class MoEBlock(nn.Module):
     """out = sum_k w_k * expert_k(x) + shared_experts(x).
 
-    On a tensor-parallel rank (``export/parallel.py``) the block holds a part of the experts (``first_expert``
+    On a tensor-parallel rank (``moeforge/model/rank_model.py``) the block holds a part of the experts (``first_expert``
     onwards, or a slice of every expert's intermediate) and of the shared experts, and ``reduce`` (an AllReduce
     over the ranks) sums the parts: one collective per MoE layer.
     """

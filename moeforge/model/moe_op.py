@@ -1,6 +1,6 @@
 """The routed-experts custom-op boundary used at export: one ``moeforge.MoEExperts`` node per MoE layer.
 
-Routing is its own op (``moeforge.MoERouter``, plugins/moe_router/) in front of this one; this op
+Routing is its own op (``moeforge.MoERouter``, moeforge/ops/moe_router/) in front of this one; this op
 applies the experts the router chose. Eager torch (``torch.ops.moeforge.moe_experts``) runs the
 chosen SwiGLU experts; the ONNX node carries a local function (dense over experts, standard ops
 only) so the stateless graph runs in any ONNX Runtime before the lowering pass replaces router +

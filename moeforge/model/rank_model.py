@@ -12,7 +12,7 @@
 - embedding: vocab-parallel (a rank looks up only its rows, zeros elsewhere, AllReduce); LM head: vocab-parallel
   logits, AllGather along the vocabulary, so every rank (and the sampler on rank 0) sees all logits.
 
-Collectives are ``torch.ops.moeforge.all_reduce`` / ``all_gather`` (``export/collectives.py``): eager on
+Collectives are ``torch.ops.moeforge.all_reduce`` / ``all_gather`` (``moeforge/ops/collectives/torch_op.py``): eager on
 ``torch.distributed``, exported as ``com.microsoft.AllReduce`` / ``AllGather``.
 
 Dimension letters: B batch, S tokens, H hidden, V vocabulary, N = tp ranks.

@@ -272,7 +272,7 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
         """Rebuild the tokenizer GGUF metadata describes (the ``tokenizer.*`` keys, arrays as lists): byte-level
         BPE (``tokenizer.ggml.model`` "gpt2") or SentencePiece BPE ("llama"), as transformers' GGUF converter
-        does (``export/gguf_tokenizer.py``)."""
+        does (``moeforge/model/gguf_tokenizer.py``)."""
         backend, add_bos = backend_from_gguf(metadata)
         bos = metadata.get("tokenizer.ggml.bos_token_id")
         bos = None if bos is None else int(bos)

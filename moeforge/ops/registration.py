@@ -1,7 +1,7 @@
 """Registering a plugin op's ONNX schema with onnx's process-global registry (idempotent).
 
 A registered schema lets ``onnx.checker``, ``onnx.shape_inference`` and onnxscript type a graph holding the node.
-The TensorRT side (plugin creators) registers through ``plugins/tensorrt_plugin.py``.
+The TensorRT side (plugin creators) registers through ``moeforge/ops/tensorrt_plugin.py``.
 """
 
 from __future__ import annotations

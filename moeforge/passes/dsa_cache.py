@@ -8,7 +8,7 @@ C = kv_lora_rank + qk_rope_head_dim, Di index_head_dim):
   past_key_values.{i}.latent [B, 1, L, C]  -> present.{i}.latent
   past_key_values.{i}.index  [B, 1, L, Di] -> present.{i}.index   (the lightning indexer's keys)
 The node writes the new rows at their positions and attends over the top-k rows the indexer picks among rows
-0..position (plugins/sparse_mla/); attention_mask [B, T] (as for GroupQueryAttention) gives T, the rows read back.
+0..position (moeforge/ops/sparse_mla/); attention_mask [B, T] (as for GroupQueryAttention) gives T, the rows read back.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Serving wants the expert load (routed tokens per expert and layer, and its imbalance max/mean): the numbers that
 decide expert parallelism and capacity. After ``moe_lowering`` each ``com.microsoft.MoE`` / ``QMoE`` node reads
-``router_probs`` [T, E], which is -inf exactly where an expert was not chosen (plugins/moe_router/ort_lowering.py),
+``router_probs`` [T, E], which is -inf exactly where an expert was not chosen (moeforge/ops/moe_router/ort_lowering.py),
 so per layer
 
     hits = Not(IsInf(router_probs, detect_positive=0))          [T, E] bool

@@ -19,8 +19,8 @@ Why this order (ONNX Runtime target):
 11. last_token_logits  an optional ``logits_to_keep`` input slicing the LM head's input (contiguous graphs; paged
                   ones select rows with ``logits_indices``); after cleanup, whose constant folding must not
                   see the input's default initializer as a constant.
-Quantisation passes follow (``moeforge/quant/passes.py``), then ``argmax_head`` (``graph_passes/argmax_head.py``,
-``moeforge/targets/ort.py``): last, because it matches only an LM head they left float32.
+Quantisation passes follow (``moeforge/quant/plan.py``), then ``argmax_head`` (``moeforge/passes/argmax_head.py``,
+``moeforge/compile/targets/ort.py``): last, because it matches only an LM head they left float32.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Dimension letters: B batch, S new tokens, H heads of the rotated tensor (Hq or H
 MLA's q_pe, 1 for its shared k_pe), D rotary dims (``config.rope_dim``: head_dim for GQA,
 qk_rope_head_dim for MLA), M = ``ctx.max_seq_len`` (rows of the cos/sin caches).
 
-What the exporter emits (export/rope.py), for x [B, S, H, D] and angles = position_ids x inv_freq:
+What the exporter emits (moeforge/model/rope.py), for x [B, S, H, D] and angles = position_ids x inv_freq:
     cos, sin   = Cos(angles) [* amplitude], Sin(angles) [* amplitude]         # [B, S, D/2], shared
     c, s       = Unsqueeze(cos, 2), Unsqueeze(sin, 2)                         # [B, S, 1, D/2]
     half:        x1, x2 = Slice(x, 0:D/2), Slice(x, D/2:)                     # last axis, step 1

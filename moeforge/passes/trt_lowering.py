@@ -6,14 +6,14 @@ Why this order (TensorRT target; the ORT pipeline's reasons for cleanup and rota
 2. rotary          rope arithmetic -> com.microsoft.RotaryEmbedding with cos/sin caches (shared pass).
 3. onnx_rotary     -> ONNX RotaryEmbedding (opset 23): the parser maps it to a ROTARY_EMBEDDING layer.
 4. trt_kv_cache    Attention -> TensorScatter (KV_CACHE_UPDATE) + masked Attention (ATTENTION) on a
-                   static-length cache (graph_passes/trt_kv_cache.py).
+                   static-length cache (moeforge/passes/trt_kv_cache.py).
    (paged_kv       with ``kv_cache="paged"`` instead: the ORT paged pass, moeforge::PagedAttention over block
                    pools with its local function; ``trt_paged_inputs`` after precision binds latent mode's
-                   unset inputs to empty tensors, see graph_passes/trt_paged.py.)
+                   unset inputs to empty tensors, see moeforge/passes/trt_paged.py.)
 5. packing         q/k/v and gate/up projections -> one MatMul + Split (shared pass).
 6. cleanup         drops the dead mask/angle arithmetic before precision sees it.
    (quant_weights  with ``--quant int8|int4|fp8``: symmetric weight DequantizeLinear, no zero points.)
-7. precision       fp16/bf16 with fp32 norms, softmax and MoE (graph_passes/precision.py); last, so
+7. precision       fp16/bf16 with fp32 norms, softmax and MoE (moeforge/passes/precision.py); last, so
                    every pass above matches fp32 patterns.
 RMSNorm stays ONNX RMSNormalization (a NORMALIZATION layer); the ORT-only ops (GroupQueryAttention,
 SimplifiedLayerNormalization, com.microsoft.MoE) are never introduced; ``moeforge.MoERouter`` and

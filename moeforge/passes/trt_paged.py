@@ -8,7 +8,7 @@ TensorRT-RTX inlines (it loads no Python plugins; a registered plugin replaces t
 TensorRT). Latent mode (absorbed MLA) omits ``value`` and ``value_cache``; TensorRT-RTX 1.7's local-function
 importer rejects a node with an unset optional input ("Invalid Node", before any body node is parsed), so
 this pass binds both to EMPTY tensors instead: ``value`` [0, Hkv, Dv] and ``value_cache`` [0, Bs, Hkv, Dv]
-of the pool's type. The latent body never reads them, and the plugin in plugins/paged_attention/tensorrt.py
+of the pool's type. The latent body never reads them, and the plugin in moeforge/ops/paged_attention/tensorrt.py
 already detects latent mode by ``value.numel() == 0``, so the node keeps its meaning on every backend.
 """
 

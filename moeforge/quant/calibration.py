@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.ort_session import make_session
 from moeforge.model.tokenizer import Tokenizer
 
 PAST_PREFIX = "past_key_values."
@@ -66,11 +66,8 @@ class GraphRunner:
             for name in overridable:
                 init = by_name[name]
                 proto.graph.input.append(_tensor_info(name, init.data_type, list(init.dims)))
-        options = ort.SessionOptions()
-        options.log_severity_level = 3  # overridable initializers are intended: no warning per weight
-        if threads:
-            options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        # errors only (make_session): overridable initializers are intended, no warning per weight
+        self.session = make_session(None, graph=proto, threads=threads, providers=["CPUExecutionProvider"])
         self.extra_outputs = extra_outputs
         self.inputs = {i.name: i for i in self.session.get_inputs()}
 

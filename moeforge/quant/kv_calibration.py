@@ -4,7 +4,7 @@ The scales come from the cache contents themselves: the graph (already carrying 
 quantised or not) is run on each calibration prompt and every layer's ``present`` output -- exactly the
 keys/values (after rotary) the cache would hold -- is reduced to max |x| per head and channel (rotary key
 pairs: their largest norm, the bound for any position).
-``graph_passes/kv_quant.py`` then makes the caches int8. Not available: fp8 caches (ONNX Runtime 1.32's CPU
+``moeforge/passes/kv_quant.py`` then makes the caches int8. Not available: fp8 caches (ONNX Runtime 1.32's CPU
 GroupQueryAttention has no float8e4m3fn kernel; its CUDA kernel does) and paged artifacts (the paged
 attention op reads fp32 pools).
 """
@@ -22,7 +22,7 @@ from moeforge.passes.base import PassContext
 from moeforge.passes.kv_quant import KVCacheQuantization, KVScales, scales_from_amax
 from moeforge.quant.calibration import GraphRunner
 
-# Per head (the MLA latent is one head): see graph_passes/kv_quant.py for why not per channel.
+# Per head (the MLA latent is one head): see moeforge/passes/kv_quant.py for why not per channel.
 DEFAULT_GRANULARITY = "head"
 
 

@@ -4,11 +4,11 @@
 1. quant_sensitivity      (``--keep-fp``) per-weight KL on ``--calib``: the most sensitive stay fp32.
 2. quant_awq              (``int4-awq``) activation-aware scales per input channel, on the fp32 graph.
 3. quant_act_calibration  (w8a8) static activation ranges (+ SmoothQuant scales), on the fp32 graph.
-4. quant_weights          portable Q/DQ of every weight (graph_passes/quant_weights.py).
+4. quant_weights          portable Q/DQ of every weight (moeforge/passes/quant_weights.py).
 5. quant_activations      (w8a8) Q/DQ on activations; quant_act_lowering (int8) ORT's uint8 form.
-6. quant_lowering         Q/DQ -> MatMulNBits / QMoE (graph_passes/quant_lowering.py).
+6. quant_lowering         Q/DQ -> MatMulNBits / QMoE (moeforge/passes/quant_lowering.py).
    shared_embedding       a tied table the LM head's codes hold exactly is read from them
-                          (graph_passes/shared_embedding.py).
+                          (moeforge/passes/shared_embedding.py).
 7. kv_quant               (``--kv-quant int8``) per-head cache scales on the final graph, int8 caches.
 
 Calibration steps 1-3 must see the fp32 graph and 7 the final one, hence this order. The passes of one compile

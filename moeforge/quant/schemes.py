@@ -1,7 +1,7 @@
 """Every quantisation scheme, declared once. The CLI's choices, validation, the passes, the manifest's
 precision, parity's thresholds and the targets all read this table.
 
-Adding a weight scheme: one ``Scheme`` entry here, plus its rewrite in ``graph_passes/quant_weights.py`` when its
+Adding a weight scheme: one ``Scheme`` entry here, plus its rewrite in ``moeforge/passes/quant_weights.py`` when its
 numbers are new (an existing ``weights`` kind with other flags needs no new pass).
 """
 
@@ -102,7 +102,7 @@ ACCURACY_LEVELS: dict[int, str] = {
 DEFAULT_ACCURACY_LEVEL = 4  # int8 activations inside the kernel: the fast path
 
 # How the lowering runs the asymmetric schemes' float block offsets on ONNX Runtime (--asym-offsets;
-# graph_passes/quant_lowering.py, measured in benchmarks/asym_offsets.py).
+# moeforge/passes/quant_lowering.py, measured in benchmarks/asym_offsets.py).
 ASYM_OFFSETS: dict[str, str] = {
     "exact": "the weights exactly: MatMulNBits + the block sums' MatMul with the offsets + Add",
     "digit": "integer zero points in the MatMulNBits, the residual offsets (< half a step) as one more code per "

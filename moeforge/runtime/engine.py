@@ -5,9 +5,9 @@ preemption) and alone changes a request's status; the backend runs them on its c
 row per running request) and returns each row's last logits; the sampler picks tokens; the
 scheduler records them. The engine owns the slots, stop strings (they need the tokenizer) and
 metrics. With ``EngineConfig.speculative_tokens`` it also drafts each greedy request's next tokens after a
-step (runtime/speculative.py); the next decode feeds them, and sampling verifies them (``_verify``).
+step (moeforge/runtime/speculative.py); the next decode feeds them, and sampling verifies them (``_verify``).
 
-Per-request state lives on one ``Request`` (runtime/request.py). The engine holds each in
+Per-request state lives on one ``Request`` (moeforge/runtime/request.py). The engine holds each in
 ``requests`` from ``add_request`` until its final output has been returned, then drops it; the
 scheduler indexes only the unfinished ones and drops a request the moment it finishes. The engine
 keeps its own map because a request must outlive the scheduler's: an aborted or rejected request
@@ -39,9 +39,10 @@ import numpy as np
 from moeforge.core.artifact import Artifact, load_artifact
 from moeforge.core.errors import MoeforgeError, TokenizerError
 from moeforge.core.kv_layout import KVCacheSpec
+from moeforge.core.ort_session import OPTION_PREFIX, session_option
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.backends.base import ArgmaxHeadStats, Backend, FatalBackendError, RowInput, StepInput
-from moeforge.runtime.backends.onnxruntime import OPTION_PREFIX, OrtBackend, session_option
+from moeforge.runtime.backends.onnxruntime import OrtBackend
 from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
 from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 from moeforge.runtime.request import Request, RequestMetrics, RequestStatus, prompt_token_ids
@@ -125,7 +126,7 @@ class EngineConfig:
     track_expert_load: bool = False
     profile: bool = False  # time kernels (costs a little) so attention_time_share() can answer
     # Put the memory the session allocates (its prepacked weights) on transparent huge pages (Linux; see
-    # runtime/huge_pages.py): a decode step streams every weight, and 4 KiB pages cost a TLB miss every 4 KiB.
+    # moeforge/core/huge_pages.py): a decode step streams every weight, and 4 KiB pages cost a TLB miss every 4 KiB.
     huge_pages: bool = True
     # Prompt-lookup speculative decoding (runtime/speculative.py): greedy requests (SamplingParams.argmax_only) feed
     # up to this many draft tokens per decode (fewer, or none for a while, after rejected ones), copied from where
@@ -334,7 +335,7 @@ class LLMEngine:
 
     def argmax_head_stats(self) -> ArgmaxHeadStats | None:
         """Runs of the certified argmax head so far (greedy steps fed ``argmax_only``, and those repeated on the
-        float head), when the backend's artifact has one (graph_passes/argmax_head.py); None otherwise."""
+        float head), when the backend's artifact has one (moeforge/passes/argmax_head.py); None otherwise."""
         stats = getattr(self.backend, "argmax_head_stats", None)
         return stats() if stats is not None else None
 

@@ -89,7 +89,7 @@ class SamplingParams:
 
     def validate(self, vocab_size: int, names: Mapping[str, str] | None = None) -> None:
         """Raise ``SamplingParamsError`` naming the first parameter outside its valid range. The one set of
-        rules for every backend: the PyTorch reference (``export/generate.py``) validates through it too.
+        rules for every backend: the PyTorch reference (``moeforge/verify/generate.py``) validates through it too.
         ``names`` maps a field to the name the caller's user knows it by (a CLI flag, another API's field);
         ``SamplingParamsError.param`` is then that name."""
 

@@ -26,16 +26,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import onnx
-import onnxruntime as ort
 from polygraphy.comparator import RunResults
 from polygraphy.comparator.struct import IterationResult
 from polygraphy.json import load_json, save_json
 
 from moeforge.core.artifact import load_artifact
 from moeforge.core.kv_layout import KVCacheSpec
+from moeforge.core.ort_session import make_session
 from moeforge.passes.precision import retype_floats
 from moeforge.runtime.backends.base import RowInput
-from moeforge.runtime.backends.onnxruntime import make_session
 from moeforge.runtime.backends.onnxruntime_paged import packed_feeds
 
 GOLDEN_DIR = "golden"
@@ -139,13 +138,11 @@ def check_engine(artifact_dir: str | Path) -> tuple[GoldenCheck, float]:
 def _run_engine_graph(model_path: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
     """logits of an engine's graph on ONNX Runtime CPU; bf16 graphs run retyped to fp32 (ONNX Runtime's CPU
     kernels have no bf16 arithmetic; the weights keep their bf16-rounded values)."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # TensorScatter warns that it copies (no shared buffer here)
-    source: str | bytes = str(model_path)
+    graph = None
     if any(v.dtype.name == "bfloat16" for v in feeds.values()):
-        source = _bf16_as_fp32(model_path).SerializeToString()
+        graph = _bf16_as_fp32(model_path)
         feeds = {k: v.astype(np.float32) if v.dtype.name == "bfloat16" else v for k, v in feeds.items()}
-    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    session = make_session(model_path, graph=graph, providers=["CPUExecutionProvider"])
     (logits,) = session.run(["logits"], feeds)
     return np.asarray(logits)
 

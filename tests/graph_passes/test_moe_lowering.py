@@ -256,7 +256,7 @@ def test_negative_biased_scores_never_pick_dropped_groups() -> None:
 def test_correction_bias_applies_with_a_single_group() -> None:
     """noaux_tc with n_group 1 (node contract: the bias input always steers the choice).
 
-    The reference here is route_tokens with the model's own noaux_tc config (export/routing.py).
+    The reference here is route_tokens with the model's own noaux_tc config (moeforge/model/routing.py).
     """
     v = Variant("sigmoid", 2, 1, 1, "top2_sum", 1, 2.5, with_bias=True)
     weights = _weights(v, hidden=16, inter=8, seed=7)

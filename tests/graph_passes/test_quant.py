@@ -75,7 +75,7 @@ def test_block_must_divide_k():
 
 
 def test_fp8_recovers_checkpoint_blocks_exactly():
-    # A DeepSeek-style FP8 weight [out, in] with 128 x 128 block scales (export/fp8.py, an independent
+    # A DeepSeek-style FP8 weight [out, in] with 128 x 128 block scales (moeforge/model/fp8.py, an independent
     # implementation), dequantised as the loader does, comes back bit-exact; plain RTN does not.
     torch.manual_seed(0)
     w = torch.randn(320, 256) * torch.rand(320, 1) * 3

@@ -1,4 +1,4 @@
-"""runtime/huge_pages.py: the memory a session allocates goes on transparent huge pages, only that memory, and the
+"""moeforge/core/huge_pages.py: the memory a session allocates goes on transparent huge pages, only that memory, and the
 session computes the same; where huge pages cannot be used nothing is done and the report says why."""
 
 import inspect
@@ -12,8 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from moeforge.runtime.engine import EngineConfig, EngineConfigError
-from moeforge.runtime.huge_pages import (
+from moeforge.core.huge_pages import (
     HUGE_PAGE,
     Region,
     anonymous_regions,
@@ -21,6 +20,7 @@ from moeforge.runtime.huge_pages import (
     session_memory_on_huge_pages,
     unavailable,
 )
+from moeforge.runtime.engine import EngineConfig, EngineConfigError
 
 SMAPS = """\
 7f0000000000-7f0000400000 rw-p 00000000 00:00 0
@@ -75,7 +75,7 @@ SESSIONS = """
 import json, sys
 import numpy as np, onnxruntime as ort
 from moeforge.runtime.backends.onnxruntime import make_session
-from moeforge.runtime.huge_pages import huge_bytes, session_memory_on_huge_pages
+from moeforge.core.huge_pages import huge_bytes, session_memory_on_huge_pages
 path = sys.argv[1]
 x = np.random.default_rng(1).standard_normal((3, 2048)).astype(np.float32)
 before = huge_bytes()

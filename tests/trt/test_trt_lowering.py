@@ -1,4 +1,4 @@
-"""The TensorRT lowering (graph_passes/trt_lowering.py) checked without TensorRT: ONNX Runtime runs the
+"""The TensorRT lowering (moeforge/passes/trt_lowering.py) checked without TensorRT: ONNX Runtime runs the
 lowered graph teacher-forced against PyTorch, and its structure is what the TensorRT parser needs."""
 
 from collections import Counter

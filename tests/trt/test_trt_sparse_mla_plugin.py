@@ -1,4 +1,4 @@
-"""The TensorRT plugin of ``moeforge.SparseMLACache`` / ``SparseMLAPaged`` (plugins/sparse_mla/tensorrt.py).
+"""The TensorRT plugin of ``moeforge.SparseMLACache`` / ``SparseMLAPaged`` (moeforge/ops/sparse_mla/tensorrt.py).
 
 CPU: its torch kernels against the reference over whole sequences (top-k smaller than the context, so the
 selection matters), the pool / buffer writes, the paged ONNX Runtime lowering against the same kernel, and the

@@ -1,7 +1,7 @@
 """ONNX -> TensorRT engine plan: parse, optimisation profiles, timing cache, build.
 
 Dimension letters: B batch, S new tokens, L cache length (static in the graph, see
-graph_passes/trt_kv_cache.py).
+moeforge/passes/trt_kv_cache.py).
 
 Two optimisation profiles cover the engine's work: ``decode`` (S = 1, B up to ``max_batch``) and
 ``prefill`` (S up to ``max_prefill_tokens``, B up to ``max_prefill_batch``). A runtime picks the

@@ -1,7 +1,7 @@
 """Optimisation profiles of a paged TensorRT engine (``--target trt --kv-cache paged``).
 
 A paged step packs every sequence's new tokens into one batch, so the graph's inputs vary along named
-dimensions (graph_passes/paged_kv.py), each given a (min, opt, max) range per profile:
+dimensions (moeforge/passes/paged_kv.py), each given a (min, opt, max) range per profile:
   num_tokens T (input_ids, position_ids [T]), num_seqs B (seq_lens [B], block_tables [B, M]),
   num_seqs_plus_1 (query_start_loc [B+1]), max_blocks M (block-table width, up to ceil(max_seq_len / Bs)),
   num_blocks N (pools [N, Bs, Hkv, D]: up to max_batch * M blocks, every sequence at full length),

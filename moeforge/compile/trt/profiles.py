@@ -15,6 +15,6 @@ class ProfileSpec:
     name: str
     batch: tuple[int, int, int]
     tokens: tuple[int, int, int]
-    # Paged graphs (moeforge/trt/paged_profiles.py): (min, opt, max) per symbolic ONNX dimension name
+    # Paged graphs (moeforge/compile/trt/paged_profiles.py): (min, opt, max) per symbolic ONNX dimension name
     # (num_tokens, num_seqs, max_blocks, num_blocks, ...); empty: axis 0 batch, axis 1 tokens.
     dims: dict[str, tuple[int, int, int]] = field(default_factory=dict)

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
+
+from moeforge.core.ort_session import make_session
 
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 
@@ -22,9 +23,7 @@ PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 def run_steps(model_path: str | Path, ids: np.ndarray, boundaries: Sequence[int]) -> np.ndarray:
     """Feed ids [B, T] int64 in steps split at ``boundaries`` (e.g. [0, 6, 7, 9] = prefill 6, then 1, then 2);
     return the logits [B, T', V] of every fed token (T' = boundaries[-1]), all rows at the same position."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # TensorScatter warns that it copies without a shared buffer
-    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    session = make_session(model_path, providers=["CPUExecutionProvider"])
     batch = ids.shape[0]
     caches = {}
     for value in session.get_inputs():

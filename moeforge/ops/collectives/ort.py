@@ -1,7 +1,7 @@
 """The collectives of a sharded artifact's graphs, on ONNX Runtime: NCCL on CUDA, torch.distributed (gloo) on CPU.
 
 A rank's graph holds ``com.microsoft.AllReduce`` and ``com.microsoft.AllGather(axis, group_size)`` nodes
-(``export/collectives.py``). ONNX Runtime's CUDA execution provider implements them over NCCL in its
+(``moeforge/ops/collectives/torch_op.py``). ONNX Runtime's CUDA execution provider implements them over NCCL in its
 collective-enabled builds, so on a GPU the graph runs as written. ONNX Runtime's CPU provider has no kernel for
 them: ``prepare_session`` moves those nodes, in an in-memory copy, to the domain of onnxruntime-extensions'
 Python custom ops (``ai.onnx.contrib``, same op names and attributes) and registers that library, whose ops call

@@ -5,7 +5,7 @@ concatenates every rank's ``x`` along ``axis``. Eagerly they call ``torch.distri
 CPU); with one rank, or no process group, they are the identity. Exported, they are exactly
 ``com.microsoft.AllReduce`` and ``com.microsoft.AllGather(axis, group_size)``: the ops ONNX Runtime's CUDA execution
 provider runs over NCCL. On CPU the runtime maps the same nodes to Python custom ops on gloo
-(``runtime/collectives.py``), so one graph serves both.
+(``moeforge/ops/collectives/ort.py``), so one graph serves both.
 """
 
 from __future__ import annotations

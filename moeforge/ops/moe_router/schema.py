@@ -33,7 +33,7 @@ class RouterOpError(MoeforgeError):
 
 @dataclass(frozen=True)
 class RouterAttributes:
-    """The routing attributes of one ``moeforge.MoERouter`` node (see plugins/moe_router/README.md)."""
+    """The routing attributes of one ``moeforge.MoERouter`` node (see moeforge/ops/moe_router/README.md)."""
 
     scoring: Literal["softmax", "sigmoid"]
     top_k: int

@@ -9,11 +9,11 @@ Contract (the ONNX node, which also carries a standard-op local function for run
              norm_topk_prob 0/1, routed_scaling_factor
 Experts come in descending order of (score + bias), ties to the lower index; the weights are the
 unbiased scores of the chosen experts, renormalised when norm_topk_prob, times routed_scaling_factor
-(semantics: plugins/moe_router/README.md; export/routing.py runs the same rule in the torch model).
+(semantics: moeforge/ops/moe_router/README.md; moeforge/model/routing.py runs the same rule in the torch model).
 
 The "kernel" is torch on the device pointers TensorRT hands to ``enqueue`` (``route`` below, which is
 also what the CPU tests check). The plugin classes are built per TensorRT module (``tensorrt`` or
-``tensorrt_rtx_bindings``) by ``plugin_classes`` on the shared boilerplate of plugins/tensorrt_plugin.py;
+``tensorrt_rtx_bindings``) by ``plugin_classes`` on the shared boilerplate of moeforge/ops/tensorrt_plugin.py;
 nothing imports TensorRT at module import.
 """
 

@@ -113,7 +113,7 @@ def op_schema() -> OpSchema:
         *registration.plugin_attributes(PLUGIN_VERSION, PLUGIN_NAMESPACE),
     ]
     schema = OpSchema(
-        OP_TYPE, DOMAIN, VERSION, doc="Paged attention over a block pool; see plugins/paged_attention/README.md",
+        OP_TYPE, DOMAIN, VERSION, doc="Paged attention over a block pool; see moeforge/ops/paged_attention/README.md",
         inputs=inputs, outputs=outputs, attributes=attributes,
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types")],
     )

@@ -18,7 +18,7 @@ Query at position p sees keys at positions j <= p (and j > p - sliding_window wi
 
 The "kernel" is torch on the device pointers (``paged_attention`` below, checked on CPU against dense
 attention); plugin classes are built per TensorRT module by ``plugin_classes`` on the shared boilerplate of
-plugins/tensorrt_plugin.py.
+moeforge/ops/tensorrt_plugin.py.
 """
 
 from __future__ import annotations

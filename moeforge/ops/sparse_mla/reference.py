@@ -1,5 +1,5 @@
 """The torch reference of ``moeforge.SparseMLA``: the lightning indexer's top-k selection and attention over the
-selected latent rows only. ``export/dsa.py`` (the model) calls these same functions.
+selected latent rows only. ``moeforge/model/dsa.py`` (the model) calls these same functions.
 
 Dimension letters: see schema.py.
 """

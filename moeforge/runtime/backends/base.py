@@ -68,13 +68,13 @@ class StepInput:
 
     rows: tuple[RowInput, ...]
     # The caller takes only each row's argmax (plain greedy, no logprobs): a backend may then return logits whose
-    # argmax is the exact one and whose other values are approximate (graph_passes/argmax_head.py). Optional.
+    # argmax is the exact one and whose other values are approximate (moeforge/passes/argmax_head.py). Optional.
     argmax_only: bool = False
 
 
 @dataclass(frozen=True)
 class ArgmaxHeadStats:
-    """Runs of the certified argmax head (graph_passes/argmax_head.py) over a backend's life: ``runs`` fed
+    """Runs of the certified argmax head (moeforge/passes/argmax_head.py) over a backend's life: ``runs`` fed
     ``argmax_only``, ``reruns`` of them repeated on the float head because a row was not certified."""
 
     runs: int

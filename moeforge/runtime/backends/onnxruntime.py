@@ -5,8 +5,7 @@ and bound with IOBinding as both the past input and the present output, so a dec
 the new token's keys/values into the buffer and copies nothing else. The buffers, their names and
 dtype come from the artifact's ``manifest.kv_cache`` (``kv_bindings.py``; the session's inputs are
 only cross-checked): for absorbed MLA one latent buffer is bound to the latent input and to both
-present outputs. Also the session helpers both ONNX Runtime backends use (``make_session``,
-``default_providers``, ``kernel_time_shares``).
+present outputs. Sessions come from ``core/ort_session.py``; ``kernel_time_shares`` reads a profiled session.
 
 Dimension letters: B batch, S new tokens, T tokens seen (past + S), L buffer length, V vocab.
 """
@@ -15,15 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
-import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -31,6 +25,7 @@ import onnxruntime as ort
 
 from moeforge.core.errors import ArtifactError
 from moeforge.core.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, LOGITS_TO_KEEP, KVCacheSpec
+from moeforge.core.ort_session import PrepareSession, make_session
 from moeforge.ops.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.base import ArgmaxHeadStats, RowInput
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
@@ -41,96 +36,12 @@ from moeforge.runtime.backends.kv_bindings import (
     check_graph,
     resident_zeros,
 )
-from moeforge.runtime.huge_pages import session_memory_on_huge_pages
 
 log = logging.getLogger(__name__)
 
 # ONNX Runtime type names -> numpy dtype names (the manifest's), for the types a KV cache can have.
 ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
               "tensor(double)": "float64", "tensor(int8)": "int8", "tensor(uint8)": "uint8"}
-
-
-# ``session_config`` keys "options.<name>" set a SessionOptions attribute instead of a config entry: settings a
-# service tunes that ONNX Runtime exposes only as attributes (benchmarks/session_options.py measures them).
-OPTION_PREFIX = "options."
-_LEVEL = ort.GraphOptimizationLevel
-_LEVELS = {"disable": _LEVEL.ORT_DISABLE_ALL, "basic": _LEVEL.ORT_ENABLE_BASIC, "extended": _LEVEL.ORT_ENABLE_EXTENDED,
-           "all": _LEVEL.ORT_ENABLE_ALL}
-_SWITCHES = {"0": False, "1": True}
-SESSION_OPTIONS: dict[str, dict[str, Any]] = {
-    "enable_mem_pattern": _SWITCHES, "enable_mem_reuse": _SWITCHES, "enable_cpu_mem_arena": _SWITCHES,
-    "graph_optimization_level": _LEVELS,
-}
-
-
-def session_option(key: str, value: str) -> tuple[str, Any]:
-    """(attribute, value) of an ``options.<name>`` session_config entry; ValueError naming the accepted ones."""
-    name = key[len(OPTION_PREFIX):]
-    accepted = SESSION_OPTIONS.get(name)
-    if accepted is None:
-        raise ValueError(f"session_config key {key!r}: the SessionOptions attributes that can be set are "
-                         f"{', '.join(OPTION_PREFIX + n for n in SESSION_OPTIONS)}")
-    if value not in accepted:
-        raise ValueError(f"session_config {key}={value!r}: give one of {', '.join(map(repr, accepted))}")
-    return name, accepted[value]
-
-
-def make_session(model_path: str | Path, *, graph: onnx.ModelProto | None = None, threads: int | None = None,
-                 providers: list[str] | None = None, optimize: bool = True, profile: bool = False,
-                 session_config: Sequence[tuple[str, str]] = (), collectives: bool = False,
-                 huge_pages: bool = False) -> ort.InferenceSession:
-    """An ONNX Runtime session of the graph at ``model_path``, or of ``graph``: an edited in-memory copy whose
-    external weights are still read next to ``model_path``. ``session_config``: ONNX Runtime session config
-    entries (``session.intra_op.allow_spinning`` = "0", ``session.disable_prepacking`` = "1", ...), applied as
-    given, and ``options.<attribute>`` entries for the SessionOptions attributes in ``SESSION_OPTIONS``
-    (``options.enable_mem_pattern`` = "0", ``options.graph_optimization_level`` = "extended", ...);
-    ``optimize=False`` disables graph optimisation whatever ``options.graph_optimization_level`` says.
-    ``collectives``: the graph is one rank of a sharded artifact; on CPU its AllReduce / AllGather nodes run on
-    torch.distributed (``runtime/collectives.py``; the process group must be initialised). ``huge_pages``: the
-    memory the session allocates (its prepacked weights) goes on transparent huge pages (``runtime/huge_pages.py``).
-    Off here because it costs ~4 ms per MB at load and pays back only over many decode steps: one-shot sessions
-    (golden logits, --check, parity) leave it off; the engine's backends turn it on (``EngineConfig.huge_pages``)."""
-    options = ort.SessionOptions()
-    # Errors only: ONNX Runtime warns at every load that an input with a default (``logits_to_keep``) is not
-    # constant-folded, which is the point of it; its other warnings on these graphs are advice for exporters.
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-    for key, value in session_config:
-        if key.startswith(OPTION_PREFIX):
-            setattr(options, *session_option(key, value))
-        else:
-            options.add_session_config_entry(key, value)
-    if not optimize:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    folder = None
-    if profile:
-        options.enable_profiling = True
-        folder = tempfile.mkdtemp(prefix="moeforge-profile-")
-        options.profile_file_prefix = str(Path(folder) / "ort")
-    source: str | bytes = str(model_path)
-    if collectives:
-        # lazy: torch.distributed and onnxruntime-extensions cost seconds of start-up, needed by sharded ranks only
-        from moeforge.ops.collectives.ort import prepare_session
-
-        graph = prepare_session(model_path, graph, options, providers or default_providers())
-    if graph is not None:
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                         str(Path(model_path).parent))
-        source = graph.SerializeToString()
-    try:
-        with session_memory_on_huge_pages(huge_pages) as report:
-            session = ort.InferenceSession(source, options, providers=providers or default_providers())
-        log.debug("%s: huge pages %s", model_path, report)
-    except BaseException:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise
-    if folder is not None:
-        # The profile (megabytes per run) is read through end_profiling() while the session lives; its folder
-        # goes with the session (or at interpreter exit), so profiled runs leave nothing in the temp dir.
-        weakref.finalize(session, shutil.rmtree, folder, ignore_errors=True)
-    return session
 
 
 def check_session(session: ort.InferenceSession, kv: KVCacheSpec, graph: str) -> None:
@@ -176,8 +87,9 @@ class OrtSession:
                  collectives: bool = False, lower: bool = True, huge_pages: bool = False) -> None:
         """``kv_cache``: the artifact's ``manifest.kv_cache`` (contiguous). ``graph``: an edited in-memory copy of
         the graph at ``model_path`` (its weights are still read from the external data next to ``model_path``).
-        ``collectives``: see ``make_session``. ``lower``: run SparseMLA nodes (DeepSeek-V3.2) through
-        plugins/sparse_mla/ort_lowering.py rather than their local function. ``huge_pages``: see ``make_session``."""
+        ``collectives``: a sharded rank's graph (``collectives_prepare``). ``lower``: run SparseMLA nodes
+        (DeepSeek-V3.2) through ops/sparse_mla/ort_lowering.py rather than their local function.
+        ``huge_pages``: see ``make_session``."""
         if kv_cache.paged:
             raise ArtifactError(f"{model_path} has paged KV pools (kv_cache.block_size {kv_cache.block_size}); "
                                 "OrtSession binds contiguous caches: use onnxruntime_paged.PagedOrtBackend")
@@ -186,7 +98,8 @@ class OrtSession:
             source = graph if graph is not None else onnx.load(str(model_path), load_external_data=False)
             graph = lower_sparse_mla(source)
         self.session = make_session(model_path, graph=graph, threads=threads, providers=providers, optimize=optimize,
-                                    profile=profile, session_config=session_config, collectives=collectives,
+                                    profile=profile, session_config=session_config,
+                                    prepare=collectives_prepare(collectives),
                                     huge_pages=huge_pages)
         check_session(self.session, kv_cache, str(model_path))
         self.bindings: list[CacheBinding] = cache_bindings(kv_cache)
@@ -200,7 +113,7 @@ class OrtSession:
         self.track_experts = False
         logits = next((o for o in self.session.get_outputs() if o.name == "logits"), None)
         self.vocab_size = logits.shape[-1] if logits is not None and isinstance(logits.shape[-1], int) else None
-        # The certified argmax head (graph_passes/argmax_head.py): decode runs whose rows are all plain greedy feed
+        # The certified argmax head (moeforge/passes/argmax_head.py): decode runs whose rows are all plain greedy feed
         # ``argmax_only``; a run with a row it cannot certify runs again on the float head (counted in reruns).
         self.argmax_head = has_argmax_head(self.session)
         self.argmax_runs = 0
@@ -364,16 +277,15 @@ class OrtSession:
         return [o.numpy() for o in outputs[first:]]
 
 
-def default_providers() -> list[str]:
-    """CPU, the embedded default. ``MOEFORGE_ORT_PROVIDERS=CUDAExecutionProvider,CPUExecutionProvider``
-    selects others (the caches are host buffers, so a GPU provider copies them each step: correct,
-    not fast; device-resident caches arrive with the TensorRT backend)."""
-    chosen = [p for p in os.environ.get("MOEFORGE_ORT_PROVIDERS", "").split(",") if p]
-    available = set(ort.get_available_providers())
-    missing = [p for p in chosen if p not in available]
-    if missing:
-        raise ValueError(f"ONNX Runtime providers {missing} are not available here; available: {sorted(available)}")
-    return chosen or ["CPUExecutionProvider"]
+def collectives_prepare(collectives: bool) -> PrepareSession | None:
+    """The session rewrite of a sharded rank's graph (its AllReduce / AllGather nodes run on torch.distributed on
+    CPU, ``ops/collectives/ort.py``; the process group must be initialised), or None for an ordinary graph."""
+    if not collectives:
+        return None
+    # lazy: torch.distributed and onnxruntime-extensions cost seconds of start-up, needed by sharded ranks only
+    from moeforge.ops.collectives.ort import prepare_session
+
+    return prepare_session
 
 
 class OrtBackend(ContiguousBackend):
@@ -389,7 +301,8 @@ class OrtBackend(ContiguousBackend):
                  track_expert_load: bool = False, collectives: bool = False, huge_pages: bool = True) -> None:
         super().__init__(kv_cache, num_slots=num_slots, max_seq_len=max_seq_len, vocab_size=vocab_size)
         self._session = OrtSession(model_path, kv_cache=kv_cache, threads=threads, providers=providers,
-                                   profile=profile, session_config=session_config, collectives=collectives,
+                                   profile=profile, session_config=session_config,
+                                    prepare=collectives_prepare(collectives),
                                    huge_pages=huge_pages)
         self._experts = ExpertCounter.for_session(self._session.session) if track_expert_load else None
         self._session.track_experts = self._experts is not None
@@ -440,7 +353,7 @@ class OrtBackend(ContiguousBackend):
 
 class ExpertCounter:
     """Routed tokens per MoE layer and expert, [L_moe, E] int64, summed from the graph's ``expert_hits`` output
-    (graph_passes/expert_load.py) over the tokens that are real: a backend passes which rows of T those are."""
+    (moeforge/passes/expert_load.py) over the tokens that are real: a backend passes which rows of T those are."""
 
     def __init__(self, layers: int, experts: int) -> None:
         self.counts = np.zeros((layers, experts), np.int64)
@@ -462,7 +375,7 @@ class ExpertCounter:
 
 
 def has_argmax_head(session: ort.InferenceSession) -> bool:
-    """Whether the session's graph has the certified argmax head (graph_passes/argmax_head.py): the optional
+    """Whether the session's graph has the certified argmax head (moeforge/passes/argmax_head.py): the optional
     ``argmax_only`` input and the ``logits_certified`` output."""
     inputs = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}
     return ARGMAX_ONLY in inputs and LOGITS_CERTIFIED in {o.name for o in session.get_outputs()}

@@ -15,7 +15,7 @@ earlier request), and the attention core multiplies masked-out slots by probabil
 Block tables are padded with each row's own last block for the same reason.
 
 The graph's ``moeforge::PagedAttention`` nodes are lowered for ONNX Runtime on load
-(plugins/paged_attention/ort_lowering.py); the artifact itself also runs as is (its local function).
+(moeforge/ops/paged_attention/ort_lowering.py); the artifact itself also runs as is (its local function).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from moeforge.core.errors import ArtifactError
 from moeforge.core.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, KVCacheSpec
+from moeforge.core.ort_session import make_session
 from moeforge.ops.paged_attention.ort_lowering import lower_for_ort
 from moeforge.ops.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.base import ArgmaxHeadStats, PoolInfo, RowInput, StepInput, check_row_tokens
@@ -37,9 +38,9 @@ from moeforge.runtime.backends.kv_bindings import cache_bindings, resident_zeros
 from moeforge.runtime.backends.onnxruntime import (
     ExpertCounter,
     check_session,
+    collectives_prepare,
     has_argmax_head,
     kernel_time_shares,
-    make_session,
     run_certified,
 )
 
@@ -129,7 +130,8 @@ def _session(model_path: Path, *, threads: int | None, providers: list[str] | No
     if lower:  # PagedAttention and SparseMLAPaged nodes -> standard ops ONNX Runtime runs (their ort_lowering.py)
         graph = lower_sparse_mla(lower_for_ort(onnx.load(str(model_path), load_external_data=False)))
     return make_session(model_path, graph=graph, threads=threads, providers=providers, profile=profile,
-                        session_config=session_config, collectives=collectives, huge_pages=huge_pages)
+                        session_config=session_config, prepare=collectives_prepare(collectives),
+                        huge_pages=huge_pages)
 
 
 def _spec_pools(session: ort.InferenceSession, kv: KVCacheSpec, num_blocks: int, graph: str) -> BlockPools:
@@ -159,7 +161,7 @@ class PagedRunner:
         vocab = logits.shape[-1] if logits is not None else None
         self._vocab = vocab if isinstance(vocab, int) else None
         self._logits = np.empty((0, self._vocab or 0), np.float32)
-        # The certified argmax head (graph_passes/argmax_head.py): see ``OrtSession.decode``. The flag is bound once
+        # The certified argmax head (moeforge/passes/argmax_head.py): see ``OrtSession.decode``. The flag is bound once
         # as an OrtValue (ONNX Runtime binds an input with a default only this way) and flipped in place.
         self.argmax_head = self._vocab is not None and has_argmax_head(session)
         self._flag = np.zeros((), bool)

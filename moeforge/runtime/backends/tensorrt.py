@@ -7,7 +7,7 @@ Device buffers are torch CUDA tensors: one [num_slots, Hkv, L, D] (half type) pe
 ``manifest.kv_cache`` names (the engine's recorded I/O is only cross-checked); slot s is row s. TensorRT's
 KV-cache update layer writes in place and requires the present output to share the past input's address, so
 both are bound to the same rows of the buffer: nothing is copied between steps. Profiles
-(moeforge/trt/build.py): 0 = decode (S = 1, B <= max_batch), 1 = prefill (B = 1, S <= max_prefill_tokens);
+(compile/trt/engine_build.py): 0 = decode (S = 1, B <= max_batch), 1 = prefill (B = 1, S <= max_prefill_tokens);
 the slot bookkeeping and batching are the ONNX Runtime backend's (``contiguous.py``) within those limits: a
 prefill chunk runs alone on its slot, in pieces of the prefill profile, decode rows together over the smallest
 contiguous slot range holding them, at most the decode profile's batch. Optional CUDA graphs replay decode
