@@ -20,10 +20,18 @@ from moeforge.cli.inspect import format_bytes
 from moeforge.compile.genai_config import genai_greedy
 from moeforge.core.artifact import KVCacheSpec, load_artifact
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.host_memory import available_memory
 from moeforge.core.manifest import tool_versions
 from moeforge.model.loader import load_model
 from moeforge.model.model import CausalLM
-from moeforge.runtime.engine import EngineConfig, LLMEngine, available_memory
+from moeforge.runtime.backends.registry import backend_for
+from moeforge.runtime.engine import (
+    BackendOptions,
+    EngineConfig,
+    LLMEngine,
+    SchedulingOptions,
+    SpeculativeOptions,
+)
 from moeforge.runtime.sampler import SamplingParams
 
 
@@ -86,10 +94,10 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
                  threads: int | None = None, speculative_tokens: int = 0) -> dict[str, Any]:
     """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT (and with
     ``speculative_tokens`` the draft tokens fed and accepted)."""
-    engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(max_num_seqs=batch,
-                                                                max_num_batched_tokens=batch * prompt_len,
-                                                                threads=threads,
-                                                                speculative_tokens=speculative_tokens))
+    engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
+        backend=BackendOptions(threads=threads),
+        speculative=SpeculativeOptions(tokens=speculative_tokens)))
     vocab = engine.backend.vocab_size
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     engine.generate(_prompts(vocab, batch, prompt_len, seed=99), SamplingParams(max_tokens=2, ignore_eos=True))
@@ -116,8 +124,9 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     del engine  # free its caches first: one engine's memory at a time (what check_bench_memory assumes)
     gc.collect()
     # Attention's share of kernel time, from a separate profiled run (profiling perturbs the timings).
-    profiled = LLMEngine.from_artifact(artifact_dir, EngineConfig(max_num_seqs=batch, threads=threads, profile=True,
-                                                                  max_num_batched_tokens=batch * prompt_len))
+    profiled = LLMEngine.from_artifact(artifact_dir, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
+        backend=BackendOptions(threads=threads, profile=True)))
     profiled.generate(_prompts(vocab, batch, prompt_len), params)
     return {
         "attention_time_share": round(profiled.attention_time_share() or 0.0, 3),
@@ -238,7 +247,7 @@ def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens:
     logits do not fit in the available memory is refused before anything is allocated."""
     artifact = load_artifact(artifact_dir)
     vocab = int(artifact.manifest.model_config["vocab_size"])
-    if artifact.manifest.engine is None:  # a TensorRT engine's cache lives in GPU memory, sized by its profiles
+    if backend_for(artifact.manifest).host_kv:  # a TensorRT engine's cache is GPU memory, sized by its profiles
         check_bench_memory(artifact.manifest.kv_cache, vocab, batch, prompt_len)
     result: dict[str, Any] = {"artifact": str(artifact_dir), "model": artifact.manifest.model_config.get("name"),
                               "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,

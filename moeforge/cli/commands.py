@@ -13,8 +13,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from moeforge import __version__
 from moeforge.cli.bench import run_bench, write_result
 from moeforge.cli.inspect import summarize
@@ -24,6 +22,7 @@ from moeforge.compile.targets import TARGETS
 from moeforge.core.artifact import load_artifact, restore_interrupted
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
+from moeforge.core.manifest import Manifest
 from moeforge.model.loader import LoadedModel, load_config, load_model
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.parallel.launch import (
@@ -35,7 +34,8 @@ from moeforge.parallel.launch import (
     start_world,
 )
 from moeforge.quant.schemes import ACCURACY_LEVELS, ASYM_OFFSETS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.backends.registry import BACKENDS, BackendSpec, backend_for, backend_named
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve import ServeOptions, serve
 from moeforge.serve.runner import engine_config, model_name
@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = _subcommand(sub, "run", "generate text from an artifact, a checkpoint, a .gguf or a preset")
     run.add_argument("model", help="artifact directory, HF folder, .gguf file, or a preset / built-in name")
-    run.add_argument("--backend", choices=["torch", "onnxruntime"], default=None,
-                     help="onnxruntime for artifacts (default; a TensorRT artifact runs its engine on a CUDA GPU), "
-                          "torch (the PyTorch reference) for checkpoints")
+    run.add_argument("--backend", choices=["torch", *(spec.name for spec in BACKENDS.values())], default=None,
+                     help="default: the artifact's target decides (onnxruntime for --target ort; tensorrt, on a CUDA "
+                          "GPU, for --target trt); torch (the PyTorch reference) for checkpoints")
     run.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     run.add_argument("--no-huge-pages", action="store_true",
                      help=NO_HUGE_PAGES_HELP)
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(whole experts per rank)")
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
     comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
+    comp.add_argument("--build-only", action="store_true",
+                      help="build an artifact no moeforge backend runs yet (TensorRT paged engines, TensorRT --tp "
+                           "plans) for a runtime of your own; refused without this flag")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     comp.add_argument("--quant", choices=list(SCHEMES), default=None,
                       help="quantisation (default fp32): " + "; ".join(f"{s.name}: {s.help}" for s in SCHEMES.values()))
@@ -204,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     par.add_argument("--per-layer", action="store_true",
                      help="also compare every decoder layer's output and name the first that diverges")
-    par.add_argument("--backend", choices=["onnxruntime", "tensorrt"], default="onnxruntime",
+    par.add_argument("--backend", choices=[spec.name for spec in BACKENDS.values()], default="onnxruntime",
                      help="tensorrt: run the artifact's engine (GPU) on its golden inputs and compare")
     par.add_argument("--reference", choices=["torch", "transformers"], default="torch",
                      help="what the artifact is compared with: moeforge's PyTorch model, or Hugging Face transformers "
@@ -312,34 +315,41 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     artifact = _is_artifact(args.model)
-    backend = args.backend or ("onnxruntime" if artifact else "torch")
-    if backend == "onnxruntime" and is_sharded(args.model):
-        return _run_artifact(args)
-    if backend == "onnxruntime":
-        if not artifact:
-            raise MoeforgeError(f"{args.model} is not an artifact directory; compile it first "
-                                "(moeforge compile MODEL -o DIR) or use --backend torch")
+    if args.backend == "torch" or (args.backend is None and not artifact):
+        if artifact:
+            raise MoeforgeError("--backend torch runs checkpoints; for an artifact leave --backend out (the "
+                                "artifact's target decides) or give its backend")
+        return _run_torch(args)
+    if not artifact:
+        raise MoeforgeError(f"{args.model} is not an artifact directory; compile it first "
+                            "(moeforge compile MODEL -o DIR) or use --backend torch")
+    if not is_sharded(args.model):  # a sharded artifact's ranks are checked by every rank (parallel/launch.py)
         manifest = load_artifact(args.model, verify=False).manifest  # sizes only: the engine verifies hashes
-        if manifest.engine is not None and args.backend == "onnxruntime":
-            raise MoeforgeError(_tensorrt_only(args.model, manifest.source, "ONNX Runtime does not run its engine"))
-        if manifest.engine is not None and not torch.cuda.is_available():
-            raise MoeforgeError(_tensorrt_only(args.model, manifest.source, _NO_GPU))
-        return _run_artifact(args)
-    if artifact:
-        raise MoeforgeError("--backend torch runs checkpoints; for an artifact use --backend onnxruntime")
-    return _run_torch(args)
+        _check_runnable(args.model, manifest, args.backend)
+    return _run_artifact(args)
 
 
-_NO_GPU = "its engine (model.plan) needs a CUDA GPU with TensorRT, and this host has none"
+def _check_runnable(path: str, manifest: Manifest, wanted: str | None = None) -> BackendSpec:
+    """The backend that runs the artifact (the registry's, by its target), refusing a ``--backend`` that is not it
+    and a backend this host cannot run, with what does work."""
+    spec = backend_for(manifest)
+    if wanted is not None and wanted != spec.name:
+        raise MoeforgeError(_backend_only(path, manifest, spec, f"the {wanted} backend does not run it"))
+    why = spec.unavailable()
+    if why:
+        raise MoeforgeError(_backend_only(path, manifest, spec, why))
+    return spec
 
 
-def _tensorrt_only(path: str, source: str, why: str) -> str:
-    """Why a TensorRT artifact cannot run or be compared here, and what does work (its model.onnx is the graph
-    lowered for TensorRT, which the engine and golden files are built from, not an ONNX Runtime artifact)."""
-    return (f"{path} is a TensorRT artifact (--target trt): {why}. To run or check this model on CPU, compile it "
-            f"for ONNX Runtime: moeforge compile {source} -o DIR --target ort. On a host with a CUDA GPU and "
-            f"TensorRT, 'moeforge run {path}' runs the engine and 'moeforge parity {path} --backend tensorrt' "
-            "checks it against the golden logits saved at compile time")
+def _backend_only(path: str, manifest: Manifest, spec: BackendSpec, why: str) -> str:
+    """Why an artifact cannot run or be compared here, and what does work (a TensorRT artifact's model.onnx is the
+    graph lowered for TensorRT, which the engine and golden files are built from, not an ONNX Runtime artifact)."""
+    if spec.target == "ort":
+        return f"{path} is an ONNX Runtime artifact (no engine): {why}"
+    return (f"{path} is a {spec.name} artifact (--target {spec.target}): {why}. To run or check this model on CPU, "
+            f"compile it for ONNX Runtime: moeforge compile {manifest.source} -o DIR --target ort. On a host with a "
+            f"CUDA GPU and TensorRT, 'moeforge run {path}' runs the engine and 'moeforge parity {path} --backend "
+            f"{spec.name}' checks it against the golden logits saved at compile time")
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer | None, model: str) -> list[int]:
@@ -383,8 +393,10 @@ class _Printer:
 
 
 def _run_artifact(args: argparse.Namespace) -> int:
-    config = EngineConfig(max_num_seqs=1, threads=args.threads, huge_pages=not args.no_huge_pages,
-                          speculative_tokens=args.speculative_tokens)
+    config = EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=1),
+        backend=BackendOptions(threads=args.threads, huge_pages=not args.no_huge_pages),
+        speculative=SpeculativeOptions(tokens=args.speculative_tokens))
     if is_sharded(args.model):
         return _sharded(args.model, lambda world: open_rank_backend(args.model, world, config)[0],
                         lambda backend: _generate(args, LLMEngine.from_artifact(Path(args.model) / rank_dir(0), config,
@@ -477,14 +489,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_parity(args: argparse.Namespace) -> int:
-    if args.backend == "tensorrt":
-        return _golden_parity_tensorrt(args)
+    if not backend_named(args.backend).teacher_forced_parity:
+        return _golden_parity(args)
     if is_sharded(args.artifact):
         return _sharded_parity(args)
     artifact = load_artifact(args.artifact)
-    if artifact.manifest.engine is not None:
-        raise MoeforgeError(_tensorrt_only(args.artifact, artifact.manifest.source,
-                                           "parity against PyTorch runs ONNX Runtime artifacts, not engines"))
+    spec = backend_for(artifact.manifest)
+    if not spec.teacher_forced_parity:
+        raise MoeforgeError(_backend_only(args.artifact, artifact.manifest, spec,
+                                          "parity against PyTorch runs ONNX graphs token by token, not engines; "
+                                          f"use --backend {spec.name} for its golden check"))
     if args.prompt_len < 1 or args.steps < 0:
         raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
     if args.prompt_len + args.steps + 1 > artifact.manifest.kv_cache.max_seq_len:
@@ -550,12 +564,12 @@ def _sharded_parity(args: argparse.Namespace) -> int:
                     lambda world: open_rank_session(args.artifact, world, max_len)[0])
 
 
-def _golden_parity_tensorrt(args: argparse.Namespace) -> int:
+def _golden_parity(args: argparse.Namespace) -> int:
     manifest = load_artifact(args.artifact, verify=False).manifest  # check_engine verifies the hashes
-    if manifest.engine is None:
-        raise MoeforgeError(f"{args.artifact} is an ONNX Runtime artifact (no engine): drop --backend tensorrt")
-    if not torch.cuda.is_available():
-        raise MoeforgeError(_tensorrt_only(args.artifact, manifest.source, _NO_GPU))
+    spec = backend_for(manifest)
+    if spec.teacher_forced_parity:
+        raise MoeforgeError(_backend_only(args.artifact, manifest, spec, f"drop --backend {args.backend}"))
+    _check_runnable(args.artifact, manifest)
     check, tolerance = check_engine(args.artifact)
     passed = check.max_abs_err <= tolerance
     result = {"backend": "tensorrt", "max_abs_err": check.max_abs_err, "tolerance": tolerance,

@@ -53,6 +53,9 @@ class CompileOptions:
     tp: int = 1  # tensor-parallel ranks: > 1 writes one artifact per rank (moeforge/compile/sharded_compile.py)
     ep: int = 1  # expert-parallel ranks: 1 (each expert split tp ways) or tp (whole experts per rank)
     argmax_head: bool = True  # ONNX Runtime, float32 head: the certified greedy head (moeforge/passes/argmax_head.py)
+    # Build an artifact no moeforge backend runs yet (runtime/backends/registry.py says which: TensorRT paged engines
+    # and --tp plans), for a runtime of the user's own; without it such a compile is refused before anything runs.
+    build_only: bool = False
     kv: KVOptions = field(default_factory=KVOptions)
     quant: QuantSpec = field(default_factory=QuantSpec)
     trt: TrtOptions = field(default_factory=TrtOptions)

@@ -15,6 +15,7 @@ sends STOP. Before any step the ranks check together that each holds its own ran
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -31,9 +32,11 @@ from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.ops.collectives.ort import DEFAULT_TIMEOUT_S, CollectiveError, init_process_group
 from moeforge.parallel.net import free_port
 from moeforge.runtime.backends.base import Backend
-from moeforge.runtime.backends.onnxruntime import OrtBackend, OrtSession
-from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend, PagedSequenceSession
+from moeforge.runtime.backends.onnxruntime import OrtSession
+from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession
+from moeforge.runtime.backends.registry import backend_for
 from moeforge.runtime.backends.sharded import ShardedBackend, ShardedSession, agree, gather_status, serve_rank
+from moeforge.runtime.engine import EngineConfig, open_engine_backend
 
 CHILD_WAIT_S = 60.0  # how long rank 0 waits for the other ranks to exit after STOP
 
@@ -105,37 +108,31 @@ def _open_rank(path: str | Path, world: World) -> Artifact:
     if bad:
         raise ArtifactError("the ranks do not hold one sharded artifact: " + "; ".join(bad))
     assert artifact is not None
-    if artifact.manifest.engine is not None:
-        raise ArtifactError(f"{path} holds TensorRT plans (--target trt): running sharded plans needs NVIDIA GPUs, "
-                            "NCCL and a communicator per execution context, which moeforge's TensorRT backend does "
-                            "not set up yet; compile with --target ort to run it here")
+    spec = backend_for(artifact.manifest)
+    why = spec.refusal(paged=artifact.manifest.kv_cache.paged, sharded=True)
+    if why:
+        raise ArtifactError(f"{path} holds {spec.name} ranks (--target {spec.target}): {why}; compile with "
+                            "--target ort to run it here")
     return artifact
 
 
-def open_rank_backend(path: str | Path, world: World, config: Any) -> tuple[Backend, Artifact]:
-    """This rank's ONNX Runtime backend, sized by rank 0's ``config`` (an ``EngineConfig``): every rank
-    allocates the same slots and blocks, so the engine's block tables mean the same on all of them."""
+def open_rank_backend(path: str | Path, world: World, config: EngineConfig) -> tuple[Backend, Artifact]:
+    """This rank's backend, sized by rank 0's ``config``: every rank allocates the same slots and blocks, so the
+    engine's block tables mean the same on all of them."""
     artifact = _open_rank(path, world)
     kv = artifact.manifest.kv_cache
-    vocab = int(artifact.manifest.model_config["vocab_size"])
-    blocks = config.num_kv_blocks(config.max_num_seqs, kv.max_seq_len, kv.block_size) if kv.paged else 0
-    slots, blocks = agree([config.max_num_seqs, blocks])
-    providers = list(config.providers) if config.providers else None
-    backend: Backend
-    if kv.paged:
-        backend = PagedOrtBackend(artifact.model_path, kv_cache=kv, num_blocks=blocks, num_slots=slots,
-                                  vocab_size=vocab, threads=config.threads, providers=providers,
-                                  session_config=config.session_config, collectives=True,
-                                  huge_pages=config.huge_pages)
-    else:
-        backend = OrtBackend(artifact.model_path, kv_cache=kv, num_slots=slots, max_seq_len=kv.max_seq_len,
-                             vocab_size=vocab, threads=config.threads, providers=providers,
-                             session_config=config.session_config, collectives=True,
-                             huge_pages=config.huge_pages)
+    slots = config.scheduling.max_num_seqs
+    blocks = config.cache.num_kv_blocks(slots, kv.max_seq_len, kv.block_size) if kv.paged and kv.block_size else 0
+    slots, blocks = agree([slots, blocks])
+    # A rank neither counts expert load nor profiles: the sharded backend reports neither (each rank would see only
+    # its own experts' share).
+    rank_options = dataclasses.replace(config.backend, track_expert_load=False, profile=False)
+    backend = open_engine_backend(artifact, dataclasses.replace(config, backend=rank_options), collectives=True,
+                                  num_slots=slots, num_blocks=blocks or None)
     return backend, artifact
 
 
-def sharded_backend(path: str | Path, world: World, config: Any) -> tuple[ShardedBackend, Artifact]:
+def sharded_backend(path: str | Path, world: World, config: EngineConfig) -> tuple[ShardedBackend, Artifact]:
     """Rank 0's backend for the engine (``LLMEngine(backend, ...)``)."""
     local, artifact = open_rank_backend(path, world, config)
     return ShardedBackend(local, world.world_size, heartbeat_s=DEFAULT_TIMEOUT_S / 4), artifact

@@ -4,7 +4,7 @@ The scheduler decides which tokens of which requests run (continuous batching, c
 preemption) and alone changes a request's status; the backend runs them on its cache slots (one
 row per running request) and returns each row's last logits; the sampler picks tokens; the
 scheduler records them. The engine owns the slots, stop strings (they need the tokenizer) and
-metrics. With ``EngineConfig.speculative_tokens`` it also drafts each greedy request's next tokens after a
+metrics. With ``SpeculativeOptions.tokens`` it also drafts each greedy request's next tokens after a
 step (moeforge/runtime/speculative.py); the next decode feeds them, and sampling verifies them (``_verify``).
 
 Per-request state lives on one ``Request`` (moeforge/runtime/request.py). The engine holds each in
@@ -28,7 +28,6 @@ import functools
 import heapq
 import itertools
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,18 +37,36 @@ import numpy as np
 
 from moeforge.core.artifact import Artifact, load_artifact
 from moeforge.core.errors import MoeforgeError, TokenizerError
-from moeforge.core.kv_layout import KVCacheSpec
-from moeforge.core.ort_session import OPTION_PREFIX, session_option
 from moeforge.model.tokenizer import Tokenizer
-from moeforge.runtime.backends.base import ArgmaxHeadStats, Backend, FatalBackendError, RowInput, StepInput
-from moeforge.runtime.backends.onnxruntime import OrtBackend
-from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
+from moeforge.runtime.backends.base import (
+    ArgmaxHeadStats,
+    Backend,
+    BackendOptions,
+    FatalBackendError,
+    RowInput,
+    StepInput,
+)
+from moeforge.runtime.backends.registry import backend_for, open_backend
+from moeforge.runtime.engine_config import (
+    CacheOptions,
+    EngineConfig,
+    EngineConfigError,
+    SchedulingOptions,
+    SpeculativeOptions,
+    check_host_memory,
+)
 from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 from moeforge.runtime.request import Request, RequestMetrics, RequestStatus, prompt_token_ids
 from moeforge.runtime.request import RequestError as RequestError  # re-exported: raised by add_request
 from moeforge.runtime.sampler import Sampler, SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from moeforge.runtime.speculative import Drafter
+
+# The engine's public API, with the parts of its config (runtime/engine_config.py) and the backend options
+# (runtime/backends/base.py) re-exported, so that one import serves a user.
+__all__ = ["BackendOptions", "CacheOptions", "EngineConfig", "EngineConfigError", "EngineMetrics", "LLMEngine",
+           "RequestError", "RequestOutput", "SchedulingOptions", "SpeculativeOptions", "check_host_memory",
+           "open_engine_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -94,110 +111,16 @@ class EngineMetrics:
     accepted_draft_tokens: int = 0
 
 
-class EngineConfigError(MoeforgeError):
-    """An ``EngineConfig`` that cannot work (with this artifact): the message names the field to change."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Capacity knobs. ``kv_blocks`` blocks of ``block_size`` tokens is the KV memory budget that drives
-    admission and preemption. Default: ``max_num_seqs * ceil(max_seq_len / block_size)`` blocks, so
-    every slot can reach ``max_seq_len`` at once -- for a paged artifact the same memory as the
-    contiguous layout; set ``kv_blocks`` lower to save memory when typical requests are much shorter
-    than ``max_seq_len`` (requests then wait for blocks or are preempted and recomputed).
-
-    Paged artifacts: ``kv_blocks`` is also the number of blocks preallocated in each pool, and the
-    block size is the artifact's (``--kv-block-size`` at compile time): leave ``block_size`` None or
-    give that value (another one raises). Contiguous artifacts: ``block_size`` (None: 16) is only
-    the accounting unit of the budget."""
-
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
-    block_size: int | None = None  # None: the paged artifact's, else 16
-    kv_blocks: int | None = None  # None: max_num_seqs * ceil(max_seq_len / block_size)
-    long_prefill_chunk: int | None = None
-    threads: int | None = None
-    providers: tuple[str, ...] | None = None  # ONNX Runtime execution providers (default: CPU)
-    # ONNX Runtime session config entries, e.g. (("session.intra_op.allow_spinning", "0"),): what a service tunes
-    # (benchmarks/session_options.py measures the common ones).
-    session_config: tuple[tuple[str, str], ...] = ()
-    # MoE artifacts: count routed tokens per layer and expert (LLMEngine.expert_load); costs a small output
-    # fetch per step, so off by default.
-    track_expert_load: bool = False
-    profile: bool = False  # time kernels (costs a little) so attention_time_share() can answer
-    # Put the memory the session allocates (its prepacked weights) on transparent huge pages (Linux; see
-    # moeforge/core/huge_pages.py): a decode step streams every weight, and 4 KiB pages cost a TLB miss every 4 KiB.
-    huge_pages: bool = True
-    # Prompt-lookup speculative decoding (runtime/speculative.py): greedy requests (SamplingParams.argmax_only) feed
-    # up to this many draft tokens per decode (fewer, or none for a while, after rejected ones), copied from where
-    # the sequence's last tokens occurred before, and the model verifies them in the same run. Output is plain greedy
-    # decoding's (token for token on float artifacts; see benchmarks/speculative_decoding.py); 0 turns it off.
-    speculative_tokens: int = 0
-    speculative_max_ngram: int = 3  # longest tail matched to find drafts
-    # Shortest tail matched: 2 drafts less often but far better than 1 (benchmarks/speculative_decoding.py).
-    speculative_min_ngram: int = 2
-    # Drafts only while at most this many requests run. None: 1 on a contiguous artifact, which verifies each row
-    # with drafts in a run of its own (ONNX Runtime's GroupQueryAttention takes several new tokens on a filled cache
-    # only at batch 1) and so beats one batched decode step only at batch 1; every slot on a paged artifact, which
-    # verifies all rows in its one packed run.
-    speculative_max_batch: int | None = None
-
-    def __post_init__(self) -> None:
-        def is_int(value: object) -> bool:
-            return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-        entries = self.session_config
-        if not isinstance(entries, tuple) or not all(
-                isinstance(e, tuple) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in entries):
-            raise EngineConfigError(f"EngineConfig(session_config={entries!r}) must be a tuple of (key, value) string "
-                                    "pairs, e.g. (('session.intra_op.allow_spinning', '0'),)")
-        for key, value in entries:
-            if key.startswith(OPTION_PREFIX):
-                try:
-                    session_option(key, value)
-                except ValueError as error:
-                    raise EngineConfigError(f"EngineConfig: {error}") from None
-        for name in ("huge_pages", "profile", "track_expert_load"):
-            if not isinstance(getattr(self, name), bool):
-                raise EngineConfigError(f"EngineConfig({name}={getattr(self, name)!r}) must be True or False")
-        if self.kv_blocks is not None and not (is_int(self.kv_blocks) and self.kv_blocks >= 1):
-            raise EngineConfigError(f"EngineConfig(kv_blocks={self.kv_blocks!r}): give at least 1 block, "
-                                    "or None for the default (every slot can reach max_seq_len)")
-        for name, minimum, optional in (("max_num_seqs", 1, False), ("max_num_batched_tokens", 1, False),
-                                        ("block_size", 1, True), ("long_prefill_chunk", 1, True),
-                                        ("threads", 0, True), ("speculative_tokens", 0, False),
-                                        ("speculative_max_ngram", 1, False),
-                                        ("speculative_min_ngram", 1, False), ("speculative_max_batch", 1, True)):
-            value = getattr(self, name)
-            if not (value is None and optional) and not (is_int(value) and value >= minimum):
-                raise EngineConfigError(f"EngineConfig({name}={value!r}) must be an integer >= {minimum}"
-                                        + (" (or None)" if optional else ""))
-        if self.speculative_min_ngram > self.speculative_max_ngram:
-            raise EngineConfigError(f"EngineConfig(speculative_min_ngram={self.speculative_min_ngram}) exceeds "
-                                    f"speculative_max_ngram={self.speculative_max_ngram}: lower it or raise the max")
-
-    def num_kv_blocks(self, num_slots: int, max_seq_len: int, block_size: int) -> int:
-        """``kv_blocks``, or the default: ``num_slots`` sequences of ``max_seq_len`` tokens each."""
-        return self.kv_blocks or num_slots * -(-max_seq_len // block_size)
-
-    def check_block_size(self, artifact_block_size: int) -> None:
-        """Refuse a ``block_size`` that differs from a paged artifact's."""
-        if self.block_size is not None and self.block_size != artifact_block_size:
-            raise EngineConfigError(
-                f"EngineConfig(block_size={self.block_size}) differs from the paged artifact's block size "
-                f"{artifact_block_size} (set at compile time with --kv-block-size): leave block_size None")
-
-
 class LLMEngine:
     """Serve generation requests on one backend (``from_artifact`` builds the ONNX Runtime one)."""
 
     def __init__(self, backend: Backend, *, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
                  config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
-        if config.speculative_tokens and not getattr(backend, "multi_logit_rows", False):
-            raise EngineConfigError(f"EngineConfig(speculative_tokens={config.speculative_tokens}): the "
+        if config.speculative.tokens and not getattr(backend, "multi_logit_rows", False):
+            raise EngineConfigError(f"SpeculativeOptions(tokens={config.speculative.tokens}): the "
                                     f"{type(backend).__name__} cannot verify draft tokens (it returns one row of "
-                                    "logits per sequence); set speculative_tokens=0")
+                                    "logits per sequence); set tokens=0")
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -206,25 +129,26 @@ class LLMEngine:
         # blocks, so prefix-cache hits are shared physically. Contiguous-slot artifacts cannot share a
         # cached prefix, so prefix caching is off for them.
         pool = backend.kv_pool
-        # Requests that may run with drafts at once (EngineConfig.speculative_max_batch, or the backend's default).
-        self.speculative_max_batch = config.speculative_max_batch or (1 if pool is None else backend.num_slots)
+        # Requests that may run with drafts at once (SpeculativeOptions.max_batch, or the backend's default).
+        self.speculative_max_batch = config.speculative.max_batch or (1 if pool is None else backend.num_slots)
         if pool is not None:
-            config.check_block_size(pool.block_size)
-            if config.kv_blocks is not None and config.kv_blocks != pool.num_blocks:
-                raise EngineConfigError(f"EngineConfig(kv_blocks={config.kv_blocks}) differs from the backend's "
+            config.cache.check_block_size(pool.block_size)
+            if config.cache.kv_blocks is not None and config.cache.kv_blocks != pool.num_blocks:
+                raise EngineConfigError(f"CacheOptions(kv_blocks={config.cache.kv_blocks}) differs from the backend's "
                                         f"pool of {pool.num_blocks} blocks")
             block_size, num_blocks = pool.block_size, pool.num_blocks
         else:
-            block_size = config.block_size or 16
+            block_size = config.cache.block_size or 16
             # Blocks beyond what the slots can hold could never be used; capping them keeps a huge kv_blocks
             # from costing the block pool's bookkeeping (one object per block).
             slots_blocks = backend.num_slots * -(-backend.max_seq_len // block_size)
-            num_blocks = min(config.num_kv_blocks(backend.num_slots, backend.max_seq_len, block_size), slots_blocks)
+            wanted = config.cache.num_kv_blocks(backend.num_slots, backend.max_seq_len, block_size)
+            num_blocks = min(wanted, slots_blocks)
         self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size, enable_prefix_caching=pool is not None))
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=min(config.max_num_seqs, backend.num_slots),
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            long_prefill_chunk=config.long_prefill_chunk, max_model_len=backend.max_seq_len,
+            max_num_seqs=min(config.scheduling.max_num_seqs, backend.num_slots),
+            max_num_batched_tokens=config.scheduling.max_num_batched_tokens,
+            long_prefill_chunk=config.scheduling.long_prefill_chunk, max_model_len=backend.max_seq_len,
         ), self.kv)
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
@@ -237,38 +161,15 @@ class LLMEngine:
     @classmethod
     def from_artifact(cls, path: str | Path, config: EngineConfig | None = None,
                       backend: Backend | None = None) -> LLMEngine:
-        """Open an artifact directory (hashes verified) on ONNX Runtime, CPU by default. Raises
+        """Open an artifact directory (hashes verified) on the backend its manifest's target names
+        (``runtime/backends/registry.py``; ONNX Runtime on CPU by default). Raises
         ``EngineConfigError`` before allocating anything when ``config`` needs more host memory than is
         available (see ``check_host_memory``). ``backend``: one already opened on this artifact (a sharded
         artifact's ``ShardedBackend``, with ``path`` its rank 0): only the tokenizer is read here."""
         config = config or EngineConfig()
         artifact = load_artifact(path)
-        manifest = artifact.manifest
-        kv = manifest.kv_cache
-        vocab_size = int(manifest.model_config["vocab_size"])
-        providers = list(config.providers) if config.providers else None
-        if backend is not None:
-            pass
-        elif manifest.engine is not None:  # --target trt: the engine plan on a GPU
-            from moeforge.runtime.backends.tensorrt import TensorRTBackend  # lazy: needs TensorRT and a GPU
-
-            # Its caches are device memory, which TensorRT/torch account for; the host check does not apply.
-            backend = TensorRTBackend.from_artifact(artifact.root, num_slots=config.max_num_seqs)
-        elif kv.block_size is not None:  # a paged artifact
-            config.check_block_size(kv.block_size)
-            num_blocks = config.num_kv_blocks(config.max_num_seqs, kv.max_seq_len, kv.block_size)
-            check_host_memory(config, kv, vocab_size, num_blocks)
-            backend = PagedOrtBackend(artifact.model_path, kv_cache=kv, num_blocks=num_blocks,
-                                      num_slots=config.max_num_seqs, vocab_size=vocab_size, threads=config.threads,
-                                      providers=providers, profile=config.profile,
-                                      session_config=config.session_config,
-                                      track_expert_load=config.track_expert_load, huge_pages=config.huge_pages)
-        else:
-            check_host_memory(config, kv, vocab_size)
-            backend = OrtBackend(artifact.model_path, kv_cache=kv, num_slots=config.max_num_seqs,
-                                 max_seq_len=kv.max_seq_len, vocab_size=vocab_size, threads=config.threads,
-                                 providers=providers, profile=config.profile, session_config=config.session_config,
-                                 track_expert_load=config.track_expert_load, huge_pages=config.huge_pages)
+        if backend is None:
+            backend = open_engine_backend(artifact, config)
         tokenizer, eos = _tokenizer_and_eos(artifact)
         return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
 
@@ -320,7 +221,7 @@ class LLMEngine:
 
     def attention_time_share(self) -> float | None:
         """Fraction of backend compute spent in attention kernels so far, when the backend can tell
-        (ONNX Runtime with ``EngineConfig(profile=True)``); None otherwise. Ends profiling."""
+        (ONNX Runtime with ``EngineConfig(backend=BackendOptions(profile=True))``); None otherwise. Ends profiling."""
         shares = self.backend.op_time_shares()
         if shares is None:
             return None
@@ -328,7 +229,7 @@ class LLMEngine:
 
     def expert_load(self) -> np.ndarray | None:
         """Tokens routed to each expert of each MoE layer so far, [L_moe, E] int64 (prompt and generated tokens
-        the model ran, recomputed ones again), when the backend tracks them (``EngineConfig(track_expert_load=True)``
+        the model ran, recomputed ones again), when the backend tracks them (``BackendOptions(track_expert_load=True)``
         on a MoE artifact); None otherwise."""
         counter = getattr(self.backend, "expert_load", None)
         return counter() if counter is not None else None
@@ -388,7 +289,7 @@ class LLMEngine:
         self._apply_stop_strings(touched.values())
         for request in done:
             self._release_slot(request)
-        if self.config.speculative_tokens:
+        if self.config.speculative.tokens:
             self._propose_drafts(request for request in touched.values() if not request.is_finished)
         outputs, self._held = self._held, []
         for request_id in sorted(touched):
@@ -475,7 +376,7 @@ class LLMEngine:
         return tokens, logprobs
 
     def _propose_drafts(self, requests: Iterable[Request]) -> None:
-        """Draft the next tokens of each greedy request (``EngineConfig.speculative_tokens``) for its next decode,
+        """Draft the next tokens of each greedy request (``SpeculativeOptions.tokens``) for its next decode,
         while at most ``speculative_max_batch`` requests run (else none has drafts; see ``EngineConfig``)."""
         running = self.scheduler.running
         if len(running) > self.speculative_max_batch:
@@ -488,8 +389,8 @@ class LLMEngine:
             drafter = request.drafter
             if drafter is None:
                 config = self.config
-                drafter = request.drafter = Drafter(config.speculative_tokens, config.speculative_max_ngram,
-                                                    config.speculative_min_ngram)
+                drafter = request.drafter = Drafter(config.speculative.tokens, config.speculative.max_ngram,
+                                                    config.speculative.min_ngram)
             request.spec_token_ids = drafter.propose(request.token_ids(len(drafter.index.tokens)))
 
     def _apply_stop_strings(self, requests: Iterable[Request]) -> None:
@@ -618,62 +519,20 @@ def _tokenizer_and_eos(artifact: Artifact) -> tuple[Tokenizer | None, tuple[int,
     return tokenizer, eos
 
 
-# (limit, usage) files of a container's memory cgroup: v2, then v1 (v1 says "no limit" with a huge number).
-CGROUP_MEMORY_FILES = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
-                       (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
-                        Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
-
-
-def available_memory() -> int | None:
-    """Bytes of host memory this process can still allocate, None where unknown: Linux's MemAvailable (free
-    plus reclaimable cache), else the free pages (``SC_AVPHYS_PAGES``), lowered to what a cgroup limit (a
-    container's, v2 or v1) leaves."""
-    found = []
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-    except OSError:
-        meminfo = ""
-    found += [int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
-    if not found:
-        try:
-            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError):  # not every platform has these names
-            pass
-    for limit_file, usage_file in CGROUP_MEMORY_FILES:
-        try:
-            limit = limit_file.read_text().strip()
-            if limit != "max":
-                found.append(int(limit) - int(usage_file.read_text()))
-        except (OSError, ValueError):  # no such cgroup, or no limit
-            pass
-    return min(found) if found else None
-
-
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:,.2f} GiB"
-
-
-def check_host_memory(config: EngineConfig, kv: KVCacheSpec, vocab_size: int, num_blocks: int | None = None) -> None:
-    """Refuse, before anything is allocated, an ``EngineConfig`` whose buffers cannot fit in the host memory
-    ``available_memory()`` reports. Counted (a lower bound; weights and other activations come on top): the KV
-    cache from ``kv`` -- ``num_blocks`` pool blocks of a paged artifact, else ``max_num_seqs`` contiguous rows of
-    ``max_seq_len`` tokens -- and the float32 logits of one full step. Only what certainly cannot fit is refused."""
-    limit = available_memory()
-    if limit is None:
-        return
-    if num_blocks is not None:
-        cache = num_blocks * kv.bytes_per_block
-        what = f"KV cache {num_blocks:,} blocks x {kv.bytes_per_block:,} bytes"
-        fix = "lower kv_blocks (or max_num_seqs, which sets the default)"
+def open_engine_backend(artifact: Artifact, config: EngineConfig, *, collectives: bool = False,
+                        num_slots: int | None = None, num_blocks: int | None = None) -> Backend:
+    """The backend of ``artifact`` sized by ``config`` (its registry entry decides which): slots = ``max_num_seqs``
+    (or ``num_slots``), a paged artifact's pool = ``kv_blocks`` or the default (or ``num_blocks``); host-memory
+    backends are refused before allocating when their caches cannot fit (``check_host_memory``)."""
+    manifest = artifact.manifest
+    kv = manifest.kv_cache
+    slots = num_slots or config.scheduling.max_num_seqs
+    if kv.paged:
+        assert kv.block_size is not None
+        config.cache.check_block_size(kv.block_size)
+        num_blocks = num_blocks or config.cache.num_kv_blocks(slots, kv.max_seq_len, kv.block_size)
     else:
-        cache = kv.bytes_for(kv.max_seq_len, config.max_num_seqs)
-        what = f"KV cache {config.max_num_seqs:,} sequences x {kv.max_seq_len} tokens x {kv.bytes_per_token:,} bytes"
-        fix = "lower max_num_seqs"
-    step_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * kv.max_seq_len)
-    logits = step_tokens * vocab_size * 4
-    if cache + logits > limit:
-        raise EngineConfigError(
-            f"EngineConfig(max_num_seqs={config.max_num_seqs}, kv_blocks={config.kv_blocks}, max_num_batched_tokens="
-            f"{config.max_num_batched_tokens}) needs at least {_gib(cache + logits)} of host memory ({what} = "
-            f"{_gib(cache)}; step logits {step_tokens:,} tokens x {vocab_size:,} x 4 bytes = {_gib(logits)}) and "
-            f"{_gib(limit)} is available: {fix}, or max_num_batched_tokens if the logits dominate")
+        num_blocks = None
+    if backend_for(manifest).host_kv:  # device caches (TensorRT) are TensorRT's and torch's to account for
+        check_host_memory(config, kv, int(manifest.model_config["vocab_size"]), num_blocks)
+    return open_backend(artifact, config.backend, num_slots=slots, num_blocks=num_blocks, collectives=collectives)

@@ -182,7 +182,7 @@ class Scheduler:
 
     def _too_big_for_cache(self) -> str:
         return (f"does not fit in the KV cache ({self.kv.config.num_blocks} blocks of "
-                f"{self.kv.block_size} tokens); give the engine more blocks (EngineConfig(kv_blocks=...), "
+                f"{self.kv.block_size} tokens); give the engine more blocks (CacheOptions(kv_blocks=...), "
                 f"--kv-blocks) or shorten the prompt / lower max_tokens")
 
     def finish(self, request_id: int, status: RequestStatus, error: str | None = None) -> bool:

@@ -19,7 +19,14 @@ from fastapi import FastAPI
 
 from moeforge.core.errors import MoeforgeError
 from moeforge.runtime.backends.base import Backend
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import (
+    BackendOptions,
+    CacheOptions,
+    EngineConfig,
+    LLMEngine,
+    SchedulingOptions,
+    SpeculativeOptions,
+)
 from moeforge.serve.app import DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
 
 log = logging.getLogger(__name__)
@@ -67,10 +74,13 @@ def model_name(artifact: Path) -> str:
 
 def engine_config(options: ServeOptions) -> EngineConfig:
     """The engine settings ``options`` ask for (expert-load tracking is a no-op on artifacts without MoE)."""
-    return EngineConfig(max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-                        kv_blocks=options.kv_blocks, threads=options.threads, profile=options.profile_steps > 0,
-                        track_expert_load=True, huge_pages=options.huge_pages,
-                        speculative_tokens=options.speculative_tokens)
+    return EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=options.max_num_seqs,
+                                     max_num_batched_tokens=options.max_num_batched_tokens),
+        cache=CacheOptions(kv_blocks=options.kv_blocks),
+        backend=BackendOptions(threads=options.threads, profile=options.profile_steps > 0,
+                               track_expert_load=True, huge_pages=options.huge_pages),
+        speculative=SpeculativeOptions(tokens=options.speculative_tokens))
 
 
 def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:

@@ -20,7 +20,7 @@ from typing import Any
 from moeforge.compile.sharded_compile import rank_dir
 from moeforge.core.errors import MoeforgeError
 from moeforge.parallel.launch import open_rank_backend, run_worker, sharded_backend, start_world
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
 from moeforge.runtime.sampler import SamplingParams
 
 PROMPTS = [[1 + (7 * i + 3 * j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
@@ -51,8 +51,11 @@ def main() -> int:
     parser.add_argument("--speculative-tokens", type=int, default=0)
     parser.add_argument("--prompts", default=None, help="a JSON list of token lists (default: PROMPTS)")
     args = parser.parse_args()
-    config = EngineConfig(max_num_seqs=8, threads=1, speculative_tokens=args.speculative_tokens,
-                          speculative_max_batch=8 if args.speculative_tokens else None)
+    config = EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=8),
+        backend=BackendOptions(threads=1),
+        speculative=SpeculativeOptions(tokens=args.speculative_tokens,
+                                       max_batch=8 if args.speculative_tokens else None))
     prompts = json.loads(args.prompts) if args.prompts else PROMPTS
     world = start_world(args.artifact, timeout_s=30)
     if world.rank != 0:

@@ -3,6 +3,8 @@
 import json
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,9 @@ import torch
 from moeforge.cli import main
 from moeforge.model.loader import load_model
 from moeforge.verify.generate import SamplingConfig, generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the GGUF factory
+from gguf_factory import write_gguf_file
 
 
 def _run(capsys, *args):
@@ -132,17 +137,10 @@ def test_truncated_safetensors(capsys, tmp_path):
 
 
 def test_gguf_of_unsupported_architecture(capsys, tmp_path):
-    import gguf
     import numpy as np
 
-    path = tmp_path / "falcon.gguf"
-    writer = gguf.GGUFWriter(str(path), "falcon")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_gguf_file(tmp_path / "falcon.gguf", "falcon", metadata={"{arch}.block_count": 1},
+                           tensors={"token_embd.weight": np.zeros((4, 8), dtype=np.float32)})
     _expect_bad_input(capsys, "falcon", "run", str(path), "--prompt-ids", "1")
 
 

@@ -20,7 +20,7 @@ from moeforge.cli import main
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.core.artifact import load_artifact
 from moeforge.model.loader import load_model
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import CacheOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.verify.generate import SamplingConfig, generate
 from moeforge.verify.parity import default_prompt, run_parity
@@ -90,7 +90,8 @@ def test_engine_on_v32_generates_what_pytorch_does(dsa_artifact: Callable[[str],
     prompts += [[*shared, 1, 2], [*shared, 3]]
     model = load_model(MODEL).model
     expected = [generate(model, p, SamplingConfig(max_new_tokens=8)).token_ids for p in prompts]
-    engine = LLMEngine.from_artifact(dsa_artifact(kv), EngineConfig(max_num_seqs=4, max_num_batched_tokens=32))
+    engine = LLMEngine.from_artifact(
+        dsa_artifact(kv), EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4, max_num_batched_tokens=32)))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
 
@@ -116,8 +117,9 @@ def test_engine_preempts_v32_and_recomputes_what_pytorch_does(dsa_artifact: Call
     block = load_artifact(artifact).manifest.kv_cache.block_size
     assert block is not None
     need = sum(-(-(len(p) + 10) // block) for p in prompts)
-    engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64,
-                                                            kv_blocks=max(need // 3, 4)))
+    engine = LLMEngine.from_artifact(artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=8, max_num_batched_tokens=64),
+        cache=CacheOptions(kv_blocks=max(need // 3, 4))))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
     assert engine.metrics.preemptions > 0 and engine.kv.stats().blocks_in_use == 0

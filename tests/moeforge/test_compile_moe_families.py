@@ -20,7 +20,7 @@ from moeforge.cli import main
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.core.artifact import load_artifact
 from moeforge.model.loader import load_model
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.verify.generate import SamplingConfig, generate
 from moeforge.verify.parity import default_prompt, run_parity
@@ -94,7 +94,8 @@ def test_paged_engine_generates_what_pytorch_does(compiled: Callable[[str, str],
     prompts += [[*shared, 1, 2], [*shared, 3]]
     model = load_model("tiny-glm4-moe").model
     expected = [generate(model, p, SamplingConfig(max_new_tokens=8)).token_ids for p in prompts]
-    engine = LLMEngine.from_artifact(out, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32))
+    engine = LLMEngine.from_artifact(out, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=4, max_num_batched_tokens=32)))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
 

@@ -13,7 +13,7 @@ from moeforge.core.artifact import load_artifact
 from moeforge.core.errors import MoeforgeError
 from moeforge.model.loader import load_model
 from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.verify.generate import SamplingConfig, generate
 from moeforge.verify.golden import load_golden
@@ -51,7 +51,8 @@ def test_paged_gqa_compile_inspect_and_engine(capsys, tmp_path):
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(1, 30, 8)]
     model = load_model("tiny-llama").model
     expected = [generate(model, p, SamplingConfig(max_new_tokens=8)).token_ids for p in prompts]
-    engine = LLMEngine.from_artifact(out, EngineConfig(max_num_seqs=8, max_num_batched_tokens=40))
+    engine = LLMEngine.from_artifact(out, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=8, max_num_batched_tokens=40)))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
     assert engine.kv.config.block_size == 4 and engine.kv.config.enable_prefix_caching

@@ -80,7 +80,7 @@ def test_genai_runs_the_artifact_with_identical_greedy_tokens(smollm2_artifact, 
 
 
 def test_engine_greedy_equals_pytorch_batch_1_and_8(smollm2_artifact, reference):
-    from moeforge.runtime.engine import EngineConfig, LLMEngine
+    from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
     from moeforge.runtime.sampler import SamplingParams
     from moeforge.verify.generate import SamplingConfig, generate
 
@@ -89,9 +89,11 @@ def test_engine_greedy_equals_pytorch_batch_1_and_8(smollm2_artifact, reference)
     prompts = [reference.tokenizer.encode(t) for t in texts]
     expected = [generate(reference.model, p, SamplingConfig(max_new_tokens=12)).token_ids for p in prompts]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    solo = LLMEngine.from_artifact(smollm2_artifact, EngineConfig(max_num_seqs=1)).generate(prompts[:1], params)
+    one_seq = EngineConfig(scheduling=SchedulingOptions(max_num_seqs=1))
+    solo = LLMEngine.from_artifact(smollm2_artifact, one_seq).generate(prompts[:1], params)
     assert solo[0].token_ids == expected[0]
-    engine = LLMEngine.from_artifact(smollm2_artifact, EngineConfig(max_num_seqs=8, max_num_batched_tokens=32))
+    engine = LLMEngine.from_artifact(
+        smollm2_artifact, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=8, max_num_batched_tokens=32)))
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
     session = engine.backend._session  # type: ignore[attr-defined]
     # Plain greedy decode steps ran on the certified argmax head (a tied head: rows gathered from the embedding).

@@ -37,7 +37,7 @@ from moeforge.core.artifact import (
 )
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.manifest import MAX_SEQ_LEN, Manifest
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine
 
 DATA_FILE = "model.onnx.data"
 DEAD_PID = 999_999_999  # above any pid_max: never a live process
@@ -482,7 +482,8 @@ def test_profiled_runs_leave_no_temp_dir(art: Path, tmp_path: Path, monkeypatch:
     assert 0 <= result["moeforge_onnxruntime"]["attention_time_share"] <= 1
     gc.collect()
     assert _profile_dirs(temp) == []
-    engine = LLMEngine.from_artifact(art, EngineConfig(profile=True))  # never asked for its profile
+    # never asked for its profile
+    engine = LLMEngine.from_artifact(art, EngineConfig(backend=BackendOptions(profile=True)))
     assert len(_profile_dirs(temp)) == 1
     del engine
     gc.collect()

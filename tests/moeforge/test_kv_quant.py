@@ -20,7 +20,7 @@ from moeforge.quant.calibration import CalibrationError, read_prompts, tokenize_
 from moeforge.quant.schemes import THRESHOLDS, thresholds_for
 from moeforge.quant.spec import KVQuantError
 from moeforge.runtime.backends.onnxruntime import OrtSession
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.verify.parity import default_prompt
 
@@ -176,9 +176,10 @@ def test_engine_batches_int8_caches_like_solo_runs(kv_artifact):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in (5, 17, 33, 9)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    solo = [LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=1)).generate([p], params)[0].token_ids
+    one_seq = EngineConfig(scheduling=SchedulingOptions(max_num_seqs=1))
+    solo = [LLMEngine.from_artifact(path, one_seq).generate([p], params)[0].token_ids
             for p in prompts]
-    engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=4))
+    engine = LLMEngine.from_artifact(path, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4)))
     assert [o.token_ids for o in engine.generate(prompts, params)] == solo
 
 

@@ -27,7 +27,7 @@ from moeforge.model.loader import load_model
 from moeforge.model.sharding import plan_sharding
 from moeforge.ops.collectives.ort import _library, cpu_graph
 from moeforge.parallel.net import free_port
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.verify.parity import torch_reference
 from tests.conftest import wait_healthy
@@ -91,7 +91,9 @@ def test_sharded_engine_matches_unsharded_and_pytorch(case: tuple[str, int, int,
     assert [code for code, _ in results] == [0, 0], [err[-2000:] for _, err in results]
     tokens = json.loads((tmp_path / "tokens.json").read_text())
 
-    engine = LLMEngine.from_artifact(single, EngineConfig(max_num_seqs=8, threads=1))
+    engine = LLMEngine.from_artifact(single, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=8),
+        backend=BackendOptions(threads=1)))
     unsharded = [list(o.token_ids) for o in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS,
                                                                                      ignore_eos=True))]
     model = load_model(case[0], mla_impl="absorb").model
@@ -116,7 +118,9 @@ def test_sharded_speculative_decoding_gives_the_plain_tokens(case: tuple[str, in
     assert [code for code, _ in results] == [0, 0], [err[-2000:] for _, err in results]
     tokens = json.loads(out.read_text())
     metrics = json.loads(Path(f"{out}.metrics.json").read_text())
-    engine = LLMEngine.from_artifact(single, EngineConfig(max_num_seqs=8, threads=1))
+    engine = LLMEngine.from_artifact(single, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=8),
+        backend=BackendOptions(threads=1)))
     plain = [list(o.token_ids) for o in engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))]
     assert tokens == plain
     assert metrics["draft_tokens"] > 0 and metrics["accepted_draft_tokens"] > 0, metrics
@@ -257,7 +261,9 @@ def test_sharded_serve_answers_like_the_engine_and_stops_cleanly(sharded_artifac
         body = {"model": sharded.name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
         answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
-        engine = LLMEngine.from_artifact(single, EngineConfig(max_num_seqs=1, threads=1))
+        engine = LLMEngine.from_artifact(single, EngineConfig(
+            scheduling=SchedulingOptions(max_num_seqs=1),
+            backend=BackendOptions(threads=1)))
         expected = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
         assert answer["choices"][0]["token_ids"] == list(expected)
     finally:

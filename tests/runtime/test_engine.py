@@ -7,7 +7,14 @@ import pytest
 
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.model.loader import load_model
-from moeforge.runtime.engine import EngineConfig, LLMEngine, RequestError
+from moeforge.runtime.engine import (
+    BackendOptions,
+    CacheOptions,
+    EngineConfig,
+    LLMEngine,
+    RequestError,
+    SchedulingOptions,
+)
 from moeforge.runtime.sampler import SamplingParams, SamplingParamsError
 from moeforge.verify.generate import SamplingConfig, generate
 
@@ -35,10 +42,12 @@ def test_batch_1_and_8_concurrent_equal_pytorch(artifact):
     name, path = artifact
     prompts = _prompts(8)
     expected = _torch_greedy(name, prompts)
-    solo = [LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=1)).generate([p], GREEDY)[0].token_ids
+    one_seq = EngineConfig(scheduling=SchedulingOptions(max_num_seqs=1))
+    solo = [LLMEngine.from_artifact(path, one_seq).generate([p], GREEDY)[0].token_ids
             for p in prompts[:2]]
     assert solo == expected[:2]
-    engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=8, max_num_batched_tokens=48))
+    engine = LLMEngine.from_artifact(path, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=8, max_num_batched_tokens=48)))
     outputs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert all(o.finished and o.finish_reason == "length" for o in outputs)
@@ -51,8 +60,9 @@ def test_preemption_with_a_third_of_the_pool(artifact):
     prompts = _prompts(16, seed=1)
     expected = _torch_greedy(name, prompts)
     need = sum(-(-(len(p) + 10) // 16) for p in prompts)  # blocks of 16 tokens for all 16 at once
-    engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=16, max_num_batched_tokens=64,
-                                                         kv_blocks=max(need // 3, 4)))
+    engine = LLMEngine.from_artifact(path, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=16, max_num_batched_tokens=64),
+        cache=CacheOptions(kv_blocks=max(need // 3, 4))))
     outputs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert engine.metrics.preemptions > 0
@@ -62,7 +72,7 @@ def test_preemption_with_a_third_of_the_pool(artifact):
 
 def test_bad_requests_fail_alone(artifact):
     name, path = artifact
-    engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=4))
+    engine = LLMEngine.from_artifact(path, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4)))
     good = _prompts(2, seed=2)
     prompts = [good[0], [], list(range(200)), [5, 99999], good[1]]
     outputs = engine.generate(prompts, GREEDY)
@@ -107,7 +117,7 @@ def test_attention_time_share_when_profiled(artifact):
     plain = LLMEngine.from_artifact(path)
     plain.generate(_prompts(1), GREEDY)
     assert plain.attention_time_share() is None  # not profiled: the backend cannot tell
-    profiled = LLMEngine.from_artifact(path, EngineConfig(profile=True))
+    profiled = LLMEngine.from_artifact(path, EngineConfig(backend=BackendOptions(profile=True)))
     profiled.generate(_prompts(2), GREEDY)
     share = profiled.attention_time_share()
     assert share is not None and 0.0 < share < 1.0

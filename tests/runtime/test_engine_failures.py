@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 
 from moeforge.runtime.backends.base import PoolInfo, StepInput
-from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine, RequestOutput
+from moeforge.runtime.engine import (
+    CacheOptions,
+    EngineConfig,
+    EngineConfigError,
+    LLMEngine,
+    RequestOutput,
+    SchedulingOptions,
+)
 from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 from moeforge.runtime.request import Request, RequestStatus
 from moeforge.runtime.sampler import SamplingParams
@@ -87,7 +94,7 @@ PROMPTS = [list(range(1, 12)), list(range(20, 31)), list(range(40, 45))]  # 11, 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving():
     backend = FakePagedBackend(fail_on=(1,))
-    engine = LLMEngine(backend, config=EngineConfig(max_num_seqs=2))
+    engine = LLMEngine(backend, config=EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2)))
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]  # the third waits: max_num_seqs=2
     outputs = {o.request_id: o for o in engine.step()}  # the failing step: the first two prompts
     assert sorted(outputs) == ids[:2]
@@ -113,7 +120,7 @@ def test_a_failed_decode_keeps_the_keys_of_steps_that_ran():
     """Call 1 prefills 11 tokens (blocks 0-1 full), call 2 fills block 2, call 6 would fill block 3 and
     fails: blocks 0-2 stay findable, block 3 (never written) does not."""
     backend = FakePagedBackend(fail_on=(6,))
-    engine = LLMEngine(backend, config=EngineConfig(max_num_seqs=2))
+    engine = LLMEngine(backend, config=EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2)))
     failed = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=10, ignore_eos=True))[0]
     assert failed.finish_reason == "error" and failed.token_ids == reference(PROMPTS[0], 5)
     assert engine.kv.stats().cached_blocks == 3
@@ -149,21 +156,22 @@ def test_scheduler_fail_rolls_back_same_step_keys_and_accepts_a_new_schedule():
 @pytest.mark.parametrize("kv_blocks", [0, -3])
 def test_kv_blocks_must_be_positive(kv_blocks):
     with pytest.raises(EngineConfigError, match=r"EngineConfig\(kv_blocks="):
-        EngineConfig(kv_blocks=kv_blocks)
+        EngineConfig(cache=CacheOptions(kv_blocks=kv_blocks))
 
 
 def test_block_size_must_match_a_paged_backend():
     with pytest.raises(EngineConfigError, match=r"EngineConfig\(block_size=16\).*block size 4"):
-        LLMEngine(FakePagedBackend(), config=EngineConfig(block_size=16))
-    engine = LLMEngine(FakePagedBackend(num_blocks=7), config=EngineConfig(block_size=BS))
+        LLMEngine(FakePagedBackend(), config=EngineConfig(cache=CacheOptions(block_size=16)))
+    engine = LLMEngine(FakePagedBackend(num_blocks=7), config=EngineConfig(cache=CacheOptions(block_size=BS)))
     assert (engine.kv.block_size, engine.kv.config.num_blocks) == (BS, 7)
     assert engine.kv.config.enable_prefix_caching
 
 
 def test_a_request_too_big_for_the_pool_names_kv_blocks():
-    engine = LLMEngine(FakePagedBackend(num_blocks=3), config=EngineConfig(max_num_seqs=2))
+    engine = LLMEngine(
+        FakePagedBackend(num_blocks=3), config=EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2)))
     big, small = engine.generate([list(range(1, 20)), PROMPTS[2]], GREEDY)
-    assert big.finish_reason == "error" and "EngineConfig(kv_blocks=...)" in big.error
+    assert big.finish_reason == "error" and "EngineConfig(cache=CacheOptions(kv_blocks=...))" in big.error
     assert small.token_ids == reference(PROMPTS[2], 6)
 
 
@@ -175,7 +183,7 @@ class LetterTokenizer:
 
 
 def test_a_request_is_forgotten_once_its_final_output_is_returned():
-    engine = LLMEngine(FakePagedBackend(), config=EngineConfig(max_num_seqs=2))
+    engine = LLMEngine(FakePagedBackend(), config=EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2)))
     request_id = engine.add_request(PROMPTS[2], GREEDY)
     while True:
         (out,) = engine.step()
@@ -195,7 +203,7 @@ def test_many_requests_ending_every_way_leave_nothing_behind():
     structure holds a request, and every slot and block is free."""
     backend = FakePagedBackend(num_blocks=12, fail_on=(5,))
     engine = LLMEngine(backend, tokenizer=LetterTokenizer(),
-                       config=EngineConfig(max_num_seqs=3, max_num_batched_tokens=16))
+                       config=EngineConfig(scheduling=SchedulingOptions(max_num_seqs=3, max_num_batched_tokens=16)))
     rng = np.random.default_rng(0)
     added: dict[int, tuple[list[int], SamplingParams]] = {}
     for i in range(12):
@@ -248,7 +256,8 @@ def test_a_thousand_requests_leave_no_state_behind():
     """Issue 16's leak check: after 1,000 requests (served in waves, a tenth aborted mid-run, some with logprobs)
     the engine, its scheduler, cache manager and backend hold nothing for any of them."""
     backend = FakePagedBackend(num_blocks=64)
-    engine = LLMEngine(backend, config=EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    engine = LLMEngine(backend, config=EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=8, max_num_batched_tokens=64)))
     rng = np.random.default_rng(1)
     finished = 0
     for wave in range(100):

@@ -10,7 +10,7 @@ import torch
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.model.loader import load_model
 from moeforge.model.moe import MoERouter
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 
 
@@ -44,7 +44,9 @@ def _torch_counts(sequences: list[list[int]]) -> np.ndarray:
 
 
 def test_expert_load_equals_the_pytorch_router(artifact):
-    engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=3, track_expert_load=True))
+    engine = LLMEngine.from_artifact(artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=3),
+        backend=BackendOptions(track_expert_load=True)))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 512, n).tolist() for n in (9, 4, 13)]
     # Different lengths: once the middle request ends, slots 0 and 2 decode with slot 1 idle in the run.
@@ -60,4 +62,5 @@ def test_expert_load_equals_the_pytorch_router(artifact):
 
 
 def test_expert_load_is_off_by_default(artifact):
-    assert LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=1)).expert_load() is None
+    one_seq = EngineConfig(scheduling=SchedulingOptions(max_num_seqs=1))
+    assert LLMEngine.from_artifact(artifact, one_seq).expert_load() is None

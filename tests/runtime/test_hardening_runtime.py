@@ -12,13 +12,25 @@ import onnxruntime as ort
 import pytest
 
 from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core import host_memory
 from moeforge.core.errors import TokenizerError
 from moeforge.core.kv_layout import paged_spec
 from moeforge.model.loader import load_model
 from moeforge.model.model import CausalLM
 from moeforge.model.tokenizer import Tokenizer
-from moeforge.runtime import engine as engine_module
-from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine, RequestError, check_host_memory
+from moeforge.runtime import engine_config as engine_config_module
+from moeforge.runtime.backends import registry as registry_module
+from moeforge.runtime.engine import (
+    BackendOptions,
+    CacheOptions,
+    EngineConfig,
+    EngineConfigError,
+    LLMEngine,
+    RequestError,
+    SchedulingOptions,
+    SpeculativeOptions,
+    check_host_memory,
+)
 from moeforge.runtime.sampler import SamplingParams, SamplingParamsError
 from moeforge.verify.generate import SamplingConfig, generate, generate_stream
 
@@ -36,7 +48,7 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(tiny_artifact: Path) -> LLMEngine:
-    return LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=4))
+    return LLMEngine.from_artifact(tiny_artifact, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4)))
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +193,7 @@ def test_torch_path_refuses_the_same_prompts(torch_model):
 
 
 def test_an_interrupted_generate_leaves_no_request_behind(tiny_artifact, monkeypatch):
-    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=2))
+    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2)))
     real_step, calls = engine.step, []
 
     def step_then_interrupt():
@@ -206,11 +218,11 @@ def _no_backend(*args: object, **kwargs: object) -> None:
 
 
 def test_a_huge_max_num_seqs_is_refused_before_allocating(tiny_artifact, monkeypatch):
-    monkeypatch.setattr(engine_module, "OrtBackend", _no_backend)
-    monkeypatch.setattr(engine_module, "PagedOrtBackend", _no_backend)
+    monkeypatch.setattr(registry_module, "OrtBackend", _no_backend)
+    monkeypatch.setattr(registry_module, "PagedOrtBackend", _no_backend)
     start = time.perf_counter()
     with pytest.raises(EngineConfigError) as refused:
-        LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=10**9))
+        LLMEngine.from_artifact(tiny_artifact, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=10**9)))
     assert time.perf_counter() - start < 30
     message = str(refused.value)
     assert "EngineConfig(max_num_seqs=1000000000" in message and "1,000,000,000 sequences x 64 tokens x 512 bytes" \
@@ -218,44 +230,56 @@ def test_a_huge_max_num_seqs_is_refused_before_allocating(tiny_artifact, monkeyp
 
 
 def test_the_memory_limit_is_the_available_memory(tiny_artifact, monkeypatch):
-    monkeypatch.setattr(engine_module, "available_memory", lambda: 2**30)
+    monkeypatch.setattr(engine_config_module, "available_memory", lambda: 2**30)
     # 100,000 x 64 tokens x 512 bytes = 3.05 GiB of contiguous cache > 1 GiB.
     with pytest.raises(EngineConfigError, match=r"needs at least 3\.05 GiB .* and 1\.00 GiB is available"):
-        LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=100_000))
+        LLMEngine.from_artifact(tiny_artifact, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=100_000)))
     # A huge token budget is bounded by what the slots can hold (4 x 64 tokens): not refused.
-    fits = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=4, max_num_batched_tokens=10**9))
+    fits = LLMEngine.from_artifact(
+        tiny_artifact, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4, max_num_batched_tokens=10**9)))
     assert fits.generate([[1, 2, 3]], GREEDY)[0].error is None
 
 
 def test_paged_pools_are_sized_from_kv_blocks(monkeypatch, torch_model):
     kv = paged_spec(torch_model.config, max_seq_len=64, block_size=16)
-    monkeypatch.setattr(engine_module, "available_memory", lambda: 2**30)
-    check_host_memory(EngineConfig(max_num_seqs=4), kv, 512, num_blocks=16)
+    monkeypatch.setattr(engine_config_module, "available_memory", lambda: 2**30)
+    check_host_memory(EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4)), kv, 512, num_blocks=16)
     with pytest.raises(EngineConfigError, match=r"1,000,000,000 blocks x 8,192 bytes .* lower kv_blocks"):
-        check_host_memory(EngineConfig(kv_blocks=10**9), kv, 512, num_blocks=10**9)
-    monkeypatch.setattr(engine_module, "available_memory", lambda: None)  # unknown: nothing refused
-    check_host_memory(EngineConfig(kv_blocks=10**9), kv, 512, num_blocks=10**9)
+        check_host_memory(EngineConfig(cache=CacheOptions(kv_blocks=10**9)), kv, 512, num_blocks=10**9)
+    monkeypatch.setattr(engine_config_module, "available_memory", lambda: None)  # unknown: nothing refused
+    check_host_memory(EngineConfig(cache=CacheOptions(kv_blocks=10**9)), kv, 512, num_blocks=10**9)
 
 
 def test_kv_blocks_beyond_the_contiguous_slots_are_capped(tiny_artifact):
-    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=2, kv_blocks=100_000))
+    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=2),
+        cache=CacheOptions(kv_blocks=100_000)))
     assert engine.kv.config.num_blocks == 2 * (64 // 16)  # what two slots of 64 tokens can hold
     assert engine.generate([[1, 2, 3]], GREEDY)[0].error is None
 
 
-@pytest.mark.parametrize("kwargs", [{"max_num_seqs": 0}, {"max_num_seqs": 2.5}, {"max_num_batched_tokens": 0},
-                                    {"long_prefill_chunk": 0}, {"threads": -1}, {"kv_blocks": True},
-                                    {"block_size": 1.5}])
-def test_engine_config_refuses_non_positive_or_non_integer_sizes(kwargs):
+@pytest.mark.parametrize(("part", "kwargs"), [
+    (SchedulingOptions, {"max_num_seqs": 0}), (SchedulingOptions, {"max_num_seqs": 2.5}),
+    (SchedulingOptions, {"max_num_batched_tokens": 0}), (SchedulingOptions, {"long_prefill_chunk": 0}),
+    (BackendOptions, {"threads": -1}), (CacheOptions, {"kv_blocks": True}), (CacheOptions, {"block_size": 1.5}),
+    (SpeculativeOptions, {"tokens": -1}), (SpeculativeOptions, {"max_batch": 0})])
+def test_engine_config_refuses_non_positive_or_non_integer_sizes(part, kwargs):
+    """Each part names itself and the field; backend options are checked when the EngineConfig holding them is made
+    (the backend reads them as given)."""
     name = next(iter(kwargs))
-    with pytest.raises(EngineConfigError, match=rf"EngineConfig\({name}="):
-        EngineConfig(**kwargs)
+    with pytest.raises(EngineConfigError, match=rf"{part.__name__}\({name}="):
+        EngineConfig(backend=part(**kwargs)) if part is BackendOptions else part(**kwargs)
+
+
+def test_engine_config_refuses_a_part_of_the_wrong_type():
+    with pytest.raises(EngineConfigError, match=r"EngineConfig\(scheduling=...\) must be a SchedulingOptions"):
+        EngineConfig(scheduling=CacheOptions())  # type: ignore[arg-type]
 
 
 def test_a_container_memory_limit_lowers_the_available_memory(tmp_path, monkeypatch):
     """cgroup v2 ("max" = none) and v1 (a huge number = none) limits: the tightest of them and the host's wins."""
-    monkeypatch.setattr(engine_module, "CGROUP_MEMORY_FILES", ((tmp_path / "missing", tmp_path / "missing"),))
-    host = engine_module.available_memory()  # /proc/meminfo alone
+    monkeypatch.setattr(host_memory, "CGROUP_MEMORY_FILES", ((tmp_path / "missing", tmp_path / "missing"),))
+    host = host_memory.available_memory()  # /proc/meminfo alone
     assert host is not None and host > 0
     files = []
     for name, limit, usage in (("v2", "max", "0"), ("v1", str(3 * 2**30), str(2**30))):
@@ -263,21 +287,23 @@ def test_a_container_memory_limit_lowers_the_available_memory(tmp_path, monkeypa
         limit_file.write_text(limit + "\n")
         usage_file.write_text(usage + "\n")
         files.append((limit_file, usage_file))
-    monkeypatch.setattr(engine_module, "CGROUP_MEMORY_FILES", tuple(files))
-    limited = engine_module.available_memory()
+    monkeypatch.setattr(host_memory, "CGROUP_MEMORY_FILES", tuple(files))
+    limited = host_memory.available_memory()
     assert limited is not None and limited <= 2 * 2**30  # v1: 3 GiB limit - 1 GiB used
     assert limited == 2 * 2**30 or host < 2.5 * 2**30  # (MemAvailable moves between reads: compare loosely)
     files[1][0].write_text(str(2**63 - 4096))  # v1's "no limit"
-    unlimited = engine_module.available_memory()
+    unlimited = host_memory.available_memory()
     assert unlimited is not None and (unlimited > 2 * 2**30 or host < 2.5 * 2**30)
 
 
 def test_session_option_entries_set_attributes_and_bad_ones_are_refused(tiny_artifact):
     """``options.<attribute>`` session_config entries reach ONNX Runtime's SessionOptions; an unknown attribute or
     value is refused at EngineConfig, naming what is accepted."""
-    config = EngineConfig(max_num_seqs=1, session_config=(("options.enable_mem_pattern", "0"),
-                                                         ("options.graph_optimization_level", "extended"),
-                                                         ("session.intra_op.allow_spinning", "0")))
+    config = EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=1),
+        backend=BackendOptions(session_config=(("options.enable_mem_pattern", "0"),
+                                               ("options.graph_optimization_level", "extended"),
+                                               ("session.intra_op.allow_spinning", "0"))))
     engine = LLMEngine.from_artifact(tiny_artifact, config)
     options = engine.backend._session.session.get_session_options()
     assert options.enable_mem_pattern is False
@@ -285,9 +311,9 @@ def test_session_option_entries_set_attributes_and_bad_ones_are_refused(tiny_art
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
     with pytest.raises(EngineConfigError, match=r"options\.enable_mem_pattern, options\.enable_mem_reuse"):
-        EngineConfig(session_config=(("options.intra_op_num_threads", "4"),))
+        EngineConfig(backend=BackendOptions(session_config=(("options.intra_op_num_threads", "4"),)))
     with pytest.raises(EngineConfigError, match=r"options\.enable_cpu_mem_arena='off'.*'0', '1'"):
-        EngineConfig(session_config=(("options.enable_cpu_mem_arena", "off"),))
+        EngineConfig(backend=BackendOptions(session_config=(("options.enable_cpu_mem_arena", "off"),)))
 
 
 # ---- found by an audit of hostile input (engine API) --------------------------------------------------------
@@ -397,7 +423,9 @@ def test_an_abandoned_stream_stops_its_request(engine):
 
 
 def test_a_request_the_kv_cache_cannot_hold_is_refused_naming_the_flag(tiny_artifact):
-    small = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=1, kv_blocks=2, block_size=16))
+    small = LLMEngine.from_artifact(tiny_artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=1),
+        cache=CacheOptions(kv_blocks=2, block_size=16)))
     assert small.backend.max_seq_len == 64 and small.max_model_len == 33  # 32 cached tokens + the last one
     fits, too_long = small.generate([[1] * 20, [1] * 20], [SamplingParams(max_tokens=13, ignore_eos=True),
                                                            SamplingParams(max_tokens=14, ignore_eos=True)])

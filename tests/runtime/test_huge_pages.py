@@ -20,7 +20,7 @@ from moeforge.core.huge_pages import (
     session_memory_on_huge_pages,
     unavailable,
 )
-from moeforge.runtime.engine import EngineConfig, EngineConfigError
+from moeforge.runtime.engine import BackendOptions, EngineConfig, EngineConfigError
 
 SMAPS = """\
 7f0000000000-7f0000400000 rw-p 00000000 00:00 0
@@ -129,7 +129,7 @@ def test_the_serving_path_turns_huge_pages_on_by_default():
 
 def test_engine_config_checks_huge_pages():
     with pytest.raises(EngineConfigError, match=r"huge_pages='no'\) must be True or False"):
-        EngineConfig(huge_pages="no")  # type: ignore[arg-type]
+        EngineConfig(backend=BackendOptions(huge_pages="no"))  # type: ignore[arg-type]
 
 
 def test_run_and_serve_pass_no_huge_pages_to_the_engine():

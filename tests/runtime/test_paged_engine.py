@@ -19,7 +19,7 @@ from moeforge.model.gguf_loader import find_smollm2_gguf
 from moeforge.model.loader import load_model
 from moeforge.runtime.backends.base import RowInput, StepInput
 from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import CacheOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.verify.generate import SamplingConfig, generate
 
@@ -71,7 +71,8 @@ def test_paged_equals_contiguous_and_pytorch_8_concurrent(deepseek, expected):
     prompts = _prompts(8)
     outputs = {}
     for kind, path in deepseek.items():
-        engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
+        engine = LLMEngine.from_artifact(path, EngineConfig(
+            scheduling=SchedulingOptions(max_num_seqs=8, max_num_batched_tokens=64)))
         outputs[kind] = [o.token_ids for o in engine.generate(prompts, GREEDY)]
         assert engine.kv.stats().blocks_in_use == 0
     assert outputs["paged"] == outputs["contiguous"] == expected
@@ -82,8 +83,10 @@ def test_preemption_with_a_third_of_the_pool(deepseek, expected):
     come back through the prefix cache; outputs still equal PyTorch's."""
     prompts = _prompts(8)
     need = sum(-(-(len(p) + 10) // BLOCK) for p in prompts)
-    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=8, max_num_batched_tokens=64,
-                                                                      kv_blocks=max(need // 3, 5)))
+    engine = LLMEngine.from_artifact(
+        deepseek["paged"], EngineConfig(
+            scheduling=SchedulingOptions(max_num_seqs=8, max_num_batched_tokens=64),
+            cache=CacheOptions(kv_blocks=max(need // 3, 5))))
     assert engine.backend.num_blocks == engine.kv.config.num_blocks == max(need // 3, 5)
     outputs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
@@ -92,7 +95,7 @@ def test_preemption_with_a_third_of_the_pool(deepseek, expected):
 
 
 def test_pools_are_updated_in_place(deepseek):
-    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=4))
+    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4)))
     backend = engine.backend
     assert isinstance(backend, PagedOrtBackend)
     pointers = backend.pool_pointers()
@@ -141,13 +144,16 @@ def test_two_requests_sharing_a_64_token_prefix_share_its_blocks(deepseek):
     rng = np.random.default_rng(7)
     prefix = rng.integers(0, 256, 64).tolist()
     prompts = [prefix + rng.integers(0, 256, 5).tolist(), prefix + rng.integers(0, 256, 9).tolist()]
-    solo = [LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=1)).generate([p], GREEDY)[0]
+    one_seq = EngineConfig(scheduling=SchedulingOptions(max_num_seqs=1))
+    solo = [LLMEngine.from_artifact(deepseek["paged"], one_seq).generate([p], GREEDY)[0]
             .token_ids for p in prompts]
-    contiguous = LLMEngine.from_artifact(deepseek["contiguous"], EngineConfig(max_num_seqs=2)).generate(prompts, GREEDY)
+    two_seqs = EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2))
+    contiguous = LLMEngine.from_artifact(deepseek["contiguous"], two_seqs).generate(prompts, GREEDY)
     assert [o.token_ids for o in contiguous] == solo
 
     # Together, admitted in the same step: the second finds the first's 4 prefix blocks keyed already.
-    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=2, max_num_batched_tokens=256))
+    engine = LLMEngine.from_artifact(
+        deepseek["paged"], EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2, max_num_batched_tokens=256)))
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     engine.step()
     tables = [engine.kv.block_table(i) for i in ids]
@@ -161,7 +167,7 @@ def test_two_requests_sharing_a_64_token_prefix_share_its_blocks(deepseek):
     assert [results[i] for i in ids] == solo
 
     # One after the other: the second revives the first's freed, still-keyed prefix blocks.
-    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=2))
+    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2)))
     first = engine.generate([prompts[0]], GREEDY)[0].token_ids
     hits_before = engine.kv.stats().hits
     second = engine.generate([prompts[1]], GREEDY)[0].token_ids
@@ -177,7 +183,8 @@ def test_smollm2_paged_equals_contiguous_8_concurrent(tmp_path_factory, smollm2_
     prompts = _prompts(8, seed=3, vocab=49152)
     outputs = {}
     for kind, path in paths.items():
-        engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=8, max_num_batched_tokens=128))
+        engine = LLMEngine.from_artifact(path, EngineConfig(
+            scheduling=SchedulingOptions(max_num_seqs=8, max_num_batched_tokens=128)))
         outputs[kind] = [o.token_ids for o in engine.generate(prompts, GREEDY)]
     assert outputs["paged"] == outputs["contiguous"]
 
@@ -188,7 +195,8 @@ def test_a_failed_step_on_a_paged_artifact(deepseek, expected, monkeypatch):
     (never written) blocks and no block left in use."""
     prompts = [p for p in _prompts(8) if len(p) > BLOCK][:3]  # 51, 38 and 31 tokens: full blocks to key
     want = [expected[_prompts(8).index(p)] for p in prompts]
-    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=2, max_num_batched_tokens=256))
+    engine = LLMEngine.from_artifact(
+        deepseek["paged"], EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2, max_num_batched_tokens=256)))
     real_execute, calls = engine.backend.execute, []
 
     def execute_failing_once(step: StepInput) -> np.ndarray:
@@ -214,15 +222,17 @@ def test_a_failed_step_on_a_paged_artifact(deepseek, expected, monkeypatch):
 
 def test_a_request_too_big_for_a_small_pool_fails_alone(deepseek, expected):
     """4 blocks (64 tokens): a 70-token prompt can never fit, one of 50 + 20 tokens outgrows the pool while
-    decoding; both end with an error naming EngineConfig(kv_blocks=...), the others give PyTorch's tokens."""
+    decoding; both end with an error naming CacheOptions(kv_blocks=...), the others give PyTorch's tokens."""
     small = [(p, e) for p, e in zip(_prompts(8), expected, strict=True) if len(p) + 10 <= 2 * BLOCK][:2]
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 256, 70).tolist(), small[0][0], rng.integers(0, 256, 50).tolist(), small[1][0]]
     params = [GREEDY, GREEDY, SamplingParams(max_tokens=20, ignore_eos=True), GREEDY]
-    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=4, kv_blocks=4))
+    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=4),
+        cache=CacheOptions(kv_blocks=4)))
     outputs = engine.generate(prompts, params)
     for out in (outputs[0], outputs[2]):
-        assert out.finish_reason == "error" and "EngineConfig(kv_blocks=...)" in out.error
+        assert out.finish_reason == "error" and "EngineConfig(cache=CacheOptions(kv_blocks=...))" in out.error
     assert [outputs[1].token_ids, outputs[3].token_ids] == [small[0][1], small[1][1]]
     assert engine.kv.stats().blocks_in_use == 0
 
@@ -247,6 +257,8 @@ def test_engine_config_block_size_must_match_the_paged_artifact(deepseek):
     from moeforge.runtime.engine import EngineConfigError
 
     with pytest.raises(EngineConfigError, match="--kv-block-size"):
-        LLMEngine.from_artifact(deepseek["paged"], EngineConfig(block_size=BLOCK * 2))
-    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(max_num_seqs=2, block_size=BLOCK))
+        LLMEngine.from_artifact(deepseek["paged"], EngineConfig(cache=CacheOptions(block_size=BLOCK * 2)))
+    engine = LLMEngine.from_artifact(deepseek["paged"], EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=2),
+        cache=CacheOptions(block_size=BLOCK)))
     assert engine.kv.config.num_blocks == 2 * -(-128 // BLOCK)  # default: every slot can reach max_seq_len

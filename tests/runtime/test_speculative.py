@@ -13,7 +13,7 @@ import pytest
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.model.loader import load_model
 from moeforge.runtime.backends.base import StepInput
-from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine
+from moeforge.runtime.engine import EngineConfig, EngineConfigError, LLMEngine, SchedulingOptions, SpeculativeOptions
 from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 from moeforge.runtime.request import Request, RequestStatus
 from moeforge.runtime.sampler import SamplingParams
@@ -241,9 +241,9 @@ def test_greedy_output_with_drafts_equals_pytorch(artifact, max_batch):
     prompts = [REPETITIVE, *_prompts(5, seed=11)]
     expected = _torch_greedy(name, prompts, 40)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=max_batch or 8, max_num_batched_tokens=64,
-                                                         speculative_tokens=4, speculative_max_batch=max_batch,
-                                                         speculative_min_ngram=1))
+    engine = LLMEngine.from_artifact(path, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=max_batch or 8, max_num_batched_tokens=64),
+        speculative=SpeculativeOptions(tokens=4, max_batch=max_batch, min_ngram=1)))
     outputs = engine.generate(prompts, params)
     assert [o.token_ids for o in outputs] == expected
     metrics = engine.metrics
@@ -253,7 +253,7 @@ def test_greedy_output_with_drafts_equals_pytorch(artifact, max_batch):
     if limit >= engine.scheduler.config.max_num_seqs:  # every step may draft
         assert 0 < metrics.accepted_draft_tokens < metrics.draft_tokens
     if max_batch == 1:  # each request alone: every accepted draft saved one step
-        plain = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=1))
+        plain = LLMEngine.from_artifact(path, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=1)))
         plain.generate(prompts, params)
         assert metrics.steps == plain.metrics.steps - metrics.accepted_draft_tokens
     assert engine.kv.stats().blocks_in_use == 0 and not engine.requests
@@ -262,16 +262,16 @@ def test_greedy_output_with_drafts_equals_pytorch(artifact, max_batch):
 def test_stop_tokens_stop_strings_and_other_requests_in_a_speculative_batch(artifact):
     name, path = artifact
     (full,) = _torch_greedy(name, [REPETITIVE], 40)
-    engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64,
-                                                         speculative_tokens=4, speculative_max_batch=4,
-                                                         speculative_min_ngram=1))
+    engine = LLMEngine.from_artifact(path, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=4, max_num_batched_tokens=64),
+        speculative=SpeculativeOptions(tokens=4, max_batch=4, min_ngram=1)))
     stop_token = max(set(full), key=full.index)  # the token that shows up last
     stopped = engine.generate([REPETITIVE], SamplingParams(max_tokens=40, ignore_eos=True,
                                                            stop_token_ids=(stop_token,)))[0]
     assert stopped.token_ids == full[:full.index(stop_token) + 1] and stopped.finish_reason == "stop"
     # A stop string completed inside an accepted run ends the output at the token that completed it, as plain
     # decoding does (compared with the engine without speculation: the same tokenizer decides).
-    plain = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=4))
+    plain = LLMEngine.from_artifact(path, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4)))
     text = plain.generate([REPETITIVE], SamplingParams(max_tokens=40, ignore_eos=True))[0].text
     assert text
     for stop in {text[i:i + 2].rstrip("\ufffd") for i in (10, 25, 33)} - {""}:
@@ -317,7 +317,7 @@ class LetterTokenizer:
 
 def test_a_stop_string_completed_inside_an_accepted_run_ends_the_output_there():
     engine = LLMEngine(CyclingBackend(), tokenizer=LetterTokenizer(),  # type: ignore[arg-type]
-                       config=EngineConfig(speculative_tokens=4))
+                       config=EngineConfig(speculative=SpeculativeOptions(tokens=4)))
     prompt = [0, 1, 2, 3, 0]  # output: b c d a b c d ...; the second step accepts 4 drafts (output 1..5 at once)
     chunks = [c.new_token_ids for c in engine.stream(prompt, SamplingParams(max_tokens=12))]
     assert chunks[:2] == [[1], [2, 3, 0, 1, 2]] and [t for c in chunks for t in c] == [(1 + i) % 4 for i in range(12)]
@@ -340,7 +340,8 @@ class OneLogitBackend(CyclingBackend):
 
 def test_speculation_on_a_backend_that_cannot_verify_is_refused_by_name():
     with pytest.raises(EngineConfigError, match="speculative_tokens=0"):
-        LLMEngine(OneLogitBackend(), config=EngineConfig(speculative_tokens=3))  # type: ignore[arg-type]
+        LLMEngine(OneLogitBackend(), config=EngineConfig(
+            speculative=SpeculativeOptions(tokens=3)))  # type: ignore[arg-type]
     with pytest.raises(EngineConfigError, match="speculative_tokens"):
-        EngineConfig(speculative_tokens=-1)
+        EngineConfig(speculative=SpeculativeOptions(tokens=-1))
     LLMEngine(OneLogitBackend(), config=EngineConfig())  # type: ignore[arg-type]

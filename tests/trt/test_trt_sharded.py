@@ -21,6 +21,7 @@ pytestmark = [needs_trt_rtx, pytest.mark.heavy]
 @pytest.mark.parametrize(("preset", "ep"), [("tiny-llama", 1), ("tiny-deepseek-v3", 2)])
 def test_each_rank_gets_a_plan_with_distributed_collectives(preset: str, ep: int, tmp_path: Path) -> None:
     out = compile_model(CompileOptions.from_flags(model=preset, output_dir=tmp_path / "trt", target="trt", tp=2, ep=ep,
+                                                  build_only=True,  # no moeforge backend runs sharded plans yet
                                                   max_seq_len=64, trt_impl="tensorrt-rtx", sm=89,
                                                   max_prefill_tokens=32, progress=False)).output_dir
     layers = load_config(preset).num_hidden_layers

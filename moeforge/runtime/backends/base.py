@@ -22,6 +22,30 @@ import numpy as np
 from moeforge.core.errors import MoeforgeError
 
 
+@dataclass(frozen=True)
+class BackendOptions:
+    """How a backend runs its artifact, given to the backend as one object (``EngineConfig.backend``).
+
+    ``threads``: ONNX Runtime intra-op threads (None: its default). ``providers``: ONNX Runtime execution providers
+    (empty: ``core/ort_session.default_providers``, CPU unless MOEFORGE_ORT_PROVIDERS says otherwise).
+    ``session_config``: ONNX Runtime session config entries and ``options.<attribute>`` settings
+    (``core/ort_session.make_session``), e.g. (("session.intra_op.allow_spinning", "0"),).
+    ``track_expert_load``: MoE artifacts count routed tokens per layer and expert (a small output fetch per step).
+    ``profile``: time kernels so ``op_time_shares`` can answer. ``huge_pages``: put the memory the session allocates
+    (its prepacked weights) on transparent huge pages (``core/huge_pages.py``): a decode step streams every weight,
+    and 4 KiB pages cost a TLB miss every 4 KiB. The TensorRT backend reads none of the ONNX Runtime fields."""
+
+    threads: int | None = None
+    providers: tuple[str, ...] = ()
+    session_config: tuple[tuple[str, str], ...] = ()
+    track_expert_load: bool = False
+    profile: bool = False
+    huge_pages: bool = True
+
+
+DEFAULT_BACKEND_OPTIONS = BackendOptions()
+
+
 class FatalBackendError(MoeforgeError):
     """The backend cannot run another step (a rank of a sharded artifact died): the engine re-raises it rather
     than failing one step's requests and serving on."""

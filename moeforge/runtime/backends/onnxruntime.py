@@ -27,7 +27,7 @@ from moeforge.core.errors import ArtifactError
 from moeforge.core.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.core.ort_session import PrepareSession, make_session
 from moeforge.ops.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
-from moeforge.runtime.backends.base import ArgmaxHeadStats, RowInput
+from moeforge.runtime.backends.base import DEFAULT_BACKEND_OPTIONS, ArgmaxHeadStats, BackendOptions, RowInput
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import (
     CacheBinding,
@@ -296,17 +296,17 @@ class OrtBackend(ContiguousBackend):
     """
 
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_slots: int, max_seq_len: int,
-                 vocab_size: int, threads: int | None = None, providers: list[str] | None = None,
-                 profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-                 track_expert_load: bool = False, collectives: bool = False, huge_pages: bool = True) -> None:
+                 vocab_size: int, options: BackendOptions = DEFAULT_BACKEND_OPTIONS, collectives: bool = False) -> None:
+        """``options``: threads, providers, session settings, expert counting, profiling, huge pages.
+        ``collectives``: the artifact is one rank of a sharded artifact (``collectives_prepare``)."""
         super().__init__(kv_cache, num_slots=num_slots, max_seq_len=max_seq_len, vocab_size=vocab_size)
-        self._session = OrtSession(model_path, kv_cache=kv_cache, threads=threads, providers=providers,
-                                   profile=profile, session_config=session_config,
-                                    prepare=collectives_prepare(collectives),
-                                   huge_pages=huge_pages)
-        self._experts = ExpertCounter.for_session(self._session.session) if track_expert_load else None
+        self._session = OrtSession(model_path, kv_cache=kv_cache, threads=options.threads,
+                                   providers=list(options.providers) or None, profile=options.profile,
+                                   session_config=options.session_config, collectives=collectives,
+                                   huge_pages=options.huge_pages)
+        self._experts = ExpertCounter.for_session(self._session.session) if options.track_expert_load else None
         self._session.track_experts = self._experts is not None
-        self._profiling = profile
+        self._profiling = options.profile
         self._session.allocate(num_slots, max_seq_len)
 
     def op_time_shares(self) -> dict[str, float] | None:

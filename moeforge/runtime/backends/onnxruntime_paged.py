@@ -33,7 +33,15 @@ from moeforge.core.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, 
 from moeforge.core.ort_session import make_session
 from moeforge.ops.paged_attention.ort_lowering import lower_for_ort
 from moeforge.ops.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
-from moeforge.runtime.backends.base import ArgmaxHeadStats, PoolInfo, RowInput, StepInput, check_row_tokens
+from moeforge.runtime.backends.base import (
+    DEFAULT_BACKEND_OPTIONS,
+    ArgmaxHeadStats,
+    BackendOptions,
+    PoolInfo,
+    RowInput,
+    StepInput,
+    check_row_tokens,
+)
 from moeforge.runtime.backends.kv_bindings import cache_bindings, resident_zeros
 from moeforge.runtime.backends.onnxruntime import (
     ExpertCounter,
@@ -217,17 +225,19 @@ class PagedOrtBackend:
     names, shape and dtype are the artifact's ``manifest.kv_cache`` (the session's inputs are cross-checked)."""
 
     def __init__(self, model_path: str | Path, *, kv_cache: KVCacheSpec, num_blocks: int, num_slots: int,
-                 vocab_size: int, threads: int | None = None, providers: list[str] | None = None, lower: bool = True,
-                 profile: bool = False, session_config: Sequence[tuple[str, str]] = (),
-                 track_expert_load: bool = False, collectives: bool = False, huge_pages: bool = True) -> None:
+                 vocab_size: int, options: BackendOptions = DEFAULT_BACKEND_OPTIONS, lower: bool = True,
+                 collectives: bool = False) -> None:
+        """``options``: as ``OrtBackend``'s. ``lower``: PagedAttention / SparseMLAPaged nodes run as standard ops
+        (their ort_lowering.py) rather than their local functions. ``collectives``: a sharded rank's graph."""
         self.block_size = _block_size(kv_cache, model_path)
-        self.session = _session(Path(model_path), threads=threads, providers=providers, lower=lower, profile=profile,
-                                session_config=session_config, collectives=collectives, huge_pages=huge_pages)
+        self.session = _session(Path(model_path), threads=options.threads, providers=list(options.providers) or None,
+                                lower=lower, profile=options.profile, session_config=options.session_config,
+                                collectives=collectives, huge_pages=options.huge_pages)
         self._pools = _spec_pools(self.session, kv_cache, num_blocks, str(model_path))
         self.pools = self._pools.arrays
-        self._experts = ExpertCounter.for_session(self.session) if track_expert_load else None
+        self._experts = ExpertCounter.for_session(self.session) if options.track_expert_load else None
         self._runner = PagedRunner(self.session, self._pools, self._experts)
-        self._profiling = profile
+        self._profiling = options.profile
         self.kv = kv_cache
         self.num_blocks = num_blocks
         self._num_slots, self._vocab = num_slots, vocab_size

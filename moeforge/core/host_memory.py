@@ -1,0 +1,81 @@
+"""The one host-memory estimator: what a container lets this process allocate, and what an engine's buffers need.
+
+The engine refuses a configuration before allocating it (``runtime/engine_config.check_host_memory``), ``moeforge
+bench`` refuses a batch in its own flags' terms, and ``moeforge config`` prints the same numbers; all of them count
+with ``host_bytes`` against ``available_memory``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeforge.core.kv_layout import KVCacheSpec
+
+# (limit, usage) files of a container's memory cgroup: v2, then v1 (v1 says "no limit" with a huge number).
+CGROUP_MEMORY_FILES = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+                       (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                        Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+LOGIT_BYTES = 4  # float32 logits
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory this process can still allocate, None where unknown: Linux's MemAvailable (free
+    plus reclaimable cache), else the free pages (``SC_AVPHYS_PAGES``), lowered to what a cgroup limit (a
+    container's, v2 or v1) leaves."""
+    found = []
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        meminfo = ""
+    found += [int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
+    if not found:
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):  # not every platform has these names
+            pass
+    for limit_file, usage_file in CGROUP_MEMORY_FILES:
+        try:
+            limit = limit_file.read_text().strip()
+            if limit != "max":
+                found.append(int(limit) - int(usage_file.read_text()))
+        except (OSError, ValueError):  # no such cgroup, or no limit
+            pass
+    return min(found) if found else None
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """The host buffers an engine allocates at least (weights and other activations come on top).
+
+    ``cache``: the KV cache; ``logits``: the float32 logits of one full step; ``cache_what``: how the cache was
+    counted, for messages; ``step_tokens``: the tokens of that step."""
+
+    cache: int
+    logits: int
+    cache_what: str
+    step_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.cache + self.logits
+
+
+def host_bytes(kv: KVCacheSpec, vocab_size: int, *, num_seqs: int, step_tokens: int,
+               num_blocks: int | None = None) -> HostBytes:
+    """The KV cache of ``num_blocks`` pool blocks (a paged artifact) or of ``num_seqs`` contiguous rows of
+    ``max_seq_len`` tokens, plus the float32 logits of a step of ``step_tokens`` tokens."""
+    if num_blocks is not None:
+        cache = num_blocks * kv.bytes_per_block
+        what = f"KV cache {num_blocks:,} blocks x {kv.bytes_per_block:,} bytes"
+    else:
+        cache = kv.bytes_for(kv.max_seq_len, num_seqs)
+        what = f"KV cache {num_seqs:,} sequences x {kv.max_seq_len} tokens x {kv.bytes_per_token:,} bytes"
+    return HostBytes(cache=cache, logits=step_tokens * vocab_size * LOGIT_BYTES, cache_what=what,
+                     step_tokens=step_tokens)
+
+
+def gib(num_bytes: int) -> str:
+    """``1.50 GiB``: how memory numbers are printed in messages."""
+    return f"{num_bytes / 2**30:,.2f} GiB"
