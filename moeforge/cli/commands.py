@@ -7,7 +7,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,10 +35,11 @@ from moeforge.parallel.launch import (
 from moeforge.quant.schemes import ACCURACY_LEVELS, ASYM_OFFSETS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
 from moeforge.runtime.backends.registry import BACKENDS, BackendSpec, backend_for, backend_named
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
+from moeforge.runtime.request import check_room
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve import ServeOptions, serve
 from moeforge.serve.runner import engine_config, model_name
-from moeforge.verify.generate import SamplingConfig, generate_stream
+from moeforge.verify.generate import generate_stream
 from moeforge.verify.golden import check_engine
 from moeforge.verify.parity import (
     TorchReference,
@@ -298,22 +298,23 @@ def _is_artifact(path: str) -> bool:
     return (Path(path) / "manifest.json").is_file() or is_sharded(path)
 
 
-# The engine and the PyTorch reference name the field (max_tokens, max_new_tokens, perhaps followed by the flag in
-# parentheses); the user typed the flag.
-_MAX_TOKENS_FIELD = re.compile(r"\bmax_(?:new_)?tokens\b(?: \(the CLI's --max-new-tokens\))?")
+# ``moeforge run``'s flags by the SamplingParams field each sets: errors name what the user typed.
+RUN_FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+             "top_p": "--top-p", "seed": "--seed"}
+
+
+def _sampling_params(args: argparse.Namespace, vocab_size: int, prompt_len: int, limit: int, limit_name: str,
+                     stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """The run's SamplingParams, checked up front by the rules the engine and the reference apply, in flag names."""
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                            stop_token_ids=stop_token_ids)
+    params.validate(vocab_size, RUN_FLAGS)
+    check_room(prompt_len, params.max_tokens, limit, limit_name, RUN_FLAGS)
+    return params
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except MoeforgeError as exc:
-        message = _MAX_TOKENS_FIELD.sub("--max-new-tokens", str(exc))
-        if message == str(exc):
-            raise
-        raise MoeforgeError(message) from exc
-
-
-def _run(args: argparse.Namespace) -> int:
     artifact = _is_artifact(args.model)
     if args.backend == "torch" or (args.backend is None and not artifact):
         if artifact:
@@ -425,8 +426,8 @@ def _sharded(path: str, worker: Callable[[World], Any], main: Callable[[Any], in
 
 def _generate(args: argparse.Namespace, engine: LLMEngine) -> int:
     prompt = _prompt_ids(args, engine.tokenizer, args.model)
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    params = _sampling_params(args, engine.backend.vocab_size, len(prompt), engine.backend.max_seq_len,
+                              "the artifact's max_seq_len")
     printer = _Printer(args, engine.tokenizer)
     final = None
     for out in engine.stream(prompt, params):
@@ -446,10 +447,9 @@ def _run_torch(args: argparse.Namespace) -> int:
     stop_ids: tuple[int, ...] = ()
     if not args.ignore_eos:
         stop_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else loaded.config.eos_token_ids
-    sampling = SamplingConfig(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop_token_ids=stop_ids,
-    )
+    config = loaded.config
+    sampling = _sampling_params(args, config.vocab_size, len(prompt_ids), config.max_position_embeddings,
+                                "the model's positions", stop_ids)
     printer = _Printer(args, tokenizer)
     generated: list[int] = []
     for token, _ in generate_stream(loaded.model, prompt_ids, sampling):

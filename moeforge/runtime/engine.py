@@ -24,7 +24,6 @@ configuration whose caches cannot fit in host memory before allocating them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 import logging
@@ -47,6 +46,7 @@ from moeforge.runtime.backends.base import (
     StepInput,
 )
 from moeforge.runtime.backends.registry import backend_for, open_backend
+from moeforge.runtime.block_pool import KVCacheStats
 from moeforge.runtime.engine_config import (
     CacheOptions,
     EngineConfig,
@@ -56,7 +56,8 @@ from moeforge.runtime.engine_config import (
     check_host_memory,
 )
 from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
-from moeforge.runtime.request import Request, RequestMetrics, RequestStatus, prompt_token_ids
+from moeforge.runtime.output_text import OutputText
+from moeforge.runtime.request import Request, RequestMetrics, RequestStatus, check_room, prompt_token_ids
 from moeforge.runtime.request import RequestError as RequestError  # re-exported: raised by add_request
 from moeforge.runtime.sampler import Sampler, SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -64,7 +65,8 @@ from moeforge.runtime.speculative import Drafter
 
 # The engine's public API, with the parts of its config (runtime/engine_config.py) and the backend options
 # (runtime/backends/base.py) re-exported, so that one import serves a user.
-__all__ = ["BackendOptions", "CacheOptions", "EngineConfig", "EngineConfigError", "EngineMetrics", "LLMEngine",
+__all__ = ["BackendOptions", "CacheOptions", "EngineConfig", "EngineConfigError", "EngineMetrics", "EngineStats",
+           "LLMEngine",
            "RequestError", "RequestOutput", "SchedulingOptions", "SpeculativeOptions", "check_host_memory",
            "open_engine_backend"]
 
@@ -75,8 +77,10 @@ DEFAULT_PARAMS = SamplingParams()
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step: all generated ids so far, the new ones, and (``text``) their text when the
-    artifact has a tokenizer."""
+    """A request's state after a step: all generated ids so far, the new ones, and -- when the artifact has a
+    tokenizer -- their text (``text``: the whole output so far, ending before the stop string that ended it;
+    ``text_delta``: what this output adds to the text the previous ones gave, a suffix that may still become a stop
+    string held back until it cannot)."""
 
     request_id: int
     token_ids: list[int]
@@ -87,13 +91,8 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)  # per token, when SamplingParams.logprobs is set
     metrics: RequestMetrics | None = None
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob) pairs
-    tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
-
-    @functools.cached_property
-    def text(self) -> str | None:
-        """The generated text (special tokens skipped), None without a tokenizer. Decoded on first access, so a
-        step that nobody reads the text of costs no detokenisation."""
-        return None if self.tokenizer is None else self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+    text: str | None = None
+    text_delta: str = ""
 
 
 @dataclass
@@ -109,6 +108,20 @@ class EngineMetrics:
     # Speculative decoding: draft tokens fed for verification (counted in decode_tokens too) and those accepted.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine after a step, for monitors (the server's metrics): requests running and waiting,
+    the KV block manager's counts, the totals so far, and the argmax head's runs (None without one)."""
+
+    running: int
+    waiting: int
+    max_num_seqs: int
+    num_blocks: int
+    kv: KVCacheStats
+    totals: EngineMetrics
+    argmax_head: ArgmaxHeadStats | None
 
 
 class LLMEngine:
@@ -180,32 +193,35 @@ class LLMEngine:
         ids, params = self._check_request(prompt, params)
         return self._queue(ids, params)
 
+    def tokenize(self, prompt: str) -> list[int]:
+        """A text prompt's token ids, the one way every caller (``add_request``, the server) encodes one: refused
+        with ``RequestError`` without a tokenizer, or when it is longer than the model's context (never truncated).
+        Reads only the tokenizer, so any thread may call it."""
+        if self.tokenizer is None:
+            raise RequestError("this artifact has no tokenizer: pass prompt token ids")
+        try:
+            return self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
+        except TokenizerError as exc:
+            raise RequestError(f"the prompt: {exc}") from None
+
     def _check_request(self, prompt: object, params: object) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the params to run with, or the error a bad request raises."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.backend.vocab_size)
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this artifact has no tokenizer: pass prompt token ids")
-            try:
-                encoded = self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
-            except TokenizerError as exc:
-                raise RequestError(f"the prompt: {exc}") from None
-            ids = prompt_token_ids(encoded, self.backend.vocab_size)
+            ids = prompt_token_ids(self.tokenize(prompt), self.backend.vocab_size)
         else:
             ids = prompt_token_ids(prompt, self.backend.vocab_size)
-        if len(ids) + params.max_tokens > self.backend.max_seq_len:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the artifact's max_seq_len "
-                f"{self.backend.max_seq_len}; shorten the prompt or lower max_tokens (the CLI's --max-new-tokens); "
-                "nothing is truncated")
+        check_room(len(ids), params.max_tokens, self.backend.max_seq_len, "the artifact's max_seq_len")
         if not params.ignore_eos and self.eos_token_ids:
             params = dataclasses.replace(params, stop_token_ids=tuple({*params.stop_token_ids, *self.eos_token_ids}))
         return ids, params
 
     def _queue(self, ids: list[int], params: SamplingParams) -> int:
         request = Request(next(self._ids), ids, params)
+        if self.tokenizer is not None:
+            request.text = OutputText(self.tokenizer, params.stop_strings)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id
@@ -218,6 +234,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Whether some request's final output has not been returned yet (call ``step``)."""
         return bool(self.requests) or bool(self._held)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state and totals (copied: later steps do not change it)."""
+        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           max_num_seqs=self.scheduler.config.max_num_seqs, num_blocks=self.kv.config.num_blocks,
+                           kv=self.kv.stats(), totals=dataclasses.replace(self.metrics),
+                           argmax_head=self.argmax_head_stats())
 
     def attention_time_share(self) -> float | None:
         """Fraction of backend compute spent in attention kernels so far, when the backend can tell
@@ -394,20 +417,18 @@ class LLMEngine:
             request.spec_token_ids = drafter.propose(request.token_ids(len(drafter.index.tokens)))
 
     def _apply_stop_strings(self, requests: Iterable[Request]) -> None:
-        """Finish requests whose new text completed a stop string, at the token that completed it: a step that
-        yields several tokens (accepted draft tokens) drops those after it, as plain decoding would never have
-        made them."""
-        if self.tokenizer is None:
-            return
+        """Decode each request's new tokens (``runtime/output_text.py``) and finish a request whose text completed a
+        stop string, at the token that completed it: a step that yields several tokens (accepted draft tokens) drops
+        those after it, as plain decoding would never have made them."""
         for request in requests:
+            text = request.text
             ids = request.output_token_ids
-            first_new = request.num_reported_tokens  # this step's tokens are ids[first_new:]
             # A request that reached max_tokens or a stop token this step still reports "stop" (and loses the tokens
             # after it) when one of its new tokens completed a stop string (vLLM's order); other endings stand.
             ended_now = request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
-            if not request.params.stop_strings or len(ids) <= first_new or (request.is_finished and not ended_now):
+            if text is None or len(ids) <= text.num_tokens or (request.is_finished and not ended_now):
                 continue
-            end = self._stop_string_end(request.params.stop_strings, ids, first_new, final=request.is_finished)
+            end = text.feed(ids[text.num_tokens:])
             if end is None:
                 continue
             if not request.is_finished:
@@ -415,21 +436,6 @@ class LLMEngine:
                 self._release_slot(request)
             request.status = RequestStatus.FINISHED_STOPPED  # for one already ended, only the reason changes
             del ids[end:]  # the request is finished: the scheduler no longer reads its tokens
-
-    def _stop_string_end(self, stops: Sequence[str], ids: list[int], first_new: int, *, final: bool) -> int | None:
-        """The number of output tokens up to the first of ``ids[first_new:]`` whose text completes a stop string,
-        None if none does. ``final``: the request ended at its last token (else a trailing U+FFFD may be a
-        character whose bytes are still coming, matched once it is whole)."""
-        tokenizer = self.tokenizer
-        assert tokenizer is not None
-
-        def completes(end: int, whole: bool) -> bool:
-            text = tokenizer.decode(ids[:end], skip_special_tokens=True)
-            return any(stop in (text if whole else text.rstrip("\ufffd")) for stop in stops)
-
-        if not completes(len(ids), final):
-            return None
-        return next((end for end in range(first_new + 1, len(ids)) if completes(end, False)), len(ids))
 
     def _release_slot(self, request: Request) -> None:
         if request.slot is not None:
@@ -443,9 +449,14 @@ class LLMEngine:
         request.num_reported_tokens = len(ids)
         if request.is_finished and request.metrics.finished is None:
             request.metrics.finished = time.perf_counter()
+        text, delta = None, ""
+        if request.text is not None:
+            if request.is_finished:
+                request.text.finish(ids)
+            text, delta = request.text.text, request.text.delta(request.is_finished)
         return RequestOutput(request.request_id, ids, new, request.is_finished, request.finish_reason,
                              request.error, list(request.logprobs), request.metrics, list(request.top_logprobs),
-                             self.tokenizer)
+                             text, delta)
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: Sequence[str | Sequence[int]],

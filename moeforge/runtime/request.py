@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from moeforge.core.errors import MoeforgeError
+from moeforge.runtime.output_text import OutputText
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.runtime.speculative import Drafter
 
@@ -54,6 +55,18 @@ def prompt_token_ids(prompt: object, vocab_size: int) -> list[int]:
         raise RequestError(f"prompt token ids {[ids[p] for p in bad[:5]]} (positions {bad[:5]}) are outside the "
                            f"vocabulary [0, {vocab_size})")
     return ids
+
+
+def check_room(prompt_len: int, max_tokens: int, limit: int, limit_name: str,
+               names: Mapping[str, str] | None = None) -> None:
+    """Refuse (``RequestError``) a prompt that leaves no room for ``max_tokens`` new tokens within ``limit``
+    positions (``limit_name`` says whose: the artifact's max_seq_len, the model's positions). Nothing is ever
+    truncated. ``names`` maps ``max_tokens`` to the name the caller's user knows (a CLI flag), as
+    ``SamplingParams.validate`` does. Shared by the engine, the PyTorch reference and the CLI."""
+    if prompt_len + max_tokens > limit:
+        name = (names or {}).get("max_tokens", "max_tokens")
+        raise RequestError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds {limit_name} {limit}; "
+                           f"shorten the prompt or lower {name}; nothing is truncated")
 
 
 class RequestStatus(enum.Enum):
@@ -133,6 +146,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     drafter: Drafter | None = None
     num_reported_tokens: int = 0  # output tokens already returned to the caller (streaming deltas)
+    # The output's text (incremental detokenisation, stop strings: runtime/output_text.py); None without a tokenizer.
+    text: OutputText | None = None
 
     def __post_init__(self) -> None:
         self.generator = self.params.make_generator()

@@ -2,7 +2,8 @@
 Prometheus metrics. ``create_app`` builds the app over an engine; ``serve`` runs an artifact until SIGTERM.
 
 Modules: protocol (request/response bodies), engine_loop (the one thread that drives the engine), streams
-(loop thread -> asyncio bridge, admission), output_text (text deltas, stop strings, logprobs), serving (the
+(loop thread -> asyncio bridge, admission), logprobs (logprobs in the API's shapes; the text
+comes from the engine's RequestOutput), serving (the
 generation endpoints), errors (OpenAI error bodies), metrics (Prometheus), app (the FastAPI app), runner
 (uvicorn, signals).
 """

@@ -117,9 +117,10 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         log.warning("the KV cache holds %d tokens (--kv-blocks), fewer than the artifact's context (%d): requests "
                     "are limited to prompt + max_tokens <= %d", max_seq_len - 1, engine.backend.max_seq_len,
                     max_seq_len)
-    capacity = engine.scheduler.config.max_num_seqs + config.max_queued
+    capacity = engine.stats().max_num_seqs + config.max_queued
     state = ServerState(loop, metrics, Admission(capacity))
     serving = OpenAIServing(loop, model_name=config.model_name, tokenizer=engine.tokenizer,
+                            tokenize=engine.tokenize,
                             chat_tokenizer=_chat_tokenizer(engine.tokenizer, config.chat_template),
                             max_seq_len=max_seq_len, admission=state.admission, metrics=metrics)
     created = int(time.time())

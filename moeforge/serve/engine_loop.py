@@ -220,21 +220,16 @@ class EngineLoop:
     def _publish(self) -> None:
         """Counts for the handlers and the metrics, after a step."""
         engine = self.engine
-        kv = engine.kv.stats()
+        stats = engine.stats()
         state = self.state
-        state.running, state.waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
-        state.kv_blocks_in_use = kv.blocks_in_use
+        state.running, state.waiting = stats.running, stats.waiting
+        state.kv_blocks_in_use = stats.kv.blocks_in_use
         if self.metrics is not None:
-            self.metrics.update_engine(running=state.running, waiting=state.waiting, kv=kv,
-                                       num_blocks=engine.kv.config.num_blocks,
-                                       preemptions=engine.metrics.preemptions, steps=engine.metrics.steps,
-                                       argmax_head=engine.argmax_head_stats(),
-                                       draft_tokens=engine.metrics.draft_tokens,
-                                       accepted_draft_tokens=engine.metrics.accepted_draft_tokens)
+            self.metrics.update_engine(stats)
             load = engine.expert_load()  # a fresh copy; None unless the artifact routes to experts
             if load is not None:
                 self.metrics.set_expert_load(load)
-        if self._profile_steps and engine.metrics.steps >= self._profile_steps:
+        if self._profile_steps and stats.totals.steps >= self._profile_steps:
             self._profile_steps = 0  # profiling ends with the first read
             share = engine.attention_time_share()
             if share is not None and self.metrics is not None:

@@ -32,7 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from moeforge.runtime.backends.base import ArgmaxHeadStats
-from moeforge.runtime.block_pool import KVCacheStats
+from moeforge.runtime.engine import EngineMetrics, EngineStats
 
 PREFIX = "moeforge:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -75,19 +75,6 @@ class ExpertLoad(Collector):
 
 
 @dataclass
-class _Cumulative:
-    """The engine's running totals as last seen, so counters advance by the difference."""
-
-    preemptions: int = 0
-    prefix_hits: int = 0
-    prefix_queries: int = 0
-    steps: int = 0
-    argmax_runs: int = 0
-    argmax_reruns: int = 0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-
-
 class ServerMetrics:
     """Every metric the server exports, in one registry."""
 
@@ -140,7 +127,7 @@ class ServerMetrics:
         self.expert_load = ExpertLoad(model_name)
         r.register(self.expert_load)
         self._model = model_name
-        self._seen = _Cumulative()
+        self._seen: EngineStats | None = None  # the previous snapshot: counters advance by the difference
         # Every labelled series exists from the start (at 0), so a scrape before the first request shows them.
         for metric in (self.running, self.waiting, self.kv_usage, self.kv_blocks_in_use, self.kv_blocks_total,
                        self.prefix_hit_rate, self.prefix_queries, self.prefix_hits, self.preemptions, self.steps,
@@ -153,34 +140,35 @@ class ServerMetrics:
             self.rejected.labels(model_name, reason)
 
     # ---- written by the engine loop thread
-    def update_engine(self, *, running: int, waiting: int, kv: KVCacheStats, num_blocks: int, preemptions: int,
-                      steps: int, argmax_head: ArgmaxHeadStats | None = None, draft_tokens: int = 0,
-                      accepted_draft_tokens: int = 0) -> None:
-        """Gauges and cumulative counters from the engine's state after a step (``argmax_head``: the engine's
-        ``argmax_head_stats()``, None for artifacts without the head, whose series then stay absent;
-        ``draft_tokens`` / ``accepted_draft_tokens``: ``EngineMetrics``' speculative totals)."""
+    def update_engine(self, stats: EngineStats) -> None:
+        """Gauges and cumulative counters from the engine's snapshot after a step (``LLMEngine.stats()``); the
+        argmax head's series stay absent for artifacts without the head."""
         m = self._model
-        self.running.labels(m).set(running)
-        self.waiting.labels(m).set(waiting)
+        kv = stats.kv
+        self.running.labels(m).set(stats.running)
+        self.waiting.labels(m).set(stats.waiting)
         self.kv_blocks_in_use.labels(m).set(kv.blocks_in_use)
-        self.kv_blocks_total.labels(m).set(num_blocks)
-        self.kv_usage.labels(m).set(kv.blocks_in_use / num_blocks if num_blocks else 0.0)
+        self.kv_blocks_total.labels(m).set(stats.num_blocks)
+        self.kv_usage.labels(m).set(kv.blocks_in_use / stats.num_blocks if stats.num_blocks else 0.0)
         self.prefix_hit_rate.labels(m).set(kv.hit_rate)
         seen = self._seen
-        queries = kv.hits + kv.misses
-        self.prefix_queries.labels(m).inc(max(queries - seen.prefix_queries, 0))
-        self.prefix_hits.labels(m).inc(max(kv.hits - seen.prefix_hits, 0))
-        self.preemptions.labels(m).inc(max(preemptions - seen.preemptions, 0))
-        self.steps.labels(m).inc(max(steps - seen.steps, 0))
-        runs = reruns = 0
-        if argmax_head is not None:
-            runs, reruns = argmax_head.runs, argmax_head.reruns
-            self.argmax_runs.labels(m).inc(max(runs - seen.argmax_runs, 0))
-            self.argmax_reruns.labels(m).inc(max(reruns - seen.argmax_reruns, 0))
-        self.draft_tokens.labels(m).inc(max(draft_tokens - seen.draft_tokens, 0))
-        self.accepted_draft_tokens.labels(m).inc(max(accepted_draft_tokens - seen.accepted_draft_tokens, 0))
-        self._seen = _Cumulative(preemptions, kv.hits, queries, steps, runs, reruns, draft_tokens,
-                                 accepted_draft_tokens)
+
+        def advance(counter: Counter, now: int, before: int) -> None:
+            counter.labels(m).inc(max(now - before, 0))
+
+        totals, was = stats.totals, seen.totals if seen is not None else EngineMetrics()
+        old_kv = seen.kv if seen is not None else None
+        advance(self.prefix_queries, kv.hits + kv.misses, old_kv.hits + old_kv.misses if old_kv else 0)
+        advance(self.prefix_hits, kv.hits, old_kv.hits if old_kv else 0)
+        advance(self.preemptions, totals.preemptions, was.preemptions)
+        advance(self.steps, totals.steps, was.steps)
+        if stats.argmax_head is not None:
+            head = seen.argmax_head if seen is not None and seen.argmax_head is not None else ArgmaxHeadStats(0, 0)
+            advance(self.argmax_runs, stats.argmax_head.runs, head.runs)
+            advance(self.argmax_reruns, stats.argmax_head.reruns, head.reruns)
+        advance(self.draft_tokens, totals.draft_tokens, was.draft_tokens)
+        advance(self.accepted_draft_tokens, totals.accepted_draft_tokens, was.accepted_draft_tokens)
+        self._seen = stats
 
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)

@@ -28,8 +28,8 @@ from moeforge.runtime.engine import RequestOutput
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve.engine_loop import EngineLoop, ServerShuttingDown
 from moeforge.serve.errors import APIError
+from moeforge.serve.logprobs import chat_logprobs, completion_logprobs
 from moeforge.serve.metrics import ServerMetrics
-from moeforge.serve.output_text import ChoiceText, chat_logprobs, completion_logprobs
 from moeforge.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -92,11 +92,14 @@ class OpenAIServing:
     """Serves the generation endpoints over one engine loop."""
 
     def __init__(self, loop: EngineLoop, *, model_name: str, tokenizer: Tokenizer | None,
-                 chat_tokenizer: Tokenizer | None, max_seq_len: int, admission: Admission,
-                 metrics: ServerMetrics) -> None:
+                 tokenize: Callable[[str], list[int]], chat_tokenizer: Tokenizer | None, max_seq_len: int,
+                 admission: Admission, metrics: ServerMetrics) -> None:
+        """``tokenize``: the engine's prompt encoding (``LLMEngine.tokenize``), the one the engine itself uses.
+        ``tokenizer``: names tokens in logprobs."""
         self.loop = loop
         self.model_name = model_name
         self.tokenizer = tokenizer
+        self.tokenize = tokenize
         self.chat_tokenizer = chat_tokenizer  # the tokenizer with the chat template in use
         self.max_seq_len = max_seq_len
         self.admission = admission
@@ -111,12 +114,6 @@ class OpenAIServing:
             request.check_supported()
         except UnsupportedField as exc:
             raise APIError.bad_request(str(exc), exc.param) from None
-
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise APIError.bad_request("this artifact ships no tokenizer: give the prompt as token ids", "prompt")
-        ids: list[int] = self.tokenizer.encode(text, max_tokens=self.max_seq_len)
-        return ids
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         tokenizer = self.chat_tokenizer
@@ -143,7 +140,7 @@ class OpenAIServing:
                 limit = request.max_completion_tokens or request.max_tokens
             else:
                 texts = request.prompts()
-                prompts = [await asyncio.to_thread(self._encode, p) if isinstance(p, str) else p for p in texts]
+                prompts = [await asyncio.to_thread(self.tokenize, p) if isinstance(p, str) else p for p in texts]
                 logprobs, limit = request.logprobs, request.max_tokens or 16  # OpenAI's default
         except MoeforgeError as exc:  # a tokenizer refusing the text
             raise APIError.bad_request(str(exc), "prompt") from None
@@ -200,21 +197,15 @@ class OpenAIServing:
             collector.cancel()
             stream.close()
 
-    def _texts(self, job: _Job) -> list[ChoiceText]:
-        stop = job.request.stop_strings
-        return [ChoiceText(self.tokenizer, stop) for _ in range(len(job.prompts) * job.request.n)]
-
     async def _collect(self, job: _Job, stream: ChoiceStream) -> JSONResponse:
-        texts = self._texts(job)
         final: dict[int, RequestOutput] = {}
         while not stream.done:
             index, out = await stream.next()
-            texts[index].update(out)
             if out.finished:
                 final[index] = out
                 if out.finish_reason == "error":
                     raise APIError(500, out.error or "the request failed", type="server_error")
-        outs = [final[i] for i in range(len(texts))]
+        outs = [final[i] for i in range(len(job.prompts) * job.request.n)]
         usage = Usage(prompt_tokens=sum(len(p) for p in job.prompts),
                       completion_tokens=sum(len(o.token_ids) for o in outs),
                       total_tokens=sum(len(p) for p in job.prompts) + sum(len(o.token_ids) for o in outs))
@@ -224,7 +215,7 @@ class OpenAIServing:
             body = ChatCompletionResponse(
                 id=job.id, created=job.created, model=self.model_name, usage=usage,
                 prompt_token_ids=job.prompts[0] if ids else None,
-                choices=[ChatChoice(index=i, message=AssistantMessage(content=texts[i].text),
+                choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text or ""),
                                     finish_reason=o.finish_reason, token_ids=o.token_ids if ids else None,
                                     logprobs=chat_logprobs(self.tokenizer, o, 0, len(o.token_ids))
                                     if job.logprobs is not None else None)
@@ -233,7 +224,7 @@ class OpenAIServing:
             body = CompletionResponse(
                 id=job.id, created=job.created, model=self.model_name, usage=usage,
                 prompt_token_ids=job.prompts if ids else None,
-                choices=[CompletionChoice(index=i, text=texts[i].text, finish_reason=o.finish_reason,
+                choices=[CompletionChoice(index=i, text=o.text or "", finish_reason=o.finish_reason,
                                           token_ids=o.token_ids if ids else None,
                                           logprobs=completion_logprobs(self.tokenizer, o, 0, len(o.token_ids), 0)
                                           if job.logprobs is not None else None)
@@ -241,11 +232,12 @@ class OpenAIServing:
         return JSONResponse(body.model_dump())
 
     async def _events(self, job: _Job, stream: ChoiceStream) -> AsyncIterator[str]:
-        texts = self._texts(job)
+        choices = len(job.prompts) * job.request.n
+        sent_tokens, sent_chars = [0] * choices, [0] * choices  # per choice: output tokens and text already sent
         completion_tokens = 0
         try:
             if job.chat:  # OpenAI opens each choice with the assistant role
-                for i in range(len(texts)):
+                for i in range(choices):
                     yield _sse(self._chat_chunk(job, ChatChunkChoice(index=i, delta=Delta(role="assistant",
                                                                                           content=""))))
             while not stream.done:
@@ -254,16 +246,15 @@ class OpenAIServing:
                     yield _sse({"error": {"message": out.error or "the request failed", "type": "server_error",
                                           "param": None, "code": None}})
                     break
-                text = texts[index]
-                start = text.num_tokens
-                delta = text.update(out)
+                start, offset, delta = sent_tokens[index], sent_chars[index], out.text_delta
+                sent_tokens[index], sent_chars[index] = len(out.token_ids), offset + len(delta)
                 new_ids = out.token_ids[start:]
                 if not (delta or out.finished or (new_ids and (job.logprobs is not None or
                                                                job.request.return_token_ids))):
                     continue  # held back (a partial character or stop string): nothing to send yet
                 if out.finished:
                     completion_tokens += len(out.token_ids)
-                yield _sse(self._chunk(job, index, out, delta, start, len(text.text) - len(delta)))
+                yield _sse(self._chunk(job, index, out, delta, start, offset))
             if job.request.stream_options is not None and job.request.stream_options.include_usage:
                 prompt_tokens = sum(len(p) for p in job.prompts)
                 usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

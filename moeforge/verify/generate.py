@@ -1,9 +1,8 @@
 """Reference generation in PyTorch with a KV cache: the oracle for every later parity check.
 
-Sampling parameters and prompts are checked by the runtime's own rules (``SamplingParams.validate``,
-``prompt_token_ids``), so this path refuses exactly what the engine refuses. Those two are plain-Python
-leaves of ``runtime`` (numpy only), imported here against the export < runtime layering on purpose:
-one set of rules, not two that drift.
+It takes the engine's ``SamplingParams`` and checks them and the prompt by the runtime's own rules
+(``SamplingParams.validate``, ``prompt_token_ids``, ``check_room``), so this path refuses exactly what the engine
+refuses: one sampling type and one set of rules, not two that drift.
 """
 
 from __future__ import annotations
@@ -13,30 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeforge.core.errors import MoeforgeError
 from moeforge.model.model import CausalLM
-from moeforge.runtime.request import prompt_token_ids
-from moeforge.runtime.sampler import SamplingParams
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def validate(self, vocab_size: int, names: Mapping[str, str] | None = None) -> None:
-        """Raise ``SamplingParamsError`` naming the parameter: the engine's rules (``SamplingParams.validate``),
-        with ``max_tokens`` called ``max_new_tokens`` here. ``names`` maps a ``SamplingParams`` field to the
-        name the user knows (e.g. ``{"max_tokens": "--max-new-tokens"}``), as for ``SamplingParams.validate``."""
-        params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-                                max_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids)
-        params.validate(vocab_size, {"max_tokens": "max_new_tokens", **(names or {})})
+from moeforge.runtime.request import check_room, prompt_token_ids
+from moeforge.runtime.sampler import SamplingParams, SamplingParamsError
 
 
 @dataclass
@@ -48,20 +26,24 @@ class GenerationResult:
     step_logits: list[torch.Tensor] = field(default_factory=list)
 
 
-def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_positions: int, max_new_tokens: int) -> list[int]:
-    """The prompt as plain ints: non-empty integer ids inside the vocabulary (the engine's rules,
-    ``prompt_token_ids``) that leave room for the new tokens; else ``MoeforgeError`` (``RequestError``)."""
+def check_request(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, max_positions: int,
+                  names: Mapping[str, str] | None = None) -> list[int]:
+    """The prompt as plain ints, checked with the engine's rules (``SamplingParams.validate``,
+    ``prompt_token_ids``, ``check_room``), and the parameters the reference applies: ``RequestError`` or
+    ``SamplingParamsError`` naming the problem (``names``: field -> the name the caller's user knows)."""
+    params.validate(vocab_size, names)
+    for field_name, off in (("min_p", 0.0), ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                            ("stop_strings", ()), ("logprobs", None)):
+        if getattr(params, field_name) != off:
+            raise SamplingParamsError((names or {}).get(field_name, field_name),
+                                      "is not applied by the PyTorch reference (it samples with temperature, top_k, "
+                                      "top_p and seed, and stops at stop_token_ids): run the artifact for it")
     ids = prompt_token_ids(prompt_ids, vocab_size)
-    if len(ids) + max_new_tokens > max_positions:
-        raise MoeforgeError(
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"{max_positions} positions; shorten the prompt or lower max_new_tokens (the CLI's --max-new-tokens); "
-            "nothing is truncated"
-        )
+    check_room(len(ids), params.max_tokens, max_positions, "the model's positions", names)
     return ids
 
 
-def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
+def sample_next(logits: torch.Tensor, cfg: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick the next token from logits [V] (float32)."""
     if cfg.temperature == 0.0:
         return int(torch.argmax(logits))
@@ -84,18 +66,18 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
 
 @torch.inference_mode()
 def generate_stream(
-    model: CausalLM, prompt_ids: Sequence[int], cfg: SamplingConfig
+    model: CausalLM, prompt_ids: Sequence[int], cfg: SamplingParams
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (token id, logits [V] it was sampled from) one at a time: prefill, then cached decode."""
+    """Yield (token id, logits [V] it was sampled from) one at a time: prefill, then cached decode. ``cfg`` is the
+    engine's ``SamplingParams``; the reference refuses the fields it does not apply (``check_request``)."""
     config = model.config
-    cfg.validate(config.vocab_size)
-    prompt = check_prompt(prompt_ids, config.vocab_size, config.max_position_embeddings, cfg.max_new_tokens)
+    prompt = check_request(cfg, prompt_ids, config.vocab_size, config.max_position_embeddings)
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     device = model.output_embedding.device
     ids = torch.tensor([prompt], dtype=torch.int64, device=device)  # [1, P]
     positions = torch.arange(ids.shape[1], device=device)[None]
     past = None
-    for _ in range(cfg.max_new_tokens):
+    for _ in range(cfg.max_tokens):
         out = model(ids, positions, past)
         past = out.past_key_values
         logits = out.logits[0, -1]
@@ -109,7 +91,7 @@ def generate_stream(
 
 
 def generate(
-    model: CausalLM, prompt_ids: Sequence[int], cfg: SamplingConfig, keep_logits: bool = False
+    model: CausalLM, prompt_ids: Sequence[int], cfg: SamplingParams, keep_logits: bool = False
 ) -> GenerationResult:
     """Run ``generate_stream`` to the end."""
     tokens: list[int] = []

@@ -26,7 +26,8 @@ from moeforge.model.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise
 from moeforge.model.loader import load_model
 from moeforge.model.presets import PRESETS
 from moeforge.model.safetensors_loader import expected_keys
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.runtime.sampler import SamplingParams
+from moeforge.verify.generate import generate
 from tests.export.test_moe_families import KIMI_YARN, PROMPT_LEN, STEPS, TINY, VOCAB, cached_logits, randomise
 
 # The smallest score gap at the top-k boundary we accept as a real (not tie-broken) selection.
@@ -129,7 +130,7 @@ def test_v32_matches_transformers(saved: tuple[int, Any, Path], impl: str) -> No
     assert hf_prefill.abs().max() > 0.5
     torch.testing.assert_close(prefill, hf_prefill, atol=1e-4, rtol=0)
     torch.testing.assert_close(decode, hf_decode, atol=1e-4, rtol=0)
-    assert generate(model, ids[0].tolist(), SamplingConfig(max_new_tokens=STEPS)).token_ids == hf_tokens
+    assert generate(model, ids[0].tolist(), SamplingParams(max_tokens=STEPS)).token_ids == hf_tokens
     assert len(set(hf_tokens)) > 2
 
 

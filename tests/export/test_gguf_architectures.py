@@ -25,7 +25,9 @@ from moeforge.core.errors import ConfigError
 from moeforge.model.gguf_loader import read_gguf, supported_tensor_types
 from moeforge.model.loader import load_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the GGUF factory
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_factory import TensorSpec, Vocab, converter_permute, write_gguf_file
 from test_hf_parity import _randomise  # the HF parity tests' weight spread
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,12 +82,10 @@ BUILDERS = {"llama": _llama3, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qw
 ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
          "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA}
 PERMUTED = ("llama", "mixtral")  # convert_hf_to_gguf's LlamaModel (Mixtral included) permutes Q/K rows
-
-
-def _converter_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py LlamaModel.permute: HF's rotate_half rows -> llama.cpp's interleaved pairs."""
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+LLM, ATTENTION, ROPE = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope
+# A byte-level BPE vocabulary with one merge (a + b -> ab): enough for the loader to build a tokenizer.
+TOKENIZER = Vocab(["a", "b", "ab", *(f"<t{i}>" for i in range(3, VOCAB))], model="gpt2", pre="qwen2",
+                  merges=["a b"], bos=1, eos=2)
 
 
 def _llama3_rope_factors(config: Any) -> np.ndarray:
@@ -108,32 +108,20 @@ def _llama3_rope_factors(config: Any) -> np.ndarray:
     return np.asarray(factors, np.float32)
 
 
-def _tokenizer_kv(writer: gguf.GGUFWriter) -> None:
-    # A byte-level BPE vocabulary with one merge (a + b -> ab): enough for the loader to build a tokenizer.
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(["a", "b", "ab", *(f"<t{i}>" for i in range(3, VOCAB))])
-    writer.add_token_merges(["a b"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-
-
-def _hparams_kv(writer: gguf.GGUFWriter, cfg: Any) -> None:
+def _hparams(cfg: Any) -> dict[str, Any]:
     """The hyper-parameters every converter writes, from a transformers config."""
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return {LLM.CONTEXT_LENGTH: cfg.max_position_embeddings, LLM.EMBEDDING_LENGTH: cfg.hidden_size,
+            LLM.BLOCK_COUNT: cfg.num_hidden_layers, LLM.FEED_FORWARD_LENGTH: cfg.intermediate_size,
+            ATTENTION.HEAD_COUNT: cfg.num_attention_heads, ROPE.FREQ_BASE: float(cfg.rope_parameters["rope_theta"]),
+            ATTENTION.LAYERNORM_RMS_EPS: float(cfg.rms_norm_eps)}
 
 
-def _close(writer: gguf.GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+def converter_name(names: gguf.TensorNameMap, hf_name: str) -> str | None:
+    """The GGUF name the converter gives ``hf_name`` (None: it has none); stacked experts end in .weight too."""
+    gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if gguf_name is None or gguf_name.endswith((".weight", ".bias")):
+        return gguf_name
+    return gguf_name + ".weight"
 
 
 def write_gguf(model: Any, path: Path, kind: str, storage: dict[str, T] | None = None,
@@ -143,44 +131,37 @@ def write_gguf(model: Any, path: Path, kind: str, storage: dict[str, T] | None =
     (K-quants, which only llama.cpp itself quantises)."""
     cfg = model.config
     arch = ARCHS[kind]
-    name = gguf.MODEL_ARCH_NAMES[arch]
-    writer = gguf.GGUFWriter(str(path), name)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    _hparams_kv(writer, cfg)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    metadata = _hparams(cfg) | {ATTENTION.HEAD_COUNT_KV: cfg.num_key_value_heads}
     if kind in ("qwen3", "qwen3_moe"):
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+        metadata |= {ATTENTION.KEY_LENGTH: head_dim, ATTENTION.VALUE_LENGTH: head_dim}
     if kind in PERMUTED:
-        writer.add_rope_dimension_count(head_dim)
+        metadata[ROPE.DIMENSION_COUNT] = head_dim
     if kind in ("qwen3_moe", "mixtral"):
-        writer.add_expert_count(cfg.num_local_experts if kind == "mixtral" else cfg.num_experts)
-        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        metadata[LLM.EXPERT_COUNT] = cfg.num_local_experts if kind == "mixtral" else cfg.num_experts
+        metadata[LLM.EXPERT_USED_COUNT] = cfg.num_experts_per_tok
     if kind == "qwen3_moe":
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    writer.add_name(f"tiny-{kind}")
-    _tokenizer_kv(writer)
+        metadata[LLM.EXPERT_FEED_FORWARD_LENGTH] = cfg.moe_intermediate_size
+    metadata[gguf.Keys.General.NAME] = f"tiny-{kind}"
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    tensors: dict[str, TensorSpec] = {}
     for hf_name, tensor in _stacked_experts(model.state_dict()).items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gguf_name = converter_name(names, hf_name)
         assert gguf_name is not None, hf_name
-        if not gguf_name.endswith((".weight", ".bias")):
-            gguf_name += ".weight"  # stacked experts: llama.cpp's names end in .weight too
         value = tensor.float().numpy()
         if kind in PERMUTED and ".attn_q." in gguf_name:
-            value = _converter_permute(value, cfg.num_attention_heads)
+            value = converter_permute(value, cfg.num_attention_heads, cfg.num_attention_heads)
         elif kind in PERMUTED and ".attn_k." in gguf_name:
-            value = _converter_permute(value, cfg.num_key_value_heads)
-        if raw and gguf_name in raw:
-            writer.add_tensor(gguf_name, raw[gguf_name], raw_dtype=storage_of(gguf_name, storage))
-            continue
-        qtype = storage_of(gguf_name, storage) if value.ndim >= 2 else T.F32
-        writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+            value = converter_permute(value, cfg.num_attention_heads, cfg.num_key_value_heads)
+        if raw and gguf_name in raw:  # stored bytes (uint8) as they are
+            tensors[gguf_name] = (raw[gguf_name], storage_of(gguf_name, storage))
+        else:
+            tensors[gguf_name] = (value, storage_of(gguf_name, storage) if value.ndim >= 2 else T.F32)
     if kind == "llama" and cfg.rope_parameters.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
-    _close(writer)
+        tensors["rope_freqs.weight"] = _llama3_rope_factors(cfg)
+    write_gguf_file(path, gguf.MODEL_ARCH_NAMES[arch], metadata=metadata, tensors=tensors, vocab=TOKENIZER)
 
 
 def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -314,10 +295,9 @@ def test_k_and_i_quants_dequantise_as_transformers_reads_them(kind: str, tmp_pat
     names = gguf.get_tensor_name_map(ARCHS[kind], model.config.num_hidden_layers)
     raw, written = {}, set()
     for hf_name, tensor in _stacked_experts(model.state_dict()).items():
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gguf_name = converter_name(names, hf_name)
         if gguf_name is None or (hf_name == "lm_head.weight" and model.config.tie_word_embeddings):
             continue
-        gguf_name += "" if gguf_name.endswith((".weight", ".bias")) else ".weight"
         qtype = storage_of(gguf_name, K_STORAGE)
         written.add(qtype.name if tensor.dim() >= 2 else "F32")
         if tensor.dim() >= 2 and qtype not in (T.F32, T.BF16, T.Q5_0, T.Q8_0):  # those the gguf package quantises

@@ -20,8 +20,18 @@ from moeforge.core.errors import CheckpointError
 from moeforge.model.gguf_loader import read_gguf
 from moeforge.model.loader import load_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the GGUF factory
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_gguf_architectures import _close, _hparams_kv, _stacked_experts, _tokenizer_kv  # the writer's shared parts
+from gguf_factory import TensorSpec, write_gguf_file
+from test_gguf_architectures import (  # the converter's shared parts
+    ATTENTION,
+    LLM,
+    ROPE,
+    TOKENIZER,
+    _hparams,
+    _stacked_experts,
+    converter_name,
+)
 from test_hf_parity import _deepseek_v2, _deepseek_v3, _randomise  # tiny transformers DeepSeek models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,44 +43,33 @@ def write_deepseek_gguf(model: Any, path: Path, split_kv_b: bool = True) -> None
     """``model`` (transformers DeepseekV2/V3ForCausalLM) as llama.cpp's converter writes it."""
     cfg = model.config
     rope = cfg.rope_parameters
-    writer = gguf.GGUFWriter(str(path), "deepseek2")
-    _hparams_kv(writer, cfg)
-    writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
-    if cfg.q_lora_rank is not None:
-        writer.add_q_lora_rank(cfg.q_lora_rank)
-    writer.add_kv_lora_rank(cfg.kv_lora_rank)
+    metadata = _hparams(cfg) | {LLM.LEADING_DENSE_BLOCK_COUNT: cfg.first_k_dense_replace,
+                                ATTENTION.Q_LORA_RANK: cfg.q_lora_rank, ATTENTION.KV_LORA_RANK: cfg.kv_lora_rank}
     qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     if split_kv_b:  # MLA as MQA over the latent; the real head sizes in *_mla
-        writer.add_head_count_kv(1)
-        writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        writer.add_value_length(cfg.kv_lora_rank)
-        writer.add_key_length_mla(qk_head)
-        writer.add_value_length_mla(cfg.v_head_dim)
+        metadata |= {ATTENTION.HEAD_COUNT_KV: 1, ATTENTION.KEY_LENGTH: cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                     ATTENTION.VALUE_LENGTH: cfg.kv_lora_rank, ATTENTION.KEY_LENGTH_MLA: qk_head,
+                     ATTENTION.VALUE_LENGTH_MLA: cfg.v_head_dim}
     else:
-        writer.add_head_count_kv(cfg.num_attention_heads)
-        writer.add_key_length(qk_head)
-        writer.add_value_length(cfg.v_head_dim)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    writer.add_expert_count(cfg.n_routed_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_shared_count(cfg.n_shared_experts)
-    writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+        metadata |= {ATTENTION.HEAD_COUNT_KV: cfg.num_attention_heads, ATTENTION.KEY_LENGTH: qk_head,
+                     ATTENTION.VALUE_LENGTH: cfg.v_head_dim}
     v3 = cfg.model_type == "deepseek_v3"
-    if v3 and cfg.norm_topk_prob:
-        writer.add_expert_weights_norm(True)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    gating = gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
+    metadata |= {LLM.EXPERT_FEED_FORWARD_LENGTH: cfg.moe_intermediate_size, LLM.EXPERT_COUNT: cfg.n_routed_experts,
+                 LLM.EXPERT_USED_COUNT: cfg.num_experts_per_tok, LLM.EXPERT_SHARED_COUNT: cfg.n_shared_experts,
+                 LLM.EXPERT_WEIGHTS_SCALE: float(cfg.routed_scaling_factor),
+                 LLM.EXPERT_WEIGHTS_NORM: True if v3 and cfg.norm_topk_prob else None,
+                 LLM.EXPERT_GATING_FUNC: int(gating.value)}
     if cfg.n_group and cfg.n_group > 1:
-        writer.add_expert_group_count(cfg.n_group)
-        writer.add_expert_group_used_count(cfg.topk_group)
-    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+        metadata |= {LLM.EXPERT_GROUP_COUNT: cfg.n_group, LLM.EXPERT_GROUP_USED_COUNT: cfg.topk_group}
+    metadata[ROPE.DIMENSION_COUNT] = cfg.qk_rope_head_dim
     if rope.get("rope_type") == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    writer.add_name(f"tiny-{cfg.model_type}")
-    _tokenizer_kv(writer)
+        metadata |= {ROPE.SCALING_TYPE: gguf.RopeScalingType.YARN.value, ROPE.SCALING_FACTOR: float(rope["factor"]),
+                     ROPE.SCALING_ORIG_CTX_LEN: rope["original_max_position_embeddings"],
+                     ROPE.SCALING_YARN_LOG_MUL: 0.1 * rope["mscale_all_dim"]}
+    metadata[gguf.Keys.General.NAME] = f"tiny-{cfg.model_type}"
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
+    tensors: dict[str, TensorSpec] = {}
     heads, nope, v_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     for hf_name, tensor in _stacked_experts(model.state_dict()).items():
         value = tensor.float()
@@ -82,11 +81,10 @@ def write_deepseek_gguf(model: Any, path: Path, split_kv_b: bool = True) -> None
         else:
             pairs = [(hf_name, value)]
         for name, part in pairs:
-            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            gguf_name = converter_name(names, name)
             assert gguf_name is not None, name
-            gguf_name += "" if gguf_name.endswith((".weight", ".bias")) else ".weight"
-            writer.add_tensor(gguf_name, np.ascontiguousarray(part.numpy()))
-    _close(writer)
+            tensors[gguf_name] = np.ascontiguousarray(part.numpy())
+    write_gguf_file(path, "deepseek2", metadata=metadata, tensors=tensors, vocab=TOKENIZER)
 
 
 BUILDERS = {"deepseek_v3": _deepseek_v3, "deepseek_v2": _deepseek_v2}

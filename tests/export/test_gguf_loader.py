@@ -1,8 +1,9 @@
-"""GGUF loader: tiny GGUFs written here with gguf.GGUFWriter, and SmolLM2-135M checked against transformers."""
+"""GGUF loader: tiny GGUFs written here (tests/gguf_factory.py), and SmolLM2-135M checked against transformers."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,9 @@ from moeforge.core.config import ModelConfig
 from moeforge.core.errors import CheckpointError, ConfigError
 from moeforge.model import gguf_loader
 from moeforge.model.gguf_loader import GGUFCheckpoint, find_smollm2_gguf, read_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the GGUF factory
+from gguf_factory import TensorSpec, Vocab, converter_permute, write_gguf_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -46,14 +50,6 @@ BLOCK = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_
          "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
          "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
          "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
-
-
-def convert_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute, verbatim semantics (HF halves -> interleaved)."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
 
 
 def hf_weights(rng: np.random.Generator, tied: bool, bias: bool) -> dict[str, np.ndarray]:
@@ -92,37 +88,27 @@ def write_tiny_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
-    """Write a tiny GGUF the way llama.cpp's converter would (Q/K rows permuted); return HF-layout weights."""
+    """Write a tiny GGUF the way llama.cpp's converter would (Q/K rows permuted); return HF-layout weights.
+    ``drop_keys``: metadata keys to leave out; ``extra_kv``: more or other metadata (typed by ``write_gguf_file``);
+    ``extra_tensors``: more tensors, each stored in its own dtype."""
     weights = hf_weights(np.random.default_rng(seed), tied, bias)
-    writer = gguf.GGUFWriter(str(path), arch)
     kv: dict[str, Any] = {
-        f"{arch}.block_count": (LAYERS, "u32"), f"{arch}.context_length": (512, "u32"),
-        f"{arch}.embedding_length": (H, "u32"), f"{arch}.feed_forward_length": (FFN, "u32"),
-        f"{arch}.attention.head_count": (HEADS, "u32"), f"{arch}.attention.head_count_kv": (KV, "u32"),
-        f"{arch}.rope.freq_base": (50000.0, "f32"), f"{arch}.attention.layer_norm_rms_epsilon": (1e-5, "f32"),
-        f"{arch}.rope.dimension_count": (HD, "u32"), "general.name": ("tiny", "str"),
-        "tokenizer.ggml.model": ("gpt2", "str"), "tokenizer.ggml.bos_token_id": (1, "u32"),
-        "tokenizer.ggml.eos_token_id": (2, "u32"),
+        f"{arch}.block_count": LAYERS, f"{arch}.context_length": 512, f"{arch}.embedding_length": H,
+        f"{arch}.feed_forward_length": FFN, f"{arch}.attention.head_count": HEADS,
+        f"{arch}.attention.head_count_kv": KV, f"{arch}.rope.freq_base": 50000.0,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5, f"{arch}.rope.dimension_count": HD, "general.name": "tiny",
     }
     kv |= extra_kv or {}
-    for key, (value, kind) in kv.items():
-        if key not in drop_keys:
-            {"u32": writer.add_uint32, "f32": writer.add_float32, "str": writer.add_string}[kind](key, value)
-    if "tokenizer.ggml.tokens" not in drop_keys:
-        writer.add_token_list([f"<t{i}>" for i in range(VOCAB)])
+    tensors: dict[str, TensorSpec] = {}
     for name, value in weights.items():
         if name.endswith(("attn_q.weight", "attn_q.bias")):
-            value = convert_permute(value, HEADS, HEADS)
+            value = converter_permute(value, HEADS, HEADS)
         elif name.endswith(("attn_k.weight", "attn_k.bias")):
-            value = convert_permute(value, HEADS, KV)
-        qtype = tensor_type(name, types)
-        writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-    for name, value in (extra_tensors or {}).items():
-        writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            value = converter_permute(value, HEADS, KV)
+        tensors[name] = (value, tensor_type(name, types))
+    write_gguf_file(path, arch, metadata={key: value for key, value in kv.items() if key not in drop_keys},
+                    tensors=tensors | (extra_tensors or {}),
+                    vocab=Vocab([f"<t{i}>" for i in range(VOCAB)], model="gpt2", bos=1, eos=2))
     return weights
 
 
@@ -204,20 +190,18 @@ def test_tied_embeddings_have_no_lm_head(tmp_path: Path) -> None:
 
 def test_rope_scaling_keys(tmp_path: Path) -> None:
     path = tmp_path / "linear.gguf"
-    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": ("linear", "str"),
-                                    "llama.rope.scaling.factor": (2.0, "f32")})
+    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})
     rope = read_gguf(path).config.rope
     assert (rope.scaling, rope.factor) == ("linear", 2.0)
 
     path = tmp_path / "yarn.gguf"
-    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": ("yarn", "str"),
-                                    "llama.rope.scaling.factor": (4.0, "f32"),
-                                    "llama.rope.scaling.original_context_length": (128, "u32")})
+    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                    "llama.rope.scaling.original_context_length": 128})
     rope = read_gguf(path).config.rope
     assert (rope.scaling, rope.factor, rope.original_max_position_embeddings) == ("yarn", 4.0, 128)
 
     path = tmp_path / "longrope.gguf"
-    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": ("longrope", "str")})
+    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "longrope"})
     with pytest.raises(ConfigError, match="longrope") as err:
         read_gguf(path)
     assert err.value.field == "llama.rope.scaling.type"
@@ -280,7 +264,7 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
 
 def test_inconsistent_tensors(tmp_path: Path) -> None:
     path = tmp_path / "ffn.gguf"
-    write_tiny_gguf(path, extra_kv={"llama.feed_forward_length": (128, "u32")})
+    write_tiny_gguf(path, extra_kv={"llama.feed_forward_length": 128})
     with pytest.raises(CheckpointError, match=r"ffn_gate\.weight.*shape \[96, 64\].*\[128, 64\]"):
         read_gguf(path)
     path = tmp_path / "extra.gguf"
@@ -288,23 +272,23 @@ def test_inconsistent_tensors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'blk\.0\.attn_sinks\.weight'"):
         read_gguf(path)
     path = tmp_path / "layers.gguf"
-    write_tiny_gguf(path, extra_kv={"llama.block_count": (3, "u32")})
+    write_tiny_gguf(path, extra_kv={"llama.block_count": 3})
     with pytest.raises(CheckpointError, match=r"no tensor for model\.layers\.2\."):
         read_gguf(path)
 
 
 def test_unsupported_llama_variants(tmp_path: Path) -> None:
     path = tmp_path / "moe.gguf"  # experts announced, dense tensors stored
-    write_tiny_gguf(path, extra_kv={"llama.expert_count": (8, "u32"), "llama.expert_used_count": (2, "u32")})
+    write_tiny_gguf(path, extra_kv={"llama.expert_count": 8, "llama.expert_used_count": 2})
     with pytest.raises(CheckpointError, match=r"no tensor for model\.layers\.0\.mlp\.gate\.weight"):
         read_gguf(path)
     path = tmp_path / "legacy-moe.gguf"  # one tensor per expert: converters before 2024
-    write_tiny_gguf(path, extra_kv={"llama.expert_count": (8, "u32"), "llama.expert_used_count": (2, "u32")},
+    write_tiny_gguf(path, extra_kv={"llama.expert_count": 8, "llama.expert_used_count": 2},
                     extra_tensors={"blk.0.ffn_gate.0.weight": np.zeros((4, 32), np.float32)})
     with pytest.raises(ConfigError, match=r"each expert as its own tensor .* re-convert"):
         read_gguf(path)
     path = tmp_path / "no-used.gguf"
-    write_tiny_gguf(path, extra_kv={"llama.expert_count": (8, "u32")})
+    write_tiny_gguf(path, extra_kv={"llama.expert_count": 8})
     with pytest.raises(ConfigError, match=r"'llama\.expert_used_count'"):
         read_gguf(path)
     path = tmp_path / "freqs.gguf"
@@ -312,7 +296,7 @@ def test_unsupported_llama_variants(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"rope frequency factors: 9 given, the rotary dimension 16 has 8"):
         read_gguf(path)
     path = tmp_path / "partial.gguf"
-    write_tiny_gguf(path, extra_kv={"llama.rope.dimension_count": (8, "u32")})
+    write_tiny_gguf(path, extra_kv={"llama.rope.dimension_count": 8})
     with pytest.raises(ConfigError, match="partial rotary"):
         read_gguf(path)
 

@@ -4,6 +4,7 @@ GGUF tokenizer reading the same file: ids with BOS, decoded text, and the artifa
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import gguf
@@ -13,6 +14,9 @@ from gguf import GGUFReader
 
 from moeforge.model.gguf_tokenizer import merges_from_scores
 from moeforge.model.tokenizer import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the GGUF factory
+from gguf_factory import Vocab, write_gguf_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -31,28 +35,16 @@ def _write(path: Path, *, with_merges: bool = False, add_space_prefix: bool | No
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *PIECES, "<|user|>"]
     types = [2, 3, 3, *[6] * 256, *[1] * len(PIECES), 4]  # unknown, control, byte, normal, user-defined
     scores = [0.0] * 259 + [-float(i) for i in range(len(PIECES))] + [0.0]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    merges: list[str] = []
     if with_merges:  # merges in another order than the scores imply: the file's merges win (as in transformers)
         vocab = {t: i for i, t in enumerate(tokens)}
-        merges = merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
-        writer.add_token_merges([f"{a} {b}" for a, b in merges][::-1])
-    if add_space_prefix is not None:
-        writer.add_add_space_prefix(add_space_prefix)
-    if add_bos is not None:
-        writer.add_add_bos_token(add_bos)
-    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        merges = [f"{a} {b}" for a, b in merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))][::-1]
+    write_gguf_file(
+        path, "llama",
+        metadata={gguf.Keys.LLM.BLOCK_COUNT: 1, gguf.Keys.Tokenizer.ADD_PREFIX: add_space_prefix,
+                  gguf.Keys.Tokenizer.ADD_BOS: add_bos},  # None: left out
+        tensors={"token_embd.weight": np.zeros((len(tokens), 8), np.float32)},
+        vocab=Vocab(tokens, model="llama", merges=merges, scores=scores, token_types=types, bos=1, eos=2, unk=0))
 
 
 def _metadata(path: Path) -> dict:

@@ -9,12 +9,12 @@ import json
 import logging
 import math
 import signal
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -29,6 +29,9 @@ from moeforge.model.gguf_loader import read_gguf
 from moeforge.model.loader import build_from_tensors, load_config, load_model
 from moeforge.model.model import CausalLM
 from moeforge.model.safetensors_loader import read_hf_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the GGUF factory
+from gguf_factory import Vocab, write_gguf_file
 
 LLAMA: dict[str, Any] = {
     "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -88,19 +91,17 @@ def with_config(folder: Path, **changes: Any) -> Path:
     return folder
 
 
-GGUF_KV: dict[str, tuple[Any, str]] = {
-    "llama.block_count": (2, "u32"), "llama.context_length": (128, "u32"), "llama.embedding_length": (32, "u32"),
-    "llama.feed_forward_length": (48, "u32"), "llama.attention.head_count": (4, "u32"),
-    "llama.attention.head_count_kv": (2, "u32"), "llama.rope.freq_base": (10000.0, "f32"),
-    "llama.attention.layer_norm_rms_epsilon": (1e-5, "f32"), "general.name": ("tiny", "str"),
-    "tokenizer.ggml.model": ("gpt2", "str"), "tokenizer.ggml.bos_token_id": (1, "u32"),
-    "tokenizer.ggml.eos_token_id": (2, "u32"),
+GGUF_KV: dict[str, Any] = {
+    "llama.block_count": 2, "llama.context_length": 128, "llama.embedding_length": 32,
+    "llama.feed_forward_length": 48, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+    "llama.rope.freq_base": 10000.0, "llama.attention.layer_norm_rms_epsilon": 1e-5, "general.name": "tiny",
 }
 
 
-def write_gguf(path: Path, kv: dict[str, tuple[Any, str]] | None = None,
+def write_gguf(path: Path, kv: dict[str, Any] | None = None,
                edit: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None) -> Path:
-    """A tiny F32 Llama GGUF (random weights, so Q/K row order does not matter here)."""
+    """A tiny F32 Llama GGUF (random weights, so Q/K row order does not matter here); ``kv`` replaces or adds
+    metadata, each value typed by its Python type (int u32, float f32, str string)."""
     rng = np.random.default_rng(0)
 
     def w(*shape: int) -> np.ndarray:
@@ -112,17 +113,9 @@ def write_gguf(path: Path, kv: dict[str, tuple[Any, str]] | None = None,
             "attn_norm.weight": w(32), "ffn_norm.weight": w(32), "attn_q.weight": w(32, 32),
             "attn_k.weight": w(16, 32), "attn_v.weight": w(16, 32), "attn_output.weight": w(32, 32),
             "ffn_gate.weight": w(48, 32), "ffn_up.weight": w(48, 32), "ffn_down.weight": w(32, 48)}.items()}
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, (value, kind) in {**GGUF_KV, **(kv or {})}.items():
-        {"u32": writer.add_uint32, "f32": writer.add_float32, "str": writer.add_string}[kind](key, value)
-    writer.add_token_list([f"<t{i}>" for i in range(64)])
-    for name, value in (edit(tensors) if edit else tensors).items():
-        writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf_file(path, "llama", metadata={**GGUF_KV, **(kv or {})},
+                           tensors=edit(tensors) if edit else tensors,
+                           vocab=Vocab([f"<t{i}>" for i in range(64)], model="gpt2", bos=1, eos=2))
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -157,14 +150,14 @@ def test_billion_layers_config_exits_2_at_once(capsys: pytest.CaptureFixture[str
 
 
 def test_gguf_billion_blocks_is_refused_at_once(tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "huge.gguf", {"llama.block_count": (10**9, "u32")})
+    path = write_gguf(tmp_path / "huge.gguf", {"llama.block_count": 10**9})
     with within(5), pytest.raises(ConfigError, match=r"llama\.block_count must be in 1\.\.1024") as info:
         read_gguf(path)
     assert info.value.field == "llama.block_count"
 
 
 def test_gguf_block_count_above_the_blocks_present(tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "more.gguf", {"llama.block_count": (1000, "u32")})
+    path = write_gguf(tmp_path / "more.gguf", {"llama.block_count": 1000})
     with pytest.raises(CheckpointError, match=r"block_count is 1000 but the file has tensors for 2 block"):
         read_gguf(path)
 
@@ -304,16 +297,16 @@ def test_unreadable_json_text(tmp_path: Path) -> None:
             ModelConfig.from_hf_json(path)
 
 
-@pytest.mark.parametrize(("key", "value", "kind"), [
-    ("llama.attention.head_count", 0, "u32"),
-    ("llama.attention.head_count_kv", 0, "u32"),
-    ("llama.embedding_length", "32", "str"),
-    ("llama.attention.layer_norm_rms_epsilon", math.nan, "f32"),
-    ("llama.rope.freq_base", -1.0, "f32"),
+@pytest.mark.parametrize(("key", "value"), [  # the value's Python type is its GGUF type: u32, u32, string, f32, f32
+    ("llama.attention.head_count", 0),
+    ("llama.attention.head_count_kv", 0),
+    ("llama.embedding_length", "32"),
+    ("llama.attention.layer_norm_rms_epsilon", math.nan),
+    ("llama.rope.freq_base", -1.0),
 ])
 def test_bad_gguf_metadata_names_the_key(capsys: pytest.CaptureFixture[str], tmp_path: Path, key: str,
-                                         value: Any, kind: str) -> None:
-    path = write_gguf(tmp_path / "bad.gguf", {key: (value, kind)})
+                                         value: Any) -> None:
+    path = write_gguf(tmp_path / "bad.gguf", {key: value})
     with pytest.raises(ConfigError) as info:
         read_gguf(path)
     assert info.value.field == key and key in str(info.value)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moeforge.model.loader import load_model
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.runtime.sampler import SamplingParams
+from moeforge.verify.generate import generate
 
 PROMPT_LEN, STEPS = 32, 16
 
@@ -159,7 +160,7 @@ def test_greedy_generation_matches_transformers(saved):
                                eos_token_id=None, pad_token_id=0)
     expected = hf_out[0, ids.shape[1]:].tolist()
     loaded = load_model(str(folder))
-    ours = generate(loaded.model, ids[0].tolist(), SamplingConfig(max_new_tokens=STEPS))
+    ours = generate(loaded.model, ids[0].tolist(), SamplingParams(max_tokens=STEPS))
     assert ours.token_ids == expected
 
 

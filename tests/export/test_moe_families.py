@@ -28,7 +28,8 @@ from moeforge.model.model import CausalLM, init_random_weights
 from moeforge.model.presets import PRESETS
 from moeforge.model.routing import route_tokens
 from moeforge.model.safetensors_loader import expected_keys
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.runtime.sampler import SamplingParams
+from moeforge.verify.generate import generate
 
 PROMPT_LEN, STEPS, VOCAB = 64, 16, 320
 TINY = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -158,7 +159,7 @@ def test_prefill_and_cached_decode_match_transformers(saved: tuple[str, Any, Pat
     assert hf_prefill.abs().max() > 0.5  # logits with a real spread
     torch.testing.assert_close(prefill, hf_prefill, atol=1e-4, rtol=0)
     torch.testing.assert_close(decode, hf_decode, atol=1e-4, rtol=0)
-    ours = generate(model, ids[0].tolist(), SamplingConfig(max_new_tokens=STEPS))
+    ours = generate(model, ids[0].tolist(), SamplingParams(max_tokens=STEPS))
     assert ours.token_ids == hf_tokens
     assert len(set(hf_tokens)) > 2  # not a degenerate repeat that would hide a wrong step
 

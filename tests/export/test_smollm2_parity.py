@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from moeforge.model.loader import LoadedModel, load_model
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.runtime.sampler import SamplingParams
+from moeforge.verify.generate import generate
 
 pytestmark = pytest.mark.heavy
 
@@ -39,7 +40,7 @@ def test_32_greedy_tokens_match_transformers(ours: LoadedModel, hf_smollm2: Any,
     ids = hf_smollm2_tokenizer("The capital of France is", return_tensors="pt").input_ids
     hf_tokens = hf_smollm2.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
-    result = generate(ours.model, ids[0].tolist(), SamplingConfig(max_new_tokens=32))
+    result = generate(ours.model, ids[0].tolist(), SamplingParams(max_tokens=32))
     assert result.token_ids == hf_tokens
     assert len(result.token_ids) == 32
     # It is a real language model: France's capital is named.

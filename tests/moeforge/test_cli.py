@@ -11,7 +11,8 @@ import torch
 
 from moeforge.cli import main
 from moeforge.model.loader import load_model
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.runtime.sampler import SamplingParams
+from moeforge.verify.generate import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the GGUF factory
 from gguf_factory import write_gguf_file
@@ -29,7 +30,7 @@ def test_run_preset_json_equals_in_process_generation(capsys, preset):
                           "--max-new-tokens", "8", "--ignore-eos", "--json")
     assert code == 0, err
     result = json.loads(out)
-    expected = generate(load_model(preset).model, [1, 2, 3, 4], SamplingConfig(max_new_tokens=8)).token_ids
+    expected = generate(load_model(preset).model, [1, 2, 3, 4], SamplingParams(max_tokens=8)).token_ids
     assert result["token_ids"] == expected and len(expected) == 8
     assert isinstance(result["text"], str)
 
@@ -159,5 +160,5 @@ def test_run_with_speculative_tokens_prints_plain_greedy_tokens(capsys, tmp_path
     plain = json.loads(_run(capsys, *args)[1])["token_ids"]
     code, speculative, err = _run(capsys, *args, "--speculative-tokens", "4")
     assert code == 0, err
-    expected = generate(load_model("tiny-llama").model, [5, 6, 7, 8, 9] * 4, SamplingConfig(max_new_tokens=24))
+    expected = generate(load_model("tiny-llama").model, [5, 6, 7, 8, 9] * 4, SamplingParams(max_tokens=24))
     assert json.loads(speculative)["token_ids"] == plain == expected.token_ids

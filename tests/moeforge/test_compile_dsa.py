@@ -22,7 +22,7 @@ from moeforge.core.artifact import load_artifact
 from moeforge.model.loader import load_model
 from moeforge.runtime.engine import CacheOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.verify.generate import generate
 from moeforge.verify.parity import default_prompt, run_parity
 
 MODEL, PROMPT_LEN, STEPS = "tiny-deepseek-v3.2", 64, 16
@@ -89,7 +89,7 @@ def test_engine_on_v32_generates_what_pytorch_does(dsa_artifact: Callable[[str],
     shared = rng.integers(0, 256, 37).tolist()
     prompts += [[*shared, 1, 2], [*shared, 3]]
     model = load_model(MODEL).model
-    expected = [generate(model, p, SamplingConfig(max_new_tokens=8)).token_ids for p in prompts]
+    expected = [generate(model, p, SamplingParams(max_tokens=8)).token_ids for p in prompts]
     engine = LLMEngine.from_artifact(
         dsa_artifact(kv), EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4, max_num_batched_tokens=32)))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -112,7 +112,7 @@ def test_engine_preempts_v32_and_recomputes_what_pytorch_does(dsa_artifact: Call
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(12, 40, 8)]
     model = load_model(MODEL).model
-    expected = [generate(model, p, SamplingConfig(max_new_tokens=10)).token_ids for p in prompts]
+    expected = [generate(model, p, SamplingParams(max_tokens=10)).token_ids for p in prompts]
     artifact = dsa_artifact("paged")
     block = load_artifact(artifact).manifest.kv_cache.block_size
     assert block is not None

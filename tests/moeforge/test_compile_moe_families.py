@@ -22,7 +22,7 @@ from moeforge.core.artifact import load_artifact
 from moeforge.model.loader import load_model
 from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.verify.generate import generate
 from moeforge.verify.parity import default_prompt, run_parity
 
 PROMPT_LEN, STEPS = 64, 16
@@ -93,7 +93,7 @@ def test_paged_engine_generates_what_pytorch_does(compiled: Callable[[str, str],
     shared = rng.integers(0, 256, 37).tolist()  # two full 16-token blocks: a prefix-cache hit for the second
     prompts += [[*shared, 1, 2], [*shared, 3]]
     model = load_model("tiny-glm4-moe").model
-    expected = [generate(model, p, SamplingConfig(max_new_tokens=8)).token_ids for p in prompts]
+    expected = [generate(model, p, SamplingParams(max_tokens=8)).token_ids for p in prompts]
     engine = LLMEngine.from_artifact(out, EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=4, max_num_batched_tokens=32)))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))

@@ -15,7 +15,7 @@ from moeforge.model.loader import load_model
 from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession
 from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.verify.generate import generate
 from moeforge.verify.golden import load_golden
 
 
@@ -50,7 +50,7 @@ def test_paged_gqa_compile_inspect_and_engine(capsys, tmp_path):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(1, 30, 8)]
     model = load_model("tiny-llama").model
-    expected = [generate(model, p, SamplingConfig(max_new_tokens=8)).token_ids for p in prompts]
+    expected = [generate(model, p, SamplingParams(max_tokens=8)).token_ids for p in prompts]
     engine = LLMEngine.from_artifact(out, EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=8, max_num_batched_tokens=40)))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))

@@ -82,12 +82,12 @@ def test_genai_runs_the_artifact_with_identical_greedy_tokens(smollm2_artifact, 
 def test_engine_greedy_equals_pytorch_batch_1_and_8(smollm2_artifact, reference):
     from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
     from moeforge.runtime.sampler import SamplingParams
-    from moeforge.verify.generate import SamplingConfig, generate
+    from moeforge.verify.generate import generate
 
     texts = ["The capital of France is", "Water boils at", "def fibonacci(n):", "Once upon a time, in a small village",
              "1, 2, 3, 4,", "The quick brown fox", "Photosynthesis is the process by which plants", "Hello"]
     prompts = [reference.tokenizer.encode(t) for t in texts]
-    expected = [generate(reference.model, p, SamplingConfig(max_new_tokens=12)).token_ids for p in prompts]
+    expected = [generate(reference.model, p, SamplingParams(max_tokens=12)).token_ids for p in prompts]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     one_seq = EngineConfig(scheduling=SchedulingOptions(max_num_seqs=1))
     solo = LLMEngine.from_artifact(smollm2_artifact, one_seq).generate(prompts[:1], params)

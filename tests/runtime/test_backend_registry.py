@@ -58,7 +58,7 @@ def test_a_backend_that_cannot_run_here_is_refused_with_the_reason(artifacts, mo
     artifact = load_artifact(artifacts["contiguous"])
     trt = dataclasses.replace(artifact, manifest=dataclasses.replace(artifact.manifest, target="trt"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU host, also where a GPU is
-    with pytest.raises(ArtifactError, match="tensorrt artifact.*cannot run here: it needs a CUDA GPU"):
+    with pytest.raises(ArtifactError, match=r"tensorrt artifact.*cannot run here: it needs a CUDA GPU"):
         open_backend(trt, BackendOptions(), num_slots=1)
 
 
@@ -66,7 +66,7 @@ def test_a_backend_that_cannot_run_here_is_refused_with_the_reason(artifacts, mo
 def test_compile_refuses_a_tensorrt_artifact_no_backend_runs(tmp_path, flags):
     out = tmp_path / "trt"
     options = CompileOptions.from_flags(model="tiny-llama", output_dir=out, target="trt", progress=False, **flags)
-    with pytest.raises(MoeforgeError, match="no moeforge backend runs.*--build-only"):
+    with pytest.raises(MoeforgeError, match=r"no moeforge backend runs.*--build-only"):
         compile_model(options)
     assert not out.exists()
 

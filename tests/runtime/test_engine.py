@@ -16,7 +16,7 @@ from moeforge.runtime.engine import (
     SchedulingOptions,
 )
 from moeforge.runtime.sampler import SamplingParams, SamplingParamsError
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.verify.generate import generate
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -35,7 +35,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def _torch_greedy(name: str, prompts, max_tokens: int = 10) -> list[list[int]]:
     model = load_model(name).model
-    return [generate(model, p, SamplingConfig(max_new_tokens=max_tokens)).token_ids for p in prompts]
+    return [generate(model, p, SamplingParams(max_tokens=max_tokens)).token_ids for p in prompts]
 
 
 def test_batch_1_and_8_concurrent_equal_pytorch(artifact):

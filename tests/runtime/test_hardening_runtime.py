@@ -32,7 +32,7 @@ from moeforge.runtime.engine import (
     check_host_memory,
 )
 from moeforge.runtime.sampler import SamplingParams, SamplingParamsError
-from moeforge.verify.generate import SamplingConfig, generate, generate_stream
+from moeforge.verify.generate import generate, generate_stream
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 # What `moeforge run` would pass (flag names for SamplingParams fields), so both paths speak of its flags.
@@ -80,47 +80,43 @@ BAD_SAMPLING = [
 ]
 
 
-def _torch_config(**kwargs: object) -> SamplingConfig:
-    """The SamplingConfig equal to SamplingParams(**kwargs) (its max_tokens is max_new_tokens)."""
-    if "max_tokens" in kwargs:
-        kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
-    return SamplingConfig(**kwargs)
-
-
 @pytest.mark.parametrize(("kwargs", "param"), BAD_SAMPLING)
 def test_both_backends_refuse_the_same_sampling_params(kwargs, param, engine, torch_model):
+    """One sampling type (``SamplingParams``) and one set of rules: the engine and the PyTorch reference refuse the
+    same parameter with the same words."""
     with pytest.raises(SamplingParamsError) as ort:
         engine.add_request([1, 2, 3], SamplingParams(**kwargs))
     assert ort.value.param == param
     _assert_idle(engine)
     with pytest.raises(SamplingParamsError) as ref:
-        next(generate_stream(torch_model, [1, 2, 3], _torch_config(**kwargs)))
-    torch_name = "max_new_tokens" if param == "max_tokens" else param
-    assert ref.value.param == torch_name
-    # The same rule, word for word, under each path's own field name.
-    assert str(ref.value).removeprefix(torch_name) == str(ort.value).removeprefix(param)
+        next(generate_stream(torch_model, [1, 2, 3], SamplingParams(**kwargs)))
+    assert ref.value.param == param and str(ref.value) == str(ort.value)
+
+
+def test_the_reference_refuses_what_it_does_not_apply(torch_model):
+    for kwargs in ({"min_p": 0.1}, {"repetition_penalty": 1.2}, {"stop_strings": ["x"]}, {"logprobs": 2}):
+        name = next(iter(kwargs))
+        with pytest.raises(SamplingParamsError, match=rf"^{name} is not applied by the PyTorch reference"):
+            next(generate_stream(torch_model, [1, 2, 3], SamplingParams(**kwargs)))
 
 
 def test_the_widest_valid_values_pass_both_backends(engine, torch_model):
     for seed in (0, 2**64 - 1):
         params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=seed, max_tokens=1, ignore_eos=True)
         assert len(engine.generate([[1, 2, 3]], params)[0].token_ids) == 1
-        cfg = SamplingConfig(max_new_tokens=1, temperature=0.8, top_k=5, top_p=0.9, seed=seed)
-        assert len(generate(torch_model, [1, 2, 3], cfg).token_ids) == 1
+        assert len(generate(torch_model, [1, 2, 3], params).token_ids) == 1
     _assert_idle(engine)
 
 
-def test_names_map_fields_to_cli_flags_on_both_paths():
-    with pytest.raises(SamplingParamsError) as ort:
+def test_names_map_fields_to_cli_flags():
+    with pytest.raises(SamplingParamsError) as named:
         SamplingParams(max_tokens=0).validate(100, names=RUN_FLAGS)
-    with pytest.raises(SamplingParamsError) as ref:
-        SamplingConfig(max_new_tokens=0).validate(100, names=RUN_FLAGS)
-    assert ort.value.param == ref.value.param == "--max-new-tokens"
-    assert str(ort.value) == str(ref.value) == "--max-new-tokens must be an integer >= 1, got 0"
+    assert named.value.param == "--max-new-tokens"
+    assert str(named.value) == "--max-new-tokens must be an integer >= 1, got 0"
     with pytest.raises(SamplingParamsError, match=r"^--temperature must be a finite number"):
-        SamplingConfig(temperature=math.nan).validate(100, names=RUN_FLAGS)
-    with pytest.raises(SamplingParamsError, match=r"^max_new_tokens "):  # without names: its own field name
-        SamplingConfig(max_new_tokens=0).validate(100)
+        SamplingParams(temperature=math.nan).validate(100, names=RUN_FLAGS)
+    with pytest.raises(SamplingParamsError, match=r"^max_tokens "):  # without names: its own field name
+        SamplingParams(max_tokens=0).validate(100)
 
 
 def test_one_stop_string_is_not_split_into_characters():
@@ -134,8 +130,8 @@ def test_a_tiny_temperature_samples_the_argmax_on_both_backends(engine, torch_mo
     want = engine.generate([prompt], GREEDY)[0].token_ids
     tiny = SamplingParams(temperature=1e-46, seed=3, max_tokens=6, ignore_eos=True)
     assert engine.generate([prompt], tiny)[0].token_ids == want
-    want_ref = generate(torch_model, prompt, SamplingConfig(max_new_tokens=6)).token_ids
-    assert generate(torch_model, prompt, SamplingConfig(max_new_tokens=6, temperature=1e-46, seed=3)).token_ids \
+    want_ref = generate(torch_model, prompt, SamplingParams(max_tokens=6)).token_ids
+    assert generate(torch_model, prompt, SamplingParams(max_tokens=6, temperature=1e-46, seed=3)).token_ids \
         == want_ref
 
 
@@ -189,7 +185,7 @@ def test_add_request_refuses_bad_params_type_and_accepts_numpy_ids(engine):
 def test_torch_path_refuses_the_same_prompts(torch_model):
     for bad, message in (([1, 2.7], "prompt token 1 is 2.7"), ([], "empty"), ([1, 512], "outside the vocabulary")):
         with pytest.raises(RequestError, match=message):
-            next(generate_stream(torch_model, bad, SamplingConfig(max_new_tokens=2)))
+            next(generate_stream(torch_model, bad, SamplingParams(max_tokens=2)))
 
 
 def test_an_interrupted_generate_leaves_no_request_behind(tiny_artifact, monkeypatch):

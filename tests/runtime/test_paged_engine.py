@@ -21,7 +21,7 @@ from moeforge.runtime.backends.base import RowInput, StepInput
 from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
 from moeforge.runtime.engine import CacheOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.verify.generate import generate
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 BLOCK = 16
@@ -44,7 +44,7 @@ def deepseek(tmp_path_factory) -> dict[str, Path]:
 def expected() -> list[list[int]]:
     """PyTorch greedy tokens of ``_prompts(8)`` (shared by the tests below)."""
     model = load_model("tiny-deepseek-v3").model
-    return [generate(model, p, SamplingConfig(max_new_tokens=10)).token_ids for p in _prompts(8)]
+    return [generate(model, p, SamplingParams(max_tokens=10)).token_ids for p in _prompts(8)]
 
 
 def _prompts(n: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:

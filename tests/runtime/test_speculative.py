@@ -19,7 +19,7 @@ from moeforge.runtime.request import Request, RequestStatus
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.runtime.scheduler import SchedulerOutput
 from moeforge.runtime.speculative import Drafter, NgramIndex
-from moeforge.verify.generate import SamplingConfig, generate
+from moeforge.verify.generate import generate
 from tests.runtime.test_scheduler import _ROOT, VOCAB, B, make, mix, reference
 
 # -- the drafter ----------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def _torch_greedy(name: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     model = load_model(name).model
-    return [generate(model, p, SamplingConfig(max_new_tokens=max_tokens)).token_ids for p in prompts]
+    return [generate(model, p, SamplingParams(max_tokens=max_tokens)).token_ids for p in prompts]
 
 
 @pytest.mark.parametrize("max_batch", [1, 8, None])

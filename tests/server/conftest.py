@@ -18,7 +18,7 @@ import uvicorn
 
 from moeforge.parallel.net import free_port
 from moeforge.runtime.backends.base import StepInput
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.serve import ServerConfig, create_app
 
 MODEL = "tiny-llama"
@@ -85,7 +85,10 @@ def start_server(tiny_artifact: Path) -> ServerFactory:
 
     @contextmanager
     def start(*, max_num_seqs: int = 4, delay: float = 0.0, **config: Any) -> Iterator[tuple[str, Any]]:
-        engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=max_num_seqs, threads=1))
+        engine = LLMEngine.from_artifact(
+            tiny_artifact, EngineConfig(
+                scheduling=SchedulingOptions(max_num_seqs=max_num_seqs),
+                backend=BackendOptions(threads=1)))
         backend = SlowBackend(engine.backend, delay)
         engine.backend = backend  # type: ignore[assignment]  # a test double around the real backend
         app = create_app(engine, ServerConfig(model_name=MODEL, chat_template=CHAT_TEMPLATE, **config))
@@ -100,7 +103,9 @@ def start_server(tiny_artifact: Path) -> ServerFactory:
 @pytest.fixture(scope="module")
 def shared_server(tiny_artifact: Path) -> Iterator[str]:
     """One server for the API tests (API key ``API_KEY``)."""
-    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=4, threads=1))
+    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=4),
+        backend=BackendOptions(threads=1)))
     app = create_app(engine, ServerConfig(model_name=MODEL, api_key=API_KEY, chat_template=CHAT_TEMPLATE))
     with _running(app) as url:
         yield url
@@ -109,4 +114,6 @@ def shared_server(tiny_artifact: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def reference(tiny_artifact: Path) -> LLMEngine:
     """The engine used directly: what the server must reproduce."""
-    return LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=4, threads=1))
+    return LLMEngine.from_artifact(tiny_artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=4),
+        backend=BackendOptions(threads=1)))

@@ -7,7 +7,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from moeforge.compile.driver import CompileOptions, compile_model
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.serve import ServerConfig, create_app
 
 from .conftest import MODEL, _running
@@ -43,7 +43,9 @@ def test_argmax_head_runs_are_exported(start_server):
 def test_no_series_without_the_head(tmp_path):
     out = compile_model(CompileOptions.from_flags(model=MODEL, output_dir=tmp_path / "plain", max_seq_len=64,
                                                   argmax_head=False, progress=False)).output_dir
-    engine = LLMEngine.from_artifact(out, EngineConfig(max_num_seqs=2, threads=1))
+    engine = LLMEngine.from_artifact(out, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=2),
+        backend=BackendOptions(threads=1)))
     assert engine.argmax_head_stats() is None
     with _running(create_app(engine, ServerConfig(model_name=MODEL))) as url:
         _complete(url, temperature=0)

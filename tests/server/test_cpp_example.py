@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cpp"
@@ -33,7 +33,9 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_cpp_program_generates_the_engines_greedy_tokens(program: Path, tiny_artifact: Path) -> None:
-    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(max_num_seqs=1, threads=1))
+    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=1),
+        backend=BackendOptions(threads=1)))
     for prompt, new_tokens in (([1, 2, 3, 4, 5], 20), ([300, 7, 7, 42, 9, 100, 11], 40)):
         want = engine.generate([prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))[0].token_ids
         done = subprocess.run([str(program), str(tiny_artifact), "--prompt-ids", ",".join(map(str, prompt)),

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moeforge.model.loader import load_model
 from moeforge.model.moe import MoERouter
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.serve import ServerConfig, create_app
 
 from .conftest import _running
@@ -46,7 +46,9 @@ def _router_counts(sequences: list[list[int]]) -> np.ndarray:
 
 
 def test_expert_load_metrics_equal_the_pytorch_router(moe_artifact):
-    engine = LLMEngine.from_artifact(moe_artifact, EngineConfig(max_num_seqs=2, track_expert_load=True, threads=1))
+    engine = LLMEngine.from_artifact(moe_artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=2),
+        backend=BackendOptions(track_expert_load=True, threads=1)))
     app = create_app(engine, ServerConfig(model_name=MOE_MODEL))
     prompts = [[5, 17, 200, 3, 99, 41], [7, 7, 300, 12]]
     ran = []

@@ -7,7 +7,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from moeforge.compile.driver import CompileOptions, compile_model
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve import ServerConfig, create_app
 
@@ -19,9 +19,14 @@ PROMPT = [5, 6, 7, 8, 9] * 6  # a repetitive prompt: its continuation repeats to
 def test_speculative_completions_and_metrics(tmp_path):
     out = compile_model(CompileOptions.from_flags(model=MODEL, output_dir=tmp_path / "a", max_seq_len=128,
                                                   progress=False)).output_dir
-    plain = LLMEngine.from_artifact(out, EngineConfig(max_num_seqs=1, threads=1))
+    plain = LLMEngine.from_artifact(out, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=1),
+        backend=BackendOptions(threads=1)))
     expected = plain.generate([PROMPT], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
-    engine = LLMEngine.from_artifact(out, EngineConfig(max_num_seqs=2, threads=1, speculative_tokens=4))
+    engine = LLMEngine.from_artifact(out, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=2),
+        backend=BackendOptions(threads=1),
+        speculative=SpeculativeOptions(tokens=4)))
     with _running(create_app(engine, ServerConfig(model_name=MODEL))) as url:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)

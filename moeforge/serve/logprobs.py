@@ -1,61 +1,16 @@
-"""One choice's text as it grows: deltas for streaming, stop strings cut off, logprobs in the API's shapes.
+"""Logprobs in the OpenAI API's shapes (completions and chat), each token named by its text.
 
-The engine finishes a request once its text contains a stop string, but its tokens may run past the stop
-string's end, and OpenAI's text ends before it: the cut is made here. While streaming, text that could still
-become a stop string (a suffix that is a prefix of one) and an incomplete UTF-8 character (byte-level BPE
-decodes half a character as U+FFFD) are held back until the next tokens settle them.
+The output text itself (incremental detokenisation, stop strings, what is safe to stream) is made once, by the
+engine (``runtime/output_text.py``): ``RequestOutput.text`` and ``text_delta``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.engine import RequestOutput
 from moeforge.serve.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
-REPLACEMENT = "\ufffd"
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a token of probability 0 gets this (as vLLM does)
-
-
-class ChoiceText:
-    """Text deltas of one choice. ``update(out)`` after each output returns the new text to send."""
-
-    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = tuple(stop)
-        self.text = ""  # sent so far
-        self.num_tokens = 0  # tokens whose text (and logprobs) were sent
-        self.stopped = False  # the text reached a stop string
-
-    def update(self, out: RequestOutput) -> str:
-        if self.tokenizer is None or self.stopped:
-            self.num_tokens = len(out.token_ids)
-            return ""
-        full = out.text or ""
-        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            visible, self.stopped = full[:cut], True
-        elif out.finished:
-            visible = full
-        else:
-            visible = self._settled(full)
-        self.num_tokens = len(out.token_ids)
-        delta = visible[len(self.text):] if len(visible) > len(self.text) else ""
-        self.text += delta
-        return delta
-
-    def _settled(self, text: str) -> str:
-        """``text`` less what the next tokens may still change: a trailing partial character, and the longest
-        suffix that is a prefix of a stop string."""
-        text = text.rstrip(REPLACEMENT)
-        hold = 0
-        for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return text[:len(text) - hold]
 
 
 def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
