@@ -20,9 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The layers, bottom to top: each imports only itself and the folders before it.
 LAYERS = ("core", "ops", "model", "passes", "quant", "runtime", "verify", "compile", "parallel", "serve", "cli")
-# Third-party modules a function may import lazily: optional extras, or heavy imports only some commands need.
+# Third-party modules a function may import lazily: optional extras, or heavy imports only some commands need
+# (torch: the runtime on ONNX Runtime needs none of it; only a GPU backend's CUDA probe does).
 LAZY_ALLOWED = ("tensorrt", "tensorrt_rtx", "transformers", "onnxruntime_genai", "polygraphy", "ml_dtypes",
-                "matplotlib", "hypothesis", "cuda", "jinja2", "onnxruntime_extensions", "llama_cpp")
+                "matplotlib", "hypothesis", "cuda", "jinja2", "onnxruntime_extensions", "llama_cpp", "torch")
 # moeforge modules whose import needs an optional dependency (TensorRT) or the GPU runtime, or costs seconds of
 # start-up that only some runs need (the sharded-rank collectives: torch.distributed).
 LAZY_INTERNAL = ("moeforge.runtime.backends.tensorrt", "moeforge.ops.moe_router.tensorrt",

@@ -20,7 +20,7 @@ from moeforge.cli.inspect import format_bytes
 from moeforge.compile.genai_config import genai_greedy
 from moeforge.core.artifact import KVCacheSpec, load_artifact
 from moeforge.core.errors import MoeforgeError
-from moeforge.core.host_memory import available_memory
+from moeforge.core.host_memory import available_memory, host_bytes
 from moeforge.core.manifest import tool_versions
 from moeforge.model.loader import load_model
 from moeforge.model.model import CausalLM
@@ -212,15 +212,12 @@ def bench_genai(artifact_dir: str | Path, batch: int, prompt_len: int, new_token
 
 
 def bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int) -> int:
-    """Bytes each engine of ``bench_engine`` allocates at least, counted as ``runtime.engine.check_host_memory``
-    counts them: the KV cache of ``batch`` sequences of ``max_seq_len`` tokens (whole blocks when paged) and the
-    float32 logits of one full step of ``batch * prompt_len`` tokens. Weights and activations come on top."""
-    if kv.paged:
-        block = kv.block_size or 1
-        cache = kv.bytes_for(-(-kv.max_seq_len // block) * block, batch)
-    else:
-        cache = kv.bytes_for(kv.max_seq_len, batch)
-    return cache + 4 * vocab * batch * min(prompt_len, kv.max_seq_len)
+    """Bytes each engine of ``bench_engine`` allocates at least (``core/host_memory.host_bytes``, as the engine counts
+    them): the KV cache of ``batch`` sequences of ``max_seq_len`` tokens (whole blocks when paged) and the float32
+    logits of one full step of ``batch * prompt_len`` tokens. Weights and activations come on top."""
+    blocks = batch * -(-kv.max_seq_len // kv.block_size) if kv.paged and kv.block_size else None
+    return host_bytes(kv, vocab, num_seqs=batch, step_tokens=batch * min(prompt_len, kv.max_seq_len),
+                      num_blocks=blocks).total
 
 
 def check_bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int,

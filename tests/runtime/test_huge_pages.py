@@ -117,12 +117,14 @@ def test_disabled_does_nothing_and_says_so():
 
 
 def test_the_serving_path_turns_huge_pages_on_by_default():
-    from moeforge.runtime.backends.onnxruntime import OrtBackend, OrtSession, make_session
+    from moeforge.core.ort_session import make_session
+    from moeforge.runtime.backends.onnxruntime import OrtBackend, OrtSession
     from moeforge.runtime.backends.onnxruntime_paged import PagedOrtBackend
 
-    assert EngineConfig().huge_pages is True  # the engine passes it to the backend it builds
+    # The one default: BackendOptions, which the engine hands to the backend it builds as it is.
+    assert EngineConfig().backend.huge_pages is True and BackendOptions().huge_pages is True
     for backend in (OrtBackend, PagedOrtBackend):
-        assert inspect.signature(backend).parameters["huge_pages"].default is True
+        assert inspect.signature(backend).parameters["options"].default.huge_pages is True
     for one_shot in (make_session, OrtSession):
         assert inspect.signature(one_shot).parameters["huge_pages"].default is False
 
@@ -139,6 +141,6 @@ def test_run_and_serve_pass_no_huge_pages_to_the_engine():
     parser = build_parser()
     for flags, expected in (([], True), (["--no-huge-pages"], False)):
         serve = parser.parse_args(["serve", "artifacts/x", *flags])
-        assert engine_config(_serve_options(serve, check=False)).huge_pages is expected
+        assert engine_config(_serve_options(serve, check=False)).backend.huge_pages is expected
         run = parser.parse_args(["run", "artifacts/x", "--prompt", "hi", *flags])
         assert run.no_huge_pages is not expected
