@@ -29,7 +29,6 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +45,6 @@ from moeforge.runtime.backends.base import (
     StepInput,
 )
 from moeforge.runtime.backends.registry import backend_for, open_backend
-from moeforge.runtime.block_pool import KVCacheStats
 from moeforge.runtime.engine_config import (
     CacheOptions,
     EngineConfig,
@@ -57,7 +55,8 @@ from moeforge.runtime.engine_config import (
 )
 from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 from moeforge.runtime.output_text import OutputText
-from moeforge.runtime.request import Request, RequestMetrics, RequestStatus, check_room, prompt_token_ids
+from moeforge.runtime.outputs import EngineMetrics, EngineStats, RequestOutput
+from moeforge.runtime.request import Request, RequestStatus, check_room, prompt_token_ids
 from moeforge.runtime.request import RequestError as RequestError  # re-exported: raised by add_request
 from moeforge.runtime.sampler import Sampler, SamplingParams
 from moeforge.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -66,62 +65,12 @@ from moeforge.runtime.speculative import Drafter
 # The engine's public API, with the parts of its config (runtime/engine_config.py) and the backend options
 # (runtime/backends/base.py) re-exported, so that one import serves a user.
 __all__ = ["BackendOptions", "CacheOptions", "EngineConfig", "EngineConfigError", "EngineMetrics", "EngineStats",
-           "LLMEngine",
-           "RequestError", "RequestOutput", "SchedulingOptions", "SpeculativeOptions", "check_host_memory",
-           "open_engine_backend"]
+           "LLMEngine", "RequestError", "RequestOutput", "SchedulingOptions", "SpeculativeOptions",
+           "check_host_memory", "open_engine_backend"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PARAMS = SamplingParams()
-
-
-@dataclass
-class RequestOutput:
-    """A request's state after a step: all generated ids so far, the new ones, and -- when the artifact has a
-    tokenizer -- their text (``text``: the whole output so far, ending before the stop string that ended it;
-    ``text_delta``: what this output adds to the text the previous ones gave, a suffix that may still become a stop
-    string held back until it cannot)."""
-
-    request_id: int
-    token_ids: list[int]
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    error: str | None = None
-    logprobs: list[float] = field(default_factory=list)  # per token, when SamplingParams.logprobs is set
-    metrics: RequestMetrics | None = None
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob) pairs
-    text: str | None = None
-    text_delta: str = ""
-
-
-@dataclass
-class EngineMetrics:
-    """Totals over the engine's life."""
-
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    preemptions: int = 0
-    failed_steps: int = 0  # steps whose backend call or sampling raised (their requests finished with an error)
-    execute_seconds: float = 0.0
-    # Speculative decoding: draft tokens fed for verification (counted in decode_tokens too) and those accepted.
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine after a step, for monitors (the server's metrics): requests running and waiting,
-    the KV block manager's counts, the totals so far, and the argmax head's runs (None without one)."""
-
-    running: int
-    waiting: int
-    max_num_seqs: int
-    num_blocks: int
-    kv: KVCacheStats
-    totals: EngineMetrics
-    argmax_head: ArgmaxHeadStats | None
 
 
 class LLMEngine:

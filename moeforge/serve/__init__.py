@@ -2,10 +2,9 @@
 Prometheus metrics. ``create_app`` builds the app over an engine; ``serve`` runs an artifact until SIGTERM.
 
 Modules: protocol (request/response bodies), engine_loop (the one thread that drives the engine), streams
-(loop thread -> asyncio bridge, admission), logprobs (logprobs in the API's shapes; the text
-comes from the engine's RequestOutput), serving (the
-generation endpoints), errors (OpenAI error bodies), metrics (Prometheus), app (the FastAPI app), runner
-(uvicorn, signals).
+(loop thread -> asyncio bridge, admission), logprobs (logprobs in the API's shapes; the text comes from the
+engine's RequestOutput), serving (the generation endpoints), api_errors (OpenAI error bodies), metrics
+(Prometheus), app (the FastAPI app), runner (uvicorn, signals).
 """
 
 from moeforge.serve.app import ServerConfig, create_app

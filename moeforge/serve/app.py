@@ -23,8 +23,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.engine import LLMEngine
+from moeforge.serve.api_errors import error_response, install_error_handlers
 from moeforge.serve.engine_loop import EngineLoop
-from moeforge.serve.errors import error_response, install_error_handlers
 from moeforge.serve.metrics import CONTENT_TYPE, ServerMetrics
 from moeforge.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from moeforge.serve.serving import RETRY_AFTER_S, OpenAIServing

@@ -23,7 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from moeforge.core.errors import MoeforgeError
-from moeforge.runtime.engine import LLMEngine, RequestOutput
+from moeforge.runtime.engine import LLMEngine
+from moeforge.runtime.outputs import RequestOutput
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve.metrics import ServerMetrics
 

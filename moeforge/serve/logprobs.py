@@ -7,7 +7,7 @@ engine (``runtime/output_text.py``): ``RequestOutput.text`` and ``text_delta``.
 from __future__ import annotations
 
 from moeforge.model.tokenizer import Tokenizer
-from moeforge.runtime.engine import RequestOutput
+from moeforge.runtime.outputs import RequestOutput
 from moeforge.serve.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a token of probability 0 gets this (as vLLM does)

@@ -32,7 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from moeforge.runtime.backends.base import ArgmaxHeadStats
-from moeforge.runtime.engine import EngineMetrics, EngineStats
+from moeforge.runtime.outputs import EngineMetrics, EngineStats
 
 PREFIX = "moeforge:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

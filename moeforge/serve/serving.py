@@ -24,10 +24,10 @@ from starlette.types import Receive, Scope, Send
 
 from moeforge.core.errors import MoeforgeError
 from moeforge.model.tokenizer import Tokenizer
-from moeforge.runtime.engine import RequestOutput
+from moeforge.runtime.outputs import RequestOutput
 from moeforge.runtime.sampler import SamplingParams
+from moeforge.serve.api_errors import APIError
 from moeforge.serve.engine_loop import EngineLoop, ServerShuttingDown
-from moeforge.serve.errors import APIError
 from moeforge.serve.logprobs import chat_logprobs, completion_logprobs
 from moeforge.serve.metrics import ServerMetrics
 from moeforge.serve.protocol import (

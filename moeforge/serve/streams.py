@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from moeforge.runtime.engine import RequestOutput
+from moeforge.runtime.outputs import RequestOutput
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve.engine_loop import EngineLoop
 

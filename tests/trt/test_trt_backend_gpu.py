@@ -127,7 +127,7 @@ def test_engine_matches_golden(gpu_artifacts, name):
 def test_backend_matches_onnxruntime_on_the_same_graph(gpu_artifacts, cuda_graphs):
     """Two sequences in two slots: prefill, then 8 batched greedy decodes with the caches bound in place;
     every step's logits match ONNX Runtime running the same lowered graph teacher-forced on those tokens."""
-    from moeforge.compile.trt.reference import run_steps
+    from moeforge.compile.trt.lowering_check import run_steps
 
     artifact = load_artifact(gpu_artifacts["tiny-llama"])
     backend = TensorRTBackend.from_artifact(artifact.root, num_slots=2, cuda_graphs=cuda_graphs)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moeforge.compile.onnx_export import export_stateless
-from moeforge.compile.trt.reference import run_steps
+from moeforge.compile.trt.lowering_check import run_steps
 from moeforge.model.loader import load_model
 from moeforge.passes.base import PassContext
 from moeforge.passes.pipeline import run_passes

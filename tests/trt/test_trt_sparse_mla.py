@@ -92,7 +92,7 @@ def test_v32_tensorrt_target_matches_pytorch_and_builds(tmp_path: Path) -> None:
     import numpy as np
 
     from moeforge.compile.driver import CompileOptions, compile_model
-    from moeforge.compile.trt.reference import run_steps
+    from moeforge.compile.trt.lowering_check import run_steps
     from moeforge.model.loader import load_model
     from tests.trt.test_trt_lowering import _lower, _reference
 
