@@ -12,6 +12,9 @@ import onnx
 from moeforge.compile.trt.inspect_engine import engine_lines
 from moeforge.core.artifact import MODEL_FILE, Artifact
 from moeforge.core.config import ModelConfig
+from moeforge.core.errors import ArtifactError
+from moeforge.core.manifest import Manifest
+from moeforge.runtime.backends.registry import backend_for
 
 
 def _iter_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
@@ -76,12 +79,22 @@ def _model_line(cfg: dict[str, Any]) -> str:
     return f"{name} ({', '.join(parts)})"
 
 
+def _runs_on(m: Manifest) -> str:
+    """Which backend runs the artifact, and whether it can (the registry's answer)."""
+    try:
+        spec = backend_for(m)
+    except ArtifactError as exc:
+        return str(exc)
+    why = spec.refusal(paged=m.kv_cache.paged, sharded=m.sharding is not None)
+    return f"runs on {spec.name}" + (f"{' (CUDA GPU)' if spec.needs_gpu else ''}" if not why else f": not yet ({why})")
+
+
 def summarize(artifact: Artifact) -> str:
     """Human-readable description for ``moeforge inspect DIR``."""
     m = artifact.manifest
     lines = [f"artifact   {artifact.root}  (format {m.format_version})",
              f"model      {_model_line(m.model_config)}",
-             f"target     {m.target}, precision {m.precision}"]
+             f"target     {m.target}, precision {m.precision}; {_runs_on(m)}"]
     if m.source:
         lines.append(f"source     {m.source}")
     versions = ", ".join(f"{k} {v}" for k, v in m.tool_versions.items() if v)
@@ -124,8 +137,7 @@ def summarize(artifact: Artifact) -> str:
     except Exception as exc:  # inspect should still show the rest
         lines.append(f"ops        cannot read {MODEL_FILE}: {exc}")
 
-    if m.engine is not None:  # TensorRT target
-        lines += engine_lines(artifact)
+    lines += engine_lines(artifact)  # none for an artifact without an engine plan
 
     lines.append("")
     total = sum(int(e["bytes"]) for e in m.files.values())

@@ -5,10 +5,14 @@ list, KV-cache spec, precision, quantisation summary and extra files. Adding a t
 following ``base.Target``, and its name in ``TARGETS``.
 """
 
+from collections.abc import Callable
+
+from moeforge.compile.options import CompileOptions
 from moeforge.compile.targets.base import CompileJob, Target
 from moeforge.compile.targets.ort import OrtTarget
 from moeforge.compile.targets.trt import TrtTarget
 
-TARGETS: dict[str, type[OrtTarget] | type[TrtTarget]] = {OrtTarget.name: OrtTarget, TrtTarget.name: TrtTarget}
+# --target NAME -> the class that makes that target's Target for one compile.
+TARGETS: dict[str, Callable[[CompileOptions], Target]] = {OrtTarget.name: OrtTarget, TrtTarget.name: TrtTarget}
 
 __all__ = ["TARGETS", "CompileJob", "OrtTarget", "Target", "TrtTarget"]
