@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from session_options import decode_rate
+from timer import Rounds
 
 from moeforge.cli.bench import write_result
 from moeforge.compile.driver import CompileOptions, compile_model
@@ -33,7 +35,7 @@ from moeforge.core.artifact import load_artifact
 from moeforge.core.kv_layout import ARGMAX_ONLY, LOGITS_CERTIFIED
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.backends.onnxruntime import OrtSession
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,33 +57,15 @@ def artifacts(model: str, work_dir: Path) -> dict[str, Path]:
     return made
 
 
-def decode_rate(engine: LLMEngine, batch: int, new_tokens: int, prompt_len: int = 8) -> float:
-    """Decode tokens/s of ``batch`` greedy requests (the prefill step excluded)."""
-    vocab = engine.backend.vocab_size
-    for b in range(batch):
-        engine.add_request([(31 * b + 7 * i) % vocab for i in range(prompt_len)],
-                           SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    engine.step()
-    start, steps = time.perf_counter(), 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    return batch * steps / (time.perf_counter() - start)
-
-
 def speed(paths: dict[str, Path], batches: list[int], rounds: int, new_tokens: int) -> dict[str, Any]:
     """Median decode tokens/s per artifact and batch, alternating rounds."""
     out: dict[str, Any] = {}
     for batch in batches:
-        engines = {name: LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=batch))
+        engines = {name: LLMEngine.from_artifact(path, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=batch)))
                    for name, path in paths.items()}
-        rates: dict[str, list[float]] = {name: [] for name in engines}
         for engine in engines.values():
             decode_rate(engine, batch, 8)  # warm-up
-        order = list(engines)
-        for r in range(rounds):
-            for name in order[r % len(order):] + order[:r % len(order)]:
-                rates[name].append(decode_rate(engines[name], batch, new_tokens))
+        rates = Rounds(rounds).run(engines, partial(decode_rate, batch=batch, new_tokens=new_tokens))
         medians = {name: statistics.median(values) for name, values in rates.items()}
         session = engines["argmax"].backend._session  # type: ignore[attr-defined]
         out[f"batch_{batch}"] = {
@@ -123,7 +107,7 @@ def teacher_forced(path: Path, text: str, tokens: int) -> dict[str, Any]:
 
 def greedy_equal(path: Path, max_tokens: int) -> dict[str, Any]:
     """Greedy tokens of ``PROMPTS`` through the engine with the argmax path and with the float head (logprobs=0)."""
-    engine = LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=len(PROMPTS)))
+    engine = LLMEngine.from_artifact(path, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=len(PROMPTS))))
     assert engine.tokenizer is not None
     prompts = [engine.tokenizer.encode(t) for t in PROMPTS]
     fast = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # heldout_accuracy, be
 
 from genai_compare import default_gguf
 from heldout_accuracy import DEFAULT_START, DEFAULT_TEXT, compare, prose, reference_logits
+from timer import Rounds, Stopwatch
 
 from moeforge.cli.bench import write_result
 from moeforge.core.artifact import load_artifact
@@ -315,13 +315,13 @@ def decode_rate(session: OrtSession, steps: int) -> float:
     """Greedy decode tokens/s at batch 1 from position 0 (8 warm-up steps first)."""
     session.allocate(1, steps + 16)
     token, position = 1, 0
-    start = time.perf_counter()
+    watch = Stopwatch()
     for i in range(steps + 8):
         if i == 8:
-            start = time.perf_counter()
+            watch.restart()
         logits = session.decode(0, 1, [token], [position], [position + 1])
         token, position = int(logits[0, -1].argmax()), position + 1
-    return steps / (time.perf_counter() - start)
+    return steps / watch.elapsed()
 
 
 def main() -> None:
@@ -361,8 +361,7 @@ def main() -> None:
         session.allocate(1, len(ids) + 1)
         logits = session.forward(np.array([ids]), np.arange(len(ids))[None], np.ones((1, len(ids)), np.int64))[0]
         rows[name] = {"nodes": node_counts[name], **compare(reference, logits, ids), "decode_tokens_per_s": []}
-    for r in range(args.rounds):
-        order = list(sessions) if r % 2 == 0 else list(sessions)[::-1]
+    for _, order in Rounds(args.rounds, reverse=True).orders(sessions):
         for name in order:
             steps = args.slow_steps if name == "float-zero-points" else args.steps
             rows[name]["decode_tokens_per_s"].append(round(decode_rate(sessions[name], steps), 1))

@@ -15,9 +15,10 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from timer import Rounds, Stopwatch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cold_start.json"
 
@@ -28,26 +29,26 @@ def child(artifact: str, batch: int, lazy: bool) -> dict[str, float]:
 
     import moeforge.runtime.backends.onnxruntime as ort_backend
     import moeforge.runtime.backends.onnxruntime_paged as paged_backend
-    from moeforge.runtime.engine import EngineConfig, LLMEngine
+    from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
     from moeforge.runtime.sampler import SamplingParams
 
     if lazy:  # the allocation before resident_zeros
         ort_backend.resident_zeros = paged_backend.resident_zeros = lambda shape, dtype: np.zeros(shape, dtype)
-    start = time.perf_counter()
-    engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=batch))
-    loaded = time.perf_counter()
+    watch = Stopwatch()
+    engine = LLMEngine.from_artifact(artifact, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=batch)))
+    loaded = watch.elapsed()
     vocab = engine.backend.vocab_size
     for b in range(batch):
         engine.add_request([(31 * b + 7 * i) % vocab for i in range(8)],
                            SamplingParams(max_tokens=33, ignore_eos=True))
     engine.step()
-    first = time.perf_counter()
+    first = watch.elapsed()
     steps = 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    end = time.perf_counter()
-    return {"load_s": loaded - start, "first_step_ms": 1e3 * (first - loaded),
+    end = watch.elapsed()
+    return {"load_s": loaded, "first_step_ms": 1e3 * (first - loaded),
             "decode_tokens_per_s": batch * steps / (end - first)}
 
 
@@ -63,8 +64,8 @@ def main() -> None:
         print(json.dumps(child(args.artifact, args.batch, args.child == "lazy")))
         return
     runs: dict[str, list[dict[str, float]]] = {"lazy": [], "resident": []}
-    for r in range(args.rounds):
-        for variant in (("lazy", "resident") if r % 2 == 0 else ("resident", "lazy")):
+    for _, order in Rounds(args.rounds, reverse=True).orders(runs):
+        for variant in order:
             out = subprocess.run([sys.executable, __file__, args.artifact, "--batch", str(args.batch),
                                   "--child", variant], capture_output=True, text=True, check=True).stdout
             runs[variant].append(json.loads(out.strip().splitlines()[-1]))

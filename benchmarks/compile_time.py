@@ -13,10 +13,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from timer import Stopwatch
 
 from moeforge.cli.bench import write_result
 from moeforge.model.loader import load_config
@@ -42,10 +42,10 @@ def measure(model: str, max_seq_len: int | None, check: bool) -> dict[str, objec
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "artifact"
         flags = [*(["--max-seq-len", str(max_seq_len)] if max_seq_len else []), *(["--check"] if check else [])]
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", CHILD, "compile", model, "-o", str(out), *flags, "--quiet"],
-                              capture_output=True, text=True)
-        seconds = time.perf_counter() - start
+        with Stopwatch() as compiling:
+            proc = subprocess.run([sys.executable, "-c", CHILD, "compile", model, "-o", str(out), *flags, "--quiet"],
+                                  capture_output=True, text=True)
+        seconds = compiling.seconds
         if proc.returncode != 0:
             raise SystemExit(f"compile of {model} failed:\n{proc.stderr}")
         fields = dict(item.split("=") for item in proc.stderr.strip().splitlines()[-1].split())

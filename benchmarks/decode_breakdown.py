@@ -37,7 +37,7 @@ runs once per round, the order rotating from round to round, so that a change in
 alike; the report gives medians over ``--rounds``.
 
 The models are moeforge artifacts with contiguous KV, and ONNX Runtime GenAI builder models (``--genai``: built
-from the same GGUF and cached, like ``moeforge bench --compare-genai-builder``'s). The report sets each model
+from the same GGUF and cached, like ``benchmarks/genai_builder.py``'s). The report sets each model
 against ``--baseline`` (default: GenAI's int4). It gives the step time that 1.25x of the baseline's speed needs,
 issue 14's bar, and what each model's step would be with the baseline's head (and, for int4-asym, without the
 offsets: the int4 artifact's step).
@@ -56,10 +56,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +67,10 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 from peers import GENAI_BUILDS, artifact_label, default_peer_dir, ensure_peer_models, usable_cores
+from timer import Rounds, repeat
 
 from moeforge.cli.bench import write_result
-from moeforge.runtime.backends.onnxruntime import make_session
+from moeforge.core.ort_session import make_session
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # genai_compare, beside this script
 from genai_compare import default_gguf
@@ -292,14 +292,7 @@ class Step:
     def time(self, steps: int) -> float:
         """Median ms of ``steps`` decode steps after 5 unmeasured ones (the same position every time: the cache
         write is idempotent)."""
-        for _ in range(5):
-            self.session.run_with_iobinding(self.binding)
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            self.session.run_with_iobinding(self.binding)
-            times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
+        return 1e3 * repeat(partial(self.session.run_with_iobinding, self.binding), steps, warmup=5).median()
 
 
 def load_steps(models: list[Model], args: argparse.Namespace) -> dict[tuple[str, str], Step]:
@@ -314,15 +307,13 @@ def load_steps(models: list[Model], args: argparse.Namespace) -> dict[tuple[str,
 
 def time_rounds(steps: dict[tuple[str, str], Step], args: argparse.Namespace) -> dict[tuple[str, str], list[float]]:
     """Median ms per step of every session, per round (all sessions once per round, the order rotating)."""
-    keys = list(steps)
-    times: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for round_index in range(args.rounds):
-        shift = round_index * max(1, len(keys) // args.rounds) % len(keys)
-        for key in keys[shift:] + keys[:shift]:
-            times[key].append(steps[key].time(args.steps))
-        print(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
-            f"{m} {v} {times[m, v][-1]:.2f}" for m, v in keys if v == FULL), flush=True)
-    return dict(times)
+
+    def progress(index: int, times: dict[tuple[str, str], list[float]]) -> None:
+        print(f"round {index + 1}/{args.rounds}: " + ", ".join(
+            f"{m} {v} {t[-1]:.2f}" for (m, v), t in times.items() if v == FULL), flush=True)
+
+    rounds = Rounds(args.rounds, stride=max(1, len(steps) // args.rounds))
+    return rounds.run(steps, lambda step: step.time(args.steps), after_round=progress)
 
 
 # ----------------------------------------------------------------------------- report

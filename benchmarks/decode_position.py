@@ -8,11 +8,10 @@ writes benchmarks/results/decode_position.json.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
+from timer import Samples
 
 from moeforge.cli.bench import write_result
 from moeforge.core.artifact import load_artifact
@@ -21,17 +20,16 @@ from moeforge.runtime.backends.onnxruntime import OrtSession
 RESULTS = Path(__file__).parent / "results" / "decode_position.json"
 
 
-def step_times(session: OrtSession, position: int, repeats: int, vocab: int) -> list[float]:
+def step_times(session: OrtSession, position: int, repeats: int, vocab: int) -> Samples:
     rng = np.random.default_rng(0)
     # Fill the cache up to `position` in one prefill; then time decode steps at that position.
     session.forward(rng.integers(0, vocab, (1, position)), np.arange(position)[None], np.ones((1, position), np.int64))
-    times = []
+    times = Samples()
     for _ in range(repeats):
         token = rng.integers(0, vocab, (1, 1))
-        start = time.perf_counter()
-        # Re-writing slot `position` each time keeps the position fixed.
-        session.forward(token, np.array([[position]]), np.ones((1, position + 1), np.int64))
-        times.append(time.perf_counter() - start)
+        with times.measure():
+            # Re-writing slot `position` each time keeps the position fixed.
+            session.forward(token, np.array([[position]]), np.ones((1, position + 1), np.int64))
     return times
 
 
@@ -50,8 +48,8 @@ def main() -> None:
     rows = []
     for position in args.positions:
         times = step_times(session, position, args.repeats, vocab)
-        rows.append({"position": position, "median_ms": round(1e3 * statistics.median(times), 3),
-                     "p90_ms": round(1e3 * sorted(times)[int(0.9 * len(times))], 3)})
+        rows.append({"position": position, "median_ms": round(1e3 * times.median(), 3),
+                     "p90_ms": round(1e3 * times.percentile(90), 3)})
         print(rows[-1])
     ratio = rows[-1]["median_ms"] / rows[0]["median_ms"]
     write_result(RESULTS, "decode_position", {

@@ -50,7 +50,7 @@ GenAI fp32, moeforge / llama.cpp Q4_1, batch-8 / batch-1 aggregate decode) and w
 benchmarks/results/genai_compare.json through ``moeforge.cli.bench.write_result`` (which records the machine);
 ``--plot FILE.png`` also draws the decode medians (matplotlib, when installed). The reusable parts
 (``ensure_peer_models``, ``make_runners``, ``run_rounds``, ``summarize``, ``markdown``) live in ``peers``,
-which ``moeforge bench ARTIFACT --compare-genai-builder`` also drives for one artifact.
+which ``benchmarks/genai_builder.py ARTIFACT`` also drives for one artifact.
 """
 
 from __future__ import annotations

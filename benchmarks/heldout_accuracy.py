@@ -12,7 +12,7 @@ Models:
 * every moeforge artifact given on the command line, its model.onnx run by
   ``moeforge.runtime.backends.onnxruntime.OrtSession`` (as benchmarks/quant_accuracy.py runs its graphs);
 * the onnxruntime-genai builder's fp32 and int4 models (``benchmarks/genai_compare.py`` builds them into
-  ``--work-dir``, once), each model.onnx run with a plain ``onnxruntime.InferenceSession``: the input names from
+  ``--work-dir``, once), each model.onnx run in a bare ONNX Runtime session (``make_session``): the input names from
   its genai_config.json, empty past keys/values ``[1, kv_heads, 0, head_size]`` and an all-ones attention mask;
 * llama.cpp (llama-cpp-python, ``logits_all=True``) on the GGUF itself, when it is installed (it is built from
   source and not a project dependency; see genai_compare.py).
@@ -33,7 +33,6 @@ import argparse
 import json
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +49,11 @@ from genai_compare import (
     describe_onnx,
     ensure_peer_models,
 )
+from timer import Stopwatch
 
 from moeforge.cli.bench import write_result
 from moeforge.core.artifact import load_artifact
+from moeforge.core.ort_session import make_session
 from moeforge.quant.calibration import mean_kl
 from moeforge.runtime.backends.onnxruntime import OrtSession
 
@@ -99,15 +100,10 @@ def moeforge_logits(artifact_dir: Path, ids: list[int], threads: int | None = No
 def genai_logits(model_dir: Path, ids: list[int], threads: int | None = None) -> np.ndarray:
     """A GenAI builder model's logits [n, V] for ``ids``: its model.onnx under plain onnxruntime, the input
     names from genai_config.json, empty past keys/values."""
-    import onnxruntime as ort
-
     config = json.loads((model_dir / "genai_config.json").read_text())["model"]
     decoder = config["decoder"]
     names, outputs = decoder["inputs"], decoder["outputs"]
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(model_dir / decoder["filename"]), options, providers=["CPUExecutionProvider"])
+    session = make_session(model_dir / decoder["filename"], threads=threads, providers=["CPUExecutionProvider"])
     types = {i.name: ORT_DTYPES[i.type] for i in session.get_inputs()}
     n = len(ids)
     feeds: dict[str, np.ndarray] = {names["input_ids"]: np.array([ids], types[names["input_ids"]])}
@@ -183,9 +179,9 @@ def main() -> None:
         except ImportError as error:
             rows["llama.cpp Q4_1"] = {"error": f"llama-cpp-python not importable: {error}"}
     for label, about, run in models:
-        start = time.perf_counter()
+        watch = Stopwatch()
         logits = run()
-        rows[label] = {**about, **compare(reference, logits, ids), "seconds": round(time.perf_counter() - start, 2)}
+        rows[label] = {**about, **compare(reference, logits, ids), "seconds": round(watch.elapsed(), 2)}
         print(label, {k: v for k, v in rows[label].items() if k in ("top1_agreement", "mean_kl", "top1_vs_text")},
               flush=True)
     path = write_result(args.results, "heldout_accuracy", {

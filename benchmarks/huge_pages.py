@@ -1,7 +1,7 @@
 """Does putting the session's weights on transparent huge pages speed up decode? Measured, alternating, in one run.
 
 `python benchmarks/huge_pages.py ARTIFACT [ARTIFACT ...] [--rounds 6] [--batch 1] [--new-tokens 128]` runs greedy
-decode on each artifact with ``EngineConfig(huge_pages=True)`` (the default, ``moeforge/core/huge_pages.py``) and with
+decode on each artifact with ``BackendOptions(huge_pages=True)`` (the default, ``moeforge/core/huge_pages.py``) and with
 ``huge_pages=False``, each run in a fresh process (huge pages are a property of the process's memory, and a fresh
 process is what a deployment starts), the two alternating and the first of each round swapped every round, so
 a machine that drifts slows both alike. Per variant it reports the median decode tokens/s, the engine's load
@@ -17,9 +17,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # timer and session_options, beside this script (-P child)
+
+from timer import Rounds, Stopwatch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "huge_pages.json"
 VARIANTS = {"on": True, "off": False}
@@ -27,15 +30,16 @@ VARIANTS = {"on": True, "off": False}
 
 def run_once(artifact: str, batch: int, new_tokens: int, huge_pages: bool) -> dict[str, float]:
     """One fresh process: load the engine, warm up, decode; its load seconds, tokens/s and huge-page bytes."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from session_options import decode_rate
 
     from moeforge.core.huge_pages import huge_bytes
-    from moeforge.runtime.engine import EngineConfig, LLMEngine
+    from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 
-    start = time.perf_counter()
-    engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=batch, huge_pages=huge_pages))
-    load_s = time.perf_counter() - start
+    loading = Stopwatch()
+    engine = LLMEngine.from_artifact(artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=batch),
+        backend=BackendOptions(huge_pages=huge_pages)))
+    load_s = loading.elapsed()
     decode_rate(engine, batch, 8)  # warm-up
     rate = decode_rate(engine, batch, new_tokens)
     return {"decode_tokens_per_s": rate, "load_s": load_s, "huge_bytes": huge_bytes()}
@@ -44,8 +48,7 @@ def run_once(artifact: str, batch: int, new_tokens: int, huge_pages: bool) -> di
 def measure(artifact: str, batch: int, new_tokens: int, rounds: int) -> dict[str, Any]:
     """Alternating fresh-process runs of both variants; medians and per-round paired ratios."""
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
-    for index in range(rounds):
-        order = list(VARIANTS) if index % 2 == 0 else list(reversed(VARIANTS))
+    for _, order in Rounds(rounds, reverse=True).orders(VARIANTS):
         for name in order:
             out = subprocess.run([sys.executable, "-P", __file__, "--child", artifact, str(batch), str(new_tokens),
                                   str(int(VARIANTS[name]))], capture_output=True, text=True, check=True)

@@ -3,7 +3,7 @@
 `python benchmarks/kv_memory.py PAGED_ARTIFACT [--seed 0]` runs 8 requests (prompts of 24..200 tokens, 24
 generated each) twice:
 
-1. with the engine's default pool (``EngineConfig(kv_blocks=None)``: ``max_num_seqs x ceil(max_seq_len / Bs)``
+1. with the engine's default pool (``CacheOptions(kv_blocks=None)``: ``max_num_seqs x ceil(max_seq_len / Bs)``
    blocks, the same bytes as the contiguous layout). While each step runs (inside ``backend.execute``) it
    records the blocks in use and the allocated tokens; at the peak it reports
    ``peak_held_bytes = peak blocks x bytes_per_block`` over the bytes of the tokens held then
@@ -27,7 +27,7 @@ import numpy as np
 from moeforge.cli.bench import write_result
 from moeforge.core.artifact import load_artifact
 from moeforge.runtime.backends.base import StepInput
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import CacheOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -38,8 +38,9 @@ REQUESTS = 8
 def _serve(artifact: Path, prompts: list[list[int]], kv_blocks: int | None) -> tuple[LLMEngine, list[list[int]],
                                                                                      int, int]:
     """Run ``prompts`` together; (engine, tokens per prompt, peak blocks in use, allocated tokens then)."""
-    engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=REQUESTS, max_num_batched_tokens=256,
-                                                             kv_blocks=kv_blocks))
+    engine = LLMEngine.from_artifact(artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=REQUESTS, max_num_batched_tokens=256),
+        cache=CacheOptions(kv_blocks=kv_blocks)))
     peak = {"blocks": 0, "tokens": 0}
     execute = engine.backend.execute
 

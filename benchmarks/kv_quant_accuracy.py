@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 import torch
+from timer import Stopwatch
 
 from moeforge.cli.bench import write_result
 from moeforge.compile.onnx_export import export_stateless
@@ -47,10 +47,10 @@ def decode_logits(path: Path, kv_cache: KVCacheSpec, ids: list[int]) -> tuple[np
     """Logits [N, V] feeding ``ids`` one token per step; mean seconds per step; cache bytes per token."""
     session = OrtSession(path, kv_cache=kv_cache, threads=2)
     session.allocate(batch=1, max_len=len(ids) + 1)
-    rows, start = [], time.perf_counter()
+    rows, watch = [], Stopwatch()
     for pos, token in enumerate(ids):
         rows.append(session.forward(np.array([[token]]), np.array([[pos]]), np.ones((1, pos + 1), np.int64))[0, -1])
-    seconds = (time.perf_counter() - start) / len(ids)
+    seconds = watch.elapsed() / len(ids)
     per_token = sum(b.nbytes // b.shape[2] for b in session.buffers)
     return np.stack(rows), seconds, per_token
 

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,10 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from peers import usable_cores
+from timer import Rounds, repeat
 
 from moeforge.cli.bench import write_result
+from moeforge.core import ort_session
 from moeforge.passes.quant_math import pack_nbits
 
 RESULTS = Path(__file__).resolve().parent / "results" / "matmul_scaling.json"
@@ -185,21 +187,12 @@ class Bound:
 
     def time(self, runs: int) -> float:
         """Median microseconds of ``runs`` runs after 3 unmeasured ones."""
-        for _ in range(3):
-            self.session.run_with_iobinding(self.binding)
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            self.session.run_with_iobinding(self.binding)
-            times.append(time.perf_counter() - start)
-        return 1e6 * statistics.median(times)
+        return 1e6 * repeat(partial(self.session.run_with_iobinding, self.binding), runs, warmup=3).median()
 
 
 def make_session(model: onnx.ModelProto, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    """A CPU session of the in-memory kernel graph with ``threads`` intra-op threads."""
+    return ort_session.make_session(None, graph=model, threads=threads, providers=["CPUExecutionProvider"])
 
 
 # Largest relative error accepted before timing: int8 activations (accuracy 4, DynamicQuantizeMatMul) are ~1e-2 off.
@@ -240,13 +233,9 @@ def main() -> None:
             error = bound[kernel, rows].worst_error(graphs[kernel].references)
             if error > TOLERANCE.get(kernel, DEFAULT_TOLERANCE):
                 raise SystemExit(f"{kernel} at {rows} rows is {error:.2e} off NumPy's product: not timing it")
-    keys = list(bound)
-    times: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
-    for round_index in range(args.rounds):
-        shift = round_index * max(1, len(keys) // args.rounds) % len(keys)
-        for key in keys[shift:] + keys[:shift]:
-            times[key].append(bound[key].time(args.runs) / args.copies)
-        print(f"round {round_index + 1}/{args.rounds}", flush=True)
+    rounds = Rounds(args.rounds, stride=max(1, len(bound) // args.rounds))
+    times = rounds.run(bound, lambda b: b.time(args.runs) / args.copies,
+                       after_round=lambda index, _: print(f"round {index + 1}/{args.rounds}", flush=True))
     rows_out: dict[str, Any] = {}
     for kernel in args.kernels:
         per_rows = {str(r): round(statistics.median(times[kernel, r]), 2) for r in args.rows}

@@ -19,17 +19,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import onnx
 import onnxruntime as ort
+from timer import Rounds, Stopwatch
 
 from moeforge.cli.bench import write_result
 from moeforge.core.artifact import load_artifact
+from moeforge.core.ort_session import make_session
 from moeforge.ops.paged_attention.ort_lowering import lower_for_ort
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "paged_decode.json"
@@ -40,13 +42,15 @@ def optimized_nodes(artifact: Path) -> int:
     model_path = load_artifact(artifact).model_path
     graph = lower_for_ort(onnx.load(str(model_path), load_external_data=False))
     with tempfile.TemporaryDirectory() as folder:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.optimized_model_filepath = str(Path(folder) / "optimized.onnx")
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                         str(model_path.parent))
-        ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return len(onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node)
+        optimized = Path(folder) / "optimized.onnx"
+
+        def save_optimized(path: str | Path, lowered: onnx.ModelProto | None, options: ort.SessionOptions,
+                           providers: list[str]) -> onnx.ModelProto | None:
+            options.optimized_model_filepath = str(optimized)  # where ONNX Runtime writes the graph it runs
+            return lowered
+
+        make_session(model_path, graph=graph, providers=["CPUExecutionProvider"], prepare=save_optimized)
+        return len(onnx.load(str(optimized), load_external_data=False).graph.node)
 
 
 def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -62,9 +66,9 @@ def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int)
             if out.token_ids:
                 started.add(out.request_id)
         if first is None and len(started) == batch:
-            first = time.perf_counter()
+            first = Stopwatch()
     assert first is not None
-    return batch * (new_tokens - 1) / (time.perf_counter() - first)
+    return batch * (new_tokens - 1) / first.elapsed()
 
 
 def main() -> None:
@@ -83,17 +87,17 @@ def main() -> None:
     for name, path in systems.items():
         rows[name] = {"artifact": str(path), "nodes_per_step": optimized_nodes(path)}
     for batch in args.batches:
-        engines = {name: LLMEngine.from_artifact(path, EngineConfig(max_num_seqs=batch, huge_pages=True))
+        engines = {name: LLMEngine.from_artifact(path, EngineConfig(
+            scheduling=SchedulingOptions(max_num_seqs=batch),
+            backend=BackendOptions(huge_pages=True)))
                    for name, path in systems.items()}
-        rates: dict[str, list[float]] = {name: [] for name in systems}
         for engine in engines.values():  # warm-up
             decode_rate(engine, batch, args.prompt_len, 8)
-        for r in range(args.rounds):
-            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-                rates[name].append(round(decode_rate(engines[name], batch, args.prompt_len, args.new_tokens), 1))
+        measured = Rounds(args.rounds, reverse=True).run(
+            engines, partial(decode_rate, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens))
         for name in systems:
-            rows[name][f"b{batch}"] = {"decode_tokens_per_s": rates[name],
-                                       "median": statistics.median(rates[name])}
+            rates = [round(rate, 1) for rate in measured[name]]
+            rows[name][f"b{batch}"] = {"decode_tokens_per_s": rates, "median": statistics.median(rates)}
         del engines
     print("| system | nodes per step | " + " | ".join(f"decode b{b} tok/s" for b in args.batches) + " |")
     print("|---|---|" + "---|" * len(args.batches))

@@ -1,7 +1,7 @@
 """moeforge side by side with peer runtimes on the same checkpoint: onnxruntime-genai running models made by its
 own builder, and llama.cpp (llama-cpp-python) on a GGUF, timed in alternating rounds in one process.
 
-``moeforge bench ARTIFACT --compare-genai-builder`` and ``benchmarks/genai_compare.py`` drive it:
+``benchmarks/genai_builder.py ARTIFACT`` and ``benchmarks/genai_compare.py`` drive it:
 
 * ``checkpoint_folder``: the Hugging Face folder GenAI's builder reads, from the artifact's source checkpoint
   (an HF folder as it is; a GGUF dequantised to fp32 by transformers first: the builder reads only fp16/fp32
@@ -35,11 +35,12 @@ import numpy as np
 import onnx
 import torch
 from gguf import GGUFReader, LlamaFileType
+from timer import Rounds, Stopwatch
 
 from moeforge.cli.bench import _prompts
 from moeforge.core.artifact import load_artifact
 from moeforge.core.errors import MoeforgeError
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
 from moeforge.runtime.sampler import SamplingParams
 
 GENAI_PRECISIONS = ("fp32", "int4")  # the builder's defaults for the CPU EP at each precision
@@ -192,6 +193,11 @@ class DecodeRun:
     decode_tokens_per_s: float
     row0: list[int]
 
+    @classmethod
+    def timed(cls, first_s: float, end_s: float, rows: int, new_tokens: int, row0: list[int]) -> DecodeRun:
+        """From the seconds to the first token and to the last (of every row), for ``rows`` rows."""
+        return cls(first_s, rows * (new_tokens - 1) / (end_s - first_s), row0)
+
 
 class Runner(Protocol):
     """One system at one batch size, loaded once and timed in every round."""
@@ -218,12 +224,14 @@ class MoeforgeRunner:
 
     def __post_init__(self) -> None:
         self.engine = LLMEngine.from_artifact(self.artifact, EngineConfig(
-            max_num_seqs=self.batch, max_num_batched_tokens=self.max_batched_tokens, threads=self.threads,
-            speculative_tokens=self.speculative_tokens))
+            scheduling=SchedulingOptions(max_num_seqs=self.batch, max_num_batched_tokens=self.max_batched_tokens),
+            backend=BackendOptions(threads=self.threads),
+            speculative=SpeculativeOptions(tokens=self.speculative_tokens)))
 
-    def _run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, float, list[int]]:
+    def _run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[int]]:
+        """Seconds until every row has its first token, seconds until the last, row 0's tokens."""
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-        start = time.perf_counter()
+        watch = Stopwatch()
         ids = [self.engine.add_request(p, params) for p in prompts]
         first_at, started, row0 = None, set(), []
         while self.engine.has_unfinished():
@@ -233,18 +241,18 @@ class MoeforgeRunner:
                 if out.finished and out.request_id == ids[0]:
                     row0 = list(out.token_ids)
             if first_at is None and len(started) == len(prompts):
-                first_at = time.perf_counter()
-        end = time.perf_counter()
+                first_at = watch.elapsed()
+        end = watch.elapsed()
         assert first_at is not None and len(row0) == new_tokens, (len(row0), new_tokens)
-        return start, first_at, end, row0
+        return first_at, end, row0
 
     def decode(self, prompts: list[list[int]], new_tokens: int) -> DecodeRun:
-        start, first, end, row0 = self._run(prompts, new_tokens)
-        return DecodeRun(first - start, len(prompts) * (new_tokens - 1) / (end - first), row0)
+        first, end, row0 = self._run(prompts, new_tokens)
+        return DecodeRun.timed(first, end, len(prompts), new_tokens, row0)
 
     def prefill(self, prompt: list[int]) -> float:
-        start, first, _, _ = self._run([prompt], 1)
-        return len(prompt) / (first - start)
+        first, _, _ = self._run([prompt], 1)
+        return len(prompt) / first
 
 
 @dataclass
@@ -277,24 +285,24 @@ class GenaiRunner:
         return og.Generator(self.model, params)
 
     def decode(self, prompts: list[list[int]], new_tokens: int) -> DecodeRun:
-        start = time.perf_counter()
+        watch = Stopwatch()
         generator = self._generator(prompts, new_tokens)
         generator.append_tokens(np.array(prompts, dtype=np.int32))
         generator.generate_next_token()
-        first = time.perf_counter()
+        first = watch.elapsed()
         while not generator.is_done():
             generator.generate_next_token()
-        end = time.perf_counter()
+        end = watch.elapsed()
         row0 = [int(t) for t in generator.get_sequence(0)][len(prompts[0]):]
         assert len(row0) == new_tokens, (len(row0), new_tokens)
-        return DecodeRun(first - start, len(prompts) * (new_tokens - 1) / (end - first), row0)
+        return DecodeRun.timed(first, end, len(prompts), new_tokens, row0)
 
     def prefill(self, prompt: list[int]) -> float:
-        start = time.perf_counter()
+        watch = Stopwatch()
         generator = self._generator([prompt], 1)
         generator.append_tokens(np.array([prompt], dtype=np.int32))
         generator.generate_next_token()
-        return len(prompt) / (time.perf_counter() - start)
+        return len(prompt) / watch.elapsed()
 
 
 @dataclass
@@ -326,21 +334,21 @@ class LlamaCppRunner:
         if len(prompts) != 1:
             raise ValueError("the llama.cpp runner decodes one sequence")
         self.llm.reset()
-        start = time.perf_counter()
+        watch = Stopwatch()
         token = self._next(prompts[0])
-        first = time.perf_counter()
+        first = watch.elapsed()
         row0 = [token]
         for _ in range(new_tokens - 1):
             token = self._next([token])
             row0.append(token)
-        end = time.perf_counter()
-        return DecodeRun(first - start, (new_tokens - 1) / (end - first), row0)
+        end = watch.elapsed()
+        return DecodeRun.timed(first, end, 1, new_tokens, row0)
 
     def prefill(self, prompt: list[int]) -> float:
         self.llm.reset()
-        start = time.perf_counter()
+        watch = Stopwatch()
         self._next(prompt)
-        return len(prompt) / (time.perf_counter() - start)
+        return len(prompt) / watch.elapsed()
 
 
 def artifact_label(artifact: Path) -> tuple[str, str]:
@@ -410,8 +418,7 @@ def run_rounds(runners: Sequence[Runner], rounds: int, prompt_len: int, new_toke
             runner.prefill(_prompts(vocab, 1, prefill_len, seed=10_001)[0])
     time.sleep(SETTLE_S)
     records: list[dict[str, Any]] = []
-    for r in range(rounds):
-        order = [*runners[r % len(runners):], *runners[:r % len(runners)]]
+    for r, order in Rounds(rounds).orders(runners):
         prefill_prompt = _prompts(vocab, 1, prefill_len, seed=2 * r + 1)[0]
         for runner in order:
             run = runner.decode(_prompts(vocab, runner.batch, prompt_len, seed=2 * r), new_tokens)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 import torch
+from timer import Stopwatch
 
 from moeforge.cli.bench import write_result
 from moeforge.compile.onnx_export import export_stateless, unmark_layers
@@ -110,7 +110,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for label, options in [("fp32", None), *schemes]:
             copy = ir.serde.deserialize_model(proto)
-            start = time.perf_counter()
+            quantizing = Stopwatch()
             summary = {}
             if options is not None:
                 prompts = [] if options.calib is None else tokenize_prompts(read_prompts(options.calib),
@@ -122,7 +122,7 @@ def main() -> None:
                 summary = {k: full[k] for k in ("scheme", "weights", "block_size", "accuracy_level")}
                 if "activations" in full:
                     summary["activations"] = {k: v for k, v in full["activations"].items() if k != "scales"}
-            seconds = time.perf_counter() - start
+            seconds = quantizing.elapsed()
             folder = Path(tmp) / label
             folder.mkdir()
             ours = artifact_logits(copy, kv_cache, ids, folder)

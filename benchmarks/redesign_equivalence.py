@@ -8,8 +8,9 @@ commit. Compared, per artifact:
 
 - ``model.onnx``: opset imports, graph inputs/outputs (name, dtype, shape), every node in order (op type,
   domain, name, inputs, outputs, attributes), local functions the same way, every initializer (name,
-  dtype, shape, sha256 of its bytes), and the sha256 of the whole file once the exporter's per-node stack
-  traces (source paths and line numbers, which a refactor moves) are removed;
+  dtype, shape, sha256 of its bytes), and the sha256 of the whole file once the exporter's per-node source
+  locations (stack traces: paths and line numbers; namespace and class hierarchy: module paths of the Python
+  classes, which a refactor that moves modules changes) are removed;
 - ``manifest.json``: everything except tool versions, ``created_utc``, pass timings, TensorRT build
   timings/sizes and the source path; the sha256 of every file except TensorRT plans (rebuilt differently each
   time), so ``model.onnx``, its weights, the tokenizer and configs must be byte-identical;
@@ -56,13 +57,31 @@ CASES: list[tuple[str, list[str]]] = [
     ("tiny-llama-trt", ["tiny-llama", "--target", "trt"]),
     ("tiny-llama-trt-int4", ["tiny-llama", "--target", "trt", "--quant", "int4", "--block-size", "16"]),
     ("tiny-deepseek-v3-trt-paged", ["tiny-deepseek-v3", "--target", "trt", "--kv-cache", "paged"]),
+    # The MoE families (one MoERouter attribute set each), DeepSeek-V3.2's sparse attention, and sharded artifacts.
+    ("tiny-deepseek-v2", ["tiny-deepseek-v2"]),
+    ("tiny-qwen3-moe", ["tiny-qwen3-moe"]),
+    ("tiny-mixtral-paged", ["tiny-mixtral", "--kv-cache", "paged"]),
+    ("tiny-olmoe", ["tiny-olmoe"]),
+    ("tiny-glm4-moe", ["tiny-glm4-moe"]),
+    ("tiny-kimi-k2-int8", ["tiny-kimi-k2", "--quant", "int8"]),
+    ("tiny-deepseek-v3.2", ["tiny-deepseek-v3.2"]),
+    ("tiny-deepseek-v3.2-paged", ["tiny-deepseek-v3.2", "--kv-cache", "paged", "--kv-block-size", "8"]),
+    ("tiny-llama-tp2", ["tiny-llama", "--tp", "2"]),
+    ("tiny-deepseek-v3-tp2-ep2", ["tiny-deepseek-v3", "--tp", "2", "--ep", "2"]),
+    ("tiny-deepseek-v3.2-tp2-paged", ["tiny-deepseek-v3.2", "--tp", "2", "--kv-cache", "paged"]),
 ]
+# Flags a later revision needs for the same artifact: since the backend registry, a TensorRT paged engine (which no
+# moeforge backend runs) is built only with --build-only. Given to the "after" side when it accepts the flag.
+AFTER_ONLY_FLAGS: dict[str, list[str]] = {"tiny-deepseek-v3-trt-paged": ["--build-only"]}
 VOLATILE_MANIFEST = ("tool_versions", "created_utc", "files", "source")
 # Files not compared byte for byte: TensorRT plans (a build embeds its own details each time) and model.onnx, whose
 # nodes carry the exporter's stack traces (source file paths and line numbers of the moeforge that exported it);
 # model.onnx is compared node for node and as a hash of its bytes with those stack traces removed.
 NONDETERMINISTIC_FILES = ("model.plan", "timing.cache", "model.onnx")
-STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
+# Node metadata that records where the exporter found each op in moeforge's source: the stack trace (paths, line
+# numbers) and the Python classes it passed through (module paths, e.g. moeforge.model.model.CausalLM), which a
+# refactor that moves modules changes; the ops, names and attributes themselves are compared node for node.
+SOURCE_LOCATION_KEYS = ("pkg.torch.onnx.stack_trace", "namespace", "pkg.torch.onnx.class_hierarchy")
 VOLATILE_ENGINE = ("build_seconds", "plan_bytes", "layer_types", "tensorrt_version")
 
 
@@ -84,6 +103,10 @@ def compile_case(site: Path, args: list[str], out: Path) -> None:
     """``moeforge compile`` from ``site`` only, in a fresh interpreter whose working directory holds no moeforge."""
     env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
     argv = [*args, "-o", str(out), "--quiet"]
+    help_text = subprocess.run([sys.executable, "-c", "import sys; from moeforge.cli import main; "
+                                "sys.exit(main(['compile', '--help']))"], env=env, cwd=out.parent,
+                               capture_output=True, text=True).stdout
+    argv = [a for a in argv if not a.startswith("--build-only") or "--build-only" in help_text]
     argv = [str(ROOT / a) if a == CALIB else a for a in argv]
     code = ("import sys, moeforge; assert moeforge.__file__.startswith(sys.argv[1]), moeforge.__file__; "
             "from moeforge.cli import main; sys.exit(main(['compile', *sys.argv[2:]]))")
@@ -115,7 +138,7 @@ def describe_graph(path: Path) -> dict[str, Any]:
         initializers[init.name] = {"dtype": str(array.dtype), "shape": list(array.shape),
                                    "sha256": hashlib.sha256(array.tobytes()).hexdigest()}
     return {
-        "sha256_without_stack_traces": _hash_without_stack_traces(path),
+        "sha256_without_source_locations": _hash_without_source_locations(path),
         "opsets": sorted((o.domain, o.version) for o in proto.opset_import),
         "inputs": [_value(v) for v in graph.input],
         "outputs": [_value(v) for v in graph.output],
@@ -127,12 +150,12 @@ def describe_graph(path: Path) -> dict[str, Any]:
     }
 
 
-def _hash_without_stack_traces(path: Path) -> str:
+def _hash_without_source_locations(path: Path) -> str:
     """sha256 of model.onnx (weights stay external) after dropping the stack-trace metadata of every node."""
     proto = onnx.load(str(path), load_external_data=False)
     for nodes in [proto.graph.node, *(f.node for f in proto.functions)]:
         for node in nodes:
-            kept = [p for p in node.metadata_props if p.key != STACK_TRACE_KEY]
+            kept = [p for p in node.metadata_props if p.key not in SOURCE_LOCATION_KEYS]
             del node.metadata_props[:]
             node.metadata_props.extend(kept)
     return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
@@ -151,8 +174,21 @@ def describe_manifest(path: Path) -> dict[str, Any]:
 
 
 def describe(artifact: Path) -> dict[str, Any]:
+    """One artifact, or a sharded one: its sharded.json (less the compile's id, time, source and the ranks' manifest
+    hashes, which cover those manifests' own times) and each rank directory described as an artifact."""
+    if (artifact / "sharded.json").is_file():
+        sharded = json.loads((artifact / "sharded.json").read_text())
+        for key in ("compile_id", "created_utc", "source"):
+            sharded.pop(key, None)
+        for rank in sharded.get("ranks", []):
+            rank.pop("manifest_sha256", None)
+        ranks = sorted(p for p in artifact.iterdir() if p.is_dir())
+        return {"sharded": sharded, "ranks": {p.name: describe(p) for p in ranks},
+                "files": sorted(p.name for p in artifact.iterdir())}
     golden = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((artifact / "golden").glob("*"))}
-    return {"graph": describe_graph(artifact / "model.onnx"), "manifest": describe_manifest(artifact / "manifest.json"),
+    manifest = describe_manifest(artifact / "manifest.json")
+    manifest.get("sharding", {}).pop("compile_id", None)
+    return {"graph": describe_graph(artifact / "model.onnx"), "manifest": manifest,
             "golden": golden, "files": sorted(p.name for p in artifact.iterdir())}
 
 
@@ -190,7 +226,7 @@ def main() -> int:
             for side, site in sites.items():
                 out = Path(tmp) / side / "artifacts" / label
                 out.parent.mkdir(parents=True, exist_ok=True)
-                compile_case(site, case_args, out)
+                compile_case(site, case_args + (AFTER_ONLY_FLAGS.get(label, []) if side == "after" else []), out)
                 described[side] = describe(out)
             diff = differences(described["before"], described["after"])
             graph = described["after"]["graph"]

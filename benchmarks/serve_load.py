@@ -33,11 +33,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+from timer import Stopwatch
 
 from moeforge.cli.bench import write_result
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.parallel.net import free_port
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -69,7 +70,7 @@ def workload(clients: int, vocab: int, seed: int) -> list[Client]:
     return out
 
 
-async def run_client(http: httpx.AsyncClient, url: str, model: str, client: Client, start: float) -> None:
+async def run_client(http: httpx.AsyncClient, url: str, model: str, client: Client, clock: Stopwatch) -> None:
     body = {"model": model, "prompt": client.prompt, "max_tokens": client.max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "return_token_ids": True}
     try:
@@ -83,7 +84,7 @@ async def run_client(http: httpx.AsyncClient, url: str, model: str, client: Clie
                 elif line.startswith("data: "):
                     choice = json.loads(line[6:])["choices"][0]
                     if choice.get("token_ids") and client.ttft is None:
-                        client.ttft = time.perf_counter() - start
+                        client.ttft = clock.elapsed()
                     client.tokens += choice.get("token_ids") or []
                     client.finish_reason = choice["finish_reason"] or client.finish_reason
                     if client.leave_after is not None and len(client.tokens) >= client.leave_after:
@@ -104,7 +105,7 @@ def metrics(url: str) -> dict[str, float]:
 
 def solo_tokens(artifact: Path, clients: list[Client]) -> dict[int, list[int]]:
     """Each finishing client's request run alone (one request in the engine)."""
-    engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=1))
+    engine = LLMEngine.from_artifact(artifact, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=1)))
     return {c.index: engine.generate([c.prompt], SamplingParams(max_tokens=c.max_tokens, ignore_eos=True))[0]
             .token_ids for c in clients if c.leave_after is None}
 
@@ -131,9 +132,9 @@ def start_server(artifact: Path, port: int, max_num_seqs: int, clients: int, cwd
 async def load(url: str, model: str, clients: list[Client], timeout: float) -> float:
     limits = httpx.Limits(max_connections=len(clients), max_keepalive_connections=len(clients))
     async with httpx.AsyncClient(timeout=60, limits=limits) as http:
-        start = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*(run_client(http, url, model, c, start) for c in clients)), timeout)
-        return time.perf_counter() - start
+        clock = Stopwatch()
+        await asyncio.wait_for(asyncio.gather(*(run_client(http, url, model, c, clock) for c in clients)), timeout)
+        return clock.elapsed()
 
 
 def run(artifact: Path, num_clients: int, max_num_seqs: int, timeout: float, seed: int) -> tuple[dict[str, object],

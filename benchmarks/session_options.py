@@ -7,7 +7,7 @@ the median decode tokens/s per variant, with its ratio to the default, to
 benchmarks/results/session_options_<artifact>.json (machine described):
 
 - default: ONNX Runtime's defaults (intra-op threads = physical cores, spinning on, prepacking on);
-- threads=1 / threads=N: ``EngineConfig(threads=...)``;
+- threads=1 / threads=N: ``EngineConfig(backend=BackendOptions(threads=...))``;
 - no-spinning: ``session.intra_op.allow_spinning`` = 0 (idle threads sleep: less CPU burnt between steps);
 - no-prepacking: ``session.disable_prepacking`` = 1 (weights used as stored, not repacked at load);
 - dynamic-block: ``session.dynamic_block_base`` = 4 (ONNX Runtime's dynamic work partitioning);
@@ -22,19 +22,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from timer import Rounds, Stopwatch
+
 from moeforge.cli.bench import write_result
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def variants() -> dict[str, dict[str, Any]]:
-    """Name -> EngineConfig keyword arguments."""
+    """Name -> BackendOptions keyword arguments."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     found: dict[str, dict[str, Any]] = {
         "default": {},
@@ -57,12 +59,11 @@ def decode_rate(engine: LLMEngine, batch: int, new_tokens: int, prompt_len: int 
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     engine.step()  # the prefill (all prompts fit one step)
-    start = time.perf_counter()
-    steps = 0
+    watch, steps = Stopwatch(), 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    return batch * steps / (time.perf_counter() - start)
+    return batch * steps / watch.elapsed()
 
 
 def main() -> None:
@@ -73,16 +74,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--results", type=Path, default=None)
     args = parser.parse_args()
-    engines = {name: LLMEngine.from_artifact(args.artifact, EngineConfig(max_num_seqs=args.batch, **kwargs))
+    engines = {name: LLMEngine.from_artifact(args.artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=args.batch), backend=BackendOptions(**kwargs)))
                for name, kwargs in variants().items()}
-    rates: dict[str, list[float]] = {name: [] for name in engines}
     for engine in engines.values():
         decode_rate(engine, args.batch, 8)  # warm-up
-    order = list(engines)
-    for round_index in range(args.rounds):
-        shift = round_index % len(order)  # rotate who goes first, so no variant always follows the same one
-        for name in order[shift:] + order[:shift]:
-            rates[name].append(decode_rate(engines[name], args.batch, args.new_tokens))
+    # the order rotates, so no variant always follows the same one
+    rates = Rounds(args.rounds).run(engines, partial(decode_rate, batch=args.batch, new_tokens=args.new_tokens))
     default = statistics.median(rates["default"])
     results = {name: {"decode_tokens_per_s": [round(r, 1) for r in values],
                       "median": round(statistics.median(values), 1),

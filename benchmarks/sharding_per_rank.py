@@ -1,10 +1,10 @@
 """Per-rank weight and KV-cache bytes of sharded DeepSeek-V3 (and the tiny presets), from the config alone.
 
-`python benchmarks/sharded.py` plans (moeforge/model/sharding.py: Megatron / DeepSeek-reference column, row, vocab and
-expert rules, the model built on PyTorch's meta device: no weights) deepseek-v3's real shapes at tp 1, tp 8 / ep 8,
-tp 16 / ep 16 and tp 8 / ep 1, and writes per rank: weight bytes in bf16 and fp8 (DeepSeek-V3's checkpoint format;
-norms and the router stay as they are in the count, a small overcount), the replicated share, and the KV-cache
-bytes per token (MLA's latent is replicated on every rank, so it does not shrink with tp). Results:
+`python benchmarks/sharding_per_rank.py` plans (moeforge/model/sharding.py: Megatron / DeepSeek-reference column,
+row, vocab and expert rules, the model built on PyTorch's meta device: no weights) deepseek-v3's real shapes at tp 1,
+tp 8 / ep 8, tp 16 / ep 16 and tp 8 / ep 1, and writes per rank: weight bytes in bf16 and fp8 (DeepSeek-V3's
+checkpoint format; norms and the router stay as they are in the count, a small overcount), the replicated share, and
+the KV-cache bytes per token (MLA's latent is replicated on every rank, so it does not shrink with tp). Results:
 benchmarks/results/sharded.json with the machine described.
 
 Then it measures the decode step of tiny-llama and tiny-deepseek-v3 compiled unsharded and with --tp 2 (tiny-deepseek-v3
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from timer import Samples
 
 from moeforge.cli.bench import write_result
 from moeforge.compile.driver import CompileOptions, compile_model
@@ -30,7 +30,7 @@ from moeforge.model.loader import load_config
 from moeforge.model.sharding import plan_sharding
 from moeforge.parallel.net import free_port
 from moeforge.runtime.backends.base import Backend, RowInput, StepInput
-from moeforge.runtime.engine import EngineConfig
+from moeforge.runtime.engine import BackendOptions, EngineConfig, SchedulingOptions
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sharded.json"
 SPLITS = [("deepseek-v3", 1, 1), ("deepseek-v3", 8, 8), ("deepseek-v3", 16, 16), ("deepseek-v3", 8, 1),
@@ -45,19 +45,18 @@ def decode_step_ms(backend: Backend, batch: int) -> float:
     """Median wall time of a decode step of ``batch`` rows after a ``PROMPT_LEN``-token prefill of each."""
     for slot in range(batch):
         backend.execute(StepInput((RowInput(slot, tuple(range(1, PROMPT_LEN + 1)), 0),)))
-    times = []
+    times = Samples()
     for step in range(DECODE_STEPS):
         rows = tuple(RowInput(slot, (7,), PROMPT_LEN + step) for slot in range(batch))
-        start = time.perf_counter()
-        backend.execute(StepInput(rows))
-        times.append(time.perf_counter() - start)
+        with times.measure():
+            backend.execute(StepInput(rows))
     for slot in range(batch):
         backend.release(slot)
-    return 1e3 * statistics.median(times)
+    return 1e3 * times.median()
 
 
 def _config() -> EngineConfig:
-    return EngineConfig(max_num_seqs=max(BATCHES), threads=1)
+    return EngineConfig(scheduling=SchedulingOptions(max_num_seqs=max(BATCHES)), backend=BackendOptions(threads=1))
 
 
 def _rank_main(artifact: str, out: str) -> int:
@@ -94,7 +93,7 @@ def measure_unsharded(artifact: Path) -> dict[str, float]:
     manifest = load_artifact(artifact).manifest
     backend = OrtBackend(artifact / "model.onnx", kv_cache=manifest.kv_cache, num_slots=max(BATCHES),
                          max_seq_len=manifest.kv_cache.max_seq_len,
-                         vocab_size=int(manifest.model_config["vocab_size"]), threads=1)
+                         vocab_size=int(manifest.model_config["vocab_size"]), options=BackendOptions(threads=1))
     return {str(b): decode_step_ms(backend, b) for b in BATCHES}
 
 

@@ -15,13 +15,12 @@ Writes benchmarks/results/sparse_attention.json with the machine described.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
+from timer import Samples, repeat
 
 from moeforge.cli.bench import write_result
 from moeforge.compile.driver import CompileOptions, compile_model
@@ -46,17 +45,14 @@ def bench_config(name: str, topk: int, max_positions: int) -> ModelConfig:
         dsa=DSAConfig(index_topk=topk, index_head_dim=64, index_n_heads=4))
 
 
-def step_times(session: OrtSession, context: int, repeats: int, seed: int) -> list[float]:
-    """Median-able times of decode steps at position ``context`` over ``context`` random cached rows."""
+def step_times(session: OrtSession, context: int, repeats: int, seed: int) -> Samples:
+    """Times of decode steps at position ``context`` over ``context`` random cached rows (each step's inputs made
+    inside its timing)."""
     rng = np.random.default_rng(seed)
     for buffer in session.buffers:  # [1, 1, L, W]: rows 0..context-1 hold "cached tokens"
         buffer[:, :, :context] = rng.standard_normal(buffer[:, :, :context].shape, np.float32)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        session.forward(rng.integers(0, 256, (1, 1)), np.array([[context]]), np.ones((1, context + 1), np.int64))
-        times.append(time.perf_counter() - start)
-    return times
+    return repeat(lambda: session.forward(rng.integers(0, 256, (1, 1)), np.array([[context]]),
+                                          np.ones((1, context + 1), np.int64)), repeats)
 
 
 def main() -> None:
@@ -89,7 +85,7 @@ def main() -> None:
                 step_times(session, 64, 5, 0)  # warm-up
                 for context in args.contexts:
                     times = step_times(session, context, args.repeats, context)
-                    rows[context][f"{form}_median_ms"] = round(1e3 * statistics.median(times), 3)
+                    rows[context][f"{form}_median_ms"] = round(1e3 * times.median(), 3)
                     print(f"{form:15s} top-{topk:<6d} context {context:6d}: {rows[context][f'{form}_median_ms']} ms",
                           flush=True)
                 del session

@@ -1,8 +1,8 @@
-"""Prompt-lookup speculative decoding in the engine (``EngineConfig.speculative_tokens``), measured at batch 1.
+"""Prompt-lookup speculative decoding in the engine (``SpeculativeOptions``), measured at batch 1.
 
 For each artifact and each setting (plain decoding, then k draft tokens with a minimum matched tail of n tokens),
 one engine generates ``--new-tokens`` greedy tokens from every prompt of two sets, the settings alternating per
-prompt: ``random`` (``moeforge.cli.bench``'s random-token prompts, 8 tokens, what ``bench --compare-genai-builder``
+prompt: ``random`` (``moeforge.cli.bench``'s random-token prompts, 8 tokens, what ``genai_builder.py``
 uses) and ``heldout`` (64-token passages of the held-out text of heldout_accuracy.py, the GPL-3 preamble: prose).
 Reported per set: the median decode tokens/s (first token to last), its ratio to plain decoding, the share of
 draft tokens accepted, and how many outputs equal plain decoding's token for token (with the mean length of the
@@ -24,11 +24,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # heldout_accuracy, beside this script
 
 from heldout_accuracy import DEFAULT_START, DEFAULT_TEXT, prose
+from timer import Rounds
 
 from moeforge.cli.bench import _prompts, write_result
 from moeforge.core.artifact import load_artifact
 from moeforge.model.tokenizer import Tokenizer
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
 from moeforge.runtime.sampler import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative_decoding.json"
@@ -41,7 +42,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def measure(artifact: Path, settings: dict[str, dict[str, int]], sets: dict[str, list[list[int]]],
             new_tokens: int, threads: int | None) -> dict[str, Any]:
     """Per setting and prompt set: median decode tok/s, acceptance, agreement with the first setting (plain)."""
-    engines = {name: LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=1, threads=threads, **knobs))
+    engines = {name: LLMEngine.from_artifact(artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=1), backend=BackendOptions(threads=threads),
+        speculative=SpeculativeOptions(**knobs)))
                for name, knobs in settings.items()}
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     for engine in engines.values():  # warm-up
@@ -51,9 +54,8 @@ def measure(artifact: Path, settings: dict[str, dict[str, int]], sets: dict[str,
         speeds: dict[str, list[float]] = {name: [] for name in engines}
         tokens: dict[str, list[list[int]]] = {name: [] for name in engines}
         drafted = {name: (e.metrics.draft_tokens, e.metrics.accepted_draft_tokens) for name, e in engines.items()}
-        for index, prompt in enumerate(prompts):
-            names = list(engines)
-            for name in names[index % len(names):] + names[:index % len(names)]:  # the order rotates per prompt
+        for prompt, (_, order) in zip(prompts, Rounds(len(prompts)).orders(engines), strict=True):
+            for name in order:  # the order rotates per prompt
                 result = engines[name].generate([prompt], params)[0]
                 metrics = result.metrics
                 assert metrics is not None and metrics.finished is not None and metrics.first_token is not None
@@ -88,8 +90,7 @@ def main() -> None:
     settings: dict[str, dict[str, int]] = {"plain": {}}
     for spec in args.settings:
         k, n = spec.removeprefix("k").split("n")
-        settings[spec] = {"speculative_tokens": int(k), "speculative_min_ngram": int(n),
-                          "speculative_max_ngram": max(3, int(n))}
+        settings[spec] = {"tokens": int(k), "min_ngram": int(n), "max_ngram": max(3, int(n))}
     results: dict[str, Any] = {}
     print("| artifact | prompts | setting | decode tok/s | vs plain | drafts accepted | outputs = plain |")
     print("|---|---|---|---|---|---|---|")

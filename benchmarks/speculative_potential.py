@@ -21,9 +21,7 @@ here changes the engine: it says whether building the feature would pay on this 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,12 +31,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # heldout_accuracy, beside this script
 
 from heldout_accuracy import DEFAULT_START, DEFAULT_TEXT, prose
+from timer import Rounds, Samples
 
 from moeforge.cli.bench import _prompts, write_result
 from moeforge.core.artifact import load_artifact
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.backends.onnxruntime import OrtSession
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative_potential.json"
@@ -80,20 +79,20 @@ def run_cost(session: OrtSession, past: int, widths: Sequence[int], rounds: int)
     session.allocate(1, past + max(widths) + 1)
     prefix = np.arange(past, dtype=np.int64)[None] % 97 + 3
     session.forward_on(session.views(0, 1), prefix, np.arange(past)[None], np.ones((1, past), np.int64))
-    times: dict[int, list[float]] = {w: [] for w in widths}
-    for r in range(rounds + 1):
-        for width in (widths if r % 2 else list(widths)[::-1]):
+    times = {w: Samples() for w in widths}
+    warmup = Samples()  # round 0's, dropped
+    # round 0 (the warm-up) runs the widths backwards, round 1 forwards, and so on
+    for r, order in Rounds(rounds + 1, reverse=True).orders(list(widths)[::-1]):
+        for width in order:
             ids = np.full((1, width), 5, np.int64)
             positions = np.arange(past, past + width)[None]
             mask = np.ones((1, past + width), np.int64)
-            start = time.perf_counter()
-            if width == 1:
-                session.decode(0, 1, [5], [past], [past + 1])
-            else:
-                session.forward_on(session.views(0, 1), ids, positions, mask)
-            if r:
-                times[width].append(time.perf_counter() - start)
-    return {w: statistics.median(v) for w, v in times.items()}
+            with (times[width] if r else warmup).measure():
+                if width == 1:
+                    session.decode(0, 1, [5], [past], [past + 1])
+                else:
+                    session.forward_on(session.views(0, 1), ids, positions, mask)
+    return {w: v.median() for w, v in times.items()}
 
 
 def main() -> None:
@@ -109,7 +108,8 @@ def main() -> None:
     args = parser.parse_args()
 
     artifact = load_artifact(args.artifact)
-    engine = LLMEngine.from_artifact(args.artifact, EngineConfig(max_num_seqs=args.prompts))
+    engine = LLMEngine.from_artifact(
+        args.artifact, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=args.prompts)))
     vocab = engine.backend.vocab_size
     tokenizer = Tokenizer.from_file(artifact.root)
     text_ids = tokenizer.encode(prose(DEFAULT_TEXT, DEFAULT_START))

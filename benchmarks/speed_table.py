@@ -1,11 +1,12 @@
-"""README's speed section, regenerated from the committed benchmark results (never typed by hand).
+"""The measured part of docs/performance.md, regenerated from the committed benchmark results (never typed by hand).
 
 `python benchmarks/speed_table.py` reads benchmarks/results/genai_compare.json (moeforge vs onnxruntime-genai's
 builder models and llama.cpp, one alternating run; ``genai_compare_*.json``: the same script on other machines),
 heldout_accuracy.json (top-1 / KL on a text the project did not write), step_overhead.json (host time per decode
 step), decode_breakdown*.json (the step's parts inside ONNX Runtime, per batch), matmul_scaling.json (matmul
 kernels against rows) and compile_time.json, and rewrites the part of
-README.md between ``<!-- speed:start -->`` and ``<!-- speed:end -->``. ``--print`` only prints it.
+docs/performance.md between ``<!-- speed:start -->`` and ``<!-- speed:end -->``. ``--print`` only prints it.
+The README's short Speed section quotes a few of these numbers and links there.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "performance.md"
 START, END = "<!-- speed:start -->", "<!-- speed:end -->"
 
 
@@ -136,18 +137,19 @@ def speed_section() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--print", action="store_true", help="print the section instead of rewriting README.md")
+    parser.add_argument("--print", action="store_true",
+                        help="print the section instead of rewriting docs/performance.md")
     args = parser.parse_args()
     section = speed_section()
     if args.print:
         print(section)
         return
-    text = README.read_text()
+    text = DOC.read_text()
     if START not in text or END not in text:
-        raise SystemExit(f"README.md has no {START} ... {END} markers")
+        raise SystemExit(f"docs/performance.md has no {START} ... {END} markers")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(f"{head}{START}\n{section}{END}{tail}")
+    DOC.write_text(f"{head}{START}\n{section}{END}{tail}")
 
 
 if __name__ == "__main__":

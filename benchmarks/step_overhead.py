@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import onnxruntime as ort
+from timer import Samples, Stopwatch
 
 from moeforge.cli.bench import write_result
-from moeforge.runtime.engine import EngineConfig, LLMEngine
+from moeforge.runtime.engine import EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_overhead.json"
@@ -42,18 +43,17 @@ class StepTimer:
     def __init__(self) -> None:
         self.current: dict[str, float] = defaultdict(float)
 
+    def call(self, part: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, its seconds added to ``part``."""
+        watch = Stopwatch()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.current[part] += watch.elapsed()
+
     def wrap(self, owner: Any, name: str, part: str) -> None:
         """Replace ``owner.name`` (a bound method) by a timed wrapper adding to ``part``."""
-        inner: Callable[..., Any] = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.current[part] += time.perf_counter() - start
-
-        setattr(owner, name, timed)
+        setattr(owner, name, partial(self.call, part, getattr(owner, name)))
 
 
 def find_sessions(backend: Any) -> list[ort.InferenceSession]:
@@ -77,11 +77,7 @@ class TimedSession:
     def run_with_iobinding(self, *args: Any, **kwargs: Any) -> Any:
         if self.skip:
             return None
-        start = time.perf_counter()
-        try:
-            return self._session.run_with_iobinding(*args, **kwargs)
-        finally:
-            self._timer.current["ort_run"] += time.perf_counter() - start
+        return self._timer.call("ort_run", self._session.run_with_iobinding, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._session, name)
@@ -106,8 +102,8 @@ def instrument(engine: LLMEngine, timer: StepTimer) -> list[TimedSession]:
 
 def measure(artifact: str, batch: int, steps: int, prompt_len: int) -> dict[str, Any]:
     """Median per-part milliseconds of ``steps`` greedy decode steps at ``batch`` rows."""
-    engine = LLMEngine.from_artifact(artifact, EngineConfig(max_num_seqs=batch,
-                                                            max_num_batched_tokens=batch * prompt_len))
+    engine = LLMEngine.from_artifact(artifact, EngineConfig(
+        scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len)))
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     prompts = [[(7 * b + 3 * i) % engine.backend.vocab_size + 10 for i in range(prompt_len)] for b in range(batch)]
     engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -118,9 +114,9 @@ def measure(artifact: str, batch: int, steps: int, prompt_len: int) -> dict[str,
     rows: list[dict[str, float]] = []
     while engine.has_unfinished():
         timer.current.clear()
-        start = time.perf_counter()
-        engine.step()
-        total = time.perf_counter() - start
+        with Stopwatch() as step:
+            engine.step()
+        total = step.seconds
         parts = dict(timer.current)
         if "execute" in parts:
             execute = parts.pop("execute", 0.0)
@@ -145,14 +141,13 @@ def host_only(engine: LLMEngine, proxies: list[TimedSession], prompts: list[list
     engine.step()  # the prefill, real
     for proxy in proxies:
         proxy.skip = True
-    times = []
+    times = Samples()
     while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+        with times.measure():
+            engine.step()
     for proxy in proxies:
         proxy.skip = False
-    return statistics.median(times)
+    return times.median()
 
 
 def main() -> None:

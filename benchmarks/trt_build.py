@@ -14,8 +14,9 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from timer import Stopwatch
 
 from moeforge.cli.bench import write_result
 
@@ -29,11 +30,11 @@ def measure(model: str, max_seq_len: int | None, sm: int, dtype: str) -> dict[st
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "artifact"
         limit = ["--max-seq-len", str(max_seq_len)] if max_seq_len else []
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", CHILD, "compile", model, "-o", str(out), "--target", "trt",
-                               "--trt-impl", "tensorrt-rtx", "--sm", str(sm), "--dtype", dtype, *limit, "--quiet"],
-                              capture_output=True, text=True)
-        seconds = time.perf_counter() - start
+        with Stopwatch() as compiling:
+            proc = subprocess.run([sys.executable, "-c", CHILD, "compile", model, "-o", str(out), "--target", "trt",
+                                   "--trt-impl", "tensorrt-rtx", "--sm", str(sm), "--dtype", dtype, *limit, "--quiet"],
+                                  capture_output=True, text=True)
+        seconds = compiling.seconds
         if proc.returncode != 0:
             raise SystemExit(f"compile of {model} failed:\n{proc.stderr}")
         peak_kib = int(proc.stderr.strip().splitlines()[-1].removeprefix("peak_rss_kib="))

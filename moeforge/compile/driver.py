@@ -6,8 +6,8 @@ included); one manifest; write. The artifact is written to a temporary directory
 (``artifact.write_artifact``), so a failed or interrupted compile leaves nothing behind. What differs
 between ONNX Runtime and TensorRT lives in ``moeforge/compile/targets/``.
 
-The stages after loading are ``build.py``'s (shared with ``sharded.py``, which runs them once per rank for
-``--tp``). Memory: never two full copies of the weights at once (see ``build.py``).
+The stages after loading are ``stages.py``'s (shared with ``sharded_compile.py``, which runs them once per rank
+for ``--tp``). Memory: never two full copies of the weights at once (see ``stages.py``).
 """
 
 from __future__ import annotations

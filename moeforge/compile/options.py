@@ -1,5 +1,5 @@
 """What ``moeforge compile`` is asked for, grouped by concern: the KV-cache layout, quantisation
-(``moeforge.quant.spec.QuantSpec``) and the TensorRT build. Read by ``compile.py`` and the targets."""
+(``moeforge.quant.spec.QuantSpec``) and the TensorRT build. Read by ``driver.py`` and the targets."""
 
 from __future__ import annotations
 

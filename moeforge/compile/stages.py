@@ -1,6 +1,6 @@
 """One artifact's stages after loading: export, the target's passes, the manifest, the atomic write.
 
-``compile.py`` runs them once for an unsharded compile; ``sharded.py`` once per rank. Memory: never two full
+``driver.py`` runs them once for an unsharded compile; ``sharded_compile.py`` once per rank. Memory: never two full
 copies of the weights at once. The graph's initializers view the torch tensors; the torch model is released once
 ``target.passes(job)`` returns (a target takes what it needs of it there, e.g. ``--check``'s PyTorch reference),
 and the graph's weights once it is saved, before ONNX Runtime loads its own.

@@ -59,7 +59,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, n * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = nn.Linear(n * mla.v_head_dim, h, bias=config.o_proj_bias)
         self.indexer = Indexer(config) if config.dsa is not None else None
-        # Set by the ONNX exporter: DSA's selection + attention as one moeforge.SparseMLA node (plugins/sparse_mla).
+        # Set by the ONNX exporter: DSA's selection + attention as one moeforge.SparseMLA node (ops/sparse_mla).
         self.export_op = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,

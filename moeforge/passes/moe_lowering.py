@@ -1,7 +1,7 @@
 """MoE lowering: each ``moeforge.MoERouter`` -> ``moeforge.MoEExperts`` pair -> standard ops + ``com.microsoft.MoE``.
 
 The exporter emits, per MoE layer, the router logits (Gemm), one ``moeforge.MoERouter`` node
-(plugins/moe_router) and one ``moeforge.MoEExperts`` node (moeforge/model/moe_op.py) that applies the
+(ops/moe_router) and one ``moeforge.MoEExperts`` node (moeforge/model/moe_op.py) that applies the
 chosen experts; both carry local functions (the experts one runs every expert on every token, O(E)).
 ONNX Runtime's contrib ``MoE`` op runs only the chosen experts, but its routing is fixed (softmax
 over all experts, top-k, renormalise), so the router is lowered by

@@ -1,5 +1,5 @@
 """Paged KV-cache I/O: the graph takes a packed batch of new tokens and reads/writes per-layer block pools
-through ``moeforge::PagedAttention`` (plugins/paged_attention), so one step mixes prefills and decodes.
+through ``moeforge::PagedAttention`` (ops/paged_attention), so one step mixes prefills and decodes.
 
 Letters: T packed new tokens (all sequences), B sequences, M block-table width, N pool blocks,
 Bs block size, K logits rows, Hq/Hkv heads, D head size, R kv_lora_rank, Dr rope dims.

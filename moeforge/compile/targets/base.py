@@ -1,7 +1,7 @@
 """The ``Target`` protocol and the ``CompileJob`` every target reads.
 
 One target object serves one compile (it may keep what its passes decided, e.g. the quantisation plan, for
-the manifest). ``compile.py`` calls, in order: ``check`` (cheap, before anything is loaded), ``passes``,
+the manifest). ``driver.py`` calls, in order: ``check`` (cheap, before anything is loaded), ``passes``,
 ``kv_spec`` / ``precision`` / ``quantization`` (the manifest), then ``write_payload`` inside the artifact's
 temporary directory, after the graph and the tokenizer are saved there.
 """
