@@ -31,7 +31,7 @@ from moeforge.passes.base import MS_DOMAIN, PassContext
 from moeforge.passes.moe_lowering import MoELowering
 
 # Helpers of the shared conftest (pytest's importlib mode registers it under its path-derived name).
-from tests.graph_passes.conftest import random_feeds, run_ort
+from tests.passes.conftest import random_feeds, run_ort
 
 DEEPSEEK = ("tiny-deepseek-v3", "tiny-deepseek-v2")
 OPSET = 23

@@ -14,7 +14,7 @@ from moeforge.cli.commands import EXIT_OK, main
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.core.artifact import load_artifact
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from test_gguf_architectures import BUILDERS, _randomise, write_gguf  # tiny models written as llama.cpp would
 from test_gguf_deepseek import write_deepseek_gguf
 from test_hf_parity import _deepseek_v3

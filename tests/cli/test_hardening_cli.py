@@ -39,7 +39,7 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("hardening_cli") / "tiny"
     proc = subprocess.run([sys.executable, "-m", "moeforge.cli", "compile", "tiny-llama", "-o", str(out),
                            "--max-seq-len", "64", "--quiet"], capture_output=True, text=True, timeout=600,
-                          cwd=out.parent)  # not the checkout, whose moeforge/ folder would shadow the package
+                          cwd=out.parent)  # as a user runs it, outside the checkout
     assert proc.returncode == 0, proc.stderr
     return out, proc.stderr
 

@@ -12,7 +12,7 @@ import torch
 from moeforge.cli.commands import EXIT_CHECK_FAILED, EXIT_OK, main
 from moeforge.compile.driver import CompileOptions, compile_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from test_hf_parity import _qwen3, _randomise  # the tiny transformers builders of the HF parity tests
 
 

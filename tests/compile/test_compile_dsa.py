@@ -1,6 +1,6 @@
 """`moeforge compile` of DeepSeek-V3.2 (DSA) artifacts, contiguous and paged: tiny-deepseek-v3.2 (top-16 of up to
 80 tokens, so the selection is sparse) against PyTorch teacher-forced over a 64-token prompt and 16 decode steps
-(max |logits diff| < 1e-4, greedy identical; tests/export/test_dsa_parity.py ties the PyTorch model to
+(max |logits diff| < 1e-4, greedy identical; tests/model/test_dsa_parity.py ties the PyTorch model to
 transformers), the cache layout in the manifest, the engine (prefix caching on the paged one), quantised
 artifacts through `moeforge parity`, and the target not supported.
 

@@ -1,7 +1,7 @@
 """`moeforge compile` for the MoE families beyond DeepSeek (tiny seeded presets of Qwen3-MoE, GLM-4.5 MoE, Mixtral,
 OLMoE, Kimi-K2), contiguous and paged: the same passes lower every MoE layer to com.microsoft.MoE, and the
 artifact agrees with PyTorch teacher-forced over a 64-token prompt and 16 decode steps (max |logits diff| < 1e-4,
-greedy identical; tests/export/test_moe_families.py ties each preset's PyTorch model to transformers). Quantised
+greedy identical; tests/model/test_moe_families.py ties each preset's PyTorch model to transformers). Quantised
 int8 and int4-asym artifacts of one family pass `moeforge parity` at their scheme's thresholds.
 
 Each compile takes ~10 s on 2 cores: one case per family runs by default, the other layout is marked heavy.

@@ -108,7 +108,7 @@ CASES: dict[str, tuple[Callable[[], Any], str]] = {
 @torch.no_grad()
 def randomise(model: torch.nn.Module, seed: int) -> None:
     """Weights with a real spread (HF's std 0.02 makes near-uniform logits that hide errors); positive correction
-    biases (see tests/export/test_hf_parity.py)."""
+    biases (see tests/model/test_hf_parity.py)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         if p.dim() == 1:

@@ -1,6 +1,6 @@
 """One rank of a sharded-engine test, started by torchrun (or by the tests with torchrun's variables).
 
-    torchrun --nproc-per-node 2 tests/moeforge/sharded_driver.py DIR OUT.json [--die-after N]
+    torchrun --nproc-per-node 2 tests/compile/sharded_driver.py DIR OUT.json [--die-after N]
 
 Rank 0 runs 8 concurrent greedy requests through ``LLMEngine`` on a ``ShardedBackend`` and writes their tokens to
 OUT.json; every other rank serves the steps. ``--die-after N``: rank 1 exits abruptly after N steps (a rank dying

@@ -28,7 +28,7 @@ from moeforge.model.presets import PRESETS
 from moeforge.model.safetensors_loader import expected_keys
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.verify.generate import generate
-from tests.export.test_moe_families import KIMI_YARN, PROMPT_LEN, STEPS, TINY, VOCAB, cached_logits, randomise
+from tests.model.test_moe_families import KIMI_YARN, PROMPT_LEN, STEPS, TINY, VOCAB, cached_logits, randomise
 
 # The smallest score gap at the top-k boundary we accept as a real (not tie-broken) selection.
 MIN_MARGIN = 1e-5

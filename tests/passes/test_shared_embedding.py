@@ -16,7 +16,7 @@ from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.core.artifact import load_artifact
 from moeforge.model.loader import load_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from test_gguf_loader import VOCAB, H, write_tiny_gguf  # a tiny llama written as llama.cpp would
 
 

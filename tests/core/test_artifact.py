@@ -235,8 +235,7 @@ def test_real_sigint_during_payload(tmp_path):
         except KeyboardInterrupt:
             sys.exit(130)
     """)
-    # cwd outside the checkout: `python -c` puts the cwd first on sys.path, where the source folder `moeforge/`
-    # would shadow the installed package (whose subpackages map to the top-level folders).
+    # cwd outside the checkout, whose artifacts are left alone: `python -c` puts the cwd first on sys.path.
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path.parent)
     try:
         assert proc.stdout.readline().strip() == "ready"
