@@ -78,10 +78,13 @@ def start_world(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> World
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(size),
                "LOCAL_WORLD_SIZE": str(size)}
         os.environ.update(env, RANK="0", LOCAL_RANK="0")
-        # -P: no current directory on sys.path, so a checkout's top-level ``moeforge/`` folder cannot shadow the
-        # installed package when the command runs from the repository root.
+        # Every rank runs the moeforge this process runs: -P keeps the working directory off sys.path and
+        # PYTHONPATH names the folder this package was imported from (a checkout or site-packages).
+        package_root = str(Path(__file__).resolve().parents[2])
+        python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
         for child_rank in range(1, size):
-            child_env = {**os.environ, "RANK": str(child_rank), "LOCAL_RANK": str(child_rank)}
+            child_env = {**os.environ, "RANK": str(child_rank), "LOCAL_RANK": str(child_rank),
+                         "PYTHONPATH": python_path}
             children.append(subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", *sys.argv[1:]], env=child_env,
                                              stdout=subprocess.DEVNULL))
     if world != size:
