@@ -229,7 +229,8 @@ def main() -> int:
                 compile_case(site, case_args + (AFTER_ONLY_FLAGS.get(label, []) if side == "after" else []), out)
                 described[side] = describe(out)
             diff = differences(described["before"], described["after"])
-            graph = described["after"]["graph"]
+            after = described["after"]
+            graph = after["graph"] if "graph" in after else after["ranks"]["rank0"]["graph"]  # sharded: rank 0's
             results[label] = {"args": case_args, "identical": not diff, "differences": diff[:50],
                               "nodes": len(graph["nodes"]), "initializers": len(graph["initializers"]),
                               "functions": len(graph["functions"])}
