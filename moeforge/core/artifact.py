@@ -276,14 +276,26 @@ def _check_parent_writable(out: Path) -> None:
 
 def check_output_dir(out_dir: str | Path, force: bool = False) -> Path:
     """Fail early (before a long compile) if ``write_artifact(out_dir, force=force)`` would refuse the
-    destination: it exists without ``force``, it is not an earlier artifact, a path component above it is a
-    file, or the directory to create it in is not writable. Changes nothing, except that an artifact a killed
-    compile left moved aside is renamed back first (see ``restore_interrupted``). Returns the absolute path."""
+    destination (it exists without ``force``, it is not an earlier artifact, a path component above it is a file,
+    or the directory to create it in is not writable) or if it lies inside a sharded artifact. Changes nothing,
+    except that an artifact a killed compile left moved aside is renamed back first (see ``restore_interrupted``).
+    Returns the absolute path."""
     out = Path(out_dir).expanduser().absolute()
     restore_interrupted(out)
+    _check_not_inside_sharded(out)
     _check_destination(out, force)
     _check_parent_writable(out)
     return out
+
+
+def _check_not_inside_sharded(out: Path) -> None:
+    """Refuse a destination inside a sharded artifact (e.g. ``SHARDED/rank0``): replacing one rank would leave the
+    others and ``sharded.json`` describing a model that is no longer there."""
+    for ancestor in out.parents:
+        if (ancestor / SHARDED_FILE).is_file():
+            raise ArtifactError(f"{out} is inside the sharded artifact {ancestor} ({SHARDED_FILE} there): writing "
+                                "one rank would break it; compile the whole sharded artifact again (-o "
+                                f"{ancestor} --tp N --force) or choose an output outside it")
 
 
 def _install(tmp: Path, out: Path, force: bool) -> None:

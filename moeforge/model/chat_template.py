@@ -32,6 +32,9 @@ from moeforge.core.errors import TokenizerError
 
 CHAT_TEMPLATE_TIME_LIMIT_S = 1.0  # a real chat template renders in milliseconds
 CHAT_TEMPLATE_MAX_CHARS = 1_000_000  # the output and any value built on the way, beyond the messages' own size
+# Filters that turn their whole value into text (nested containers included) before anything else.
+TEXT_FILTERS = frozenset(("string", "tojson", "pprint", "join", "indent", "center", "upper", "lower", "title",
+                          "capitalize", "trim", "escape", "e", "forceescape", "urlencode", "wordwrap", "safe"))
 
 
 def render_chat_template(source: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -88,6 +91,13 @@ class _RenderBudget:
             self.check_size(_digits(value), what)
         return value
 
+    def check_rendered(self, value: Any, what: str) -> Any:
+        """``value`` if its text (``str(value)``, containers included) stays within the limit: checked before the
+        conversion, which is one C call a time limit cannot interrupt (``[[s] * 999] * 999`` holds a million
+        references to one string and would print as a terabyte)."""
+        self.check_size(rendered_size(value, self.max_chars), what)
+        return value
+
     def check_args(self, args: Sequence[Any], kwargs: dict[str, Any], what: str) -> None:
         # Integer arguments size things (center(n), indent(n), range(n), lipsum(n)): bound them all.
         for arg in (*args, *kwargs.values()):
@@ -109,6 +119,7 @@ class _RenderBudget:
         elif operator == "%" and isinstance(left, str):
             self.check_args(right if isinstance(right, tuple) else (right,), {}, "a % format")
             self.check_widths(left, percent=True)
+            self.check_size(len(left) + rendered_size(right, self.max_chars), "a % format")
 
     def check_widths(self, text: str, percent: bool) -> None:
         """Field widths and precisions in a ``%`` or ``str.format`` format string."""
@@ -122,6 +133,29 @@ class _RenderBudget:
 
 _NO_BUDGET = _RenderBudget(math.inf, CHAT_TEMPLATE_MAX_CHARS)  # size checks still apply (compile-time folding)
 _BUDGET: ContextVar[_RenderBudget] = ContextVar("chat_template_budget", default=_NO_BUDGET)
+
+
+def rendered_size(value: Any, limit: int) -> int:
+    """About the length of ``str(value)`` (strings with their quotes inside containers, separators, integers by
+    their digits, other objects as a short repr), walking containers without converting anything and stopping
+    as soon as the count passes ``limit``: the cost is bounded by the limit, not by the value."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item) + 2
+        elif isinstance(item, list | tuple | set | frozenset):
+            total += 2 + 2 * len(item)
+            stack.extend(item)
+        elif isinstance(item, dict):
+            total += 2 + 4 * len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif _is_int(item):
+            total += _digits(item)
+        else:
+            total += 32
+    return total
 
 
 def _is_int(value: Any) -> bool:
@@ -149,6 +183,7 @@ def _check_str_call(budget: _RenderBudget, name: str, text: str, args: Sequence[
         budget.check_size(len(text) * max(tab, 1) if _is_int(tab) else len(text), "an expandtabs()")
     elif name in ("format", "format_map"):
         budget.check_widths(text, percent=False)
+        budget.check_size(len(text) + rendered_size((args, kwargs), budget.max_chars), f"a {name}()")
 
 
 def _limited_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -168,6 +203,14 @@ def _limited_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _check_str_call(budget, name, value, rest, kwargs)
         elif name == "format" and isinstance(value, str):  # |format is value % args
             budget.check_widths(value, percent=True)
+            budget.check_rendered(rest, f"the arguments of |{name}")
+        elif name == "indent" and isinstance(value, str):  # every line gets the width: a product of sizes
+            width = rest[0] if rest else kwargs.get("width", 4)
+            lines = value.count("\n") + 1
+            budget.check_size(len(value) + (len(width) if isinstance(width, str) else abs(int(width))) * lines,
+                              f"|indent of {lines:,} lines")
+        if name in TEXT_FILTERS:  # they convert their whole value (nested containers too) to text first
+            budget.check_rendered(value, f"the text |{name} makes")
         return budget.check_value(fn(*args, **kwargs), f"the result of |{name}")
 
     return limited
@@ -206,6 +249,13 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         budget.check_time()
         return budget.check_value(super().getitem(obj, argument), "an item")
 
+    def concat_guard(self, *values: Any) -> str:
+        """What ``a ~ b`` computes (``str`` of each, joined), after checking the size of the text it would make."""
+        budget = _BUDGET.get()
+        budget.check_time()
+        budget.check_rendered(values, "a ~ concatenation")
+        return "".join(map(str, values))
+
     def loop_guard(self, iterable: Any) -> Iterator[Any]:
         """What every ``{% for %}`` iterates: the iterable, checking the deadline at each step."""
         budget = _BUDGET.get()
@@ -223,13 +273,31 @@ def _bounded_range(*args: int) -> range:
 _bounded_range.__name__ = "range"  # what error messages call it
 
 
-def _guard_loops(template: nodes.Template) -> nodes.Template:
-    """Route every for loop's iterable through ``environment.loop_guard`` (an environment attribute: a
-    template cannot rebind it), so nested loops over long sequences stop at the deadline too."""
+def _guard(template: nodes.Template) -> nodes.Template:
+    """Route every for loop's iterable through ``environment.loop_guard``, so nested loops over long sequences stop
+    at the deadline too, and every ``~`` through ``environment.concat_guard``, which sizes its text first
+    (environment attributes: a template cannot rebind them)."""
     for loop in template.find_all(nodes.For):
         guard = nodes.EnvironmentAttribute("loop_guard", lineno=loop.lineno)
         loop.iter = nodes.Call(guard, [loop.iter], [], None, None, lineno=loop.lineno)
+    for concat in list(template.find_all(nodes.Concat)):
+        concat_guard = nodes.EnvironmentAttribute("concat_guard", lineno=concat.lineno)
+        call = nodes.Call(concat_guard, list(concat.nodes), [], None, None, lineno=concat.lineno)
+        concat.nodes = [call]  # a Concat of one node is that node's text
     return template
+
+
+def _finalize(value: Any) -> Any:
+    """Every ``{{ ... }}`` value before Jinja converts it to text: sized first."""
+    return _BUDGET.get().check_rendered(value, "an output expression's text")
+
+
+def check_chat_template(source: str) -> None:
+    """Refuse (``TokenizerError``) a chat template that does not parse, e.g. when a server starts with it."""
+    try:
+        _compile_chat_template(source)
+    except jinja2.exceptions.TemplateError as exc:
+        raise TokenizerError(f"the chat template does not parse: {exc}") from None
 
 
 @cache
@@ -243,10 +311,11 @@ def _compile_chat_template(source: str) -> jinja2.Template:
         # Jinja's own tojson escapes HTML characters, which chat templates must not.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                          finalize=_finalize)
     env.filters["tojson"] = tojson
     env.filters = {name: _limited_filter(name, fn) for name, fn in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["range"] = _bounded_range
-    return env.from_string(_guard_loops(env.parse(source)))
+    return env.from_string(_guard(env.parse(source)))

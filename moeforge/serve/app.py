@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from moeforge.core.errors import MoeforgeError, TokenizerError
+from moeforge.model.chat_template import check_chat_template
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.engine import LLMEngine
 from moeforge.serve.api_errors import error_response, install_error_handlers
@@ -33,38 +35,51 @@ from moeforge.serve.streams import Admission
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED = 256
+# A generation request's JSON body at most: a full 128k-token prompt as ids is ~1 MB; more is refused (413) unread.
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+# Paths behind the API key: the API and its schema (which names every endpoint and field).
+GATED_PATHS = ("/v1/", "/openapi.json")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """What the server adds to the engine. ``max_queued``: requests that may wait beyond the ``max_num_seqs``
     running ones before new ones get a 429. ``chat_template`` (Jinja source) replaces the tokenizer's.
-    ``profile_steps`` > 0 profiles the first that many engine steps for ``moeforge:attention_time_share``."""
+    ``profile_steps`` > 0 profiles the first that many engine steps for ``moeforge:attention_time_share``.
+    ``max_body_bytes``: a request body larger than this is refused with 413 before it is parsed."""
 
     model_name: str
     max_queued: int = DEFAULT_MAX_QUEUED
     api_key: str | None = None
     chat_template: str | None = None
     profile_steps: int = 0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string (or None for no authentication)")
 
 
 class _Gate:
-    """Bearer-token check and drain refusal for ``/v1/*``, before any body is read."""
+    """Before any body is parsed: the bearer-token check for the API and its schema, drain refusal, and the body
+    size limit (a body declared or sent larger than ``max_body_bytes`` gets 413; a smaller one is read here and
+    replayed to the app)."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, server: ServerState) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, server: ServerState, max_body_bytes: int) -> None:
         self.app = app
         self.expected = None if api_key is None else api_key.encode()
         self.server = server
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(GATED_PATHS):
             response = self._refusal(scope)
+            if response is None and scope["method"] == "POST":
+                response, receive = await self._limited_body(scope, receive)
             if response is not None:
                 await response(scope, receive, send)
                 return
@@ -72,7 +87,11 @@ class _Gate:
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         if self.expected is not None:
-            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            given_headers = [v for k, v in scope["headers"] if k == b"authorization"]
+            if len(given_headers) > 1:  # which one would count is up to each proxy: refuse the ambiguity
+                self.server.metrics.reject("unauthorized")
+                return error_response(400, "several Authorization headers: send exactly one", code="invalid_api_key")
+            scheme, _, given = (given_headers[0] if given_headers else b"").strip().partition(b" ")
             # The scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time: it is a secret.
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.expected):
                 self.server.metrics.reject("unauthorized")
@@ -83,6 +102,36 @@ class _Gate:
             return error_response(503, "the server is shutting down", type="server_error", code="shutting_down",
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
         return None
+
+    def _too_large(self, size: str) -> JSONResponse:
+        self.server.metrics.reject("body_too_large")
+        return error_response(413, f"the request body is {size}, more than the server's limit of "
+                              f"{self.max_body_bytes:,} bytes (--max-body-bytes)", code="request_too_large")
+
+    async def _limited_body(self, scope: Scope, receive: Receive) -> tuple[JSONResponse | None, Receive]:
+        """The body read up to the limit: (413, _) past it, else (None, a receive that replays it)."""
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return self._too_large(f"{int(declared):,} bytes"), receive
+        chunks: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                chunks.append(message)
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return self._too_large("larger"), receive
+            chunks.append(message)
+            if not message.get("more_body", False):
+                break
+        replay = iter(chunks)
+
+        async def replayed() -> Message:
+            return next(replay, None) or await receive()
+
+        return None, replayed
 
 
 @dataclass
@@ -101,6 +150,12 @@ class ServerState:
 
 def _chat_tokenizer(tokenizer: Tokenizer | None, template: str | None) -> Tokenizer | None:
     """The tokenizer the chat endpoint renders with: the artifact's, or a copy with ``template`` as its template."""
+    if template is None and tokenizer is not None and tokenizer.chat_template:
+        try:
+            check_chat_template(tokenizer.chat_template)
+        except TokenizerError as exc:
+            raise MoeforgeError(f"the artifact's chat template: {exc}; start the server with --chat-template FILE "
+                                "to replace it") from None
     if template is None or tokenizer is None:
         return tokenizer
     return Tokenizer(tokenizer.backend, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
@@ -137,7 +192,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="moeforge", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(_Gate, api_key=config.api_key, server=state)
+    app.add_middleware(_Gate, api_key=config.api_key, server=state, max_body_bytes=config.max_body_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:

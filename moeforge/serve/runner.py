@@ -17,7 +17,8 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from moeforge.core.errors import MoeforgeError
+from moeforge.core.errors import MoeforgeError, TokenizerError
+from moeforge.model.chat_template import check_chat_template
 from moeforge.runtime.backends.base import Backend
 from moeforge.runtime.engine import (
     BackendOptions,
@@ -27,7 +28,7 @@ from moeforge.runtime.engine import (
     SchedulingOptions,
     SpeculativeOptions,
 )
-from moeforge.serve.app import DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
+from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -44,9 +45,10 @@ class ServeOptions:
     max_num_batched_tokens: int = 512
     kv_blocks: int | None = None
     threads: int | None = None
-    huge_pages: bool = True  # EngineConfig.huge_pages
-    speculative_tokens: int = 0  # EngineConfig.speculative_tokens
+    huge_pages: bool = True  # BackendOptions.huge_pages
+    speculative_tokens: int = 0  # SpeculativeOptions.tokens
     chat_template: Path | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body gets 413, unparsed
     served_model_name: str | None = None
     shutdown_timeout: int = 30  # seconds
     profile_steps: int = 0
@@ -89,6 +91,8 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
         raise MoeforgeError(f"--shutdown-timeout must be >= 0, got {options.shutdown_timeout}")
     if options.max_queued < 0:
         raise MoeforgeError(f"--max-queued must be >= 0, got {options.max_queued}")
+    if options.max_body_bytes < 1:
+        raise MoeforgeError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
     if options.api_key == "":
         raise MoeforgeError("--api-key is empty: give a key, or leave it out for no authentication")
     template = None
@@ -97,10 +101,15 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
             template = options.chat_template.read_text()
         except OSError as exc:
             raise MoeforgeError(f"cannot read --chat-template {options.chat_template}: {exc}") from None
+        try:
+            check_chat_template(template)  # before the model loads: a broken template is the operator's to fix
+        except TokenizerError as exc:
+            raise MoeforgeError(f"--chat-template {options.chat_template}: {exc}") from None
     engine = LLMEngine.from_artifact(options.artifact, engine_config(options), backend=options.backend)
     name = options.served_model_name or model_name(options.artifact)
     app = create_app(engine, ServerConfig(model_name=name, max_queued=options.max_queued, api_key=options.api_key,
-                                          chat_template=template, profile_steps=options.profile_steps))
+                                          chat_template=template, profile_steps=options.profile_steps,
+                                          max_body_bytes=options.max_body_bytes))
     state: ServerState = app.state.server
     return app, state
 

@@ -187,6 +187,19 @@ def test_rank_graph_loads_with_only_the_collectives_registered(case: tuple[str, 
         assert "logits" in [o.name for o in session.get_outputs()]
 
 
+def test_a_compile_into_a_rank_of_a_sharded_artifact_is_refused(sharded_artifacts: dict[str, tuple[Path, Path]],
+                                                                  tmp_path: Path) -> None:
+    """-o SHARDED/rank0 --force would replace one rank and leave sharded.json and the others describing another
+    model: refused before anything is loaded, and the rank is untouched."""
+    sharded = tmp_path / "sharded"
+    shutil.copytree(sharded_artifacts[_case_id(CASES[0])][0], sharded)
+    before = {p.name: p.stat().st_mtime_ns for p in (sharded / "rank0").iterdir()}
+    for target in (sharded / "rank0", sharded / "rank0" / "nested"):
+        with pytest.raises(MoeforgeError, match=r"inside the sharded artifact .*sharded\.json"):
+            compile_model(CompileOptions(model="tiny-llama", output_dir=target, force=True, progress=False))
+    assert {p.name: p.stat().st_mtime_ns for p in (sharded / "rank0").iterdir()} == before
+
+
 def test_rank_from_another_compile_stops_every_rank(sharded_artifacts: dict[str, tuple[Path, Path]],
                                                      tmp_path: Path) -> None:
     llama = sharded_artifacts[_case_id(CASES[0])][0]

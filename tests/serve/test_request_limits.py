@@ -1,0 +1,52 @@
+"""What surrounds a request: a body over the limit is refused with 413 before it is parsed (declared or streamed),
+two Authorization headers are refused rather than one silently winning, and the API's schema is behind the key."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+
+from .conftest import API_KEY, MODEL
+
+LIMIT = 4096
+
+
+def _body(prompt_chars: int) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "x" * prompt_chars, "max_tokens": 2}).encode()
+
+
+def _chunks(data: bytes, size: int = 1000) -> Iterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+def test_a_body_over_the_limit_gets_413_unparsed(start_server):
+    with start_server(max_body_bytes=LIMIT, api_key=API_KEY) as (url, app):
+        auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+        ok = httpx.post(f"{url}/v1/completions", content=_body(100), headers=auth, timeout=60)
+        assert ok.status_code == 200, ok.text
+        declared = httpx.post(f"{url}/v1/completions", content=_body(10 * LIMIT), headers=auth, timeout=60)
+        assert declared.status_code == 413 and "--max-body-bytes" in declared.json()["error"]["message"]
+        # Chunked, with no Content-Length: counted as it arrives, refused once past the limit.
+        streamed = httpx.post(f"{url}/v1/completions", content=_chunks(_body(10 * LIMIT)), headers=auth, timeout=60)
+        assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "request_too_large"
+        small_chunked = httpx.post(f"{url}/v1/completions", content=_chunks(_body(100), 7), headers=auth, timeout=60)
+        assert small_chunked.status_code == 200, small_chunked.text  # replayed to the app intact
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert 'moeforge:request_rejected_total{model_name="' + MODEL + '",reason="body_too_large"} 2.0' in metrics
+
+
+def test_two_authorization_headers_are_refused(shared_server):
+    headers = [("Authorization", f"Bearer {API_KEY}"), ("Authorization", "Bearer other"),
+               ("Content-Type", "application/json")]
+    response = httpx.post(f"{shared_server}/v1/completions", content=_body(10), headers=headers, timeout=60)
+    assert response.status_code == 400 and "exactly one" in response.json()["error"]["message"]
+
+
+def test_the_schema_is_behind_the_key(shared_server):
+    assert httpx.get(f"{shared_server}/openapi.json", timeout=30).status_code == 401
+    schema = httpx.get(f"{shared_server}/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert schema.status_code == 200 and "/v1/completions" in schema.json()["paths"]
+    assert httpx.get(f"{shared_server}/health", timeout=30).status_code == 200  # health stays open
