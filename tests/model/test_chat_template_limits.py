@@ -41,7 +41,7 @@ def test_a_value_that_would_outgrow_the_limit_is_refused_before_it_is_made(sourc
 def test_ordinary_templates_still_render():
     source = "{% for m in messages %}{{ m['role'] ~ ': ' ~ m['content'] }}\n{% endfor %}{{ [1, 'a'] }}{{ 'x' * 10 }}"
     assert render_chat_template(source, MESSAGES, True, {}) == "user: hi\n[1, 'a']xxxxxxxxxx"
-    big = "{{ 'y' * %d }}" % (CHAT_TEMPLATE_MAX_CHARS // 2)  # large but within the limit
+    big = f"{{{{ 'y' * {CHAT_TEMPLATE_MAX_CHARS // 2} }}}}"  # large but within the limit
     assert len(render_chat_template(big, MESSAGES, True, {})) == CHAT_TEMPLATE_MAX_CHARS // 2
 
 

@@ -23,7 +23,7 @@ def _chunks(data: bytes, size: int = 1000) -> Iterator[bytes]:
 
 
 def test_a_body_over_the_limit_gets_413_unparsed(start_server):
-    with start_server(max_body_bytes=LIMIT, api_key=API_KEY) as (url, app):
+    with start_server(max_body_bytes=LIMIT, api_key=API_KEY) as (url, _):
         auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
         ok = httpx.post(f"{url}/v1/completions", content=_body(100), headers=auth, timeout=60)
         assert ok.status_code == 200, ok.text
