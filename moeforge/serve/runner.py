@@ -1,15 +1,18 @@
 """``serve(options)``: open an artifact and serve it with uvicorn until SIGTERM / SIGINT.
 
-Shutdown (SIGTERM): new generation requests get a 503 at once and uvicorn stops accepting connections;
-in-flight requests run on for up to ``shutdown_timeout`` seconds; then uvicorn cancels the ones left (each
-aborts its engine requests, freeing their KV blocks) and the app's lifespan stops the engine loop. The
-process then exits 0.
+Shutdown (SIGTERM or SIGINT): the server keeps listening, and new generation requests get a 503 with Retry-After
+at once; in-flight requests run on for up to ``shutdown_timeout`` seconds, then the engine aborts the ones left, so
+that every request ends as the API says one ends (a non-streaming response with ``finish_reason: "abort"``, a stream
+with its final chunk and ``[DONE]``); once their responses are sent (``RESPONSE_GRACE_S`` at most), uvicorn closes
+the listener and the process exits 0. A second signal skips the drain.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -31,6 +34,8 @@ from moeforge.runtime.engine import (
 from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
 
 log = logging.getLogger(__name__)
+# After the engine has ended every request: how long their responses may take to go out before uvicorn stops.
+RESPONSE_GRACE_S = 5
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -57,15 +62,31 @@ class ServeOptions:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, telling the app to drain the moment a shutdown signal arrives."""
+    """uvicorn's server with moeforge's drain: at the first shutdown signal the app refuses new work and the engine
+    loop finishes or aborts what runs (``EngineLoop.stop``), and only once every response has been sent does uvicorn
+    stop; a second signal stops it at once."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
         super().__init__(config)
         self._state = state
+        self._shutdown_timeout = shutdown_timeout
+        self._drain: threading.Thread | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain is not None or not self.started:  # a second signal, or nothing to drain yet
+            super().handle_exit(sig, frame)
+            return
         self._state.start_draining()
-        super().handle_exit(sig, frame)
+        # Off the signal handler: the drain waits for the engine and the responses.
+        self._drain = threading.Thread(target=self._drain_then_exit, args=(sig,), name="moeforge-drain", daemon=True)
+        self._drain.start()
+
+    def _drain_then_exit(self, sig: int) -> None:
+        self._state.engine.stop(self._shutdown_timeout)  # in-flight requests finish or end with "abort"
+        deadline = time.monotonic() + RESPONSE_GRACE_S
+        while self._state.admission.in_flight and time.monotonic() < deadline:  # their last bytes go out
+            time.sleep(0.02)
+        super().handle_exit(sig, None)
 
 
 def model_name(artifact: Path) -> str:
@@ -119,9 +140,10 @@ def serve(options: ServeOptions) -> int:
     app, state = build_app(options)
     if options.host not in LOOPBACK and options.api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use it", options.host)
+    # The drain (``_Server``) has ended every request before uvicorn shuts down: its own grace is for stragglers.
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                            access_log=False, timeout_graceful_shutdown=options.shutdown_timeout, lifespan="on")
-    server = _Server(config, state)
+                            access_log=False, timeout_graceful_shutdown=RESPONSE_GRACE_S, lifespan="on")
+    server = _Server(config, state, options.shutdown_timeout)
     # uvicorn re-raises the signal it shut down for once it has restored the previous handler; a handler that
     # does nothing makes that a no-op, so SIGTERM ends in a clean exit 0 rather than death by the signal.
     previous = signal.signal(signal.SIGTERM, _ignore)

@@ -1,4 +1,5 @@
-"""``moeforge serve`` as a process: SIGTERM lets the in-flight stream finish, refuses new work, exits 0."""
+"""``moeforge serve`` as a process: SIGTERM lets in-flight requests finish or ends them as the API says one ends,
+refuses new work with 503 while it drains, and exits 0."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -51,6 +54,110 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_artifact: Path, tmp_
         assert refused == 503
         output = process.communicate(timeout=60)[0]
         assert process.returncode == 0, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _serve(artifact: Path, cwd: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moeforge.cli", "serve", str(artifact), "--port", str(port), "--threads", "1",
+         "--max-num-seqs", "4", "--max-queued", "32", "--log-level", "warning", *flags],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
+    return process, f"http://127.0.0.1:{port}"
+
+
+def test_sigterm_ends_every_in_flight_request_as_the_api_says(tiny_artifact: Path, tmp_path: Path) -> None:
+    """--shutdown-timeout 0 with 16 requests in flight (8 streams, 8 not): every stream ends with a final chunk and
+    [DONE], every response is OpenAI-shaped (finish_reason "abort" or "length"); a request sent during the drain
+    gets 503 (the server still listens); nothing logs a traceback; the exit code is 0."""
+    process, url = _serve(tiny_artifact, tmp_path, "--shutdown-timeout", "0")
+    body = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 120, "temperature": 0.8, "seed": 1,
+            "ignore_eos": True}
+    results: dict[str, list[object]] = {"stream": [], "plain": []}
+    started = threading.Event()
+
+    def stream() -> None:
+        reasons, done = [], False
+        with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions",
+                                                           json={**body, "stream": True}) as response:
+            for line in response.iter_lines():
+                started.set()
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    reasons.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+        results["stream"].append((response.status_code, done, reasons[-1] if reasons else None))
+
+    def plain() -> None:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        results["plain"].append((response.status_code, response.json()))
+
+    try:
+        wait_healthy(process, url)
+        threads = [threading.Thread(target=f) for f in [stream] * 8 + [plain] * 8]
+        for thread in threads:
+            thread.start()
+        assert started.wait(30)
+        process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=60)
+        for status, done, reason in results["stream"]:
+            # 503: it reached the server after the drain began (the gate refuses it before any stream starts).
+            assert status == 503 or (status == 200 and done and reason in ("abort", "length")), results["stream"]
+        for status, reply in results["plain"]:
+            if status == 503:  # it reached the server after the drain began
+                assert reply["error"]["code"] == "shutting_down"
+            else:
+                assert status == 200 and reply["choices"][0]["finish_reason"] in ("abort", "length"), reply
+        assert any(r == "abort" for _, _, r in results["stream"]) or any(
+            s == 200 and r["choices"][0]["finish_reason"] == "abort" for s, r in results["plain"])  # some were cut
+        output = process.communicate(timeout=60)[0]
+        assert process.returncode == 0, output
+        assert "Traceback" not in output and "CancelledError" not in output, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_request_during_the_drain_gets_503_not_a_refused_connection(tiny_artifact: Path, tmp_path: Path) -> None:
+    """While in-flight requests drain (16 streams over 4 sequences: a while), the server still listens: a new
+    request gets 503 with Retry-After and /health says 503; the streams run to their end; the exit code is 0."""
+    process, url = _serve(tiny_artifact, tmp_path, "--shutdown-timeout", "60")
+    body = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 120, "ignore_eos": True, "stream": True}
+    ends: list[tuple[bool, str | None]] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        done, reason = False, None
+        with httpx.Client(timeout=120) as http, http.stream("POST", url + "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                started.set()
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    reason = json.loads(line[6:])["choices"][0]["finish_reason"]
+        ends.append((done, reason))
+
+    try:
+        wait_healthy(process, url)
+        threads = [threading.Thread(target=stream) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        assert started.wait(30)
+        time.sleep(0.2)  # every stream has been admitted
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        refused = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+        assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
+        assert httpx.get(url + "/health", timeout=10).status_code == 503  # a load balancer takes it out
+        for thread in threads:
+            thread.join(timeout=120)
+        assert ends == [(True, "length")] * 16  # a timeout long enough: every stream ran to its end
+        assert process.wait(timeout=60) == 0
     finally:
         if process.poll() is None:
             process.kill()
