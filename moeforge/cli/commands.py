@@ -40,6 +40,7 @@ from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve import ServeOptions, serve
 from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES
 from moeforge.serve.runner import engine_config, model_name
+from moeforge.serve.streams import DEFAULT_STALL_TIMEOUT_S
 from moeforge.verify.generate import generate_stream
 from moeforge.verify.golden import check_engine
 from moeforge.verify.parity import (
@@ -250,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
     srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="a request body larger than this gets 413 before it is parsed (default: %(default)s)")
+    srv.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                     help="seconds a client may read nothing of its stream while its requests produce; then they "
+                          "are aborted and their KV blocks freed (default: %(default)s)")
     srv.add_argument("--kv-blocks", type=int, default=None,
                      help="KV-cache blocks (default: every running request can reach max_seq_len)")
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
@@ -634,7 +638,7 @@ def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_blocks=args.kv_blocks, threads=args.threads, huge_pages=not args.no_huge_pages,
         speculative_tokens=args.speculative_tokens,
-        chat_template=args.chat_template, max_body_bytes=args.max_body_bytes,
+        chat_template=args.chat_template, max_body_bytes=args.max_body_bytes, stall_timeout=args.stall_timeout,
         served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
         profile_steps=args.profile_steps, log_level=args.log_level)
 

@@ -30,7 +30,7 @@ from moeforge.serve.engine_loop import EngineLoop
 from moeforge.serve.metrics import CONTENT_TYPE, ServerMetrics
 from moeforge.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from moeforge.serve.serving import RETRY_AFTER_S, OpenAIServing
-from moeforge.serve.streams import Admission
+from moeforge.serve.streams import DEFAULT_STALL_TIMEOUT_S, Admission
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ class ServerConfig:
     """What the server adds to the engine. ``max_queued``: requests that may wait beyond the ``max_num_seqs``
     running ones before new ones get a 429. ``chat_template`` (Jinja source) replaces the tokenizer's.
     ``profile_steps`` > 0 profiles the first that many engine steps for ``moeforge:attention_time_share``.
-    ``max_body_bytes``: a request body larger than this is refused with 413 before it is parsed."""
+    ``max_body_bytes``: a request body larger than this is refused with 413 before it is parsed.
+    ``stall_timeout_s``: a client that reads nothing this long while its requests produce is aborted."""
 
     model_name: str
     max_queued: int = DEFAULT_MAX_QUEUED
@@ -54,12 +55,15 @@ class ServerConfig:
     chat_template: str | None = None
     profile_steps: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string (or None for no authentication)")
 
@@ -177,7 +181,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     serving = OpenAIServing(loop, model_name=config.model_name, tokenizer=engine.tokenizer,
                             tokenize=engine.tokenize,
                             chat_tokenizer=_chat_tokenizer(engine.tokenizer, config.chat_template),
-                            max_seq_len=max_seq_len, admission=state.admission, metrics=metrics)
+                            max_seq_len=max_seq_len, admission=state.admission, metrics=metrics,
+                            stall_timeout_s=config.stall_timeout_s)
     created = int(time.time())
 
     @asynccontextmanager

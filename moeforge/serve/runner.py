@@ -32,6 +32,7 @@ from moeforge.runtime.engine import (
     SpeculativeOptions,
 )
 from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
+from moeforge.serve.streams import DEFAULT_STALL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 # After the engine has ended every request: how long their responses may take to go out before uvicorn stops.
@@ -54,6 +55,7 @@ class ServeOptions:
     speculative_tokens: int = 0  # SpeculativeOptions.tokens
     chat_template: Path | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body gets 413, unparsed
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # a client reading nothing this long is aborted
     served_model_name: str | None = None
     shutdown_timeout: int = 30  # seconds
     profile_steps: int = 0
@@ -114,6 +116,8 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
         raise MoeforgeError(f"--max-queued must be >= 0, got {options.max_queued}")
     if options.max_body_bytes < 1:
         raise MoeforgeError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
+    if not options.stall_timeout > 0:
+        raise MoeforgeError(f"--stall-timeout must be > 0 seconds, got {options.stall_timeout}")
     if options.api_key == "":
         raise MoeforgeError("--api-key is empty: give a key, or leave it out for no authentication")
     template = None
@@ -130,7 +134,8 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
     name = options.served_model_name or model_name(options.artifact)
     app = create_app(engine, ServerConfig(model_name=name, max_queued=options.max_queued, api_key=options.api_key,
                                           chat_template=template, profile_steps=options.profile_steps,
-                                          max_body_bytes=options.max_body_bytes))
+                                          max_body_bytes=options.max_body_bytes,
+                                          stall_timeout_s=options.stall_timeout))
     state: ServerState = app.state.server
     return app, state
 

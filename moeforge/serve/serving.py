@@ -45,7 +45,7 @@ from moeforge.serve.protocol import (
     UnsupportedField,
     Usage,
 )
-from moeforge.serve.streams import Admission, ChoiceStream
+from moeforge.serve.streams import DEFAULT_STALL_TIMEOUT_S, Admission, ChoiceStream
 
 RETRY_AFTER_S = 1
 
@@ -93,13 +93,16 @@ class OpenAIServing:
 
     def __init__(self, loop: EngineLoop, *, model_name: str, tokenizer: Tokenizer | None,
                  tokenize: Callable[[str], list[int]], chat_tokenizer: Tokenizer | None, max_seq_len: int,
-                 admission: Admission, metrics: ServerMetrics) -> None:
+                 admission: Admission, metrics: ServerMetrics,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         """``tokenize``: the engine's prompt encoding (``LLMEngine.tokenize``), the one the engine itself uses.
-        ``tokenizer``: names tokens in logprobs."""
+        ``tokenizer``: names tokens in logprobs. ``stall_timeout_s``: a client that reads nothing this long while
+        its requests produce is aborted (``ChoiceStream``)."""
         self.loop = loop
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.tokenize = tokenize
+        self.stall_timeout_s = stall_timeout_s
         self.chat_tokenizer = chat_tokenizer  # the tokenizer with the chat template in use
         self.max_seq_len = max_seq_len
         self.admission = admission
@@ -164,7 +167,7 @@ class OpenAIServing:
                            f"{self.admission.capacity} = max_num_seqs + --max-queued): retry later",
                            type="rate_limit_exceeded", code="rate_limit_exceeded",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
-        stream = ChoiceStream(self.loop, self.admission, len(engine_requests))
+        stream = ChoiceStream(self.loop, self.admission, len(engine_requests), self.stall_timeout_s)
         try:
             await stream.submit(engine_requests, arrival)
         except ServerShuttingDown as exc:
