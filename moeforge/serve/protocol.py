@@ -1,10 +1,12 @@
 """The OpenAI API's request and response bodies (the subset the server implements), as pydantic models.
 
 Requests ignore fields they do not know (clients send many optional ones); fields whose meaning the engine
-cannot honour (``echo``, ``suffix``, ``frequency_penalty``, ``logit_bias``, tools) are refused with a 400
-naming them rather than silently dropped. Extensions, as vLLM names them: ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (each choice then carries
-its ``token_ids``, the response its ``prompt_token_ids``).
+cannot honour (``echo``, ``suffix``, ``frequency_penalty``, ``logit_bias``, ``best_of``, ``tools`` /
+``functions``, a ``response_format`` other than text) are refused with a 400 naming them rather than silently
+dropped. Types are strict: ``"max_tokens": "5"`` or ``true`` is not a number (a 400 naming the field).
+Extensions, as vLLM names them: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, ``return_token_ids`` (each choice then carries its ``token_ids``, the response its
+``prompt_token_ids``).
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ class UnsupportedField(ValueError):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """Fields common to completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
@@ -55,6 +59,13 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     return_token_ids: bool = False
+    # Known OpenAI fields the server cannot honour: read only to refuse them (a client relying on one must know).
+    best_of: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         if self.frequency_penalty:
@@ -62,6 +73,17 @@ class SamplingRequest(BaseModel):
                                    "or repetition_penalty)")
         if self.logit_bias:
             raise UnsupportedField("logit_bias", "logit_bias is not supported")
+        if self.best_of not in (None, self.n):
+            raise UnsupportedField("best_of", "best_of is not supported (n choices are returned as sampled)")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise UnsupportedField(name, f"{name} (tool and function calling) is not supported")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise UnsupportedField(name, f"{name} is not supported (no tool or function calling)")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise UnsupportedField("response_format", "response_format other than text (JSON mode, schemas) is "
+                                   "not supported")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

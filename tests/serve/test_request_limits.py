@@ -50,3 +50,27 @@ def test_the_schema_is_behind_the_key(shared_server):
     schema = httpx.get(f"{shared_server}/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
     assert schema.status_code == 200 and "/v1/completions" in schema.json()["paths"]
     assert httpx.get(f"{shared_server}/health", timeout=30).status_code == 200  # health stays open
+
+
+def test_strings_and_booleans_are_not_numbers_and_unsupported_fields_are_named(shared_server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(path: str, **fields: object) -> httpx.Response:
+        body: dict[str, object] = {"model": MODEL, "max_tokens": 2}
+        body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": [1, 2]})
+        body.update(fields)
+        return httpx.post(f"{shared_server}{path}", json=body, headers=headers, timeout=60)
+
+    for field, value in (("max_tokens", "5"), ("max_tokens", True), ("n", 2.0), ("seed", "1"), ("stream", "yes")):
+        response = post("/v1/completions", **{field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
+    for path, field, value in (("/v1/completions", "best_of", 3), ("/v1/chat/completions", "tools", [{"type": "f"}]),
+                               ("/v1/chat/completions", "tool_choice", "auto"),
+                               ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+                               ("/v1/chat/completions", "functions", [{"name": "f"}])):
+        response = post(path, **{field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
+        assert "not supported" in response.json()["error"]["message"]
+    # What is honoured as OpenAI means it passes: a float temperature given as an int, text format, best_of = n.
+    assert post("/v1/completions", temperature=0, best_of=1).status_code == 200
+    assert post("/v1/chat/completions", response_format={"type": "text"}, tool_choice="none").status_code == 200
