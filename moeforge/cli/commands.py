@@ -39,6 +39,7 @@ from moeforge.runtime.request import check_room
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve import ServeOptions, serve
 from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES
+from moeforge.serve.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from moeforge.serve.runner import engine_config, model_name
 from moeforge.serve.streams import DEFAULT_STALL_TIMEOUT_S
 from moeforge.verify.generate import generate_stream
@@ -251,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
     srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="a request body larger than this gets 413 before it is parsed (default: %(default)s)")
+    srv.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                     help="seconds a connection has to send its request line and headers, then it is closed "
+                          "(default: %(default)s)")
+    srv.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                     help="open connections at most; more are closed unanswered (default: %(default)s, and never "
+                          "more than the open-file limit allows)")
     srv.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
                      help="seconds a client may read nothing of its stream while its requests produce; then they "
                           "are aborted and their KV blocks freed (default: %(default)s)")
@@ -639,6 +646,7 @@ def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions
         kv_blocks=args.kv_blocks, threads=args.threads, huge_pages=not args.no_huge_pages,
         speculative_tokens=args.speculative_tokens,
         chat_template=args.chat_template, max_body_bytes=args.max_body_bytes, stall_timeout=args.stall_timeout,
+        header_timeout=args.header_timeout, max_connections=args.max_connections,
         served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
         profile_steps=args.profile_steps, log_level=args.log_level)
 

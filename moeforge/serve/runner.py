@@ -32,6 +32,13 @@ from moeforge.runtime.engine import (
     SpeculativeOptions,
 )
 from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
+from moeforge.serve.connections import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    ConnectionLimits,
+    protocol_options,
+    raise_file_limit,
+)
 from moeforge.serve.streams import DEFAULT_STALL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,8 @@ class ServeOptions:
     chat_template: Path | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body gets 413, unparsed
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # a client reading nothing this long is aborted
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S  # a connection sends its request head within this
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections at most (also kept under the file limit)
     served_model_name: str | None = None
     shutdown_timeout: int = 30  # seconds
     profile_steps: int = 0
@@ -118,6 +127,9 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
         raise MoeforgeError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
     if not options.stall_timeout > 0:
         raise MoeforgeError(f"--stall-timeout must be > 0 seconds, got {options.stall_timeout}")
+    if not options.header_timeout > 0 or options.max_connections < 1:
+        raise MoeforgeError(f"--header-timeout must be > 0 seconds and --max-connections >= 1, got "
+                            f"{options.header_timeout} and {options.max_connections}")
     if options.api_key == "":
         raise MoeforgeError("--api-key is empty: give a key, or leave it out for no authentication")
     template = None
@@ -145,9 +157,16 @@ def serve(options: ServeOptions) -> int:
     app, state = build_app(options)
     if options.host not in LOOPBACK and options.api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use it", options.host)
+    fits = raise_file_limit()
+    if options.max_connections > fits:
+        log.warning("--max-connections %d lowered to %d: what this process's open-file limit leaves",
+                    options.max_connections, fits)
+    limits = ConnectionLimits(header_timeout_s=options.header_timeout,
+                              max_connections=min(options.max_connections, fits))
     # The drain (``_Server``) has ended every request before uvicorn shuts down: its own grace is for stragglers.
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                            access_log=False, timeout_graceful_shutdown=RESPONSE_GRACE_S, lifespan="on")
+                            access_log=False, timeout_graceful_shutdown=RESPONSE_GRACE_S, lifespan="on",
+                            **protocol_options(limits))
     server = _Server(config, state, options.shutdown_timeout)
     # uvicorn re-raises the signal it shut down for once it has restored the previous handler; a handler that
     # does nothing makes that a no-op, so SIGTERM ends in a clean exit 0 rather than death by the signal.

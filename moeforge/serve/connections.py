@@ -1,0 +1,121 @@
+"""Connection limits that hold before any request exists: a deadline for the request head and a cap on open
+connections, both below what the process can hold, so that a flood of half-sent requests (no API key needed to
+open a socket) cannot exhaust file handles, spin the event loop on accept errors or starve ``/health``.
+
+uvicorn's HTTP/1.1 protocol arms no timer while it waits for a request head: a connection that sends nothing,
+or a byte at a time, is kept forever. ``guarded_h11(limits)`` is that protocol with a deadline for each head
+(from the connection's opening and after every response) and a cap: a connection beyond ``max_connections``
+is closed at once. ``raise_file_limit`` lifts the soft limit on open files to the hard one and returns what
+the cap must stay under.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # a client has this long to send a request line and headers
+DEFAULT_MAX_CONNECTIONS = 1024
+FILES_RESERVED = 64  # open files kept for the process itself (model files, logs, the engine's threads)
+LOG_EVERY_S = 10.0  # refusals are logged at most this often, with the count since the last line
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """``header_timeout_s``: seconds a connection may take to send a request head; ``max_connections``: open
+    connections at most (a new one beyond it is closed unanswered)."""
+
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+    def __post_init__(self) -> None:
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+
+
+def raise_file_limit() -> int:
+    """Lift this process's soft limit on open files to its hard limit; returns the connections that then fit
+    (the limit less ``FILES_RESERVED``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # a container may forbid it: keep the soft limit
+            pass
+    return max(soft - FILES_RESERVED, 1)
+
+
+class _RateLimitedLog:
+    """One warning per ``LOG_EVERY_S`` with the count since the last: a flood must not flood the log too."""
+
+    def __init__(self, message: str) -> None:
+        self.message, self.count, self.last = message, 0, 0.0
+
+    def __call__(self) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= LOG_EVERY_S:
+            log.warning(self.message, self.count)
+            self.count, self.last = 0, now
+
+
+def guarded_h11(limits: ConnectionLimits) -> type[H11Protocol]:
+    """uvicorn's H11 protocol class with ``limits`` (pass it as ``uvicorn.Config(http=...)``)."""
+    over_cap = _RateLimitedLog("%d connection(s) refused: more than --max-connections open")
+    too_slow = _RateLimitedLog("%d connection(s) closed: no complete request head within --header-timeout")
+
+    class GuardedH11Protocol(H11Protocol):
+        _head_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                over_cap()
+                self.connections.discard(self)
+                transport.close()
+                return
+            self._arm_head_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_deadline()  # a kept-alive connection owes its next head in time too
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_deadline()
+            super().connection_lost(exc)
+
+        def _arm_head_deadline(self) -> None:
+            self._disarm_head_deadline()
+            self._head_deadline = self.loop.call_later(limits.header_timeout_s, self._head_timed_out)
+
+        def _disarm_head_deadline(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def _head_timed_out(self) -> None:
+            self._head_deadline = None
+            # IDLE: h11 still waits for a request line and headers (partial bytes included).
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                too_slow()
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def protocol_options(limits: ConnectionLimits) -> dict[str, Any]:
+    """The ``uvicorn.Config`` keywords that apply ``limits``."""
+    return {"http": guarded_h11(limits)}
