@@ -45,7 +45,7 @@ from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
 from moeforge.model.loader import LoadedModel, load_model, release_weights
 from moeforge.model.rank_model import shard_model
-from moeforge.model.sharding import plan_sharding
+from moeforge.model.sharding import check_degrees, plan_sharding
 
 SHARDED_FORMAT = 1
 # Where the ranks meet, in graph order (what sharded.json records for a reader; the graphs hold the nodes).
@@ -197,6 +197,7 @@ class ShardedCompileResult:
 
 
 def _check(options: CompileOptions) -> None:
+    check_degrees(options.tp, options.ep)
     if options.check:
         raise MoeforgeError("--check runs one process; a sharded artifact is checked with all its ranks: compile "
                             "without --check, then run moeforge parity DIR")

@@ -117,11 +117,18 @@ def plan_sharding(config: ModelConfig, tp: int, ep: int = 1) -> ShardPlan:
     return ShardPlan(config.name, tp, ep, tuple(tensors), _kv_values(config, tp), _kv_values(config, 1), expert_ids)
 
 
-def _check(config: ModelConfig, tp: int, ep: int) -> None:
+def check_degrees(tp: int, ep: int) -> None:
+    """Refuse a tp/ep pair no split takes (checked before any weight is loaded)."""
     if tp < 1 or ep < 1:
         raise ShardingError(f"--tp {tp} --ep {ep}: both must be >= 1")
     if ep not in (1, tp):
-        raise ShardingError(f"--ep {ep} with --tp {tp}: experts split over all tp ranks (--ep {tp}) or none (--ep 1)")
+        fix = f"--tp {ep} --ep {ep}" if tp == 1 else f"--ep {tp} (whole experts per rank) or --ep 1 (each expert split)"
+        raise ShardingError(f"--ep {ep} with --tp {tp}: expert parallelism places whole experts on the tp ranks, so "
+                            f"--ep equals --tp or is 1; use {fix}")
+
+
+def _check(config: ModelConfig, tp: int, ep: int) -> None:
+    check_degrees(tp, ep)
     if config.num_attention_heads % tp:
         raise ShardingError(f"--tp {tp} does not divide the {config.num_attention_heads} attention heads of "
                             f"{config.name}: use a divisor of {config.num_attention_heads}")
