@@ -629,10 +629,16 @@ def _sharded_serve(args: argparse.Namespace) -> int:
     options = _serve_options(args, check=False)
     options = dataclasses.replace(options, served_model_name=options.served_model_name or model_name(options.artifact))
     config = engine_config(options)
+    worlds: list[World] = []
+
+    def rank0(world: World) -> Any:
+        worlds.append(world)
+        return sharded_backend(args.artifact, world, config)[0]
+
     return _sharded(args.artifact, lambda world: open_rank_backend(args.artifact, world, config)[0],
                     lambda backend: serve(dataclasses.replace(options, artifact=Path(args.artifact) / rank_dir(0),
-                                                              backend=backend)),
-                    lambda world: sharded_backend(args.artifact, world, config)[0])
+                                                              backend=backend, liveness=worlds[0].dead_rank)),
+                    rank0)
 
 
 def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions:

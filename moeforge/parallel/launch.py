@@ -49,6 +49,15 @@ class World:
     world_size: int
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
+    def dead_rank(self) -> str | None:
+        """Why the world is broken, when a rank this process started has exited; None while all run. (Under torchrun
+        its agent watches the ranks and, when one fails, stops the others: the default ``--max-restarts 0``.)"""
+        for rank, child in enumerate(self.children, start=1):
+            code = child.poll()
+            if code is not None:
+                return f"rank {rank} exited with status {code}"
+        return None
+
     def finish(self, code: int) -> int:
         """Wait for the ranks this process started; non-zero if this rank or one of them failed."""
         for child in self.children:

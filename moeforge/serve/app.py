@@ -146,10 +146,17 @@ class ServerState:
     metrics: ServerMetrics
     admission: Admission
     draining: bool = False
+    failed: str | None = None  # why the server cannot serve any more (a rank died): /health says so
 
     def start_draining(self) -> None:
         """Refuse new generation requests from now on; in-flight ones go on (the SIGTERM path)."""
         self.draining = True
+
+    def fail(self, reason: str) -> None:
+        """The backend is gone: unhealthy from now on, new requests refused, in-flight ones aborted."""
+        self.failed = reason
+        self.draining = True
+        self.engine.abort_all()
 
 
 def _chat_tokenizer(tokenizer: Tokenizer | None, template: str | None) -> Tokenizer | None:
@@ -202,7 +209,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         if not loop.state.alive or state.draining:
-            why = loop.state.error or ("shutting down" if state.draining else "the engine loop is not running")
+            why = state.failed or loop.state.error or ("shutting down" if state.draining
+                                                       else "the engine loop is not running")
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return JSONResponse({"status": "ok"})
 

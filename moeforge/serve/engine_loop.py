@@ -52,6 +52,11 @@ class _Abort:
 
 
 @dataclass
+class _AbortAll:
+    """Abort every request held (the backend is gone)."""
+
+
+@dataclass
 class _Stop:
     deadline: float
 
@@ -86,7 +91,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics
         self.state = LoopState()
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._tracked: dict[int, _Tracked] = {}
         self._accepting = True
         self._deadline: float | None = None
@@ -116,6 +121,10 @@ class EngineLoop:
         """Abort requests (unknown or finished ids are ignored); each reports a final "abort" output."""
         if request_ids:
             self._commands.put(_Abort(list(request_ids)))
+
+    def abort_all(self) -> None:
+        """Abort every request the loop holds (each reports a final "abort" output)."""
+        self._commands.put(_AbortAll())
 
     def stop(self, timeout: float) -> None:
         """Refuse new requests, let in-flight ones run for ``timeout`` seconds, abort the rest, end the thread.
@@ -160,6 +169,8 @@ class EngineLoop:
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_ids)
+            elif isinstance(command, _AbortAll):
+                self._abort(list(self.engine.requests))
             else:
                 self._deadline = command.deadline if self._deadline is None else min(self._deadline, command.deadline)
 

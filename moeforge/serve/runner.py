@@ -13,6 +13,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -44,6 +45,7 @@ from moeforge.serve.streams import DEFAULT_STALL_TIMEOUT_S
 log = logging.getLogger(__name__)
 # After the engine has ended every request: how long their responses may take to go out before uvicorn stops.
 RESPONSE_GRACE_S = 5
+LIVENESS_POLL_S = 0.5  # how often a sharded server checks that its ranks run
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -70,6 +72,9 @@ class ServeOptions:
     profile_steps: int = 0
     log_level: str = "info"
     backend: Backend | None = None  # opened already (a sharded artifact's ShardedBackend); artifact is its rank 0
+    # Polled while serving: why the backend's processes are broken (a sharded artifact's rank died), else None.
+    # On a reason /health says so at once and the server stops with exit code 1, for a supervisor to restart it.
+    liveness: Callable[[], str | None] | None = None
 
 
 class _Server(uvicorn.Server):
@@ -168,6 +173,10 @@ def serve(options: ServeOptions) -> int:
                             access_log=False, timeout_graceful_shutdown=RESPONSE_GRACE_S, lifespan="on",
                             **protocol_options(limits))
     server = _Server(config, state, options.shutdown_timeout)
+    failure: list[str] = []
+    if options.liveness is not None:
+        threading.Thread(target=_watch, args=(options.liveness, server, state, failure), name="moeforge-liveness",
+                         daemon=True).start()
     # uvicorn re-raises the signal it shut down for once it has restored the previous handler; a handler that
     # does nothing makes that a no-op, so SIGTERM ends in a clean exit 0 rather than death by the signal.
     previous = signal.signal(signal.SIGTERM, _ignore)
@@ -175,7 +184,20 @@ def serve(options: ServeOptions) -> int:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 0 if server.started else 1
+    return 0 if server.started and not failure else 1
+
+
+def _watch(liveness: Callable[[], str | None], server: uvicorn.Server, state: ServerState, failure: list[str]) -> None:
+    """Poll ``liveness`` while the server runs; on a reason: unhealthy at once, then stop (exit code 1)."""
+    while not server.should_exit:
+        reason = liveness()
+        if reason is not None:
+            log.error("the server cannot serve any more: %s; stopping (exit code 1)", reason)
+            failure.append(reason)
+            state.fail(reason)
+            server.should_exit = True
+            return
+        time.sleep(LIVENESS_POLL_S)
 
 
 def _ignore(sig: int, frame: FrameType | None) -> None:

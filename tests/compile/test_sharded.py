@@ -284,3 +284,39 @@ def test_sharded_serve_answers_like_the_engine_and_stops_cleanly(sharded_artifac
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
     assert "rank process exited" not in err
+
+
+def test_a_dead_rank_makes_serve_unhealthy_at_once_and_exit_non_zero(sharded_artifacts: dict[str, tuple[Path, Path]]
+                                                                     ) -> None:
+    """SIGKILL of rank 1 of an idle sharded server: within a poll (0.5 s) /health says so (503 naming the rank) and
+    the server stops by itself with a non-zero exit code, for a supervisor to restart it."""
+    import signal
+
+    import httpx
+
+    sharded = sharded_artifacts[_case_id(CASES[0])][0]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", "serve", str(sharded), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1  # rank 1, started by rank 0
+        os.kill(int(children[0]), signal.SIGKILL)
+        deadline, gone = time.monotonic() + 10, False
+        while time.monotonic() < deadline and not gone:
+            try:
+                health = httpx.get(url + "/health", timeout=2)
+                if health.status_code == 503:  # caught between noticing and stopping: it names the rank
+                    assert "rank 1 exited" in health.json()["reason"]
+            except httpx.TransportError:  # it stopped by itself
+                gone = True
+            time.sleep(0.05)
+        assert gone, "the server kept answering after its rank died"
+        assert proc.wait(timeout=LAUNCH_TIMEOUT_S) != 0
+        assert "rank 1 exited" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
