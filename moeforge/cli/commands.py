@@ -361,7 +361,7 @@ def _backend_only(path: str, manifest: Manifest, spec: BackendSpec, why: str) ->
     graph lowered for TensorRT, which the engine and golden files are built from, not an ONNX Runtime artifact)."""
     if spec.target == "ort":
         return f"{path} is an ONNX Runtime artifact (no engine): {why}"
-    return (f"{path} is a {spec.name} artifact (--target {spec.target}): {why}. To run or check this model on CPU, "
+    return (f"{path} is a {spec.title} artifact (--target {spec.target}): {why}. To run or check this model on CPU, "
             f"compile it for ONNX Runtime: moeforge compile {manifest.source} -o DIR --target ort. On a host with a "
             f"CUDA GPU and TensorRT, 'moeforge run {path}' runs the engine and 'moeforge parity {path} --backend "
             f"{spec.name}' checks it against the golden logits saved at compile time")

@@ -27,7 +27,7 @@ from moeforge.core.kv_layout import KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
 from moeforge.model.loader import load_model
 from moeforge.quant.spec import QuantSpec, validate
-from moeforge.runtime.backends.registry import refusal
+from moeforge.runtime.backends.registry import BACKENDS, refusal
 from moeforge.verify.parity import ParityCheckFailed, ParityReport
 
 __all__ = ["DATA_FILE", "CompileOptions", "CompileResult", "KVOptions", "ParityCheckFailed", "QuantSpec",
@@ -78,11 +78,13 @@ def _check_options(options: CompileOptions) -> None:
         raise MoeforgeError(f"--kv-cache {options.kv.layout!r} is not one of {', '.join(KV_CACHE_KINDS)}")
     if options.kv.block_size < 1:
         raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv.block_size}")
-    why = refusal(options.target, paged=options.kv.layout == "paged", sharded=options.tp > 1 or options.ep > 1)
+    paged, sharded = options.kv.layout == "paged", options.tp > 1 or options.ep > 1
+    why = refusal(options.target, paged=paged, sharded=sharded)
     if why and not options.build_only:
-        shape = "--kv-cache paged" if options.kv.layout == "paged" else "--tp/--ep"
-        raise MoeforgeError(f"--target {options.target} with {shape} builds an artifact no moeforge backend runs: "
-                            f"{why}. Compile for --target ort to run it here, or pass --build-only to build it for "
-                            "a runtime of your own")
+        shape = (" with --kv-cache paged" if paged else " with --tp/--ep" if sharded else "") \
+            if options.target in BACKENDS else ""
+        raise MoeforgeError(f"--target {options.target}{shape} builds an artifact no moeforge backend runs: {why}. "
+                            "Compile for --target ort to run it here, or pass --build-only to build it for a runtime "
+                            "of your own")
 
 

@@ -123,7 +123,7 @@ def _open_rank(path: str | Path, world: World) -> Artifact:
     spec = backend_for(artifact.manifest)
     why = spec.refusal(paged=artifact.manifest.kv_cache.paged, sharded=True)
     if why:
-        raise ArtifactError(f"{path} holds {spec.name} ranks (--target {spec.target}): {why}; compile with "
+        raise ArtifactError(f"{path} holds {spec.title} plans (--target {spec.target}): {why}; compile with "
                             "--target ort to run it here")
     return artifact
 

@@ -32,8 +32,12 @@ def test_the_built_in_targets_follow_the_protocol():
 
 def test_a_new_target_is_one_class(tmp_path, monkeypatch):
     monkeypatch.setitem(TARGETS, BareOnnx.name, BareOnnx)
+    # No moeforge backend runs it (the registry has none for it): refused unless built for a runtime of one's own.
+    with pytest.raises(MoeforgeError, match=r"--target bare-onnx builds an artifact no moeforge backend runs"):
+        compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", target="bare-onnx",
+                                     max_seq_len=64, progress=False))
     result = compile_model(CompileOptions(model="tiny-llama", output_dir=tmp_path / "a", target="bare-onnx",
-                                          max_seq_len=64, progress=False))
+                                          max_seq_len=64, progress=False, build_only=True))
     manifest = load_artifact(result.output_dir).manifest
     assert manifest.target == "bare-onnx" and manifest.tool_versions["bare-onnx"] == "1"
     assert not (result.output_dir / "golden").exists() and (result.output_dir / "model.onnx").is_file()

@@ -25,7 +25,8 @@ Opener = Callable[[Artifact, BackendOptions, int, int | None, bool], Backend]
 class BackendSpec:
     """What one backend runs, and how it is opened.
 
-    ``target``: the manifest target it runs (``compile --target``). ``name``: its ``--backend`` name.
+    ``target``: the manifest target it runs (``compile --target``). ``name``: its ``--backend`` name; ``title``: how
+    messages name it.
     ``paged`` / ``sharded``: whether it runs paged KV pools / the ranks of a sharded artifact (``--tp/--ep``).
     ``needs_gpu``: it runs only with a CUDA GPU. ``host_kv``: its KV caches are host memory (the engine checks they
     fit before allocating). ``teacher_forced_parity``: ``moeforge parity`` can compare it with PyTorch token by
@@ -33,6 +34,7 @@ class BackendSpec:
 
     target: str
     name: str
+    title: str  # how messages name what it runs: "ONNX Runtime", "TensorRT"
     paged: bool
     sharded: bool
     needs_gpu: bool
@@ -78,10 +80,10 @@ def _open_trt(artifact: Artifact, options: BackendOptions, num_slots: int, num_b
     return TensorRTBackend.from_artifact(artifact.root, num_slots=num_slots)
 
 
-ORT = BackendSpec(target="ort", name="onnxruntime", paged=True, sharded=True, needs_gpu=False, host_kv=True,
-                  teacher_forced_parity=True, open=_open_ort)
+ORT = BackendSpec(target="ort", name="onnxruntime", title="ONNX Runtime", paged=True, sharded=True, needs_gpu=False,
+                  host_kv=True, teacher_forced_parity=True, open=_open_ort)
 TRT = BackendSpec(
-    target="trt", name="tensorrt", paged=False, sharded=False, needs_gpu=True, host_kv=False,
+    target="trt", name="tensorrt", title="TensorRT", paged=False, sharded=False, needs_gpu=True, host_kv=False,
     teacher_forced_parity=False, open=_open_trt,
     why_not_paged="moeforge's TensorRT backend runs contiguous-cache engines only (its paged engines take block "
                   "pools and block tables it does not bind yet)",
