@@ -194,7 +194,10 @@ def _watch(liveness: Callable[[], str | None], server: uvicorn.Server, state: Se
         if reason is not None:
             log.error("the server cannot serve any more: %s; stopping (exit code 1)", reason)
             failure.append(reason)
-            state.fail(reason)
+            state.fail(reason)  # unhealthy; every request aborted, so each response ends as the API says
+            deadline = time.monotonic() + RESPONSE_GRACE_S
+            while state.admission.in_flight and time.monotonic() < deadline:  # their last bytes go out
+                time.sleep(0.02)
             server.should_exit = True
             return
         time.sleep(LIVENESS_POLL_S)

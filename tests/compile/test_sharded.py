@@ -320,3 +320,37 @@ def test_a_dead_rank_makes_serve_unhealthy_at_once_and_exit_non_zero(sharded_art
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_rank_killed_mid_stream_ends_the_stream_with_an_error_and_done(
+        sharded_artifacts: dict[str, tuple[Path, Path]]) -> None:
+    """Rank 1 killed while rank 0 streams: the stream ends with an OpenAI-shaped error event and ``[DONE]`` (not a
+    cut body), and the server stops non-zero."""
+    import signal
+
+    import httpx
+
+    sharded = sharded_artifacts[_case_id(CASES[0])][0]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", "serve", str(sharded), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        (rank1,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        body = {"model": sharded.name, "prompt": [1, 2, 3], "max_tokens": 100, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        os.kill(int(rank1), signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and "rank" in error["message"]
+        assert proc.wait(timeout=LAUNCH_TIMEOUT_S) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
