@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--build-only", action="store_true",
                       help="build an artifact no moeforge backend runs yet (TensorRT paged engines, TensorRT --tp "
                            "plans) for a runtime of your own; refused without this flag")
-    comp.add_argument("--quiet", action="store_true", help="no progress bar")
+    comp.add_argument("--quiet", action="store_true",
+                      help="no progress bar and no pass lines: only the parity verdict and where it wrote")
     comp.add_argument("--quant", choices=list(SCHEMES), default=None,
                       help="quantisation (default fp32): " + "; ".join(f"{s.name}: {s.help}" for s in SCHEMES.values()))
     comp.add_argument("--block-size", type=int, default=None,
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-compare", action="store_true", help="measure only moeforge")
     bench.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                        help=SPECULATIVE_HELP)
-    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--json", action="store_true", help="print the whole result as JSON")
     bench.add_argument("--save", action="store_true", help="also write benchmarks/results/bench_<model>_b<B>.json")
 
     cfg = _subcommand(sub, "config", "print a model's config, parameter count and KV bytes per token")
@@ -483,7 +484,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         print(failed.report.table(), file=sys.stderr)
         print(f"moeforge compile: {failed}; nothing was written to {args.output}", file=sys.stderr)
         return EXIT_CHECK_FAILED
-    for report in result.manifest.passes:
+    for report in [] if args.quiet else result.manifest.passes:
         print(f"  pass {report['name']:<14} {report['matches']:>5} match(es)  {report['seconds']:.2f}s")
     if result.parity is not None:
         print(result.parity.table().splitlines()[-1])

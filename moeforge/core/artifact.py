@@ -28,6 +28,7 @@ import secrets
 import shutil
 import socket
 import stat
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -271,6 +272,11 @@ def _check_parent_writable(out: Path) -> None:
             if not os.access(ancestor, os.W_OK | os.X_OK):
                 raise ArtifactError(f"cannot write the artifact {out}: the directory {ancestor} is not writable "
                                     "(read-only filesystem or no permission); choose an output path you can write to")
+            try:  # what the permission bits cannot tell (root, /proc, a full or special filesystem): try it
+                os.rmdir(tempfile.mkdtemp(prefix=".moeforge-probe-", dir=ancestor))
+            except OSError as exc:
+                raise ArtifactError(f"cannot write the artifact {out}: creating a directory in {ancestor} fails "
+                                    f"({exc.strerror}); choose an output path you can write to") from None
             return
 
 

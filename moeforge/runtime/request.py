@@ -32,7 +32,12 @@ from moeforge.runtime.speculative import Drafter
 
 
 class RequestError(MoeforgeError):
-    """A request that cannot be served as given (the message says why and what to change)."""
+    """A request that cannot be served as given (the message says why and what to change); ``param`` names the
+    request field at fault, when one is (``prompt``, ``max_tokens``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def prompt_token_ids(prompt: object, vocab_size: int) -> list[int]:
@@ -66,7 +71,7 @@ def check_room(prompt_len: int, max_tokens: int, limit: int, limit_name: str,
     if prompt_len + max_tokens > limit:
         name = (names or {}).get("max_tokens", "max_tokens")
         raise RequestError(f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds {limit_name} {limit}; "
-                           f"shorten the prompt or lower {name}; nothing is truncated")
+                           f"shorten the prompt or lower {name}; nothing is truncated", param="max_tokens")
 
 
 class RequestStatus(enum.Enum):

@@ -14,7 +14,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moeforge.runtime.sampler import SamplingParamsError
 from moeforge.serve.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -39,7 +38,8 @@ class APIError(Exception):
     @classmethod
     def from_engine(cls, exc: Exception) -> APIError:
         """A request the engine refused (``RequestError``, ``SamplingParamsError``): a 400 with its reason."""
-        param = _PARAM_NAMES.get(exc.param, exc.param) if isinstance(exc, SamplingParamsError) else None
+        field = getattr(exc, "param", None)  # SamplingParamsError, RequestError: the field at fault
+        param = _PARAM_NAMES.get(field, field) if isinstance(field, str) else None
         return cls(400, str(exc), param=param)
 
     def response(self) -> JSONResponse:

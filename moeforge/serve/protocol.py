@@ -45,17 +45,17 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)  # None: 1.0, as OpenAI
-    top_p: float | None = None
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)  # None: 1.0, as OpenAI
+    top_p: float | None = Field(None, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions
     top_k: int | None = Field(None, ge=-1)  # None, 0 or -1: off (vLLM's); too large: the engine says so
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float = Field(0.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, allow_inf_nan=False)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     return_token_ids: bool = False

@@ -219,6 +219,17 @@ def test_an_old_copy_is_removed_only_once_the_artifact_is_complete(art: Path, tm
 
 
 # ---------------------------------------------------------------------------------------------- 3: unwritable
+def test_an_output_where_no_directory_can_be_made_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc passes the permission bits for root, but nothing can be created there: refused up front, not after
+    a whole compile."""
+    def no_load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was loaded before the output location was checked")
+
+    monkeypatch.setattr("moeforge.compile.driver.load_model", no_load)
+    with pytest.raises(ArtifactError, match=r"/proc/moeforge-x: creating a directory in /proc fails"):
+        compile_model(CompileOptions(model="tiny-llama", output_dir="/proc/moeforge-x", progress=False))
+
+
 def test_unwritable_output_is_refused_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Tests run as root, where os.access passes any permission bits (only a read-only mount fails it):
     # simulate the read-only location through os.access itself.

@@ -74,3 +74,15 @@ def test_strings_and_booleans_are_not_numbers_and_unsupported_fields_are_named(s
     # What is honoured as OpenAI means it passes: a float temperature given as an int, text format, best_of = n.
     assert post("/v1/completions", temperature=0, best_of=1).status_code == 200
     assert post("/v1/chat/completions", response_format={"type": "text"}, tool_choice="none").status_code == 200
+
+
+def test_errors_name_the_api_field_not_a_cli_flag(shared_server):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    too_long = httpx.post(f"{shared_server}/v1/completions", headers=headers, timeout=60,
+                          json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 10_000})
+    error = too_long.json()["error"]
+    assert too_long.status_code == 400 and error["param"] == "max_tokens" and "--max-new-tokens" not in error["message"]
+    nan = httpx.post(f"{shared_server}/v1/completions", headers=headers, timeout=60,
+                     content=f'{{"model": "{MODEL}", "prompt": [1], "temperature": NaN}}')
+    assert nan.status_code == 400 and nan.json()["error"]["param"] == "temperature"
+    assert "finite" in nan.json()["error"]["message"]
