@@ -220,7 +220,10 @@ def _check_sharded_replaceable(out: Path, refuse: str) -> None:
 def _check_replaceable(out: Path) -> None:
     """With --force we only delete an earlier artifact (or an empty directory), never arbitrary data: ``out``
     must hold a manifest that reads as a moeforge one (``Manifest.from_json``), and nothing it does not list."""
-    if out.is_symlink() or not out.is_dir():
+    if out.is_symlink():
+        raise ArtifactError(f"{out} is a symbolic link (to {os.readlink(out)}); --force replaces only a directory, "
+                            "never what a link points to: remove the link yourself or give the real path")
+    if not out.is_dir():
         raise ArtifactError(f"{out} exists and is not a directory; remove it yourself or choose another output path")
     if not any(out.iterdir()):
         return

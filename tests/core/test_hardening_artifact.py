@@ -528,3 +528,15 @@ def test_bench_memory_counts_the_cache_and_logits(art: Path) -> None:
     check_bench_memory(kv, 512, 3, 8, available=bench_memory(kv, 512, 3, 8))
     with pytest.raises(MoeforgeError, match="at most 2"):
         check_bench_memory(kv, 512, 3, 8, available=bench_memory(kv, 512, 3, 8) - 1)
+
+
+def test_force_onto_a_symbolic_link_says_it_is_a_link(tmp_path: Path) -> None:
+    """--force replaces a directory, never what a link points to, and says so (it used to say "not a directory")."""
+    target = tmp_path / "real"
+    target.mkdir()
+    (target / "keep.txt").write_text("data")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(ArtifactError, match=r"is a symbolic link \(to .*real\).*give the real path"):
+        check_output_dir(link, force=True)
+    assert (target / "keep.txt").read_text() == "data" and link.is_symlink()
