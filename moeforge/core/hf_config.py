@@ -169,21 +169,30 @@ def moe_gqa_fields(hf: dict[str, Any], model_type: str, head_dim: int, need: Cal
         factor = opt_float(params, "partial_rotary_factor", None, prefix)
         if factor is None:
             factor = opt_float(hf, "partial_rotary_factor", 0.5)
+        elif "partial_rotary_factor" in hf and hf["partial_rotary_factor"] != factor:
+            log.warning("glm4_moe config sets partial_rotary_factor=%s at the top level and %s in %s: transformers "
+                        "reads the latter, and so does moeforge", hf["partial_rotary_factor"], factor, prefix[:-1])
         if not 0 < factor <= 1:
             raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {factor}", field="partial_rotary_factor")
         rotary = int(head_dim * factor)
+        if rotary < 2:
+            raise ConfigError(f"partial_rotary_factor {factor} rotates {rotary} of head_dim {head_dim} dims: RoPE "
+                              "needs at least 2 (an even number)", field="partial_rotary_factor")
         fields["rotary_dim"] = None if rotary == head_dim else rotary
         moe.update(moe_intermediate_size=need("moe_intermediate_size"),
                    n_shared_experts=opt_int(hf, "n_shared_experts", 1),
                    first_k_dense_replace=opt_int(hf, "first_k_dense_replace", 1),
                    scoring_func="sigmoid", topk_method="noaux_tc",
-                   n_group=opt_int(hf, "n_group") or 1, topk_group=opt_int(hf, "topk_group") or 1,
+                   n_group=_at_least_one(hf, "n_group"), topk_group=_at_least_one(hf, "topk_group"),
                    norm_topk_prob=opt_bool(hf, "norm_topk_prob", True),
                    routed_scaling_factor=opt_float(hf, "routed_scaling_factor", 1.0))
     elif model_type == "mixtral":
         # softmax over all experts, top-k, renormalised (= softmax over the top-k logits); experts sized
         # intermediate_size; no attention biases.
-        fields.update(qkv_bias=False, o_proj_bias=False, sliding_window=opt_int(hf, "sliding_window") or None)
+        window = opt_int(hf, "sliding_window")
+        if window == 0:
+            log.warning("mixtral config sets sliding_window=0: read as no window (null), as transformers' mask does")
+        fields.update(qkv_bias=False, o_proj_bias=False, sliding_window=window or None)
         moe.update(moe_intermediate_size=fields["intermediate_size"], norm_topk_prob=True)
     else:  # olmoe
         # q_norm / k_norm are RMSNorms over the whole projections [Hq*D], [Hkv*D] (transformers sizes q_norm by
@@ -219,6 +228,16 @@ _EXPERT_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _at_least_one(hf: dict[str, Any], key: str) -> int:
+    """An optional count that defaults to 1 (absent or null) and is refused below 1, not read as 1."""
+    value = opt_int(hf, key)
+    if value is None:
+        return 1
+    if value < 1:
+        raise ConfigError(f"{key} must be >= 1 (or absent for 1), got {value}", field=key)
+    return value
+
+
 def _expert_count(hf: dict[str, Any], model_type: str) -> int:
     keys = _EXPERT_KEYS[model_type]
     for key in keys:
@@ -248,6 +267,9 @@ def rope_from_hf(hf: dict[str, Any], max_positions: int, model_type: str) -> Rop
     theta = opt_float(merged, "rope_theta", None, prefix, positive=True)
     if theta is None:
         theta = opt_float(hf, "rope_theta", hf_default("rope_theta", model_type), positive=True)
+    elif hf.get("rope_theta") is not None and hf["rope_theta"] != theta:
+        log.warning("config sets rope_theta=%s at the top level and %s in %s: transformers reads the latter, and so "
+                    "does moeforge", hf["rope_theta"], theta, prefix[:-1])
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if not isinstance(kind, str) or kind not in ("default", "linear", "yarn", "llama3"):
         raise ConfigError(

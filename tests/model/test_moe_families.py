@@ -253,6 +253,22 @@ def test_config_translation_per_family() -> None:
     assert ModelConfig.from_dict(json.loads(json.dumps(glm.to_dict()))) == glm
 
 
+def test_config_values_transformers_would_not_read_are_refused_or_warned(caplog) -> None:
+    """Found by an audit: each was read silently as something else."""
+    with pytest.raises(ConfigError, match=r"n_group must be >= 1 \(or absent for 1\), got 0"):
+        _translated("glm4_moe", n_group=0)
+    with pytest.raises(ConfigError, match=r"partial_rotary_factor 0\.01 rotates 0 of head_dim 16 dims"):
+        _translated("glm4_moe", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                 "partial_rotary_factor": 0.01})
+    with caplog.at_level("WARNING", logger="moeforge.core.hf_config"):
+        glm = _translated("glm4_moe", rope_theta=float("nan"), partial_rotary_factor=2.0)
+        mixtral = _translated("mixtral", sliding_window=0)
+    assert glm.rope.theta == 1e4 and glm.rope_dim == 8 and mixtral.sliding_window is None  # transformers' reading
+    said = caplog.text
+    assert "rope_theta=nan at the top level" in said and "partial_rotary_factor=2.0 at the top level" in said
+    assert "sliding_window=0: read as no window" in said
+
+
 def test_kimi_k2_config_reads_as_deepseek_v3() -> None:
     torch.manual_seed(0)
     hf = {**_kimi_k2().config.to_dict(), **KIMI_CONFIG_KEYS}
