@@ -487,7 +487,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     for report in [] if args.quiet else result.manifest.passes:
         print(f"  pass {report['name']:<14} {report['matches']:>5} match(es)  {report['seconds']:.2f}s")
     if result.parity is not None:
-        print(result.parity.table().splitlines()[-1])
+        print("\n".join(result.parity.table().splitlines()[-2:]))  # the verdict and the thresholds it applied
     if result.manifest.engine is not None:
         engine = result.manifest.engine
         print(f"  engine {engine['plan_file']}: {engine['impl']} {engine['tensorrt_version']}, "

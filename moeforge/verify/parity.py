@@ -72,7 +72,24 @@ class ParityReport:
                      f"top1 {self.top1_agreement:.3f}, KL {self.mean_kl:.2e}, greedy_match {self.greedy_match}"
                      f" ({self.precision})"
                      f" -> {verdict}")
+        lines.append(f"thresholds ({self.precision}): {describe_thresholds(self.thresholds)}")
         return "\n".join(lines)
+
+
+def describe_thresholds(limits: Thresholds) -> str:
+    """What a precision must meet, as a line: only the limits that apply."""
+    parts = []
+    if limits.atol != float("inf"):
+        parts.append(f"|err| <= {limits.atol:.0e} + {limits.rtol:.0e} * max|ref row|")
+    if limits.cosine_min > 0:
+        parts.append(f"cosine >= {limits.cosine_min}")
+    if limits.top1_agreement > 0:
+        parts.append(f"top1 >= {limits.top1_agreement}")
+    if limits.kl_max != float("inf"):
+        parts.append(f"KL <= {limits.kl_max}")
+    if limits.greedy_match:
+        parts.append("greedy tokens identical")
+    return ", ".join(parts) or "none"
 
 
 class ParityCheckFailed(MoeforgeError):

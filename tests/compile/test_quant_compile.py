@@ -43,6 +43,10 @@ def test_check_passes_per_precision(tmp_path, model, quant, block):
                                                      progress=False, check=True, quant=quant, block_size=block))
     assert result.parity is not None and result.parity.passed, result.parity.table()
     assert result.parity.precision == quant and result.parity.mean_kl > 0  # really quantised
+    # The verdict comes with the thresholds it applied (a quantised artifact: top-1 and KL, not atol).
+    limits = result.parity.thresholds
+    assert result.parity.table().splitlines()[-1] == (f"thresholds ({quant}): top1 >= {limits.top1_agreement}, "
+                                                      f"KL <= {limits.kl_max}")
     manifest = load_artifact(result.output_dir).manifest
     assert manifest.precision == quant
     q = manifest.quantization
