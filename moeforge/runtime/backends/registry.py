@@ -123,5 +123,8 @@ def open_backend(artifact: Artifact, options: BackendOptions, *, num_slots: int,
     spec = backend_for(artifact.manifest)
     why = spec.refusal(paged=artifact.manifest.kv_cache.paged, sharded=collectives) or spec.unavailable()
     if why:
-        raise ArtifactError(f"{artifact.root} ({spec.name} artifact) cannot run here: {why}")
+        advice = "" if spec.target == ORT.target else (
+            f"; to run this model here, compile it for ONNX Runtime: moeforge compile {artifact.manifest.source} "
+            "-o DIR --target ort")
+        raise ArtifactError(f"{artifact.root} ({spec.name} artifact) cannot run here: {why}{advice}")
     return spec.open(artifact, options, num_slots, num_blocks, collectives)

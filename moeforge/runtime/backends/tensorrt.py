@@ -42,7 +42,7 @@ class NoGpuError(MoeforgeError):
 def _require_cuda() -> None:
     if not torch.cuda.is_available():
         raise NoGpuError("the TensorRT backend needs a CUDA GPU and none is visible (torch.cuda.is_available() "
-                         "is False); run the artifact's model.onnx with ONNX Runtime instead, or use a GPU host")
+                         "is False); use a GPU host, or compile the model with --target ort to run it on CPU")
 
 
 def cache_length(kv: KVCacheSpec) -> int:
