@@ -15,11 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from moeforge.compile.options import CompileOptions, KVOptions, TrtOptions
 from moeforge.compile.sharded_compile import ShardedCompileResult, compile_sharded
-from moeforge.compile.stages import DATA_FILE, build_artifact, make_job
+from moeforge.compile.stages import DATA_FILE, build_artifact, make_job, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.core.artifact import check_output_dir
 from moeforge.core.errors import MoeforgeError
@@ -52,7 +50,7 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
         return compile_sharded(options)
     check_output_dir(options.output_dir, force=options.force)  # before the expensive stages
 
-    bar = tqdm(total=5, desc="compile", unit="stage", disable=not options.progress, leave=False)
+    bar = stage_bar(5, "compile", options.progress)
     try:
         bar.set_postfix_str("load checkpoint")
         loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)

@@ -25,10 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from moeforge.compile.options import CompileOptions
-from moeforge.compile.stages import build_artifact, make_job
+from moeforge.compile.stages import build_artifact, make_job, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.compile.targets.ort import OrtTarget
 from moeforge.core.artifact import (
@@ -213,7 +211,7 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
     out = Path(options.output_dir).expanduser().absolute()
     check_output_dir(out, force=options.force)  # a sharded or unsharded artifact may be replaced
     tp, ep = options.tp, options.ep
-    bar = tqdm(total=1 + 2 * tp, desc=f"compile tp{tp}", unit="stage", disable=not options.progress, leave=False)
+    bar = stage_bar(1 + 2 * tp, f"compile tp{tp}", options.progress)
     scratch = out.parent / f".{out.name}.moeforge-sharded-tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         bar.set_postfix_str("load checkpoint")

@@ -34,6 +34,17 @@ DATA_FILE = "model.onnx.data"
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
 
 
+
+# Stages differ in length by orders of magnitude (a pass takes milliseconds, the export minutes), so the bar shows
+# stages done and time spent, never a rate or an ETA extrapolated from them.
+STAGE_BAR_FORMAT = "{desc}: {n}/{total} stages [{elapsed}] {postfix}"
+
+
+def stage_bar(total: int, desc: str, enabled: bool) -> tqdm:
+    """The compile's progress bar over ``total`` stages (passes are added once the target's list is known)."""
+    return tqdm(total=total, desc=desc, unit="stage", disable=not enabled, leave=False, bar_format=STAGE_BAR_FORMAT)
+
+
 def make_job(options: CompileOptions, loaded: LoadedModel) -> CompileJob:
     """The ``CompileJob`` of ``loaded``: its sequence length and calibration prompts; a quantisation block size
     that does not fit fails here, before the export."""
