@@ -37,7 +37,7 @@ _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.s
 
 # Stages differ in length by orders of magnitude (a pass takes milliseconds, the export minutes), so the bar shows
 # stages done and time spent, never a rate or an ETA extrapolated from them.
-STAGE_BAR_FORMAT = "{desc}: {n}/{total} stages [{elapsed}] {postfix}"
+STAGE_BAR_FORMAT = "{desc}: {n}/{total} stages [{elapsed}]{postfix}"
 
 
 def stage_bar(total: int, desc: str, enabled: bool) -> tqdm:
