@@ -493,6 +493,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         print(f"  engine {engine['plan_file']}: {engine['impl']} {engine['tensorrt_version']}, "
               f"{engine['compute_capability']}, {engine['plan_bytes'] / 2**20:.1f} MiB, "
               f"built in {engine['build_seconds']:.1f}s")
+    why = backend_for(result.manifest).unavailable()
+    if why and not args.quiet:
+        print(f"  note: this host cannot run it ({why}); it runs on a GPU host with 'moeforge run'")
     print(f"wrote {result.output_dir}")
     return EXIT_OK
 
