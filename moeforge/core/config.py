@@ -45,6 +45,7 @@ from moeforge.core.config_types import (
 )
 from moeforge.core.errors import ConfigError
 from moeforge.core.hf_config import (
+    EXPERT_KEYS,
     deepseek_moe,
     dsa_from_hf,
     hf_default,
@@ -546,7 +547,11 @@ class ModelConfig:
         # Qwen3Config's head_dim defaults to 128 (the others: hidden / heads)
         head_dim = opt_int(hf, "head_dim") or (128 if model_type == "qwen3" else hidden // heads)
         if model_type in MOE_GQA_FAMILIES:
-            return cls(**common, **moe_gqa_fields(hf, model_type, head_dim, need))
+            try:
+                return cls(**common, **moe_gqa_fields(hf, model_type, head_dim, need))
+            except ConfigError as exc:  # name the expert count as this family's config.json does
+                key = next((k for k in EXPERT_KEYS[model_type] if hf.get(k) is not None), "n_routed_experts")
+                raise ConfigError(str(exc).replace("n_routed_experts", key), field=exc.field) from None
         qk_norm: QKNorm = "none"
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False  # Qwen2 always has q/k/v biases and no o_proj bias

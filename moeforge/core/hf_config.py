@@ -222,7 +222,7 @@ def dsa_from_hf(hf: dict[str, Any], need: Callable[..., int]) -> DSAConfig:
 
 # Where each family's config.json keeps its routed-expert count (transformers v5 writes num_local_experts for
 # every one of them; released checkpoints use the family's own key).
-_EXPERT_KEYS: dict[str, tuple[str, ...]] = {
+EXPERT_KEYS: dict[str, tuple[str, ...]] = {
     "qwen3_moe": ("num_experts", "num_local_experts"), "olmoe": ("num_experts", "num_local_experts"),
     "glm4_moe": ("n_routed_experts", "num_local_experts"), "mixtral": ("num_local_experts", "num_experts"),
 }
@@ -239,7 +239,7 @@ def _at_least_one(hf: dict[str, Any], key: str) -> int:
 
 
 def _expert_count(hf: dict[str, Any], model_type: str) -> int:
-    keys = _EXPERT_KEYS[model_type]
+    keys = EXPERT_KEYS[model_type]
     for key in keys:
         if hf.get(key) is not None:
             count = check_int(hf[key], key)

@@ -267,6 +267,11 @@ def test_config_values_transformers_would_not_read_are_refused_or_warned(caplog)
     said = caplog.text
     assert "rope_theta=nan at the top level" in said and "partial_rotary_factor=2.0 at the top level" in said
     assert "sliding_window=0: read as no window" in said
+    # Errors name the expert count as each family's config.json does.
+    with pytest.raises(ConfigError, match=r"1\.\.num_local_experts \(2\)"):
+        _translated("mixtral", num_local_experts=2, num_experts_per_tok=4)
+    with pytest.raises(ConfigError, match=r"1\.\.num_experts \(2\)"):
+        _translated("olmoe", num_experts=2, num_experts_per_tok=4)
 
 
 def test_kimi_k2_config_reads_as_deepseek_v3() -> None:
