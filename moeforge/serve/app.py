@@ -208,11 +208,22 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """Readiness: 200 once the engine has warmed up and while it serves (a load balancer's probe)."""
         if not loop.state.alive or state.draining:
             why = state.failed or loop.state.error or ("shutting down" if state.draining
                                                        else "the engine loop is not running")
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        if not loop.state.ready:
+            return JSONResponse({"status": "starting", "reason": "warming up"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        """Liveness: 200 while the process and its engine loop run, warming up or draining included (a restart
+        helps only when this fails)."""
+        if loop.state.error is not None or state.failed is not None:
+            return JSONResponse({"status": "dead", "reason": state.failed or loop.state.error}, status_code=503)
+        return JSONResponse({"status": "alive"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

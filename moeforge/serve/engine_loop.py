@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moeforge.core.errors import MoeforgeError
 from moeforge.runtime.engine import LLMEngine
 from moeforge.runtime.outputs import RequestOutput
@@ -80,6 +82,7 @@ class LoopState:
     waiting: int = 0
     kv_blocks_in_use: int = 0
     alive: bool = False
+    ready: bool = False  # the warm-up step ran: the first real request meets initialised kernels and buffers
     error: str | None = None  # why the loop died, if it did
     finished: dict[str, int] = field(default_factory=dict)  # requests by finish reason
 
@@ -96,6 +99,7 @@ class EngineLoop:
         self._accepting = True
         self._deadline: float | None = None
         self._profile_steps = profile_steps
+        self._expert_baseline: np.ndarray | None = None  # expert load routed by the warm-up step
         self._thread = threading.Thread(target=self._run, name="moeforge-engine-loop", daemon=True)
 
     # ---- any thread
@@ -135,8 +139,24 @@ class EngineLoop:
             self._thread.join()
 
     # ---- the loop thread
+    def _warm_up(self) -> None:
+        """One short prefill and a decode step before the server reports ready (``LoopState.ready``): ONNX Runtime
+        allocates and prepacks on a session's first runs, which the first client should not wait for. Sampled (not
+        greedy), so no argmax-head run is counted; the metrics start from the engine's state after it, and the expert
+        load it routed is subtracted from what is exported."""
+        engine = self.engine
+        prompt = [min(1, engine.backend.vocab_size - 1)] * 2
+        engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        self._expert_baseline = engine.expert_load()
+        if self.metrics is not None:
+            self.metrics.set_baseline(engine.stats())
+
     def _run(self) -> None:
         try:
+            self._warm_up()
+            self.state.ready = True
             while True:
                 self._take_commands(block=self._deadline is None and not self.engine.has_unfinished())
                 if self._deadline is not None:
@@ -240,7 +260,7 @@ class EngineLoop:
             self.metrics.update_engine(stats)
             load = engine.expert_load()  # a fresh copy; None unless the artifact routes to experts
             if load is not None:
-                self.metrics.set_expert_load(load)
+                self.metrics.set_expert_load(load if self._expert_baseline is None else load - self._expert_baseline)
         if self._profile_steps and stats.totals.steps >= self._profile_steps:
             self._profile_steps = 0  # profiling ends with the first read
             share = engine.attention_time_share()

@@ -140,6 +140,10 @@ class ServerMetrics:
             self.rejected.labels(model_name, reason)
 
     # ---- written by the engine loop thread
+    def set_baseline(self, stats: EngineStats) -> None:
+        """Count from ``stats`` on (the engine's state after its warm-up): nothing before it is exported."""
+        self._seen = stats
+
     def update_engine(self, stats: EngineStats) -> None:
         """Gauges and cumulative counters from the engine's snapshot after a step (``LLMEngine.stats()``); the
         argmax head's series stay absent for artifacts without the head."""

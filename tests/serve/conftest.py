@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 
@@ -67,8 +68,13 @@ def _running(app: Any) -> Iterator[str]:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    while httpx.get(url + "/health", timeout=5).status_code != 200:  # ready: its warm-up step ran
+        if time.monotonic() > deadline:
+            raise RuntimeError("the test server did not become ready")
+        time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -4,6 +4,7 @@ two Authorization headers are refused rather than one silently winning, and the 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -86,3 +87,51 @@ def test_errors_name_the_api_field_not_a_cli_flag(shared_server):
                      content=f'{{"model": "{MODEL}", "prompt": [1], "temperature": NaN}}')
     assert nan.status_code == 400 and nan.json()["error"]["param"] == "temperature"
     assert "finite" in nan.json()["error"]["message"]
+
+
+def test_ready_only_after_the_warm_up_and_live_throughout(tiny_artifact):
+    """/health (readiness) says "starting" until the engine loop's warm-up step has run; /health/live is 200 from
+    the start; the warm-up is not counted in the metrics (no step, no argmax-head run)."""
+    import threading
+
+    import uvicorn
+
+    from moeforge.parallel.net import free_port
+    from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
+    from moeforge.serve.app import ServerConfig, create_app
+
+    engine = LLMEngine.from_artifact(tiny_artifact, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2),
+                                                                 backend=BackendOptions(threads=1)))
+    gate = threading.Event()
+    real_step = engine.step
+
+    def held_step():  # the warm-up waits until the test has seen "starting"
+        gate.wait(timeout=30)
+        return real_step()
+
+    engine.step = held_step  # type: ignore[method-assign]
+    app = create_app(engine, ServerConfig(model_name=MODEL))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        starting = httpx.get(url + "/health", timeout=5)
+        assert starting.status_code == 503 and starting.json() == {"status": "starting", "reason": "warming up"}
+        assert httpx.get(url + "/health/live", timeout=5).json() == {"status": "alive"}
+        gate.set()
+        while httpx.get(url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        metrics = httpx.get(url + "/metrics", timeout=5).text
+        assert 'moeforge:engine_steps_total{model_name="' + MODEL + '"} 0.0' in metrics
+        assert engine.backend.argmax_head_stats().runs == 0  # sampled, not greedy: no head run counted
+    finally:
+        gate.set()
+        server.should_exit = True
+        thread.join(timeout=30)
