@@ -13,6 +13,7 @@ not ship is refused with its reason.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,13 @@ def load_transformers_model(spec: str) -> Any:
                                 "with --reference torch, or compile the HF safetensors checkpoint and compare that "
                                 "with transformers")
     try:
-        if source.kind == "gguf":
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+        with warnings.catch_warnings():  # its deprecation notices are transformers' to act on, not the user's
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            if source.kind == "gguf":
+                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
     except (ValueError, KeyError, OSError, RuntimeError) as error:  # RuntimeError: its weights do not fit its config
         raise MoeforgeError(f"transformers cannot load {spec} as a causal LM ({type(error).__name__}: "
                             f"{str(error).splitlines()[0] if str(error) else ''}); compare with --reference torch "
