@@ -24,6 +24,7 @@ from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
 from moeforge.model.loader import LoadedModel, load_config, load_model
 from moeforge.model.tokenizer import Tokenizer
+from moeforge.parallel.eplb import parse_stats, rebalance, round_robin, write_plan
 from moeforge.parallel.launch import (
     World,
     open_rank_backend,
@@ -278,6 +279,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="profile the first N engine steps for moeforge:attention_time_share (0 = off)")
     srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                      help="uvicorn's log level")
+
+    eplb = _subcommand(sub, "eplb", "plan expert placement with redundant experts from measured expert load (EPLB) "
+                       "and report the predicted per-rank imbalance against contiguous and round-robin placement")
+    eplb.add_argument("stats", help="expert-load statistics: JSON {\"layers\": [[load per expert], ...]} (or a plain "
+                      "2-D list), or a scrape of the server's /metrics (moeforge:expert_routed_tokens_total)")
+    eplb.add_argument("-o", "--output", required=True, type=Path, help="plan file to write (JSON)")
+    eplb.add_argument("--ep", type=int, required=True, help="expert-parallel ranks")
+    eplb.add_argument("--redundant", type=int, required=True,
+                      help="redundant expert slots per layer (experts + R must divide by --ep)")
+    eplb.add_argument("--nodes", type=int, default=1, help="nodes the ranks span (must divide --ep)")
+    eplb.add_argument("--groups", type=int, default=1,
+                      help="the model's expert groups (n_group; 1 if it has none): with --groups divisible by "
+                           "--nodes, each group stays on one node")
+    eplb.add_argument("--json", action="store_true", help="print the per-layer imbalance as JSON")
     return parser
 
 
@@ -287,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     commands = {"run": _cmd_run, "config": _cmd_config, "compile": _cmd_compile, "inspect": _cmd_inspect,
-                "parity": _cmd_parity, "bench": _cmd_bench, "serve": _cmd_serve}
+                "parity": _cmd_parity, "bench": _cmd_bench, "serve": _cmd_serve,
+                "eplb": _cmd_eplb}
     try:
         if args.command in commands:
             code = commands[args.command](args)
@@ -693,6 +709,32 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(f"  KV cache per token (fp16, all layers): absorbed MLA {kv['absorb']} B, naive {kv['naive']} B")
     else:
         print(f"  KV cache per token (fp16, all layers): {kv} B")
+    return EXIT_OK
+
+
+def _cmd_eplb(args: argparse.Namespace) -> int:
+    try:
+        text = Path(args.stats).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MoeforgeError(f"cannot read statistics {args.stats}: {getattr(exc, 'strerror', None) or exc}; pass "
+                            "the JSON statistics or a /metrics scrape") from None
+    load, sha = parse_stats(text)
+    plan = rebalance(load, args.ep, args.redundant, args.nodes, args.groups, artifact_sha256=sha)
+    write_plan(plan, args.output)
+    robin = round_robin(load, args.ep, args.redundant).imbalance.tolist()
+    rows = [{"layer": layer, "contiguous": before, "round_robin": robin[layer], "eplb": after}
+            for layer, (before, after) in enumerate(zip(plan.imbalance_before.tolist(), plan.imbalance.tolist(),
+                                                        strict=True))]
+    if args.json:
+        print(json.dumps({"plan": str(args.output), "mode": plan.mode, "ep": plan.ep, "redundant": plan.redundant,
+                          "nodes": plan.nodes, "groups": plan.groups, "layers": rows}, indent=2))
+        return EXIT_OK
+    print(f"{plan.mode} EPLB plan: {load.shape[0]} layers x {load.shape[1]} experts, ep {plan.ep}, "
+          f"{plan.redundant} redundant slots, {plan.nodes} node(s), {plan.groups} group(s) -> {args.output}")
+    print("predicted imbalance (max / mean rank load; contiguous: no replicas; round-robin: EPLB's replicas)")
+    print(f"{'layer':>5}  {'contiguous':>10}  {'round-robin':>11}  {'eplb':>6}")
+    for row in rows:
+        print(f"{row['layer']:>5}  {row['contiguous']:>10.3f}  {row['round_robin']:>11.3f}  {row['eplb']:>6.3f}")
     return EXIT_OK
 
 
