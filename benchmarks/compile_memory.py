@@ -2,25 +2,17 @@
 
 Issue 34's yardstick for a streamed, out-of-core compile. Three parts:
 
-* **A synthetic DeepSeek-V3-shaped checkpoint** (``write_checkpoint``): seeded, in the release's layout --
-  ``config.json`` (model_type deepseek_v3, ``quantization_config`` fp8 e4m3 with 128 x 128 blocks), sharded
-  safetensors ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, the real tensor names
-  (``model.layers.N.self_attn.q_a_proj.weight``, ``mlp.experts.E.gate_proj.weight``, ...), every projection in
-  float8_e4m3fn with its float32 ``weight_scale_inv`` [ceil(out/128), ceil(in/128)]; embeddings, norms, router
-  and LM head in bfloat16, the correction bias in float32 (as DeepSeek-V3 ships them); a byte-level tokenizer.
-  The safetensors files are written without ever holding a whole tensor: each weight is generated, quantised and
-  written in row chunks at its place in the file, so the generator's memory stays at a few chunks whatever the
-  model's size. ``weight_value`` regenerates any weight's float32 values (what was quantised), for checks.
-* **A runner** (``run_in_cgroup``): the command runs alone in a fresh memory cgroup (v1 or v2; needs root), with
-  an optional cap (``memory.limit_in_bytes`` / ``memory.max``, swap off). It reports the group's peak (page
-  cache included: ``memory.max_usage_in_bytes`` / ``memory.peak``), OOM kills (``memory.oom_control`` /
-  ``memory.events``, or death by SIGKILL), the largest peak RSS (VmHWM, sampled) of its processes and the wall
-  time; the group is removed afterwards whatever happens. The checkpoint's page cache is dropped before each run,
-  so every compile reads it cold and its page cache is charged to the compile's group (as in a fresh container).
-  Shared libraries already in memory (torch, onnxruntime) stay charged to whoever loaded them first: a fresh
-  container would count a few hundred MiB more, the same at every size.
-* **The smallest cap** (``smallest_cap``): an uncapped peak says little, as the kernel fills any free memory with
-  page cache, which a cap reclaims; so the cap is bisected (to ``--resolution-mib``) between one that fails
+* **A synthetic DeepSeek-V3-shaped checkpoint** (``synthetic_deepseek.py``): seeded, in the release's layout
+  (sharded safetensors, the real tensor names, projections in FP8 e4m3 with 128 x 128 block scales, a byte-level
+  tokenizer), written in row chunks so that the generator's memory stays small whatever the model's size.
+* **A runner** (``cgroup_memory.py``): each compile runs alone in a fresh memory cgroup (v1 or v2; needs root),
+  with an optional cap, swap off; it reports the group's peak (page cache included), OOM kills, the largest peak
+  RSS of its processes and the wall time, and removes the group afterwards whatever happens. The checkpoint's page
+  cache is dropped before each run, so every compile reads it cold and its page cache is charged to the compile's
+  group (as in a fresh container). Shared libraries already in memory (torch, onnxruntime) stay charged to whoever
+  loaded them first: a fresh container would count a few hundred MiB more, the same at every size.
+* **The smallest cap** (``smallest_cap``, here): an uncapped peak says little, as the kernel fills any free memory
+  with page cache, which a cap reclaims; so the cap is bisected (to ``--resolution-mib``) between one that fails
   (OOM-killed, or slower than ``--timeout-factor`` times the uncapped compile) and one that succeeds. "Uncapped"
   runs are capped at ``--safety-cap-gib`` (default 75% of the available memory), so that a compile too big for
   the machine is killed alone.
@@ -43,710 +35,38 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import errno
-import hashlib
 import itertools
 import json
-import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from timer import Stopwatch
+from cgroup_memory import MIB, RunResult, drop_page_cache, find_memory_cgroup, mountinfo, run_in_cgroup
+from synthetic_deepseek import (
+    DEFAULTS,
+    STAMP_FILE,
+    add_shape_arguments,
+    checkpoint_files,
+    reuse_or_write,
+    shape_from_args,
+    write_checkpoint,
+)
 
 from moeforge.cli.bench import write_result
-from moeforge.model.fp8 import fp8_scale_shape, quantize_fp8_blockwise
-from moeforge.model.presets import TINY_BOS, TINY_EOS
-from moeforge.model.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "compile_memory.json"
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WORK_DIR = REPO / "build" / "compile_memory"  # build/ is git-ignored; on disk, not tmpfs
-MIB = 2**20
 GIB = 2**30
-GENERATOR_VERSION = 1  # bump when the generated bytes change: a stamp from another version is not reused
-STAMP_FILE = "compile_memory_checkpoint.json"
-INDEX_FILE = "model.safetensors.index.json"
-FP8_BLOCK = 128
-# Rows generated (and quantised) at a time: a multiple of the FP8 block, so chunks quantise as the whole would.
-ROW_CHUNK = 1024
 # Issue 34's targets: the smallest cap flat in the layer count, and under 3 GiB for the ~1.4 B model.
 FLAT_TOLERANCE = 0.10
 CAP_TARGET_BYTES = 3 * GIB
-
-# safetensors dtype names of what the generator stores
-SAFETENSORS_DTYPE = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32"}
-
-
-# ================================================================================== the synthetic checkpoint
-@dataclass(frozen=True)
-class CheckpointShape:
-    """A DeepSeek-V3-shaped model. ``deepseek_v3_shape`` fills the sizes a user does not give from ``hidden``."""
-
-    layers: int
-    hidden: int
-    experts: int
-    top_k: int
-    vocab: int
-    heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    moe_intermediate: int
-    intermediate: int  # the dense layers' MLP
-    shared_experts: int
-    first_dense: int  # first_k_dense_replace
-    n_group: int
-    topk_group: int
-    mtp_layers: int = 0  # DeepSeek-V3's multi-token-prediction layers after the last one: the loader skips them
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-
-def deepseek_v3_shape(layers: int = 8, hidden: int = 2048, experts: int = 32, top_k: int = 4, *,
-                      vocab: int = 51200, heads: int | None = None, moe_intermediate: int | None = None,
-                      intermediate: int | None = None, mtp_layers: int = 0) -> CheckpointShape:
-    """DeepSeek-V3's proportions at ``hidden``: 128-dim heads (hidden / 128 of them), q and kv LoRA ranks
-    hidden / 4, head dims 128 / 64 / 128 (halved below hidden 512), experts of 3 * hidden / 8, a dense MLP of
-    11 * hidden / 4, one shared expert, the first layer dense, routing groups of experts / 4 keeping half.
-    The defaults (8 layers, hidden 2048, 32 experts, top-4, vocabulary 51200) make the ~1.4 B-parameter model of
-    issue 34: 5.7 GB of float32 weights, 1.6 GB as FP8."""
-    if min(layers, hidden, experts, top_k, vocab) < 1 or top_k > experts:
-        raise ValueError(f"need positive sizes and top_k <= experts (layers {layers}, hidden {hidden}, experts "
-                         f"{experts}, top_k {top_k}, vocab {vocab})")
-    if vocab < 258:
-        raise ValueError(f"vocab must be >= 258 (the byte-level tokenizer's 256 bytes + bos + eos), got {vocab}")
-    small = hidden < 512
-    n_group = 4 if experts % 4 == 0 and experts >= 8 else 1
-    topk_group = max(1, n_group // 2)
-    if topk_group * (experts // n_group) < top_k:  # the kept groups must hold top_k experts
-        topk_group = n_group
-    return CheckpointShape(
-        layers=layers, hidden=hidden, experts=experts, top_k=top_k, vocab=vocab,
-        heads=heads or max(1, hidden // 128), q_lora_rank=max(16, hidden // 4), kv_lora_rank=max(16, hidden // 4),
-        qk_nope_head_dim=64 if small else 128, qk_rope_head_dim=32 if small else 64, v_head_dim=64 if small else 128,
-        moe_intermediate=moe_intermediate or 3 * hidden // 8, intermediate=intermediate or 11 * hidden // 4,
-        shared_experts=1, first_dense=min(1, layers), n_group=n_group, topk_group=topk_group, mtp_layers=mtp_layers,
-    )
-
-
-def hf_config(shape: CheckpointShape) -> dict[str, Any]:
-    """config.json as DeepSeek-V3 ships it, with ``shape``'s sizes (and the tiny byte-level tokenizer's ids)."""
-    s = shape
-    return {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "vocab_size": s.vocab,
-        "hidden_size": s.hidden,
-        "intermediate_size": s.intermediate,
-        "moe_intermediate_size": s.moe_intermediate,
-        "num_hidden_layers": s.layers,
-        "num_nextn_predict_layers": s.mtp_layers,
-        "num_attention_heads": s.heads,
-        "num_key_value_heads": s.heads,
-        "n_routed_experts": s.experts,
-        "n_shared_experts": s.shared_experts,
-        "num_experts_per_tok": s.top_k,
-        "n_group": s.n_group,
-        "topk_group": s.topk_group,
-        "first_k_dense_replace": s.first_dense,
-        "moe_layer_freq": 1,
-        "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
-        "q_lora_rank": s.q_lora_rank,
-        "kv_lora_rank": s.kv_lora_rank,
-        "qk_nope_head_dim": s.qk_nope_head_dim,
-        "qk_rope_head_dim": s.qk_rope_head_dim,
-        "v_head_dim": s.v_head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000,
-        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "max_position_embeddings": 163840,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": TINY_BOS,
-        "eos_token_id": TINY_EOS,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": "bfloat16",
-        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "weight_block_size": [FP8_BLOCK, FP8_BLOCK]},
-    }
-
-
-@dataclass(frozen=True)
-class WeightSpec:
-    """One weight of the checkpoint: its HF name, shape, how it is stored and how its values are drawn.
-
-    storage: "fp8" (float8_e4m3fn + float32 ``<name>_scale_inv``), "bf16" or "f32".
-    init: "linear" N(0, 1/fan_in), "embed" N(0, 1), "norm" 1 + 0.1 N(0, 1), "bias" U(0, 0.1): the spreads of
-    moeforge's ``init_random_weights``, so the random model's logits are well spread (greedy tokens are not ties)."""
-
-    name: str
-    shape: tuple[int, ...]
-    storage: str
-    init: str
-
-    def stored(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """(name, dtype, shape) of the tensors in the file: the weight, and its scale when FP8."""
-        if self.storage == "fp8":
-            return [(self.name, torch.float8_e4m3fn, self.shape),
-                    (self.name + "_scale_inv", torch.float32, fp8_scale_shape(self.shape, FP8_BLOCK))]
-        return [(self.name, torch.bfloat16 if self.storage == "bf16" else torch.float32, self.shape)]
-
-    def stored_bytes(self) -> int:
-        return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in self.stored())
-
-
-def _layer_weights(p: str, s: CheckpointShape, moe: bool) -> list[WeightSpec]:
-    """Decoder layer ``p`` (``model.layers.N.``) in DeepSeek-V3's names."""
-    h, heads = s.hidden, s.heads
-    out = [
-        WeightSpec(p + "input_layernorm.weight", (h,), "bf16", "norm"),
-        WeightSpec(p + "self_attn.q_a_proj.weight", (s.q_lora_rank, h), "fp8", "linear"),
-        WeightSpec(p + "self_attn.q_a_layernorm.weight", (s.q_lora_rank,), "bf16", "norm"),
-        WeightSpec(p + "self_attn.q_b_proj.weight", (heads * (s.qk_nope_head_dim + s.qk_rope_head_dim),
-                                                     s.q_lora_rank), "fp8", "linear"),
-        WeightSpec(p + "self_attn.kv_a_proj_with_mqa.weight", (s.kv_lora_rank + s.qk_rope_head_dim, h), "fp8",
-                   "linear"),
-        WeightSpec(p + "self_attn.kv_a_layernorm.weight", (s.kv_lora_rank,), "bf16", "norm"),
-        WeightSpec(p + "self_attn.kv_b_proj.weight", (heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
-                   "fp8", "linear"),
-        WeightSpec(p + "self_attn.o_proj.weight", (h, heads * s.v_head_dim), "fp8", "linear"),
-        WeightSpec(p + "post_attention_layernorm.weight", (h,), "bf16", "norm"),
-    ]
-
-    def swiglu(prefix: str, inter: int) -> list[WeightSpec]:
-        return [WeightSpec(f"{prefix}gate_proj.weight", (inter, h), "fp8", "linear"),
-                WeightSpec(f"{prefix}up_proj.weight", (inter, h), "fp8", "linear"),
-                WeightSpec(f"{prefix}down_proj.weight", (h, inter), "fp8", "linear")]
-
-    if not moe:
-        return out + swiglu(p + "mlp.", s.intermediate)
-    out += [WeightSpec(p + "mlp.gate.weight", (s.experts, h), "bf16", "linear"),
-            WeightSpec(p + "mlp.gate.e_score_correction_bias", (s.experts,), "f32", "bias")]
-    for e in range(s.experts):
-        out += swiglu(f"{p}mlp.experts.{e}.", s.moe_intermediate)
-    if s.shared_experts:
-        out += swiglu(p + "mlp.shared_experts.", s.moe_intermediate * s.shared_experts)
-    return out
-
-
-def checkpoint_weights(shape: CheckpointShape) -> list[WeightSpec]:
-    """Every weight, in file order: embeddings, the layers in turn (then the MTP layers), final norm, LM head."""
-    s = shape
-    weights = [WeightSpec("model.embed_tokens.weight", (s.vocab, s.hidden), "bf16", "embed")]
-    for i in range(s.layers):
-        weights += _layer_weights(f"model.layers.{i}.", s, moe=i >= s.first_dense)
-    for i in range(s.layers, s.layers + s.mtp_layers):
-        p = f"model.layers.{i}."  # DeepSeek-V3's MTP module: a MoE layer plus its own projections and head
-        weights += _layer_weights(p, s, moe=True)
-        weights += [WeightSpec(p + "enorm.weight", (s.hidden,), "bf16", "norm"),
-                    WeightSpec(p + "hnorm.weight", (s.hidden,), "bf16", "norm"),
-                    WeightSpec(p + "eh_proj.weight", (s.hidden, 2 * s.hidden), "fp8", "linear"),
-                    WeightSpec(p + "shared_head.norm.weight", (s.hidden,), "bf16", "norm")]
-    weights += [WeightSpec("model.norm.weight", (s.hidden,), "bf16", "norm"),
-                WeightSpec("lm_head.weight", (s.vocab, s.hidden), "bf16", "linear")]
-    return weights
-
-
-def parameter_count(shape: CheckpointShape) -> int:
-    """Parameters of the model moeforge builds (the MTP layers, which it skips, not counted)."""
-    mtp = {f"model.layers.{i}." for i in range(shape.layers, shape.layers + shape.mtp_layers)}
-    return sum(math.prod(w.shape) for w in checkpoint_weights(shape) if not w.name.startswith(tuple(mtp)))
-
-
-def _chunk_seed(seed: int, name: str, chunk: int) -> int:
-    digest = hashlib.sha256(f"{seed}/{name}/{chunk}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def weight_chunks(weight: WeightSpec, seed: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(first row, float32 rows)`` of ``weight``, ``ROW_CHUNK`` rows at a time; each chunk is drawn from its own
-    generator (seeded by seed, name and chunk), so any part can be regenerated alone."""
-    rows = weight.shape[0]
-    starts = range(0, rows, ROW_CHUNK) if len(weight.shape) == 2 else range(1)
-    for index, start in enumerate(starts):
-        part = (min(ROW_CHUNK, rows - start), *weight.shape[1:]) if len(weight.shape) == 2 else weight.shape
-        gen = torch.Generator().manual_seed(_chunk_seed(seed, weight.name, index))
-        if weight.init == "bias":
-            values = torch.rand(part, generator=gen) * 0.1
-        elif weight.init == "norm":
-            values = 1.0 + 0.1 * torch.randn(part, generator=gen)
-        elif weight.init == "embed":
-            values = torch.randn(part, generator=gen)
-        else:
-            values = torch.randn(part, generator=gen) / weight.shape[-1] ** 0.5
-        yield start, values
-
-
-def weight_value(weight: WeightSpec, seed: int) -> torch.Tensor:
-    """The float32 values the generator drew for ``weight`` (before FP8 / bf16 rounding)."""
-    return torch.cat([chunk for _, chunk in weight_chunks(weight, seed)])
-
-
-@dataclass(frozen=True)
-class _Placed:
-    """A stored tensor's place in its shard: byte offset of its data from the start of the file."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape[1:]) * self.dtype.itemsize
-
-
-def plan_shards(weights: list[WeightSpec], shard_bytes: int) -> list[list[WeightSpec]]:
-    """Weights in order, a new shard once the current one holds ``shard_bytes`` (a weight stays with its scale)."""
-    shards: list[list[WeightSpec]] = [[]]
-    size = 0
-    for weight in weights:
-        if shards[-1] and size + weight.stored_bytes() > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(weight)
-        size += weight.stored_bytes()
-    return shards
-
-
-def _layout(weights: list[WeightSpec]) -> tuple[bytes, dict[str, _Placed], int]:
-    """The safetensors header of a shard and where each tensor goes. Data is ordered by item size (4, 2, 1 bytes)
-    after an 8-byte-aligned header, so every tensor is aligned for its dtype, as safetensors' own writer does."""
-    stored = [t for w in weights for t in w.stored()]
-    stored.sort(key=lambda t: -t[1].itemsize)  # stable: file order within a dtype size
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    ranges: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
-    cursor = 0
-    for name, dtype, shape in stored:
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(shape),
-                        "data_offsets": [cursor, cursor + size]}
-        ranges.append((name, dtype, shape, cursor))
-        cursor += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    start = 8 + len(text)
-    placed = {name: _Placed(name, dtype, shape, start + begin) for name, dtype, shape, begin in ranges}
-    return len(text).to_bytes(8, "little") + text, placed, start + cursor
-
-
-def _write_at(fd: int, tensor: torch.Tensor, offset: int) -> None:
-    data = tensor.contiguous().view(torch.uint8).numpy()
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-def drop_page_cache(paths: Sequence[Path]) -> None:
-    """Evict the files' clean pages from the page cache (``posix_fadvise`` DONTNEED; dirty pages are flushed first),
-    so the next reader reads them cold and its memory cgroup is charged for them. Only these files are touched."""
-    for path in paths:
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _write_shard(path: Path, weights: list[WeightSpec], seed: int) -> int:
-    header, placed, size = _layout(weights)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, size)
-        os.pwrite(fd, header, 0)
-        for weight in weights:
-            target = placed[weight.name]
-            for row, values in weight_chunks(weight, seed):
-                if weight.storage == "fp8":
-                    q, scale = quantize_fp8_blockwise(values, FP8_BLOCK)
-                    scales = placed[weight.name + "_scale_inv"]
-                    _write_at(fd, q, target.offset + row * target.row_bytes)
-                    _write_at(fd, scale, scales.offset + row // FP8_BLOCK * scales.row_bytes)
-                else:
-                    _write_at(fd, values.to(target.dtype), target.offset + row * target.row_bytes)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    drop_page_cache([path])  # written: leave no page cache behind (the compiles read it cold anyway)
-    return size
-
-
-def shard_name(index: int, count: int) -> str:
-    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-
-
-def write_checkpoint(folder: str | Path, shape: CheckpointShape, *, seed: int = 0, shard_bytes: int = 512 * MIB,
-                     tokenizer: bool = True) -> dict[str, Any]:
-    """Write the synthetic checkpoint into ``folder`` (created; files of an earlier one replaced) and return its
-    description (also written to ``compile_memory_checkpoint.json``, last, so a complete folder can be reused)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / STAMP_FILE).unlink(missing_ok=True)
-    for old in folder.glob("model-*-of-*.safetensors"):
-        old.unlink()
-    with Stopwatch() as writing:
-        weights = checkpoint_weights(shape)
-        shards = plan_shards(weights, shard_bytes)
-        weight_map: dict[str, str] = {}
-        file_bytes = 0
-        for index, shard in enumerate(shards):
-            name = shard_name(index, len(shards))
-            file_bytes += _write_shard(folder / name, shard, seed)
-            weight_map.update((stored, name) for w in shard for stored, _, _ in w.stored())
-        total = sum(w.stored_bytes() for w in weights)
-        index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (folder / INDEX_FILE).write_text(json.dumps(index_json, indent=2) + "\n")
-        (folder / "config.json").write_text(json.dumps(hf_config(shape), indent=2) + "\n")
-        if tokenizer:
-            Tokenizer.byte_level(shape.vocab, TINY_BOS, TINY_EOS).save(folder)
-    params = parameter_count(shape)
-    info = {"generator_version": GENERATOR_VERSION, "seed": seed, "shape": shape.to_dict(),
-            "shard_bytes": shard_bytes, "tokenizer": tokenizer, "shards": len(shards), "parameters": params,
-            "fp32_weight_bytes": params * 4, "tensor_bytes": total, "file_bytes": file_bytes,
-            "generate_seconds": round(writing.seconds, 1)}
-    (folder / STAMP_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    return info
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("model-*-of-*.safetensors"))
-
-
-def reuse_or_write(folder: Path, shape: CheckpointShape, *, seed: int, shard_bytes: int,
-                   tokenizer: bool = True) -> dict[str, Any]:
-    """The checkpoint in ``folder`` if its stamp says it is this one (same generator, shape, seed, shards), else a
-    new one written there."""
-    stamp = folder / STAMP_FILE
-    if stamp.is_file():
-        with contextlib.suppress(ValueError, OSError):
-            info = json.loads(stamp.read_text())
-            if (info.get("generator_version") == GENERATOR_VERSION and info.get("shape") == shape.to_dict()
-                    and info.get("seed") == seed and info.get("shard_bytes") == shard_bytes
-                    and info.get("tokenizer") == tokenizer and len(checkpoint_files(folder)) == info.get("shards")):
-                return {**info, "reused": True}
-    return write_checkpoint(folder, shape, seed=seed, shard_bytes=shard_bytes, tokenizer=tokenizer)
-
-
-# ================================================================================== memory cgroups
-class CgroupUnavailable(RuntimeError):
-    """No memory cgroup this process can create children in; the message says why."""
-
-
-def _mountinfo() -> list[tuple[str, str, str, str]]:
-    """(mount root, mount point, fs type, super options) of every mount."""
-    mounts = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) >= 5 and len(tail) >= 3:
-            mounts.append((fields[3], fields[4], tail[0], tail[2]))
-    return mounts
-
-
-def _own_cgroups() -> dict[str, str]:
-    """This process's cgroup path per v1 controller, and "" -> its v2 path."""
-    paths: dict[str, str] = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        for controller in controllers.split(",") if controllers else [""]:
-            paths[controller] = path
-    return paths
-
-
-def _inside(mount_point: str, mount_root: str, path: str) -> Path:
-    relative = os.path.relpath(path, mount_root) if path.startswith(mount_root) else path.lstrip("/")
-    return Path(mount_point) / ("" if relative == "." else relative)
-
-
-def _writable_v1(candidates: list[Path]) -> Path | None:
-    for candidate in candidates:
-        if (candidate / "memory.limit_in_bytes").is_file() and os.access(candidate, os.W_OK):
-            return candidate
-    return None
-
-
-def _v2_parent(group: Path, mount_point: Path) -> tuple[Path | None, str]:
-    """The nearest of ``group`` and its ancestors under which a child gets the memory controller: memory is
-    enabled in its subtree_control already, or can be (not where processes live, by v2's no-internal-process
-    rule, except at the root)."""
-    reasons = []
-    candidate = group
-    while True:
-        controllers = (candidate / "cgroup.controllers").read_text().split() if \
-            (candidate / "cgroup.controllers").is_file() else []
-        subtree = candidate / "cgroup.subtree_control"
-        if "memory" not in controllers:
-            reasons.append(f"{candidate}: no memory controller in cgroup.controllers")
-        elif subtree.is_file() and "memory" in subtree.read_text().split() and os.access(candidate, os.W_OK):
-            return candidate, ""
-        elif subtree.is_file() and os.access(subtree, os.W_OK):
-            try:
-                subtree.write_text("+memory")
-                return candidate, ""
-            except OSError as exc:
-                reasons.append(f"{candidate}: cannot enable +memory in cgroup.subtree_control ({exc.strerror})")
-        else:
-            reasons.append(f"{candidate}: not writable")
-        if candidate == mount_point or candidate.parent == candidate:
-            return None, "; ".join(reasons)
-        candidate = candidate.parent
-
-
-def find_memory_cgroup() -> tuple[int, Path]:
-    """(cgroup version, the folder under which ``MemoryCgroup`` creates its groups). Raises ``CgroupUnavailable``
-    saying why when there is none: no memory controller, not root, or (v2) a hierarchy that cannot delegate it."""
-    if not Path("/proc/self/cgroup").is_file():
-        raise CgroupUnavailable("no /proc/self/cgroup: not Linux, or /proc is not mounted")
-    own, mounts = _own_cgroups(), _mountinfo()
-    reasons = []
-    for root, point, fstype, options in mounts:
-        if fstype == "cgroup" and "memory" in options.split(","):
-            group = _inside(point, root, own.get("memory", "/"))
-            found = _writable_v1([group, Path(point)])
-            if found is not None:
-                return 1, found
-            reasons.append(f"cgroup v1 memory at {point}: neither {group} nor {point} is writable (run as root)")
-    for root, point, fstype, _ in mounts:
-        if fstype == "cgroup2":
-            group = _inside(point, root, own.get("", "/"))
-            if not group.is_dir():
-                group = Path(point)
-            parent, why = _v2_parent(group, Path(point))
-            if parent is not None:
-                return 2, parent
-            reasons.append(f"cgroup v2 at {point}: {why}")
-    raise CgroupUnavailable("; ".join(reasons) or "no cgroup v1 memory controller or cgroup v2 mount")
-
-
-def memory_cgroup_reason() -> str | None:
-    """None when ``find_memory_cgroup`` finds one, else why not (for skips)."""
-    try:
-        find_memory_cgroup()
-    except (CgroupUnavailable, OSError) as exc:
-        return str(exc)
-    return None
-
-
-class MemoryCgroup:
-    """A fresh memory cgroup (v1 or v2) for one child process tree; ``close()`` kills what is left in it, reclaims
-    its page cache (v1) and removes it. Use as a context manager."""
-
-    _count = itertools.count()
-
-    def __init__(self, limit_bytes: int | None = None, parent: tuple[int, Path] | None = None) -> None:
-        self.version, base = parent or find_memory_cgroup()
-        self.path = base / f"moeforge-compile-memory-{os.getpid()}-{next(self._count)}"
-        self.path.mkdir()
-        try:
-            if self.version == 1:
-                if limit_bytes is not None:
-                    self._write("memory.limit_in_bytes", limit_bytes)
-                    # No swap (none here anyway): memory + swap capped at the same number.
-                    with contextlib.suppress(OSError):
-                        self._write("memory.memsw.limit_in_bytes", limit_bytes)
-            else:
-                self._write("memory.max", "max" if limit_bytes is None else limit_bytes)
-                with contextlib.suppress(OSError):
-                    self._write("memory.swap.max", 0)
-        except BaseException:
-            self.close()
-            raise
-        self.limit_bytes = limit_bytes
-        self._peak_polled = 0
-        self.max_rss_bytes = 0  # see sample()
-
-    def _write(self, name: str, value: object) -> None:
-        (self.path / name).write_text(str(value))
-
-    def _read(self, name: str) -> str:
-        return (self.path / name).read_text()
-
-    def _keyed(self, name: str) -> dict[str, int]:
-        try:
-            return {k: int(v) for k, v in (line.split() for line in self._read(name).splitlines() if " " in line)}
-        except (OSError, ValueError):
-            return {}
-
-    @property
-    def procs_file(self) -> Path:
-        return self.path / "cgroup.procs"
-
-    def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in self._read("cgroup.procs").split()]
-        except OSError:
-            return []
-
-    def usage(self) -> int:
-        return int(self._read("memory.usage_in_bytes" if self.version == 1 else "memory.current"))
-
-    def sample(self) -> None:
-        """Take one sample of what the kernel does not keep a peak of: the largest VmHWM (peak resident set) of
-        the processes in the group, and memory.current on v2 without memory.peak (kernels before 5.19)."""
-        for pid in self.pids():
-            with contextlib.suppress(OSError, ValueError):
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmHWM:"):
-                        self.max_rss_bytes = max(self.max_rss_bytes, int(line.split()[1]) * 1024)
-        if self.version == 2 and not (self.path / "memory.peak").is_file():
-            with contextlib.suppress(OSError, ValueError):
-                self._peak_polled = max(self._peak_polled, self.usage())
-
-    def peak(self) -> int:
-        """The group's peak memory in bytes, page cache included."""
-        if self.version == 1:
-            return int(self._read("memory.max_usage_in_bytes"))
-        if (self.path / "memory.peak").is_file():
-            return int(self._read("memory.peak"))
-        return self._peak_polled
-
-    def oom_kills(self) -> int:
-        if self.version == 1:
-            return self._keyed("memory.oom_control").get("oom_kill", 0)
-        return self._keyed("memory.events").get("oom_kill", 0)
-
-    def limit_hits(self) -> int | None:
-        """Times the usage hit the cap (v1 memory.failcnt, v2 memory.events max): reclaim under pressure."""
-        if self.version == 1:  # memsw is charged first when it is capped too; kernel 6.18 leaves both at 0
-            counts = [self._read(name) for name in ("memory.failcnt", "memory.memsw.failcnt")
-                      if (self.path / name).is_file()]
-            return max(int(c) for c in counts) if counts else None
-        return self._keyed("memory.events").get("max")
-
-    def kill_all(self) -> None:
-        """SIGKILL every process still in the group (all were started into it by ``run_in_cgroup``)."""
-        for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    def close(self) -> None:
-        """Kill what is left, reclaim the group's page cache (v1), remove the group. Idempotent."""
-        if not self.path.is_dir():
-            return
-        deadline = time.monotonic() + 10
-        while self.pids() and time.monotonic() < deadline:
-            self.kill_all()
-            time.sleep(0.05)
-        if self.version == 1:
-            with contextlib.suppress(OSError):
-                self._write("memory.force_empty", 1)
-        while True:
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError as exc:
-                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def __enter__(self) -> MemoryCgroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-@dataclass
-class RunResult:
-    """One command run in its own memory cgroup."""
-
-    limit_bytes: int | None
-    returncode: int
-    seconds: float
-    peak_bytes: int  # the cgroup's peak: anonymous memory + page cache (+ kernel memory the group is charged)
-    max_rss_bytes: int  # the largest peak resident set (VmHWM) of a process in the group, sampled every 0.1 s
-    oom_kills: int
-    limit_hits: int | None
-    timed_out: bool
-    log_tail: str
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
-
-    @property
-    def oom_killed(self) -> bool:
-        return self.oom_kills > 0 or (self.returncode == -signal.SIGKILL and not self.timed_out)
-
-    @property
-    def out_of_memory(self) -> bool:
-        """Failed for memory: OOM-killed, or a MemoryError / bad_alloc the child reported itself."""
-        if self.oom_killed:
-            return True
-        return not self.ok and not self.timed_out and any(
-            word in self.log_tail for word in ("MemoryError", "bad_alloc", "Cannot allocate memory", "Killed"))
-
-    def summary(self) -> dict[str, Any]:
-        return {"cap_mib": None if self.limit_bytes is None else self.limit_bytes // MIB, "ok": self.ok,
-                "oom_killed": self.oom_killed, "timed_out": self.timed_out, "returncode": self.returncode,
-                "seconds": round(self.seconds, 1), "peak_mib": round(self.peak_bytes / MIB, 1),
-                "max_rss_mib": round(self.max_rss_bytes / MIB, 1), "limit_hits": self.limit_hits}
-
-
-def run_in_cgroup(cmd: Sequence[str], limit_bytes: int | None = None, *, timeout_s: float | None = None,
-                  parent: tuple[int, Path] | None = None, env: dict[str, str] | None = None,
-                  cwd: str | Path | None = None, tail_chars: int = 4000, sample_s: float = 0.1) -> RunResult:
-    """Run ``cmd`` alone in a new memory cgroup capped at ``limit_bytes`` (None: no cap) and measure it.
-
-    The child joins the group before it execs ``cmd`` (a ``sh`` writes its own pid to ``cgroup.procs``, then execs),
-    so everything ``cmd`` allocates or reads into the page cache is charged to the group. A run past ``timeout_s``
-    is killed (``timed_out``). The group is removed afterwards, also on an exception or Ctrl-C."""
-    with MemoryCgroup(limit_bytes, parent) as group, tempfile.TemporaryFile("w+b") as log:
-        wrapped = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group.procs_file), *cmd]
-        timed_out, done = threading.Event(), threading.Event()
-
-        def watch() -> None:
-            started = time.monotonic()
-            while not done.wait(sample_s):
-                group.sample()
-                if timeout_s is not None and time.monotonic() - started > timeout_s and not timed_out.is_set():
-                    timed_out.set()
-                    group.kill_all()
-
-        with Stopwatch() as clock:
-            # Not wait4's ru_maxrss: Linux carries the forking parent's peak into the child's, and this parent
-            # holds torch. The watcher samples each process's own VmHWM instead.
-            proc = subprocess.Popen(wrapped, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=env, cwd=cwd)
-            watcher = threading.Thread(target=watch, daemon=True)
-            watcher.start()
-            try:
-                proc.wait()
-            finally:
-                done.set()
-                watcher.join()
-        log.seek(0, os.SEEK_END)
-        log.seek(max(0, log.tell() - tail_chars))
-        tail = log.read().decode(errors="replace")
-        return RunResult(limit_bytes=limit_bytes, returncode=proc.returncode, seconds=clock.seconds,
-                         peak_bytes=group.peak(), max_rss_bytes=group.max_rss_bytes, oom_kills=group.oom_kills(),
-                         limit_hits=group.limit_hits(), timed_out=timed_out.is_set(), log_tail=tail)
 
 
 # ================================================================================== the smallest cap
@@ -941,18 +261,7 @@ def _parser() -> argparse.ArgumentParser:
                              "a few minutes (flags given explicitly still win)")
     size = parser.add_argument_group("checkpoint")
     size.add_argument("--layers", type=int, nargs="+", help="checkpoint sizes to measure (default: 2 4 8)")
-    size.add_argument("--hidden", type=int, help="hidden size (default: 2048)")
-    size.add_argument("--experts", type=int, help="routed experts (default: 32)")
-    size.add_argument("--top-k", type=int, default=4, help="experts per token (default: 4)")
-    size.add_argument("--vocab", type=int, help="vocabulary (default: 51200)")
-    size.add_argument("--heads", type=int, help="attention heads (default: hidden / 128)")
-    size.add_argument("--moe-intermediate", type=int, help="expert MLP width (default: 3 * hidden / 8)")
-    size.add_argument("--intermediate", type=int, help="dense MLP width (default: 11 * hidden / 4)")
-    size.add_argument("--mtp-layers", type=int, default=0,
-                      help="DeepSeek-V3 MTP layers after the last one, which the compile must skip (default: 0)")
-    size.add_argument("--seed", type=int, default=0)
-    size.add_argument("--shard-mib", type=int, help="safetensors shard size (default: 512)")
-    size.add_argument("--no-tokenizer", dest="tokenizer", action="store_false", help="write no tokenizer files")
+    add_shape_arguments(size)
     size.add_argument("--checkpoint", type=Path,
                       help="measure this existing HF folder instead of generating (one checkpoint; --layers ignored)")
     size.add_argument("--generate-only", type=Path, metavar="DIR",
@@ -987,8 +296,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
-    defaults = {"layers": [2, 4, 8], "hidden": 2048, "experts": 32, "vocab": 51200, "shard_mib": 512,
-                "quant": ["fp32", "int8", "int4-asym"], "kv_cache": ["contiguous", "paged"], "tp": [1, 2]}
+    defaults = {"layers": [2, 4, 8], **DEFAULTS, "quant": ["fp32", "int8", "int4-asym"],
+                "kv_cache": ["contiguous", "paged"], "tp": [1, 2]}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, QUICK[key] if args.quick else value)
@@ -997,17 +306,11 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _shape(args: argparse.Namespace, layers: int) -> CheckpointShape:
-    return deepseek_v3_shape(layers, args.hidden, args.experts, args.top_k, vocab=args.vocab, heads=args.heads,
-                             moe_intermediate=args.moe_intermediate, intermediate=args.intermediate,
-                             mtp_layers=args.mtp_layers)
-
-
 def _filesystem_warning(path: Path) -> str | None:
     """tmpfs pages are memory that no cap reclaims (there is no swap): the files would count as the compile's."""
     path = path.resolve()
     best = ("", "")
-    for _, point, fstype, _ in _mountinfo():
+    for _, point, fstype, _ in mountinfo():
         if (str(path) + "/").startswith(point.rstrip("/") + "/") and len(point) > len(best[0]):
             best = (point, fstype)
     return f"{path} is on {best[1]}: files there are memory; use --work-dir on a disk" if best[1] in (
@@ -1025,7 +328,7 @@ def _load_results(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 def main(argv: Sequence[str] | None = None) -> None:
     args = _resolve(_parser().parse_args(argv))
     if args.generate_only is not None:
-        info = write_checkpoint(args.generate_only, _shape(args, args.layers[0]), seed=args.seed,
+        info = write_checkpoint(args.generate_only, shape_from_args(args, args.layers[0]), seed=args.seed,
                                 shard_bytes=args.shard_mib * MIB, tokenizer=args.tokenizer)
         print(json.dumps(info, indent=2))
         return
@@ -1076,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
             family = folder.name
         else:
-            shape = _shape(args, layers)
+            shape = shape_from_args(args, layers)
             family = (f"H{shape.hidden}-E{shape.experts}-K{shape.top_k}-V{shape.vocab}-mtp{shape.mtp_layers}"
                       f"-s{args.seed}")
             folder = args.work_dir / f"ds3-L{layers}-{family}"

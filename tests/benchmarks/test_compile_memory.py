@@ -1,5 +1,7 @@
-"""benchmarks/compile_memory.py: its synthetic DeepSeek-V3 checkpoint is what moeforge's loader reads (config, names,
-FP8 blocks, values), and its cgroup runner measures peaks, OOM kills and timeouts, and always removes its group."""
+"""benchmarks/compile_memory.py and its siblings: the synthetic DeepSeek-V3 checkpoint (synthetic_deepseek.py) is what
+moeforge's loader reads (config, names, FP8 blocks, values), the bisection and criteria (compile_memory.py) find the
+smallest cap and judge it, and the cgroup runner (cgroup_memory.py) measures peaks, OOM kills and timeouts, and always
+removes its group."""
 
 import json
 import math
@@ -14,7 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import cgroup_memory as cg
 import compile_memory as cm
+import synthetic_deepseek as sd
 
 from moeforge.core.config import ModelConfig
 from moeforge.model.fp8 import FP8_MAX, dequantize_fp8_blockwise, fp8_scale_shape, quantize_fp8_blockwise
@@ -25,13 +29,13 @@ MIB = 2**20
 SEED = 3
 # Tiny, but with what matters: several shards, partial FP8 blocks (96 = 0.75 block), weights of more than one
 # generator chunk (the dense MLP's 1280 rows, the 1100-row embeddings), an MTP layer the loader must skip.
-TINY = cm.deepseek_v3_shape(2, 256, 8, 2, vocab=1100, intermediate=1280, mtp_layers=1)
+TINY = sd.deepseek_v3_shape(2, 256, 8, 2, vocab=1100, intermediate=1280, mtp_layers=1)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("ds3") / "checkpoint"
-    cm.write_checkpoint(folder, TINY, seed=SEED, shard_bytes=MIB)
+    sd.write_checkpoint(folder, TINY, seed=SEED, shard_bytes=MIB)
     return folder
 
 
@@ -52,7 +56,7 @@ def test_config_is_read_as_the_shape(tiny: Path) -> None:
 
 
 def test_files_are_sharded_safetensors_with_deepseek_names_and_fp8_blocks(tiny: Path) -> None:
-    index = json.loads((tiny / cm.INDEX_FILE).read_text())
+    index = json.loads((tiny / sd.INDEX_FILE).read_text())
     shards = sorted({*index["weight_map"].values()})
     assert len(shards) > 2 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                                           for i in range(1, len(shards) + 1)]
@@ -80,7 +84,7 @@ def test_files_are_sharded_safetensors_with_deepseek_names_and_fp8_blocks(tiny: 
 
 def test_loader_dequantises_what_the_generator_quantised(tiny: Path) -> None:
     config = ModelConfig.from_hf_json(tiny / "config.json")
-    weights = {w.name: w for w in cm.checkpoint_weights(TINY)}
+    weights = {w.name: w for w in sd.checkpoint_weights(TINY)}
     checkpoint = read_hf_checkpoint(tiny, config)
     assert checkpoint.keys() == expected_keys(config)
     seen = 0
@@ -88,16 +92,16 @@ def test_loader_dequantises_what_the_generator_quantised(tiny: Path) -> None:
         if name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")):  # stacked [E, ...]
             prefix, proj = name.rsplit(".", 1)
             specs = [weights[f"{prefix}.{e}.{proj}.weight"] for e in range(TINY.experts)]
-            drawn = torch.stack([cm.weight_value(w, SEED) for w in specs])
+            drawn = torch.stack([sd.weight_value(w, SEED) for w in specs])
         else:
             specs = [weights[name]]
-            drawn = cm.weight_value(specs[0], SEED)
+            drawn = sd.weight_value(specs[0], SEED)
         storage = specs[0].storage
         if storage == "fp8":
             # Exactly what quantising the whole weight at once gives (the generator quantised it chunk by chunk),
             # and within FP8 e4m3's error of the drawn values: 3 mantissa bits, or half a subnormal step.
             assert torch.equal(tensor, torch.stack([dequantize_fp8_blockwise(*quantize_fp8_blockwise(
-                cm.weight_value(w, SEED))) for w in specs]).reshape(tensor.shape)), name
+                sd.weight_value(w, SEED))) for w in specs]).reshape(tensor.shape)), name
             bound = drawn.abs() * 2**-4 + drawn.abs().amax() / FP8_MAX * 2**-10
             assert bool(((tensor - drawn).abs() <= bound).all()), name
             assert not torch.equal(tensor, drawn)  # it was quantised
@@ -119,32 +123,32 @@ def test_the_model_loads_and_runs(tiny: Path) -> None:
 
 
 def test_generation_is_seeded_and_reusable(tiny: Path, tmp_path: Path) -> None:
-    again = cm.write_checkpoint(tmp_path / "again", TINY, seed=SEED, shard_bytes=MIB)
-    other = cm.write_checkpoint(tmp_path / "other", TINY, seed=SEED + 1, shard_bytes=MIB)
-    files = cm.checkpoint_files(tiny)
+    again = sd.write_checkpoint(tmp_path / "again", TINY, seed=SEED, shard_bytes=MIB)
+    other = sd.write_checkpoint(tmp_path / "other", TINY, seed=SEED + 1, shard_bytes=MIB)
+    files = sd.checkpoint_files(tiny)
     assert len(files) == again["shards"] == other["shards"]
     assert all(f.read_bytes() == (tmp_path / "again" / f.name).read_bytes() for f in files)
     assert files[0].read_bytes() != (tmp_path / "other" / files[0].name).read_bytes()
-    assert cm.reuse_or_write(tmp_path / "again", TINY, seed=SEED, shard_bytes=MIB).get("reused")
-    assert not cm.reuse_or_write(tmp_path / "other", TINY, seed=SEED, shard_bytes=MIB).get("reused")
+    assert sd.reuse_or_write(tmp_path / "again", TINY, seed=SEED, shard_bytes=MIB).get("reused")
+    assert not sd.reuse_or_write(tmp_path / "other", TINY, seed=SEED, shard_bytes=MIB).get("reused")
 
 
 def test_chunks_bound_the_generator_memory() -> None:
-    big = cm.WeightSpec("w", (3000, 7168), "fp8", "linear")
-    chunks = list(cm.weight_chunks(big, 0))
-    assert [start for start, _ in chunks] == [0, 1024, 2048] and max(c.shape[0] for _, c in chunks) == cm.ROW_CHUNK
+    big = sd.WeightSpec("w", (3000, 7168), "fp8", "linear")
+    chunks = list(sd.weight_chunks(big, 0))
+    assert [start for start, _ in chunks] == [0, 1024, 2048] and max(c.shape[0] for _, c in chunks) == sd.ROW_CHUNK
     assert sum(c.shape[0] for _, c in chunks) == 3000
-    assert cm.ROW_CHUNK % cm.FP8_BLOCK == 0  # chunks start on block rows: they quantise as the whole tensor
+    assert sd.ROW_CHUNK % sd.FP8_BLOCK == 0  # chunks start on block rows: they quantise as the whole tensor
 
 
 def test_default_and_quick_sizes() -> None:
-    issue = cm.deepseek_v3_shape()  # 8 layers, hidden 2048, 32 experts, top-4: issue 34's ~1.4 B checkpoint
-    params = cm.parameter_count(issue)
+    issue = sd.deepseek_v3_shape()  # 8 layers, hidden 2048, 32 experts, top-4: issue 34's ~1.4 B checkpoint
+    params = sd.parameter_count(issue)
     assert 1.35e9 < params < 1.45e9 and 5.4e9 < 4 * params < 5.8e9
     assert (issue.layers, issue.hidden, issue.experts, issue.top_k, issue.heads) == (8, 2048, 32, 4, 16)
-    on_disk = sum(w.stored_bytes() for w in cm.checkpoint_weights(issue))
+    on_disk = sum(w.stored_bytes() for w in sd.checkpoint_weights(issue))
     assert 1.4e9 < on_disk < 1.8e9
-    quick = [cm.parameter_count(cm.deepseek_v3_shape(n, cm.QUICK["hidden"], cm.QUICK["experts"],
+    quick = [sd.parameter_count(sd.deepseek_v3_shape(n, cm.QUICK["hidden"], cm.QUICK["experts"],
                                                      vocab=cm.QUICK["vocab"])) * 4 for n in cm.QUICK["layers"]]
     assert 150e6 < quick[0] < quick[-1] < 600e6  # "a few hundred MB" of fp32 weights
 
@@ -159,11 +163,11 @@ def test_compile_configs_and_flags() -> None:
 
 
 def _fake(peak: int, needs: int, calls: list[int | None], failure: str = "oom"):
-    def run(cap: int | None) -> cm.RunResult:
+    def run(cap: int | None) -> cg.RunResult:
         calls.append(cap)
         ok = cap is None or cap >= needs
         code = 0 if ok else (-signal.SIGKILL if failure == "oom" else 1)
-        return cm.RunResult(limit_bytes=cap, returncode=code, seconds=1.0, peak_bytes=peak if ok else cap or 0,
+        return cg.RunResult(limit_bytes=cap, returncode=code, seconds=1.0, peak_bytes=peak if ok else cap or 0,
                             max_rss_bytes=0, oom_kills=int(not ok and failure == "oom"), limit_hits=0,
                             timed_out=not ok and failure == "timeout", log_tail="Traceback: ValueError")
     return run
@@ -196,18 +200,18 @@ def test_criteria_judge_flatness_and_the_3_gib_target() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the cgroup runner
-CGROUP_REASON = cm.memory_cgroup_reason()
+CGROUP_REASON = cg.memory_cgroup_reason()
 needs_cgroup = pytest.mark.skipif(CGROUP_REASON is not None, reason=f"no writable memory cgroup: {CGROUP_REASON}")
 
 
 def _our_groups() -> set[str]:
-    _, base = cm.find_memory_cgroup()
+    _, base = cg.find_memory_cgroup()
     return {p.name for p in base.iterdir() if p.name.startswith(f"moeforge-compile-memory-{os.getpid()}-")}
 
 
 @needs_cgroup
 def test_runner_reports_the_peak_of_a_child() -> None:
-    result = cm.run_in_cgroup([sys.executable, "-c", "import time; x = b'x' * (64 << 20); time.sleep(0.3)"])
+    result = cg.run_in_cgroup([sys.executable, "-c", "import time; x = b'x' * (64 << 20); time.sleep(0.3)"])
     assert result.ok and not result.oom_killed and not result.timed_out
     assert 64 * MIB < result.peak_bytes < 1024 * MIB
     assert 64 * MIB < result.max_rss_bytes < 1024 * MIB
@@ -218,14 +222,14 @@ def test_runner_reports_the_peak_of_a_child() -> None:
 def test_runner_counts_page_cache(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.write_bytes(os.urandom(48 * MIB))
-    cm.drop_page_cache([data])
-    result = cm.run_in_cgroup(["cat", str(data)], timeout_s=60)  # a few MiB of process, 48 MiB read
+    cg.drop_page_cache([data])
+    result = cg.run_in_cgroup(["cat", str(data)], timeout_s=60)  # a few MiB of process, 48 MiB read
     assert result.ok and result.peak_bytes > 40 * MIB
 
 
 @needs_cgroup
 def test_runner_detects_an_oom_kill_under_a_tiny_cap() -> None:
-    result = cm.run_in_cgroup([sys.executable, "-c", "x = b'x' * (256 << 20)"], 48 * MIB, timeout_s=60)
+    result = cg.run_in_cgroup([sys.executable, "-c", "x = b'x' * (256 << 20)"], 48 * MIB, timeout_s=60)
     assert not result.ok and result.oom_killed and result.out_of_memory and not result.timed_out
     assert result.peak_bytes <= 48 * MIB
     assert not _our_groups()
@@ -233,6 +237,6 @@ def test_runner_detects_an_oom_kill_under_a_tiny_cap() -> None:
 
 @needs_cgroup
 def test_runner_kills_a_run_past_its_timeout_and_removes_the_group() -> None:
-    result = cm.run_in_cgroup(["sleep", "30"], timeout_s=0.5)
+    result = cg.run_in_cgroup(["sleep", "30"], timeout_s=0.5)
     assert result.timed_out and not result.ok and not result.oom_killed and result.seconds < 10
     assert not _our_groups()
