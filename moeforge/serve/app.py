@@ -65,7 +65,9 @@ class ServerConfig:
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must be a non-empty string (or None for no authentication)")
+            raise ValueError("api_key is empty: give a key, or leave it out for no authentication")
+        if self.profile_steps < 0:
+            raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
 
 
 class _Gate:

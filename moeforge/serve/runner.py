@@ -123,20 +123,10 @@ def engine_config(options: ServeOptions) -> EngineConfig:
 
 
 def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
-    """The app and its state for ``options`` (engine built, not started)."""
+    """The app and its state for ``options`` (engine built, not started). Every setting is checked, by the
+    dataclass that owns it (``ServerConfig``, ``ConnectionLimits``), before the model loads."""
     if options.shutdown_timeout < 0:
         raise MoeforgeError(f"--shutdown-timeout must be >= 0, got {options.shutdown_timeout}")
-    if options.max_queued < 0:
-        raise MoeforgeError(f"--max-queued must be >= 0, got {options.max_queued}")
-    if options.max_body_bytes < 1:
-        raise MoeforgeError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
-    if not options.stall_timeout > 0:
-        raise MoeforgeError(f"--stall-timeout must be > 0 seconds, got {options.stall_timeout}")
-    if not options.header_timeout > 0 or options.max_connections < 1:
-        raise MoeforgeError(f"--header-timeout must be > 0 seconds and --max-connections >= 1, got "
-                            f"{options.header_timeout} and {options.max_connections}")
-    if options.api_key == "":
-        raise MoeforgeError("--api-key is empty: give a key, or leave it out for no authentication")
     template = None
     if options.chat_template is not None:
         try:
@@ -147,14 +137,39 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
             check_chat_template(template)  # before the model loads: a broken template is the operator's to fix
         except TokenizerError as exc:
             raise MoeforgeError(f"--chat-template {options.chat_template}: {exc}") from None
+    try:
+        config = ServerConfig(model_name=options.served_model_name or model_name(options.artifact),
+                              max_queued=options.max_queued, api_key=options.api_key, chat_template=template,
+                              profile_steps=options.profile_steps, max_body_bytes=options.max_body_bytes,
+                              stall_timeout_s=options.stall_timeout)
+        connection_limits(options)
+    except ValueError as exc:  # the field's name becomes the flag's
+        raise MoeforgeError(_as_flags(str(exc))) from None
     engine = LLMEngine.from_artifact(options.artifact, engine_config(options), backend=options.backend)
-    name = options.served_model_name or model_name(options.artifact)
-    app = create_app(engine, ServerConfig(model_name=name, max_queued=options.max_queued, api_key=options.api_key,
-                                          chat_template=template, profile_steps=options.profile_steps,
-                                          max_body_bytes=options.max_body_bytes,
-                                          stall_timeout_s=options.stall_timeout))
+    app = create_app(engine, config)
     state: ServerState = app.state.server
     return app, state
+
+
+# ServerConfig / ConnectionLimits field -> the serve flag that sets it (their errors name the field).
+_FLAGS = {"max_queued": "--max-queued", "max_body_bytes": "--max-body-bytes", "stall_timeout_s": "--stall-timeout",
+          "header_timeout_s": "--header-timeout", "max_connections": "--max-connections",
+          "api_key": "--api-key", "profile_steps": "--profile-steps"}
+
+
+def _as_flags(message: str) -> str:
+    field = message.split(" ", 1)[0]
+    return _FLAGS[field] + message[len(field):] if field in _FLAGS else message
+
+
+def connection_limits(options: ServeOptions, open_file_room: int | None = None) -> ConnectionLimits:
+    """The connection limits of ``options``; the cap lowered (with a warning) to what ``open_file_room`` leaves."""
+    cap = options.max_connections
+    if open_file_room is not None and cap > open_file_room:
+        log.warning("--max-connections %d lowered to %d: what this process's open-file limit leaves",
+                    cap, open_file_room)
+        cap = open_file_room
+    return ConnectionLimits(header_timeout_s=options.header_timeout, max_connections=cap)
 
 
 def serve(options: ServeOptions) -> int:
@@ -162,12 +177,7 @@ def serve(options: ServeOptions) -> int:
     app, state = build_app(options)
     if options.host not in LOOPBACK and options.api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use it", options.host)
-    fits = raise_file_limit()
-    if options.max_connections > fits:
-        log.warning("--max-connections %d lowered to %d: what this process's open-file limit leaves",
-                    options.max_connections, fits)
-    limits = ConnectionLimits(header_timeout_s=options.header_timeout,
-                              max_connections=min(options.max_connections, fits))
+    limits = connection_limits(options, raise_file_limit())
     # The drain (``_Server``) has ended every request before uvicorn shuts down: its own grace is for stragglers.
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                             access_log=False, timeout_graceful_shutdown=RESPONSE_GRACE_S, lifespan="on",

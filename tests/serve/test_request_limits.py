@@ -135,3 +135,21 @@ def test_ready_only_after_the_warm_up_and_live_throughout(tiny_artifact):
         gate.set()
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_bad_serve_settings_are_refused_by_flag_before_the_model_loads(tmp_path):
+    """Each setting is checked once, by the dataclass that owns it, and the error names the flag; the artifact
+    (which does not exist here) is never opened."""
+    import pytest
+
+    from moeforge.core.errors import MoeforgeError
+    from moeforge.serve.runner import ServeOptions, build_app
+
+    for field, value, message in (("max_queued", -1, "--max-queued must be >= 0"),
+                                  ("max_body_bytes", 0, "--max-body-bytes must be >= 1"),
+                                  ("stall_timeout", 0.0, "--stall-timeout must be > 0"),
+                                  ("header_timeout", -1.0, "--header-timeout must be > 0"),
+                                  ("max_connections", 0, "--max-connections must be >= 1"),
+                                  ("api_key", "", "--api-key is empty")):
+        with pytest.raises(MoeforgeError, match=message):
+            build_app(ServeOptions(artifact=tmp_path / "never-read", **{field: value}))
