@@ -8,12 +8,14 @@ mid-step must end every rank with an error, never a hang.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -286,6 +288,23 @@ def test_sharded_serve_answers_like_the_engine_and_stops_cleanly(sharded_artifac
     assert "rank process exited" not in err
 
 
+@contextlib.contextmanager
+def _sharded_server(sharded: Path) -> Iterator[tuple[subprocess.Popen[str], str, int]]:
+    """``moeforge serve`` of a 2-rank artifact, healthy: (its process, its URL, rank 1's pid); killed at the end."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", "serve", str(sharded), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        (rank1,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()  # started by rank 0
+        yield proc, url, int(rank1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_dead_rank_makes_serve_unhealthy_at_once_and_exit_non_zero(sharded_artifacts: dict[str, tuple[Path, Path]]
                                                                      ) -> None:
     """SIGKILL of rank 1 of an idle sharded server: within a poll (0.5 s) /health says so (503 naming the rank) and
@@ -294,16 +313,8 @@ def test_a_dead_rank_makes_serve_unhealthy_at_once_and_exit_non_zero(sharded_art
 
     import httpx
 
-    sharded = sharded_artifacts[_case_id(CASES[0])][0]
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", "serve", str(sharded), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url)
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        assert len(children) == 1  # rank 1, started by rank 0
-        os.kill(int(children[0]), signal.SIGKILL)
+    with _sharded_server(sharded_artifacts[_case_id(CASES[0])][0]) as (proc, url, rank1):
+        os.kill(rank1, signal.SIGKILL)
         deadline, gone = time.monotonic() + 10, False
         while time.monotonic() < deadline and not gone:
             try:
@@ -315,11 +326,7 @@ def test_a_dead_rank_makes_serve_unhealthy_at_once_and_exit_non_zero(sharded_art
             time.sleep(0.05)
         assert gone, "the server kept answering after its rank died"
         assert proc.wait(timeout=LAUNCH_TIMEOUT_S) != 0
-        assert "rank 1 exited" in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert proc.stderr is not None and "rank 1 exited" in proc.stderr.read()
 
 
 def test_a_rank_killed_mid_stream_ends_the_stream_with_an_error_and_done(
@@ -331,13 +338,7 @@ def test_a_rank_killed_mid_stream_ends_the_stream_with_an_error_and_done(
     import httpx
 
     sharded = sharded_artifacts[_case_id(CASES[0])][0]
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", "serve", str(sharded), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url)
-        (rank1,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    with _sharded_server(sharded) as (proc, url, rank1):
         body = {"model": sharded.name, "prompt": [1, 2, 3], "max_tokens": 100, "ignore_eos": True, "stream": True}
         events = []
         with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body) as response:
@@ -345,12 +346,8 @@ def test_a_rank_killed_mid_stream_ends_the_stream_with_an_error_and_done(
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == 3:
-                        os.kill(int(rank1), signal.SIGKILL)
+                        os.kill(rank1, signal.SIGKILL)
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert error["type"] == "server_error" and "rank" in error["message"]
         assert proc.wait(timeout=LAUNCH_TIMEOUT_S) != 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
