@@ -83,9 +83,16 @@ class _Job:
                 for p, ids in enumerate(self.prompts) for j in range(n)]
 
 
+# Characters that JSON leaves raw but that ``str.splitlines`` (httpx's ``iter_lines``, many SSE readers) takes for
+# line ends: generated text holding one would split an event in two. They occur only inside JSON strings, where
+# the JSON escape means the same character.
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(body: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event: ``data: <json>`` on one line, whatever characters the text holds."""
     payload = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
-    return f"data: {payload}\n\n"
+    return f"data: {payload.translate(_LINE_BREAKING)}\n\n"
 
 
 class OpenAIServing:

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from moeforge.parallel.net import free_port
 from tests.conftest import wait_healthy
@@ -58,6 +60,13 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_artifact: Path, tmp_
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _requests_in_engine(url: str) -> float:
+    """Running plus waiting requests, as /metrics says."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+    return sum(sample.value for family in families for sample in family.samples
+               if sample.name in ("moeforge:num_requests_running", "moeforge:num_requests_waiting"))
 
 
 def _serve(artifact: Path, cwd: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
@@ -123,11 +132,23 @@ def test_sigterm_ends_every_in_flight_request_as_the_api_says(tiny_artifact: Pat
             process.wait()
 
 
-def test_a_request_during_the_drain_gets_503_not_a_refused_connection(tiny_artifact: Path, tmp_path: Path) -> None:
-    """While in-flight requests drain (16 streams over 4 sequences: a while), the server still listens: a new
-    request gets 503 with Retry-After and /health says 503; the streams run to their end; the exit code is 0."""
-    process, url = _serve(tiny_artifact, tmp_path, "--shutdown-timeout", "60")
-    body = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 120, "ignore_eos": True, "stream": True}
+@pytest.fixture(scope="module")
+def long_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-llama with room for 1000-token outputs: a drain that lasts seconds, not a timing guess."""
+    from moeforge.compile.driver import CompileOptions, compile_model
+
+    out = tmp_path_factory.mktemp("drain") / "tiny-llama"
+    options = CompileOptions(model="tiny-llama", output_dir=out, max_seq_len=1024, progress=False)
+    return compile_model(options).output_dir
+
+
+def test_a_request_during_the_drain_gets_503_not_a_refused_connection(long_artifact: Path, tmp_path: Path) -> None:
+    """While in-flight requests drain (16 streams of 1000 tokens, one sequence at a time: 16,000 steps, seconds
+    even at tiny-llama's 0.3 ms a step), the server still listens: a new request gets 503 with Retry-After and
+    /health says 503; the streams run to their end; the exit code is 0. SIGTERM goes once /metrics counts all 16 as
+    running or waiting, so none is still connecting when the drain begins."""
+    process, url = _serve(long_artifact, tmp_path, "--shutdown-timeout", "60", "--max-num-seqs", "1")
+    body = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True, "stream": True}
     ends: list[tuple[bool, str | None]] = []
     started = threading.Event()
 
@@ -148,9 +169,11 @@ def test_a_request_during_the_drain_gets_503_not_a_refused_connection(tiny_artif
         for thread in threads:
             thread.start()
         assert started.wait(30)
-        time.sleep(0.2)  # every stream has been admitted
+        deadline = time.monotonic() + 30
+        while _requests_in_engine(url) < 16:  # every stream admitted: running or queued
+            assert time.monotonic() < deadline, "the 16 streams never all reached the engine"
+            time.sleep(0.01)
         process.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
         refused = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
         assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
         assert httpx.get(url + "/health", timeout=10).status_code == 503  # a load balancer takes it out
