@@ -15,8 +15,8 @@ fail with an error (gloo reports a closed peer at once, a silent one after the t
 from __future__ import annotations
 
 import datetime
+import logging
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from moeforge.core.errors import MoeforgeError
 from moeforge.ops.collectives.torch_op import COLLECTIVE_OPS, MS_DOMAIN
+
+log = logging.getLogger(__name__)
 
 CPU_DOMAIN = "ai.onnx.contrib"  # onnxruntime-extensions' domain for Python custom ops
 DEFAULT_TIMEOUT_S = 60.0
@@ -85,18 +87,32 @@ def _library() -> str:
     return _REGISTERED[0]
 
 
+# Why a collective failed in this process (first failure only). A failed collective leaves the group unusable.
+_FAILURE: list[str] = []
+
+
 def _collective(name: str, run: Callable[[], object]) -> None:
     """Run one collective inside ONNX Runtime. An exception cannot cross the custom-op boundary (it would abort
-    the process with a C++ terminate), and a failed collective leaves the group unusable anyway: say what
-    happened and end this rank with status 1. The other ranks fail their next collective the same way."""
+    the process with a C++ terminate), so a failure is recorded instead: the op returns whatever its buffer holds,
+    every later collective of the run returns at once, and the caller of the session raises the failure when the
+    run is over (``raise_collective_failure``). The process stays up, so rank 0 can end its requests properly."""
+    if _FAILURE:
+        return
     try:
         run()
     except Exception as exc:
         rank = dist.get_rank() if dist.is_initialized() else "?"
-        print(f"moeforge rank {rank}: error: the {name} collective failed ({type(exc).__name__}: "
-              f"{str(exc).splitlines()[0] if str(exc) else ''}); another rank died or hung past the timeout, so "
-              "every rank stops", file=sys.stderr, flush=True)
-        os._exit(1)
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        _FAILURE.append(f"rank {rank}: the {name} collective failed ({type(exc).__name__}: {first_line}); another "
+                        "rank died or hung past the timeout")
+        log.error("%s", _FAILURE[0])
+
+
+def raise_collective_failure() -> None:
+    """Raise ``CollectiveError`` if a collective of this process has failed (call it after each session run of a
+    sharded rank: the run's outputs are then garbage, and the group cannot run another collective)."""
+    if _FAILURE:
+        raise CollectiveError(_FAILURE[0])
 
 
 def cpu_graph(graph: onnx.ModelProto) -> int:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeforge.ops.collectives.ort import raise_collective_failure
 from moeforge.runtime.backends.base import Backend, FatalBackendError, PoolInfo, RowInput, StepInput
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ class ShardedBackend:
             try:
                 self._channel.send(EXECUTE, encode_step(step))
                 logits = self.local.execute(step)
+                raise_collective_failure()  # a collective inside the graph failed: its logits are garbage
             except Exception as exc:
                 raise self._fail(f"the step failed on rank 0 or a peer ({type(exc).__name__}: {exc})") from exc
             self._last_sent = time.monotonic()
@@ -240,6 +242,7 @@ class ShardedSession:
         try:
             self._channel.send(FORWARD, encode_forward(input_ids, position_ids, attention_mask))
             out: np.ndarray = self.local.forward(input_ids, position_ids, attention_mask)
+            raise_collective_failure()
         except Exception as exc:
             raise RankFailure(f"the forward failed on rank 0 or a peer ({type(exc).__name__}: {exc})") from exc
         return out
@@ -270,6 +273,7 @@ def serve_rank(local: Any) -> None:
                 local.forward(*decode_forward(message.payload))
             else:
                 local.execute(decode_step(message.payload))
+            raise_collective_failure()
         except Exception as exc:
             raise RankFailure(f"rank {dist.get_rank()}: step {message.seq} ({_OPS[message.op]}) failed "
                               f"({type(exc).__name__}: {exc})") from exc
