@@ -135,29 +135,33 @@ class CompileConfig:
     quant: str = "fp32"
     kv_cache: str = "contiguous"
     tp: int = 1
+    mode: str = "in-memory"  # or "stream": moeforge compile --stream (weights read as the artifact is written)
 
     @property
     def name(self) -> str:
-        parts = [self.quant, self.kv_cache] + ([f"tp{self.tp}"] if self.tp > 1 else [])
+        parts = [self.quant, self.kv_cache] + ([f"tp{self.tp}"] if self.tp > 1 else []) + (
+            ["stream"] if self.mode == "stream" else [])
         return "/".join(parts)
 
     def flags(self) -> list[str]:
         return [*(["--quant", self.quant] if self.quant != "fp32" else []),
                 *(["--kv-cache", self.kv_cache] if self.kv_cache != "contiguous" else []),
-                *(["--tp", str(self.tp)] if self.tp > 1 else [])]
+                *(["--tp", str(self.tp)] if self.tp > 1 else []),
+                *(["--stream"] if self.mode == "stream" else [])]
 
 
 def compile_configs(quants: Sequence[str], kv_caches: Sequence[str], tps: Sequence[int],
-                    grid: str = "axes") -> list[CompileConfig]:
+                    grid: str = "axes", modes: Sequence[str] = ("in-memory",)) -> list[CompileConfig]:
     """``grid`` "full": every combination; "axes": the base (the first of each list) and each other value of each
     list varied alone from it (fp32, int8, int4-asym, paged, tp 2 for the defaults)."""
     if grid == "full":
-        return [CompileConfig(q, k, t) for q, k, t in itertools.product(quants, kv_caches, tps)]
-    base = CompileConfig(quants[0], kv_caches[0], tps[0])
+        return [CompileConfig(q, k, t, m) for q, k, t, m in itertools.product(quants, kv_caches, tps, modes)]
+    base = CompileConfig(quants[0], kv_caches[0], tps[0], modes[0])
     configs = [base]
     configs += [dataclasses.replace(base, quant=q) for q in quants[1:]]
     configs += [dataclasses.replace(base, kv_cache=k) for k in kv_caches[1:]]
     configs += [dataclasses.replace(base, tp=t) for t in tps[1:]]
+    configs += [dataclasses.replace(base, mode=m) for m in modes[1:]]
     return list(dict.fromkeys(configs))
 
 
@@ -251,7 +255,7 @@ def criteria(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ================================================================================== command line
 QUICK = {"layers": [2, 4], "hidden": 1024, "experts": 16, "vocab": 16384, "shard_mib": 128, "quant": ["fp32"],
-         "kv_cache": ["contiguous"], "tp": [1]}
+         "kv_cache": ["contiguous"], "tp": [1], "mode": ["in-memory"]}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -272,6 +276,8 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--kv-cache", nargs="+", choices=["contiguous", "paged"],
                       help="KV-cache layouts (default: contiguous paged)")
     what.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes (default: 1 2)")
+    what.add_argument("--mode", nargs="+", choices=["in-memory", "stream"],
+                      help="in-memory: today's compile; stream: moeforge compile --stream (default: in-memory)")
     what.add_argument("--grid", choices=["axes", "full"], default="axes",
                       help="axes: each value varied alone from the first of each list; full: every combination")
     how = parser.add_argument_group("measurement")
@@ -297,7 +303,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     defaults = {"layers": [2, 4, 8], **DEFAULTS, "quant": ["fp32", "int8", "int4-asym"],
-                "kv_cache": ["contiguous", "paged"], "tp": [1, 2]}
+                "kv_cache": ["contiguous", "paged"], "tp": [1, 2],
+                "mode": ["in-memory"]}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, QUICK[key] if args.quick else value)
@@ -336,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if warning:
         raise SystemExit(warning)
     parent = find_memory_cgroup()  # every run, capped or not, is measured in a cgroup
-    configs = compile_configs(args.quant, args.kv_cache, args.tp, args.grid)
+    configs = compile_configs(args.quant, args.kv_cache, args.tp, args.grid, args.mode)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     available = _mem_available() or physical

@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                            + " (default: exact)")
     comp.add_argument("--no-weight-check", dest="check_weights", action="store_false",
                       help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
+    comp.add_argument("--stream", action="store_true",
+                      help="streamed compile (HF safetensors folders): the model is traced without its weights and "
+                           "each weight is read, transformed and written one at a time, so memory stays far below "
+                           "the weights' size (not yet with --check, --calib, --tp/--ep or --target trt)")
     comp.add_argument("--no-argmax-head", dest="argmax_head", action="store_false",
                       help="leave a float32 LM head as one MatMul: no int8 copy for greedy steps (the certified "
                            "argmax head costs V x H bytes more and makes plain greedy decoding ~10%% faster)")

@@ -23,6 +23,7 @@ from moeforge.core.artifact import check_output_dir
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.kv_layout import KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
+from moeforge.model.lazy_weights import open_lazy_model
 from moeforge.model.loader import load_model
 from moeforge.quant.spec import QuantSpec, validate
 from moeforge.runtime.backends.registry import BACKENDS, refusal
@@ -53,10 +54,14 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
     bar = stage_bar(5, "compile", options.progress)
     try:
         bar.set_postfix_str("load checkpoint")
-        loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
+        weights = None
+        if options.stream:  # the model on the meta device; each weight read when the artifact is written
+            loaded, weights = open_lazy_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
+        else:
+            loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
         job = make_job(options, loaded)
         bar.update()
-        out, manifest = build_artifact(job, target, options.output_dir, bar)
+        out, manifest = build_artifact(job, target, options.output_dir, bar, weights=weights)
         return CompileResult(out, manifest, target.parity)
     finally:
         bar.close()
@@ -77,6 +82,8 @@ def _check_options(options: CompileOptions) -> None:
     if options.kv.block_size < 1:
         raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv.block_size}")
     paged, sharded = options.kv.layout == "paged", options.tp > 1 or options.ep > 1
+    if options.stream:
+        _check_stream(options, sharded)
     why = refusal(options.target, paged=paged, sharded=sharded)
     if why and not options.build_only:
         shape = (" with --kv-cache paged" if paged else " with --tp/--ep" if sharded else "") \
@@ -86,3 +93,11 @@ def _check_options(options: CompileOptions) -> None:
                             "of your own")
 
 
+def _check_stream(options: CompileOptions, sharded: bool) -> None:
+    """What ``--stream`` cannot do yet: each of these needs the whole PyTorch model in memory."""
+    flags = (("--check", options.check), ("--calib", options.quant.calib is not None), ("--tp/--ep", sharded),
+             (f"--target {options.target}", options.target != "ort"))
+    needs_torch = [flag for flag, on in flags if on]
+    if needs_torch:
+        raise MoeforgeError(f"--stream does not combine with {', '.join(needs_torch)} yet (each loads the whole "
+                            "model); compile without --stream, or drop those flags")

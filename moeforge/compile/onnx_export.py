@@ -13,7 +13,7 @@ import collections
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from onnxscript import rewriter
 from torch import nn
 
+from moeforge.core.errors import MoeforgeError
 from moeforge.model import moe_op
+from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.mla import MLAttention
 from moeforge.model.model import CausalLM, ModelOutput
 from moeforge.model.moe import MoEBlock
@@ -152,25 +154,32 @@ def _moe_boundaries(model: CausalLM) -> Iterator[None]:
             layer.mlp = block
 
 
-def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
+def export_stateless(model: CausalLM, mark_layers: bool = False, weights: LazyWeights | None = None) -> ir.Model:
     """Export ``model`` (absorbed MLA) to an in-memory onnx-ir model at opset 23.
 
     ``mark_layers``: also output each decoder layer's result as ``layer_output.{i}``, through a marker
     ``Add(x, 0)`` so that the residual value itself stays an ordinary intermediate the passes can fuse
     (a graph output would pin it); ``unmark_layers`` removes the markers after the passes.
+    ``weights``: ``model`` is on the meta device and these are its tensors; each initializer becomes a lazy
+    tensor that reads its source when the artifact is written (the streamed compile: ``lazy_weights.py``).
     """
     if model.config.mla is not None and model.mla_impl != "absorb":
         raise ValueError("export MLA in its absorbed form (CausalLM(config, 'absorb')) so the cache holds the latent")
     model = model.eval()
+    own_names = _tensor_names(model)
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
-    # Example sizes must not be 0 or 1: torch.export specialises such dims to constants.
-    example = (torch.zeros(2, 3, dtype=torch.int64), torch.arange(3, dtype=torch.int64).expand(2, 3).contiguous())
+    # Example sizes must not be 0 or 1: torch.export specialises such dims to constants. A meta model (the streamed
+    # compile) is traced with meta inputs.
+    device = torch.device("meta") if weights is not None else torch.device("cpu")
+    example = (torch.zeros(2, 3, dtype=torch.int64, device=device),
+               torch.arange(3, dtype=torch.int64, device=device).expand(2, 3).contiguous())
     with (_moe_boundaries(model), _sparse_mla_nodes(model), _quiet_torchvision_skips(), _without_slices_split(),
           warnings.catch_warnings(),
           torch.no_grad()):
         warnings.simplefilter("ignore")  # the exporter is chatty about deprecated pytree APIs
+        wrapper = _StatelessLM(model, mark_layers)
         program = torch.onnx.export(
-            _StatelessLM(model, mark_layers), example, dynamo=True, opset_version=OPSET, verbose=False,
+            wrapper, example, dynamo=True, opset_version=OPSET, verbose=False,
             input_names=list(INPUT_NAMES),
             output_names=["logits"] + [LAYER_OUTPUT.format(i) for i in range(model.config.num_hidden_layers)
                                        if mark_layers],
@@ -179,8 +188,13 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
                                       torch.ops.moeforge.moe_router.default: router_op.onnx_translation,
                                       torch.ops.moeforge.sparse_mla.default: sparse_mla_op.onnx_translation,
                                       **collectives.TRANSLATIONS},
+            optimize=weights is None,  # lazy weights first: the optimizer reads the small ones
         )
-    assert program is not None  # dynamo=True always returns the program
+        assert program is not None  # dynamo=True always returns the program
+        if weights is not None:
+            attach_lazy_weights(program.model, weights, _source_names(wrapper, own_names))
+            fold_weight_transposes(program.model)  # as the optimizer would, without reading the weights
+            program.optimize()
     onnx_model = program.model
     if model.config.moe is not None:
         # Each MoE layer: MatMul (router logits) -> moeforge.MoERouter -> moeforge.MoEExperts, both with functions.
@@ -199,6 +213,77 @@ def export_stateless(model: CausalLM, mark_layers: bool = False) -> ir.Model:
     _name_dims(onnx_model)
     _forget_former_inputs(onnx_model.graph)
     return onnx_model
+
+
+def _tensor_names(model: nn.Module) -> dict[int, str]:
+    """id(tensor) -> its name in ``model`` (read before ``_moe_boundaries`` rewires the module tree)."""
+    return {id(t): name for name, t in [*model.named_parameters(remove_duplicate=False),
+                                        *model.named_buffers(remove_duplicate=False)]}
+
+
+def _source_names(exported: nn.Module, own: dict[int, str]) -> dict[str, str]:
+    """The exported module's tensor paths (the initializers' names, e.g. "model.model.layers.1.mlp.block.gate.weight"
+    while ``_MoEBoundary`` wraps a block) -> the model's own names ("model.layers.1.mlp.gate.weight"), by identity."""
+    return {path: own[id(t)] for path, t in [*exported.named_parameters(remove_duplicate=False),
+                                            *exported.named_buffers(remove_duplicate=False)] if id(t) in own}
+
+
+def attach_lazy_weights(model: ir.Model, weights: LazyWeights, sources: dict[str, str]) -> int:
+    """Make each initializer that is one of the (meta) model's tensors (``sources``: initializer name -> the
+    model's tensor name) a ``LazyTensor`` over ``weights.read``; returns how many. Nothing is read here."""
+    attached = 0
+    for name, value in model.graph.initializers.items():
+        source = sources.get(name)
+        if source is None or value.const_value is None:
+            continue
+        if value.dtype != ir.DataType.FLOAT:
+            raise MoeforgeError(f"{name}: the streamed compile handles float32 weights, the graph has {value.dtype}")
+        shape = ir.Shape(weights.shape(source))  # the model's (meta) shape: the graph's too
+        value.const_value = ir.LazyTensor(_reader(weights, source), ir.DataType.FLOAT, shape, name=name)
+        attached += 1
+    return attached
+
+
+def _reader(weights: LazyWeights, name: str) -> Callable[[], ir.TensorProtocol]:
+    return lambda: ir.tensor(weights.read(name), name=name)
+
+
+def fold_weight_transposes(model: ir.Model) -> int:
+    """Replace each ``Transpose`` of a lazy initializer read by nothing else with a ``Constant`` holding the lazy
+    transposed tensor; returns how many. The optimizer folds such Transposes whatever their size (nn.Linear exports
+    as MatMul(x, Transpose(W))), which on a lazy weight would read it now and hold the copy until the artifact is
+    written. It folds them into Constant nodes in place, then lifts those to initializers in node order: so does
+    this, so the artifact's tensors keep their names and order."""
+    graph = model.graph
+    folded = 0
+    for node in list(graph):
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+            continue
+        source, out = node.inputs[0], node.outputs[0]
+        if (source is None or not source.is_initializer() or not isinstance(source.const_value, ir.LazyTensor)
+                or len(source.uses()) != 1 or out.is_graph_output() or source.shape is None):
+            continue
+        perm_attr = node.attributes.get("perm")
+        perm = tuple(perm_attr.as_ints()) if perm_attr is not None else tuple(reversed(range(len(source.shape))))
+        dims = ir.Shape([source.shape[i] for i in perm])
+        name = out.name
+        lazy = ir.LazyTensor(_transposed(source.const_value, perm), ir.DataType.FLOAT, dims, name=name)
+        constant = ir.node("Constant", [], attributes={"value": lazy})
+        graph.insert_before(node, constant)
+        out.name = None
+        constant.outputs[0].name = name
+        constant.outputs[0].shape, constant.outputs[0].type = dims, ir.TensorType(ir.DataType.FLOAT)
+        ir.convenience.replace_all_uses_with(out, constant.outputs[0])
+        graph.remove(node, safe=True)
+        if not source.uses() and source.name is not None and source.name in graph.initializers:
+            graph.initializers.pop(source.name)
+        folded += 1
+    return folded
+
+
+def _transposed(tensor: ir.TensorProtocol, perm: tuple[int, ...]) -> Callable[[], ir.TensorProtocol]:
+    # A view, as onnxscript's folder makes it: a later pass that sums over it adds in the same order.
+    return lambda: ir.tensor(np.transpose(tensor.numpy(), perm), name=tensor.name)
 
 
 def _forget_former_inputs(graph: ir.Graph) -> None:

@@ -56,6 +56,9 @@ class CompileOptions:
     # Build an artifact no moeforge backend runs yet (runtime/backends/registry.py says which: TensorRT paged engines
     # and --tp plans), for a runtime of the user's own; without it such a compile is refused before anything runs.
     build_only: bool = False
+    # Read each weight from the checkpoint only when the artifact is written (HF safetensors folders): the streamed
+    # compile, whose memory does not grow with the model's weights (moeforge/model/lazy_weights.py).
+    stream: bool = False
     kv: KVOptions = field(default_factory=KVOptions)
     quant: QuantSpec = field(default_factory=QuantSpec)
     trt: TrtOptions = field(default_factory=TrtOptions)

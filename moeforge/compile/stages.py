@@ -22,6 +22,7 @@ from moeforge.compile.targets import CompileJob, Target
 from moeforge.core.artifact import write_artifact
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.manifest import MODEL_FILE, Manifest, TensorSpec, tool_versions
+from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.loader import LoadedModel, release_weights
 from moeforge.passes.base import PassReport
 from moeforge.passes.pipeline import run_passes
@@ -55,12 +56,14 @@ def make_job(options: CompileOptions, loaded: LoadedModel) -> CompileJob:
 
 
 def build_artifact(job: CompileJob, target: Target, output_dir: Path, bar: tqdm,
-                   sharding: dict[str, object] | None = None) -> tuple[Path, Manifest]:
+                   sharding: dict[str, object] | None = None, weights: LazyWeights | None = None
+                   ) -> tuple[Path, Manifest]:
     """Export ``job``'s model, run ``target``'s passes and write the artifact to ``output_dir`` (atomically).
-    ``sharding``: the rank's entry for the manifest when the model is one rank of a sharded compile."""
+    ``sharding``: the rank's entry for the manifest when the model is one rank of a sharded compile. ``weights``:
+    the model is on the meta device and these are its tensors, read one at a time as the artifact is written."""
     options, loaded = job.options, job.loaded
     bar.set_postfix_str("export to ONNX")
-    model = export_stateless(loaded.model, mark_layers=True)
+    model = export_stateless(loaded.model, mark_layers=True, weights=weights)
     bar.update()
 
     passes = target.passes(job)

@@ -6,6 +6,7 @@ same routing nodes. New value names are ``<prefix>/<stem>`` (names must stay uni
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,16 +59,46 @@ class NodeBuilder:
         return self.op("Cast", [value], {"to": ir.DataType.FLOAT}, stem)
 
     def initializer(self, array: np.ndarray, name: str) -> ir.Value:
+        unique = self._unique_initializer_name(name)
+        return self._register(ir.tensor(array, name=unique), unique)
+
+    def lazy_initializer(self, compute: Callable[[], np.ndarray], dtype: ir.DataType, shape: Sequence[int],
+                         name: str) -> ir.Value:
+        """An initializer computed only when read (``compute`` -> an array of ``dtype`` and ``shape``): a weight
+        transform that holds no copy until the artifact writer reads it, one tensor at a time."""
+        unique = self._unique_initializer_name(name)
+        return self._register(lazy_tensor(compute, dtype, shape, unique), unique)
+
+    def _unique_initializer_name(self, name: str) -> str:
         if self.graph is None:
             raise ValueError("initializers need a graph (function bodies use Constant nodes)")
         unique, i = name, 1
         while unique in self.graph.initializers:
             unique, i = f"{name}_{i}", i + 1
-        tensor = ir.tensor(array, name=unique)
-        value = ir.Value(name=unique, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype),
+        return unique
+
+    def _register(self, tensor: ir.TensorProtocol, name: str) -> ir.Value:
+        assert self.graph is not None
+        value = ir.Value(name=name, shape=ir.Shape(tensor.shape.numpy()), type=ir.TensorType(tensor.dtype),
                          const_value=tensor)
         self.graph.register_initializer(value)
         return value
+
+
+def lazy_tensor(compute: Callable[[], np.ndarray], dtype: ir.DataType, shape: Sequence[int],
+                name: str | None = None) -> ir.LazyTensor:
+    """A tensor whose values ``compute`` makes when something reads them (nothing cached: each read computes)."""
+    return ir.LazyTensor(lambda: ir.tensor(compute(), name=name), dtype, ir.Shape(list(shape)), name=name)
+
+
+def const_tensor(value: ir.Value) -> ir.TensorProtocol | None:
+    """The value's tensor if it is a constant (initializer or Constant node output), else None; nothing read."""
+    if value.const_value is not None and not value.is_graph_input():
+        return value.const_value
+    node = value.producer()
+    if node is not None and (node.domain, node.op_type) == ("", "Constant") and "value" in node.attributes:
+        return node.attributes["value"].as_tensor()
+    return None
 
 
 def const_array(value: ir.Value) -> np.ndarray | None:

@@ -43,7 +43,7 @@ from moeforge.model import moe_op
 from moeforge.ops.moe_router import schema as router_schema
 from moeforge.ops.moe_router.function import check_nodes
 from moeforge.ops.moe_router.ort_lowering import lower_router
-from moeforge.ops.node_builder import NodeBuilder, const_array
+from moeforge.ops.node_builder import NodeBuilder, const_array, const_tensor
 from moeforge.passes.base import MS_DOMAIN, PassContext, ensure_opset, required
 
 log = logging.getLogger(__name__)
@@ -161,13 +161,15 @@ def _num_experts(node: ir.Node, router: ir.Node, gate: ir.Value) -> int:
 def _expert_weights(b: NodeBuilder, gate: ir.Value, up: ir.Value, down: ir.Value,
                     rsf: float) -> tuple[ir.Value, ir.Value]:
     """fc1 [E, 2I, H] interleaved gate/up rows, fc2 [E, H, I] = down * routed_scaling_factor."""
-    g, u, d = const_array(gate), const_array(up), const_array(down)
-    if g is not None and u is not None:
-        g32 = g.astype(np.float32, copy=False)
-        fc1_np = np.empty((g.shape[0], 2 * g.shape[1], g.shape[2]), np.float32)
-        fc1_np[:, 0::2] = g32  # rows g0, u0, g1, u1, ...: the layout swiglu_fusion=1 reads
-        fc1_np[:, 1::2] = u
-        fc1 = b.initializer(fc1_np, _derived_name(gate, "fc1_gate_up_interleaved", strip="gate_proj"))
+    g, u, d = const_tensor(gate), const_tensor(up), const_tensor(down)
+    # Computed when the artifact is written (lazy), from the stacked tensors, which are read only then.
+    if g is not None and u is not None and g.dtype == ir.DataType.FLOAT and u.dtype == ir.DataType.FLOAT:
+        e, i, h = g.shape.numpy()
+        fc1 = b.lazy_initializer(lambda: _interleave(g.numpy(), u.numpy()), ir.DataType.FLOAT, (e, 2 * i, h),
+                                 _derived_name(gate, "fc1_gate_up_interleaved", strip="gate_proj"))
+    elif g is not None and u is not None:
+        fc1 = b.initializer(_interleave(g.numpy(), u.numpy()),
+                            _derived_name(gate, "fc1_gate_up_interleaved", strip="gate_proj"))
     else:
         # Weights computed in the graph (e.g. dequantised): stack [E, I, 2, H] then merge I and 2.
         g3 = b.op("Unsqueeze", [b.as_f32(gate, "gate_f32"), b.const_i64([2])], None, "gate_e_i_1_h")
@@ -179,8 +181,9 @@ def _expert_weights(b: NodeBuilder, gate: ir.Value, up: ir.Value, down: ir.Value
         target = b.op("Concat", [e_dim, b.const_i64([-1]), h_dim], {"axis": 0}, "fc1_shape")
         fc1 = b.op("Reshape", [stacked, target], None, "fc1_gate_up_interleaved")
     if d is not None:
-        fc2_np = (d.astype(np.float32) * np.float32(rsf)).astype(np.float32)
-        fc2 = b.initializer(fc2_np, _derived_name(down, "fc2_down_scaled", strip="down_proj"))
+        fc2 = b.lazy_initializer(lambda: (d.numpy().astype(np.float32) * np.float32(rsf)).astype(np.float32),
+                                 ir.DataType.FLOAT, d.shape.numpy(),
+                                 _derived_name(down, "fc2_down_scaled", strip="down_proj"))
     elif rsf == 1.0:
         fc2 = b.as_f32(down, "down_f32")
     else:
@@ -189,6 +192,14 @@ def _expert_weights(b: NodeBuilder, gate: ir.Value, up: ir.Value, down: ir.Value
 
 
 # ------------------------------------------------------------------------------------ utilities
+def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """fc1 [E, 2I, H]: rows g0, u0, g1, u1, ... (the layout swiglu_fusion=1 reads), float32."""
+    fc1 = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), np.float32)
+    fc1[:, 0::2] = gate.astype(np.float32, copy=False)
+    fc1[:, 1::2] = up
+    return fc1
+
+
 def _derived_name(value: ir.Value, suffix: str, strip: str = "") -> str:
     # "...experts.gate_proj" -> "...experts.fc1_gate_up_interleaved": the new tensor sits next to
     # the ones it replaces in a name-sorted listing of the artifact.

@@ -14,6 +14,7 @@ from collections import defaultdict
 import numpy as np
 import onnx_ir as ir
 
+from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import PassContext, required
 
 
@@ -32,20 +33,23 @@ class ProjectionPacking:
             if len(nodes) < 2:
                 continue
             weights = [required(_const_2d(n.inputs[1]), f"{n.name}: constant weight") for n in nodes]
-            if len({w.shape[0] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+            if len({w.shape.numpy()[0] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
                 continue
             self._pack(model, nodes, weights)
             packed += 1
         return packed
 
-    def _pack(self, model: ir.Model, nodes: list[ir.Node], weights: list[np.ndarray]) -> None:
+    def _pack(self, model: ir.Model, nodes: list[ir.Node], weights: list[ir.TensorProtocol]) -> None:
         graph = model.graph
-        sizes = [w.shape[1] for w in weights]
+        sizes = [w.shape.numpy()[1] for w in weights]
         first = min(nodes, key=lambda n: list(graph).index(n))
         stem = nodes[0].outputs[0].name or "packed"
-        packed_weight = ir.Value(name=f"{stem}.packed_weight", shape=ir.Shape([weights[0].shape[0], sum(sizes)]),
-                                 type=ir.TensorType(_weight_dtype(nodes[0])),
-                                 const_value=ir.tensor(np.concatenate(weights, axis=1)))
+        shape = [weights[0].shape.numpy()[0], sum(sizes)]
+        # Concatenated when the artifact is written (lazy): no packed copy beside the originals until then.
+        packed = lazy_tensor(lambda: np.concatenate([w.numpy() for w in weights], axis=1), weights[0].dtype, shape,
+                             f"{stem}.packed_weight")
+        packed_weight = ir.Value(name=f"{stem}.packed_weight", shape=ir.Shape(shape),
+                                 type=ir.TensorType(_weight_dtype(nodes[0])), const_value=packed)
         graph.register_initializer(packed_weight)
         matmul = ir.node("MatMul", [nodes[0].inputs[0], packed_weight])
         split_sizes = ir.Value(name=f"{stem}.split_sizes", shape=ir.Shape([len(sizes)]),
@@ -69,7 +73,8 @@ def _weight_dtype(node: ir.Node) -> ir.DataType:
     return required(weight.dtype, f"{weight.name}: dtype")
 
 
-def _const_2d(value: ir.Value | None) -> np.ndarray | None:
+def _const_2d(value: ir.Value | None) -> ir.TensorProtocol | None:
+    """The constant 2-D weight's tensor (not read), else None."""
     if value is None or value.const_value is None or value.shape is None or len(value.shape) != 2:
         return None
-    return value.const_value.numpy()
+    return value.const_value

@@ -1,0 +1,110 @@
+"""A model whose weights stay in the checkpoint: the streamed compile's source (issue 34's first stage).
+
+``open_lazy_model`` builds the ``CausalLM`` on the meta device (no weight memory), checks every checkpoint tensor's
+name and shape against it from the safetensors headers alone, and returns ``LazyWeights``: each tensor read (FP8
+dequantised, cast to float32, checked finite) only when asked, through the checkpoint's memory map. The exporter
+traces the meta model and makes each initializer an ``onnx_ir.LazyTensor`` over ``LazyWeights.read``; the artifact
+writer then reads, transforms and writes one tensor at a time (``moeforge/compile/onnx_export.py``).
+
+Derived buffers (RoPE's ``inv_freq``) are not in a checkpoint: ``LazyWeights`` computes them from the config on a
+CPU copy of their module, as ``CausalLM.reset_buffers`` does after an eager load.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moeforge.core.config import ModelConfig
+from moeforge.core.errors import CheckpointError, MoeforgeError
+from moeforge.model.loader import LoadedModel, resolve_source
+from moeforge.model.mla import MLAImpl
+from moeforge.model.model import CausalLM
+from moeforge.model.safetensors_loader import HFCheckpoint, read_hf_checkpoint
+from moeforge.model.tokenizer import TOKENIZER_FILE, Tokenizer
+
+
+@dataclass
+class LazyWeights:
+    """The tensors of a meta-device model by state-dict name: ``read(name)`` -> float32 array, from the checkpoint
+    (or, for a derived buffer, computed from the config). Nothing is cached: each read is fresh, so a caller that
+    drops the array frees it."""
+
+    model: CausalLM
+    checkpoint: HFCheckpoint
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        # Taken now: the exporter rewires the module tree for a while (moeforge/compile/onnx_export.py).
+        self._tensors = {name: t for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
+        self._modules = dict(self.model.named_modules())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, from the model (no read)."""
+        return tuple(self._meta_tensor(name).shape)
+
+    def read(self, name: str) -> np.ndarray:
+        """``name``'s values as a float32 array (a fresh copy)."""
+        if name in self.checkpoint:
+            tensor = self.checkpoint.read(name).to(torch.float32)
+            if self.check_finite and not math.isfinite(float(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(
+                    f"tensor {name!r} holds NaN or Inf values: the weights are corrupt or diverged; re-download or "
+                    "re-export the checkpoint, or skip this check with --no-weight-check")
+            return tensor.numpy()
+        return self._derived_buffer(name)
+
+    def _meta_tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def _derived_buffer(self, name: str) -> np.ndarray:
+        module_name, _, attr = name.rpartition(".")
+        module = self._modules[module_name]
+        reset = getattr(module, "reset_buffers", None)
+        if attr not in module._buffers or reset is None:
+            raise KeyError(f"{name} is neither in the checkpoint nor a derived buffer")
+        real = copy.deepcopy(module).to_empty(device="cpu")  # its own small copy: the model stays on meta
+        real.reset_buffers()
+        buffer: np.ndarray = real._buffers[attr].to(torch.float32).numpy().copy()
+        return buffer
+
+
+def open_lazy_model(spec: str, *, mla_impl: MLAImpl = "absorb", check_finite: bool = True
+                    ) -> tuple[LoadedModel, LazyWeights]:
+    """A meta-device model of the HF checkpoint folder ``spec`` and its weights, read on demand. Every tensor's
+    name and shape is checked now, from the headers; values are read (and checked finite) when the artifact is
+    written. Other sources (presets, GGUF files) are refused: they load whole (``load_model``)."""
+    source = resolve_source(spec)
+    if source.kind != "hf":
+        raise MoeforgeError(f"--stream reads a Hugging Face safetensors folder; {spec} is a {source.kind} model, "
+                            "which compiles without --stream")
+    folder = Path(source.location)
+    config = ModelConfig.from_hf_json(folder / "config.json")
+    checkpoint = read_hf_checkpoint(folder, config)
+    with torch.device("meta"):
+        model = CausalLM(config, mla_impl)
+    _check_against(model, checkpoint, config)
+    tokenizer = Tokenizer.from_file(folder) if (folder / TOKENIZER_FILE).is_file() else None
+    return LoadedModel(model.eval(), config, tokenizer, source), LazyWeights(model, checkpoint, check_finite)
+
+
+def _check_against(model: CausalLM, checkpoint: HFCheckpoint, config: ModelConfig) -> None:
+    """Every model tensor is in the checkpoint with the model's shape (derived buffers excepted), and the
+    checkpoint holds nothing else: the checks ``build_from_tensors`` makes, without reading a value."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    for name in checkpoint.keys():
+        if name not in expected:
+            raise CheckpointError(f"checkpoint tensor {name!r} has no place in a {config.model_type} model")
+        if tuple(checkpoint.shape(name)) != expected[name]:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(checkpoint.shape(name))} but the config implies {expected[name]}: "
+                "the config and the weights disagree (wrong config.json, or a corrupted checkpoint)")
+    missing = sorted(set(expected) - set(checkpoint.keys()))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
