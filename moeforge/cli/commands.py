@@ -16,6 +16,7 @@ from moeforge import __version__
 from moeforge.cli.bench import run_bench, write_result
 from moeforge.cli.inspect import summarize
 from moeforge.compile.driver import CompileOptions, ParityCheckFailed, compile_model
+from moeforge.compile.plan import plan_compile
 from moeforge.compile.sharded_compile import is_sharded, rank_dir, read_sharded
 from moeforge.compile.targets import TARGETS
 from moeforge.core.artifact import load_artifact, restore_interrupted
@@ -23,6 +24,7 @@ from moeforge.core.errors import MoeforgeError
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
 from moeforge.model.loader import LoadedModel, load_config, load_model
+from moeforge.model.sharding import check_degrees
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.parallel.eplb import parse_stats, rebalance, round_robin, write_plan
 from moeforge.parallel.launch import (
@@ -126,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp = _subcommand(sub, "compile", "compile a model into an artifact directory: an ONNX Runtime graph "
                        "(--target ort) or a TensorRT engine (--target trt)")
     comp.add_argument("model", help="HF folder, .gguf file, or a preset / built-in name")
-    comp.add_argument("-o", "--output", required=True, help="artifact directory to create")
+    comp.add_argument("-o", "--output", help="artifact directory to create (required unless --plan)")
     comp.add_argument("--target", choices=list(TARGETS), default="ort",
                       help="ort (an ONNX Runtime graph; runs on CPU) or trt (a TensorRT engine; runs on an "
                            "NVIDIA GPU with TensorRT)")
@@ -192,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                            + " (default: exact)")
     comp.add_argument("--no-weight-check", dest="check_weights", action="store_false",
                       help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
+    comp.add_argument("--plan", action="store_true",
+                      help="print what the compile would write and need (per-rank parameters and bytes, the streamed "
+                           "compile's peak memory, a time estimate) from the config alone, and exit: no weights read")
     comp.add_argument("--stream", action="store_true",
                       help="streamed compile (HF safetensors folders): the model is traced without its weights and "
                            "each weight is read, transformed and written one at a time, so memory stays far below "
@@ -495,8 +500,15 @@ def _run_torch(args: argparse.Namespace) -> int:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
+    if args.plan:
+        check_degrees(args.tp, args.ep)
+        print(plan_compile(args.model, load_config(args.model), args.quant, args.tp, args.ep, args.block_size).table())
+        return EXIT_OK
+    if args.output is None:
+        raise MoeforgeError("-o/--output DIR is required: the artifact directory to create (--plan needs none)")
     # Every other compile flag's argparse dest is its name in CompileOptions.from_flags.
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "verbose", "model", "output", "quiet")}
+    flags = {k: v for k, v in vars(args).items()
+             if k not in ("command", "verbose", "model", "output", "quiet", "plan")}
     options = CompileOptions.from_flags(model=args.model, output_dir=args.output, progress=not args.quiet, **flags)
     try:
         result = compile_model(options)

@@ -8,8 +8,10 @@ and the graph's weights once it is saved, before ONNX Runtime loads its own.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -82,7 +84,11 @@ def build_artifact(job: CompileJob, target: Target, output_dir: Path, bar: tqdm,
     bar.set_postfix_str("write artifact")
 
     def payload(folder: Path) -> None:
-        ir.save(model, folder / MODEL_FILE, external_data=DATA_FILE)
+        if weights is None:
+            ir.save(model, folder / MODEL_FILE, external_data=DATA_FILE)
+        else:  # the streamed compile reads, transforms and writes its weights now: a bar with rate and ETA
+            with _weights_bar(weights, options.progress):
+                ir.save(model, folder / MODEL_FILE, external_data=DATA_FILE)
         _release_initializers(model.graph)  # saved: ONNX Runtime (golden, --check) loads its own copy
         if loaded.tokenizer is not None:
             loaded.tokenizer.save(folder)
@@ -93,6 +99,18 @@ def build_artifact(job: CompileJob, target: Target, output_dir: Path, bar: tqdm,
     out = write_artifact(output_dir, write_payload=payload, manifest=manifest, force=options.force)
     bar.update()
     return out, manifest
+
+
+@contextlib.contextmanager
+def _weights_bar(weights: LazyWeights, enabled: bool) -> Iterator[None]:
+    """A bar over the bytes of the checkpoint tensors not read yet, advanced as the writer reads each one."""
+    with tqdm(total=weights.total_bytes() - weights.bytes_read_once, desc="weights", unit="B", unit_scale=True,
+              unit_divisor=1024, disable=not enabled, leave=False, position=1) as bar:
+        weights.on_first_read = lambda _name, nbytes: bar.update(nbytes)
+        try:
+            yield
+        finally:
+            weights.on_first_read = None
 
 
 def _release_initializers(graph: ir.Graph) -> None:

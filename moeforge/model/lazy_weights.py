@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +39,12 @@ class LazyWeights:
     model: CausalLM
     checkpoint: HFCheckpoint
     check_finite: bool = True
+    # Called with (name, bytes) the first time each tensor is read: a progress bar over the weights' bytes.
+    on_first_read: Callable[[str, int], None] | None = None
 
     def __post_init__(self) -> None:
+        self._read_once: set[str] = set()
+        self.bytes_read_once = 0  # float32 bytes of the distinct checkpoint tensors read so far
         # Taken now: the exporter rewires the module tree for a while (moeforge/compile/onnx_export.py).
         self._tensors = {name: t for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
         self._modules = dict(self.model.named_modules())
@@ -48,8 +53,21 @@ class LazyWeights:
         """The tensor's shape, from the model (no read)."""
         return tuple(self._meta_tensor(name).shape)
 
+    def total_bytes(self) -> int:
+        """The float32 bytes of every checkpoint tensor (what a streamed compile reads, once each at least)."""
+        return sum(4 * math.prod(self.shape(name)) for name in self.checkpoint.keys())
+
     def read(self, name: str) -> np.ndarray:
         """``name``'s values as a float32 array (a fresh copy)."""
+        array = self._read(name)
+        if name not in self._read_once and name in self.checkpoint:
+            self._read_once.add(name)
+            self.bytes_read_once += array.nbytes
+            if self.on_first_read is not None:
+                self.on_first_read(name, array.nbytes)
+        return array
+
+    def _read(self, name: str) -> np.ndarray:
         if name in self.checkpoint:
             tensor = self.checkpoint.read(name).to(torch.float32)
             if self.check_finite and not math.isfinite(float(tensor.sum())) and not bool(torch.isfinite(tensor).all()):

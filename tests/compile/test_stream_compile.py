@@ -111,10 +111,12 @@ def test_weights_are_read_one_at_a_time_while_the_artifact_is_written(checkpoint
     it before the next), whatever the number of layers. The in-memory compile holds every weight at once."""
     alive: dict[int, int] = {}
     peak = [0]
+    names: set[str] = set()
     original = LazyWeights.read
 
     def tracked(self: LazyWeights, name: str) -> np.ndarray:
         array = original(self, name)
+        names.add(name)
         alive[id(array)] = array.nbytes
         peak[0] = max(peak[0], sum(alive.values()))
         weakref.finalize(array, alive.pop, id(array), None)
@@ -128,6 +130,7 @@ def test_weights_are_read_one_at_a_time_while_the_artifact_is_written(checkpoint
     layers = [sum(b for n, b in sizes.items() if n.startswith(f"model.layers.{i}.")) for i in range(DS3.layers)]
     one_layer = max(max(layers), *(b for n, b in sizes.items() if not n.startswith("model.layers.")))
     assert 0 < peak[0] <= one_layer < sum(sizes.values()), (peak[0], one_layer, sum(sizes.values()))
+    assert names >= set(weights.checkpoint.keys())  # every checkpoint tensor went into the artifact
 
 
 def test_a_bad_weight_fails_the_streamed_compile_when_read_and_leaves_nothing(checkpoints: dict[str, Path],

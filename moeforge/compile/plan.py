@@ -1,0 +1,125 @@
+"""``moeforge compile MODEL --plan``: what a compile will write and need, from the config alone (no weights read).
+
+The model is built on the meta device (no memory) and, for ``--tp/--ep``, each rank's model is cut from it by the
+same ``shard_model`` the sharded compile runs: every number per rank is exact in parameters. Artifact bytes are
+float32 for vectors, norms, routers and the embedding, and the scheme's storage for every other matrix (codes plus
+one float32 scale, and an offset for the asymmetric schemes, per block): an estimate within a few percent (the
+LM head's own scheme and the argmax head's int8 copy are left out).
+
+The working set is the streamed compile's (``--stream``): weights are read one layer at a time as the artifact is
+written, so its peak is the process's fixed part plus about twice the largest layer's float32 weights (a transform
+holds what it reads and what it makes: the MoE fc1 reads the gate and up experts and writes both interleaved).
+Both constants come from ``benchmarks/compile_memory.py`` on the synthetic DeepSeek-V3-shaped checkpoints
+(``benchmarks/results/compile_memory.json``); so does the rate behind the time estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moeforge.core.config import ModelConfig
+from moeforge.model.model import CausalLM
+from moeforge.model.rank_model import shard_model
+from moeforge.quant.schemes import SCHEMES
+
+GIB = 2**30
+# Measured (benchmarks/results/compile_memory.json, fp32 --stream rows): the smallest memory cap under which a
+# streamed compile succeeds is about RUNTIME_BYTES + LAYER_FACTOR x its largest layer's float32 bytes, and it
+# reads, transforms and writes float32 weights at about RATE_BYTES_PER_S on 2 cores of the benchmark machine.
+RUNTIME_BYTES = 600 * 2**20
+LAYER_FACTOR = 2.0
+RATE_BYTES_PER_S = 60e6
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share: parameters, the artifact's weight bytes, the largest layer's float32 bytes."""
+
+    rank: int
+    parameters: int
+    artifact_bytes: int
+    largest_layer_fp32_bytes: int
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """A compile's plan: per rank, the working set of a streamed compile and its time at the measured rate."""
+
+    model: str
+    scheme: str
+    tp: int
+    ep: int
+    total_parameters: int
+    ranks: list[RankPlan]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The streamed compile's planned peak memory, for the largest rank."""
+        return RUNTIME_BYTES + int(LAYER_FACTOR * max(r.largest_layer_fp32_bytes for r in self.ranks))
+
+    @property
+    def seconds(self) -> float:
+        """Time to read, transform and write every rank at the measured rate (ranks one after another)."""
+        return sum(4 * r.parameters for r in self.ranks) / RATE_BYTES_PER_S
+
+    def table(self) -> str:
+        """The plan as a text table, one line per rank."""
+        lines = [f"plan: {self.model}, {self.total_parameters / 1e9:.1f} B parameters, {self.scheme} weights, "
+                 f"tp {self.tp} x ep {self.ep}",
+                 f"{'rank':>4}  {'parameters':>12}  {'artifact':>12}  {'largest layer (fp32)':>20}"]
+        for r in self.ranks:
+            lines.append(f"{r.rank:>4}  {r.parameters / 1e9:>10.2f} B  {r.artifact_bytes / GIB:>8.1f} GiB  "
+                         f"{r.largest_layer_fp32_bytes / GIB:>16.2f} GiB")
+        total = sum(r.artifact_bytes for r in self.ranks)
+        lines.append(f"artifact: {total / GIB:.1f} GiB in all")
+        lines.append(f"streamed compile (--stream) peak memory: ~{self.peak_bytes / GIB:.1f} GiB "
+                     f"(a {RUNTIME_BYTES / GIB:.1f} GiB process + {LAYER_FACTOR:g} x the largest layer's float32 "
+                     "weights)")
+        lines.append(f"time: ~{_duration(self.seconds)} at the measured {RATE_BYTES_PER_S / 1e6:.0f} MB/s of float32 "
+                     "weights (2 cores; benchmarks/results/compile_memory.json)")
+        return "\n".join(lines)
+
+
+def plan_compile(model: str, config: ModelConfig, scheme: str | None = None, tp: int = 1, ep: int = 1,
+                 block_size: int | None = None) -> CompilePlan:
+    """The plan of compiling ``config`` with ``scheme`` (None: float32) into ``tp`` ranks (``ep`` expert-parallel)."""
+    with torch.device("meta"):
+        full = CausalLM(config, "absorb")
+    bytes_per_param = _bytes_per_parameter(scheme, block_size)
+    ranks = []
+    for rank in range(tp):
+        part = shard_model(full, tp, ep, rank)[0] if tp > 1 else full
+        tensors = dict(part.state_dict())
+        layers: dict[str, int] = {}
+        artifact = 0
+        for name, tensor in tensors.items():
+            count = tensor.numel()
+            matrix = tensor.dim() >= 2 and "embed_tokens" not in name
+            artifact += int(count * (bytes_per_param if matrix else 4))
+            layer = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
+            layers[layer] = layers.get(layer, 0) + 4 * count
+        ranks.append(RankPlan(rank, sum(t.numel() for t in tensors.values()), artifact, max(layers.values())))
+    total = sum(t.numel() for t in full.state_dict().values())
+    return CompilePlan(model, scheme or "fp32", tp, ep, total, ranks)
+
+
+def _bytes_per_parameter(scheme: str | None, block_size: int | None) -> float:
+    """Storage per weight of a matrix: codes + a float32 scale (and offset) per block."""
+    if scheme is None or scheme == "fp32":
+        return 4.0
+    info = SCHEMES[scheme]
+    code = {"int8": 1.0, "int4": 0.5, "fp8": 1.0}.get(info.weights, 4.0)
+    block = block_size or info.default_block
+    per_block = (8.0 if info.asymmetric else 4.0) / block if block else 0.0
+    return code + per_block
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{math.ceil(seconds)} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
