@@ -21,6 +21,7 @@ from moeforge.compile.sharded_compile import is_sharded, rank_dir, read_sharded
 from moeforge.compile.targets import TARGETS
 from moeforge.core.artifact import load_artifact, restore_interrupted
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.host_memory import parse_size
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
 from moeforge.model.loader import LoadedModel, load_config, load_model
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--plan", action="store_true",
                       help="print what the compile would write and need (per-rank parameters and bytes, the streamed "
                            "compile's peak memory, a time estimate) from the config alone, and exit: no weights read")
+    comp.add_argument("--max-memory", type=_size, metavar="SIZE",
+                      help="memory the compile may use (3GiB, 3G, 3000MB; default: the container's limit, else the "
+                           "physical memory): a compile whose plan exceeds it is refused before any weight is read")
     comp.add_argument("--stream", action="store_true",
                       help="streamed compile (HF safetensors folders): the model is traced without its weights and "
                            "each weight is read, transformed and written one at a time, so memory stays far below "
@@ -497,6 +501,13 @@ def _run_torch(args: argparse.Namespace) -> int:
         printer.progress(generated)
     printer.done(generated)
     return EXIT_OK
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:

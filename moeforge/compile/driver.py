@@ -16,15 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeforge.compile.options import CompileOptions, KVOptions, TrtOptions
+from moeforge.compile.plan import plan_compile, size_text
 from moeforge.compile.sharded_compile import ShardedCompileResult, compile_sharded
 from moeforge.compile.stages import DATA_FILE, build_artifact, make_job, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.core.artifact import check_output_dir
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.host_memory import memory_limit
 from moeforge.core.kv_layout import KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
 from moeforge.model.lazy_weights import open_lazy_model
-from moeforge.model.loader import load_model
+from moeforge.model.loader import load_config, load_model
 from moeforge.quant.spec import QuantSpec, validate
 from moeforge.runtime.backends.registry import BACKENDS, refusal
 from moeforge.verify.parity import ParityCheckFailed, ParityReport
@@ -48,8 +50,10 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
     validate(options.quant, target=options.target, kv_cache=options.kv.layout)
     target.check()
     if options.tp > 1 or options.ep > 1:
+        check_memory(options)
         return compile_sharded(options)
     check_output_dir(options.output_dir, force=options.force)  # before the expensive stages
+    check_memory(options)
 
     bar = stage_bar(5, "compile", options.progress)
     try:
@@ -101,3 +105,27 @@ def _check_stream(options: CompileOptions, sharded: bool) -> None:
     if needs_torch:
         raise MoeforgeError(f"--stream does not combine with {', '.join(needs_torch)} yet (each loads the whole "
                             "model); compile without --stream, or drop those flags")
+
+
+def check_memory(options: CompileOptions) -> None:
+    """Refuse, before any weight is read, a compile whose planned memory exceeds ``--max-memory`` (default: the
+    container's limit, else the physical memory): a streamed compile by its plan (``plan.py``); an in-memory one
+    when the model's float32 weights alone exceed it (it holds them, and ~2.5x that at its peak)."""
+    limit = options.max_memory if options.max_memory is not None else memory_limit()
+    if limit is None:
+        return
+    config = load_config(options.model)
+    plan = plan_compile(options.model, config, options.quant.weights, block_size=options.quant.block_size)
+    where = "--max-memory" if options.max_memory is not None else "this machine's memory (its container's limit)"
+    if options.stream and plan.peak_bytes > limit:
+        largest = max(r.largest_layer_fp32_bytes for r in plan.ranks)
+        raise MoeforgeError(
+            f"the streamed compile plans ~{size_text(plan.peak_bytes)} (its largest layer alone is "
+            f"{size_text(largest)} of float32 weights), more than {where}: {size_text(limit)}; give it more "
+            "memory (--max-memory), or run on a larger host")
+    weights = 4 * plan.total_parameters
+    if not options.stream and weights > limit:
+        raise MoeforgeError(
+            f"the in-memory compile holds the model's {size_text(weights)} of float32 weights, more than {where}: "
+            f"{size_text(limit)}; compile with --stream (it plans ~{size_text(plan.peak_bytes)}: one layer at "
+            "a time)")

@@ -59,6 +59,9 @@ class CompileOptions:
     # Read each weight from the checkpoint only when the artifact is written (HF safetensors folders): the streamed
     # compile, whose memory does not grow with the model's weights (moeforge/model/lazy_weights.py).
     stream: bool = False
+    # Memory the compile may use (bytes); None: the container's limit, else the physical memory. The compile plans
+    # its peak from the config (``plan.py``) and refuses up front when the plan does not fit.
+    max_memory: int | None = None
     kv: KVOptions = field(default_factory=KVOptions)
     quant: QuantSpec = field(default_factory=QuantSpec)
     trt: TrtOptions = field(default_factory=TrtOptions)

@@ -117,6 +117,11 @@ def _bytes_per_parameter(scheme: str | None, block_size: int | None) -> float:
     return code + per_block
 
 
+def size_text(num_bytes: float) -> str:
+    """``1.5 GiB``, or ``300 MiB`` below a tenth of a GiB."""
+    return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB / 10 else f"{num_bytes / 2**20:.0f} MiB"
+
+
 def _duration(seconds: float) -> str:
     if seconds < 120:
         return f"{math.ceil(seconds)} s"

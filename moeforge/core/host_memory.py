@@ -8,6 +8,7 @@ with ``host_bytes`` against ``available_memory``.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,36 @@ def available_memory() -> int | None:
         except (OSError, ValueError):  # no such cgroup, or no limit
             pass
     return min(found) if found else None
+
+
+def memory_limit() -> int | None:
+    """The memory this process may use in all: a container's cgroup limit (v2, then v1), else the physical memory;
+    None where neither is known."""
+    for limit_file, _ in CGROUP_MEMORY_FILES:
+        try:
+            limit = limit_file.read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # v1 writes a huge number for "no limit"
+            return int(limit)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+               "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size as people write it: ``3GiB``, ``3G`` (binary), ``3GB`` (decimal), ``1500M``, ``123``."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a size: write a positive number with an optional unit, e.g. 3GiB, 3G, "
+                         "3000MB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 @dataclass(frozen=True)
