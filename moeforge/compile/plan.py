@@ -7,8 +7,8 @@ one float32 scale, and an offset for the asymmetric schemes, per block): an esti
 LM head's own scheme and the argmax head's int8 copy are left out).
 
 The working set is the streamed compile's (``--stream``): weights are read one layer at a time as the artifact is
-written, so its peak is the process's fixed part plus about twice the largest layer's float32 weights (a transform
-holds what it reads and what it makes: the MoE fc1 reads the gate and up experts and writes both interleaved).
+written, so its peak is the process's fixed part plus a multiple of the largest layer's float32 weights (a
+transform holds what it reads and what it makes: the MoE fc1 reads the gate and up experts, writes both interleaved).
 Both constants come from ``benchmarks/compile_memory.py`` on the synthetic DeepSeek-V3-shaped checkpoints
 (``benchmarks/results/compile_memory.json``); so does the rate behind the time estimate.
 """
@@ -26,13 +26,14 @@ from moeforge.model.rank_model import shard_model
 from moeforge.quant.schemes import SCHEMES
 
 GIB = 2**30
-# Measured (benchmarks/results/compile_memory.json, fp32 --stream rows): the smallest memory cap under which a
-# streamed compile succeeds is about RUNTIME_BYTES + LAYER_FACTOR x its largest layer's float32 bytes, and it
-# reads, transforms and writes float32 weights at about RATE_BYTES_PER_S on 2 cores of the benchmark machine.
-RUNTIME_BYTES = 600 * 2**20
-LAYER_FACTOR = 2.0
-RATE_BYTES_PER_S = 60e6
-
+# Fit to benchmarks/results/compile_memory.json (fp32 --stream rows, 2 cores, synthetic DeepSeek-V3-shaped
+# checkpoints): the smallest memory cap under which a streamed compile succeeds is RUNTIME_BYTES + LAYER_FACTOR x
+# its largest layer's float32 bytes (576 MiB with 86 MiB layers, 1344 MiB with 633 MiB layers, whatever the number
+# of layers); it takes FIXED_SECONDS plus the float32 weights at RATE_BYTES_PER_S (1.4 B parameters: 52 s).
+RUNTIME_BYTES = 460 * 2**20
+LAYER_FACTOR = 1.4
+FIXED_SECONDS = 20.0
+RATE_BYTES_PER_S = 190e6
 
 @dataclass(frozen=True)
 class RankPlan:
@@ -63,7 +64,7 @@ class CompilePlan:
     @property
     def seconds(self) -> float:
         """Time to read, transform and write every rank at the measured rate (ranks one after another)."""
-        return sum(4 * r.parameters for r in self.ranks) / RATE_BYTES_PER_S
+        return FIXED_SECONDS * len(self.ranks) + sum(4 * r.parameters for r in self.ranks) / RATE_BYTES_PER_S
 
     def table(self) -> str:
         """The plan as a text table, one line per rank."""
@@ -75,9 +76,8 @@ class CompilePlan:
                          f"{r.largest_layer_fp32_bytes / GIB:>16.2f} GiB")
         total = sum(r.artifact_bytes for r in self.ranks)
         lines.append(f"artifact: {total / GIB:.1f} GiB in all")
-        lines.append(f"streamed compile (--stream) peak memory: ~{self.peak_bytes / GIB:.1f} GiB "
-                     f"(a {RUNTIME_BYTES / GIB:.1f} GiB process + {LAYER_FACTOR:g} x the largest layer's float32 "
-                     "weights)")
+        lines.append(f"streamed compile (--stream) peak memory: ~{size_text(self.peak_bytes)} "
+                     f"({size_text(RUNTIME_BYTES)} + {LAYER_FACTOR:g} x the largest layer's float32 weights)")
         lines.append(f"time: ~{_duration(self.seconds)} at the measured {RATE_BYTES_PER_S / 1e6:.0f} MB/s of float32 "
                      "weights (2 cores; benchmarks/results/compile_memory.json)")
         return "\n".join(lines)
