@@ -562,9 +562,16 @@ def check_compile(args, shown: str) -> None:
         return
     if args.model not in PRESETS and args.model not in BUILTIN_GGUF_MODELS:
         bad(f"cli: `moeforge {shown}`: {args.model} is neither a preset nor a built-in model")
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "verbose", "model", "output", "quiet")}
     try:
-        options = CompileOptions.from_flags(model=args.model, output_dir=args.output, progress=False, **flags)
+        try:  # the CLI's own translation of flags to options, where this moeforge has one
+            from moeforge.cli.commands import compile_options
+        except ImportError:
+            compile_options = None
+        if compile_options is not None:
+            options = compile_options(args)
+        else:
+            flags = {k: v for k, v in vars(args).items() if k not in ("command", "verbose", "model", "output", "quiet")}
+            options = CompileOptions.from_flags(model=args.model, output_dir=args.output, progress=False, **flags)
         check = getattr(driver, "_check_options", None)
         if check is not None:
             check(options)

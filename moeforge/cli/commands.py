@@ -510,6 +510,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# `moeforge compile` flags that are not CompileOptions fields (every other flag's dest is its field name).
+_NOT_OPTIONS = ("command", "verbose", "model", "output", "quiet", "plan")
+
+
+def compile_options(args: argparse.Namespace) -> CompileOptions:
+    """The CompileOptions a parsed ``moeforge compile`` command line asks for (also used by gpu_check's dry run)."""
+    flags = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
+    return CompileOptions.from_flags(model=args.model, output_dir=args.output, progress=not args.quiet, **flags)
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
     if args.plan:
         check_degrees(args.tp, args.ep)
@@ -517,10 +527,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.output is None:
         raise MoeforgeError("-o/--output DIR is required: the artifact directory to create (--plan needs none)")
-    # Every other compile flag's argparse dest is its name in CompileOptions.from_flags.
-    flags = {k: v for k, v in vars(args).items()
-             if k not in ("command", "verbose", "model", "output", "quiet", "plan")}
-    options = CompileOptions.from_flags(model=args.model, output_dir=args.output, progress=not args.quiet, **flags)
+    options = compile_options(args)
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:
