@@ -23,12 +23,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
+from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import MS_DOMAIN, PassContext, add_initializer, ensure_opset, required
 from moeforge.passes.quant_math import pack_nbits, pack_rows
 
@@ -71,49 +72,70 @@ class QuantLowering:
         if dq is None:
             return 0
         codes, scale, bits, block, axis = dq
-        k, n = codes.shape
+        k, n = codes.shape.numpy()
         if axis == 1:  # per channel: blocks of one column share its scale
             channel_block = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), None)
             if channel_block is None:
                 return 0
             block = channel_block
-            scale = np.broadcast_to(scale[None, :], (k // block, n))
         elif block < 16 or block & (block - 1) or k % block:
             return 0
         graph = model.graph
         stem = weight.name or "w"
-        packed = add_initializer(graph, f"{stem}.nbits", pack_nbits(codes.T, bits, block))
-        scales = add_initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32))  # [N, K/bs]
+        blocks = k // block
+
+        def scales_nk() -> np.ndarray:  # [N, K/bs]
+            array = scale.numpy()
+            return np.ascontiguousarray((np.broadcast_to(array[None, :], (blocks, n)) if axis == 1 else array).T,
+                                        np.float32)
+
+        # Lazy (computed when written): the codes packed as MatMulNBits reads them, [N, K/bs, bs * bits / 8].
+        packed = add_initializer(graph, f"{stem}.nbits", lazy_tensor(
+            lambda: pack_nbits(_int8_codes(codes).T, bits, block), ir.DataType.UINT8, (n, blocks, block * bits // 8)))
+        scales = add_initializer(graph, f"{stem}.nbits_scale", lazy_tensor(scales_nk, ir.DataType.FLOAT, (n, blocks)))
         new = ir.node("MatMulNBits", [node.inputs[0], packed, scales], domain=MS_DOMAIN,
                       attributes={"K": k, "N": n, "bits": bits, "block_size": block,
                                   "accuracy_level": self.accuracy_level})
         _swap(graph, node, new)
         return 1
 
-    def _matmul_asym(self, model: ir.Model, node: ir.Node, codes: np.ndarray, scale: np.ndarray,
-                     offset: np.ndarray, block: int, bits: int) -> int:
+    def _matmul_asym(self, model: ir.Model, node: ir.Node, codes: ir.TensorProtocol, scale: ir.TensorProtocol,
+                     offset: ir.TensorProtocol, block: int, bits: int) -> int:
         """W = scale * codes + offset per block, run as MatMulNBits(codes, scale; default zero point
         z = 2^(bits-1)) plus the offsets' share: y = MatMulNBits(x) + S(x) @ (offset + z * scale), S(x) [..., K/bs]
         x's sums over blocks. Exact like float zero points, but ORT 1.32 CPU runs float zero points on a slow
-        path (7 vs 81 tok/s on SmolLM2; 8 bits refuses them), while this keeps the fast integer kernel."""
-        k, n = codes.shape  # codes uint8 0..2^bits-1 [K, N]; scale, offset [K/bs, N]
+        path (7 vs 81 tok/s on SmolLM2; 8 bits refuses them), while this keeps the fast integer kernel.
+        ``codes`` [K, N] uint, ``scale`` [K/bs, N], ``offset`` [K/bs, 1, N]: tensors, read when the new ones are
+        written (lazy)."""
+        k, n = codes.shape.numpy()  # codes uint8 0..2^bits-1 [K, N]; scale, offset [K/bs, N]
         if block < 16 or block & (block - 1) or k % block:
             return 0
         graph = model.graph
         stem = required(node.inputs[1], f"{node.name}: weight input").name or "w"  # _asym_dq matched it
         if self.asym_offsets == "digit":
-            return self._matmul_asym_digit(graph, node, codes, scale, offset, block, bits, stem)
+            arrays = codes.numpy().astype(np.uint8), scale.numpy(), offset.numpy()[:, 0, :]
+            return self._matmul_asym_digit(graph, node, *arrays, block, bits, stem)
         zero = 1 << (bits - 1)
-        packed = pack_nbits(codes.T.astype(np.int16) - zero, bits, block)  # unsigned codes back, packed [N, K/bs, *]
-        inputs = [node.inputs[0], add_initializer(graph, f"{stem}.nbits", packed),
-                  add_initializer(graph, f"{stem}.nbits_scale", np.ascontiguousarray(scale.T, np.float32))]
+        blocks = k // block
+
+        def packed_codes() -> np.ndarray:  # unsigned codes back, packed [N, K/bs, *]
+            return pack_nbits(codes.numpy().astype(np.uint8).T.astype(np.int16) - zero, bits, block)
+
+        def shifted() -> np.ndarray:  # [K/bs, N]: the offsets with the zero point folded in
+            folded: np.ndarray = (offset.numpy()[:, 0, :] + zero * scale.numpy()).astype(np.float32)
+            return folded
+
+        inputs = [node.inputs[0],
+                  add_initializer(graph, f"{stem}.nbits",
+                                  lazy_tensor(packed_codes, ir.DataType.UINT8, (n, blocks, block * bits // 8))),
+                  add_initializer(graph, f"{stem}.nbits_scale", lazy_tensor(
+                      lambda: np.ascontiguousarray(scale.numpy().T, np.float32), ir.DataType.FLOAT, (n, blocks)))]
         nbits = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN,
                         attributes={"K": k, "N": n, "bits": bits, "block_size": block,
                                     "accuracy_level": self.accuracy_level})
         block_sums = _block_sums(graph, node.inputs[0], k, block, stem)  # [..., K/bs]
-        shifted = (offset + zero * scale).astype(np.float32)  # [K/bs, N]: the offsets with the zero point folded in
-        correction = ir.node("MatMul", [block_sums[-1].outputs[0],
-                                        add_initializer(graph, f"{stem}.block_offset", shifted)])
+        correction = ir.node("MatMul", [block_sums[-1].outputs[0], add_initializer(
+            graph, f"{stem}.block_offset", lazy_tensor(shifted, ir.DataType.FLOAT, (blocks, n)))])
         total = ir.node("Add", [nbits.outputs[0], correction.outputs[0]])
         for extra in (nbits, *block_sums, correction):
             graph.insert_before(node, extra)
@@ -147,7 +169,7 @@ class QuantLowering:
         if not found or any(v is None for v in found.values()):
             return 0
         bits = {v[2] for v in found.values() if v is not None}
-        blocks = {(v[3], v[0].shape[2]) for v in found.values() if v is not None}
+        blocks = {(v[3], v[0].shape.numpy()[2]) for v in found.values() if v is not None}
         if len(bits) != 1:
             return 0
         per_channel = all(block == k for block, k in blocks)
@@ -163,9 +185,14 @@ class QuantLowering:
                 continue
             codes, scale, b, _, _ = entry  # codes [E, N, K], scale [E, N, K/bs]
             stem = required(node.inputs[i], f"{node.name}: input {i}").name or f"fc{i}"  # in ``found``: set
-            scale = scale[..., 0] if per_channel else scale
-            inputs += [add_initializer(graph, f"{stem}.qmoe", pack_rows(codes, b)),
-                       add_initializer(graph, f"{stem}.qmoe_scale", np.ascontiguousarray(scale, np.float32)),
+            e, n, k = codes.shape.numpy()
+            scale_shape = tuple(scale.shape.numpy())
+            # Lazy (computed when written): codes packed by rows [E, N, K * bits / 8], scales [E, N(, K/bs)].
+            inputs += [add_initializer(graph, f"{stem}.qmoe", lazy_tensor(
+                           _packed_rows(codes, b), ir.DataType.UINT8, (e, n, k * b // 8))),
+                       add_initializer(graph, f"{stem}.qmoe_scale", lazy_tensor(
+                           _moe_scales(scale, per_channel), ir.DataType.FLOAT,
+                           scale_shape[:2] if per_channel else scale_shape)),
                        node.inputs[i + 1] if i + 1 < len(node.inputs) else None]
         inputs += [None, None, None]  # fc1..fc3 zero points: defaults (symmetric)
         while inputs and inputs[-1] is None:
@@ -180,8 +207,9 @@ class QuantLowering:
         return 1
 
 
-def _int_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, int, int, int] | None:
-    """(codes, scale, bits, block_size, axis) of a constant int4/int8 symmetric DequantizeLinear, else None."""
+def _int_dq(value: ir.Value | None) -> tuple[ir.TensorProtocol, ir.TensorProtocol, int, int, int] | None:
+    """(codes, scale, bits, block_size, axis) of a constant int4/int8 symmetric DequantizeLinear, else None. The
+    tensors are not read (they may be lazy: see quant_weights)."""
     producer = value.producer() if value is not None else None
     if producer is None or producer.op_type != "DequantizeLinear" or producer.domain != "":
         return None
@@ -197,14 +225,30 @@ def _int_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, int, int, i
         return None
     axis_attr = producer.attributes.get("axis")
     block_attr = producer.attributes.get("block_size")
-    codes = codes_v.const_value.numpy().astype(np.int8)
-    axis = (axis_attr.as_int() if axis_attr is not None else 1) % codes.ndim
+    codes = codes_v.const_value
+    ndim = len(codes.shape)
+    axis = (axis_attr.as_int() if axis_attr is not None else 1) % ndim
     block = block_attr.as_int() if block_attr is not None else 0
-    if codes.ndim == 2 and not ((axis == 1 and block == 0) or (axis == 0 and block > 0)):
+    if ndim == 2 and not ((axis == 1 and block == 0) or (axis == 0 and block > 0)):
         return None
-    if codes.ndim == 3 and not (axis == 2 and block > 0):
+    if ndim == 3 and not (axis == 2 and block > 0):
         return None
-    return codes, scale_v.const_value.numpy(), bits, block, axis
+    return codes, scale_v.const_value, bits, block, axis
+
+
+def _int8_codes(codes: ir.TensorProtocol) -> np.ndarray:
+    return codes.numpy().astype(np.int8)
+
+
+def _packed_rows(codes: ir.TensorProtocol, bits: int) -> Callable[[], np.ndarray]:
+    return lambda: pack_rows(_int8_codes(codes), bits)
+
+
+def _moe_scales(scale: ir.TensorProtocol, per_channel: bool) -> Callable[[], np.ndarray]:
+    def compute() -> np.ndarray:
+        array = scale.numpy()
+        return np.ascontiguousarray(array[..., 0] if per_channel else array, np.float32)
+    return compute
 
 
 def asym_digit_weights(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, block: int,
@@ -271,9 +315,10 @@ def _rank(value: ir.Value | None, depth: int = 8) -> int:
     return 0
 
 
-def _asym_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int] | None:
-    """(codes [K, N], scale [K/bs, N], offset [K/bs, N], bs, bits) of the asymmetric chain DQ(uint4|uint8) ->
-    Reshape -> Add(offset) -> Reshape (see quant_weights), else None."""
+def _asym_dq(value: ir.Value | None
+             ) -> tuple[ir.TensorProtocol, ir.TensorProtocol, ir.TensorProtocol, int, int] | None:
+    """(codes [K, N], scale [K/bs, N], offset [K/bs, 1, N], bs, bits) of the asymmetric chain DQ(uint4|uint8) ->
+    Reshape -> Add(offset) -> Reshape (see quant_weights), else None. The tensors are not read."""
     chain = []
     for op in ("Reshape", "Add", "Reshape", "DequantizeLinear"):
         node = value.producer() if value is not None else None
@@ -292,12 +337,12 @@ def _asym_dq(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, np.ndarray
     block_attr, axis_attr = dq.attributes.get("block_size"), dq.attributes.get("axis")
     if block_attr is None or axis_attr is None or axis_attr.as_int() != 0:
         return None
-    codes = codes_v.const_value.numpy().astype(np.uint8)
-    scale = scale_v.const_value.numpy()
-    off = offset.numpy()
-    if codes.ndim != 2 or off.shape != (scale.shape[0], 1, scale.shape[1]):
+    codes, scale = codes_v.const_value, scale_v.const_value
+    scale_shape = tuple(scale.shape.numpy())
+    if len(codes.shape) != 2 or len(scale_shape) != 2 or tuple(offset.shape.numpy()) != (scale_shape[0], 1,
+                                                                                         scale_shape[1]):
         return None
-    return codes, scale, off[:, 0, :], block_attr.as_int(), bits
+    return codes, scale, offset, block_attr.as_int(), bits
 
 
 def _swap(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:

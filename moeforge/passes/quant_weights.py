@@ -28,12 +28,14 @@ weight rows before quantising; a ``Mul(x, 1/s)`` on the activation keeps the pro
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import MS_DOMAIN, PassContext, add_initializer, required
 from moeforge.passes.paged_kv import LOGITS_3D
 from moeforge.passes.quant_math import QuantizedWeight, quantize, quantize_asym, quantize_fp8_exact
@@ -96,18 +98,24 @@ def fold_transposed_weights(model: ir.Model) -> int:
         if producer is None or producer.op_type != "Transpose":
             continue
         table = producer.inputs[0]
-        array = _const(table)
-        if table is None or array is None:
+        tensor = _const(table)
+        if table is None or tensor is None:
             continue
         perm = producer.attributes.get("perm")
         if len(table.shape or ()) != 2 or (perm is not None and list(perm.as_ints()) != [1, 0]):
             continue
-        value = add_initializer(model.graph, f"{table.name}.T", ir.tensor(np.ascontiguousarray(array.T)))
+        rows, cols = tensor.shape.numpy()
+        transposed = lazy_tensor(_transpose_of(tensor), ir.DataType.FLOAT, (cols, rows))
+        value = add_initializer(model.graph, f"{table.name}.T", transposed)
         node.replace_input_with(1, value)
         if not any(o.uses() for o in producer.outputs):
             model.graph.remove(producer, safe=True)
         count += 1
     return count
+
+
+def _transpose_of(tensor: ir.TensorProtocol) -> Callable[[], np.ndarray]:
+    return lambda: np.ascontiguousarray(tensor.numpy().T)
 
 
 def indexer_matmuls(model: ir.Model) -> set[ir.Node]:
@@ -175,39 +183,55 @@ class WeightQuantization:
         return count
 
     def _quantize(self, model: ir.Model, target: QuantTarget) -> None:
+        """Codes and scales are lazy tensors (``_Parts``): the weight is read and quantised when the artifact is
+        written (or when a later pass reads them), never held whole beside the others."""
         graph, cfg = model.graph, self.config
         weight = required(target.node.inputs[target.index], f"{target.name}: weight input")
-        array = _const(weight)
-        assert array is not None
+        tensor = _const(weight)
+        assert tensor is not None
         kind = (cfg.head_kind or cfg.kind) if target.is_lm_head else cfg.kind
+        shape = tuple(tensor.shape.numpy())
         if target.is_moe:
             # [E, N, K]: quantise each expert as a [K, N] matrix, store codes back as [E, N, K].
-            parts = [self._q(array[e].T, cfg.kind) for e in range(array.shape[0])]
-            codes = np.stack([p.values.T for p in parts])
-            if cfg.block_size is None:
-                scale = np.stack([p.scale[:, None] for p in parts])  # [E, N, 1]: one block of K
-                block = array.shape[2]
-            else:
-                scale = np.stack([p.scale.T for p in parts])  # [E, N, K/bs]
-                block = cfg.block_size
-            attributes = {"axis": 2, "block_size": block}
+            experts, n, k = shape
+            block = cfg.block_size
+            scale_shape: tuple[int, ...] = (experts, n, 1) if block is None else (experts, n, k // block)
+            kind = cfg.kind
+
+            def compute() -> dict[str, np.ndarray]:
+                array = tensor.numpy()
+                quantized = [self._q(array[e].T, cfg.kind) for e in range(experts)]
+                codes = np.stack([q.values.T for q in quantized])
+                if block is None:
+                    scale = np.stack([q.scale[:, None] for q in quantized])  # [E, N, 1]: one block of K
+                else:
+                    scale = np.stack([q.scale.T for q in quantized])  # [E, N, K/bs]
+                return {"codes": _typed_array(codes, kind), "scale": scale.astype(np.float32)}
+
+            attributes = {"axis": 2, "block_size": k if block is None else block}
         else:
             s = cfg.awq_scales.get(target.name)
-            source = array * s[:, None] if s is not None else array
             asymmetric = cfg.asymmetric and kind == cfg.kind and (not target.is_lm_head or cfg.head_asymmetric)
             if asymmetric and cfg.block_size is not None:
                 if s is not None:
                     self._scale_activation(model, target, (1.0 / s).astype(np.float32))
-                self._quantize_asym(model, target, source, 4 if kind == "int4" else 8)
+                self._quantize_asym(model, target, tensor, s, 4 if kind == "int4" else 8)
                 return
-            q = self._q(source, kind)
-            codes, scale = q.values, q.scale
+            k, n = shape
+            scale_shape = (n,) if cfg.block_size is None else (k // cfg.block_size, n)
+
+            def compute() -> dict[str, np.ndarray]:
+                array = tensor.numpy()
+                q = self._q(array * s[:, None] if s is not None else array, kind)
+                return {"codes": _typed_array(q.values, kind), "scale": q.scale.astype(np.float32)}
+
             attributes = {"axis": 1} if cfg.block_size is None else {"axis": 0, "block_size": cfg.block_size}
             if s is not None:
                 self._scale_activation(model, target, (1.0 / s).astype(np.float32))
+        parts = _Parts(compute, ("codes", "scale"))
         stem = target.name
-        codes_value = add_initializer(graph, f"{stem}.q", _typed(codes, kind))
-        scale_value = add_initializer(graph, f"{stem}.scale", ir.tensor(scale.astype(np.float32)))
+        codes_value = add_initializer(graph, f"{stem}.q", parts.tensor("codes", CODE_DTYPES[kind], shape))
+        scale_value = add_initializer(graph, f"{stem}.scale", parts.tensor("scale", ir.DataType.FLOAT, scale_shape))
         dq = ir.node("DequantizeLinear", [codes_value, scale_value], attributes=attributes)
         dq.outputs[0].name = f"{stem}.dq"
         dq.outputs[0].shape, dq.outputs[0].type = weight.shape, ir.TensorType(ir.DataType.FLOAT)
@@ -216,16 +240,26 @@ class WeightQuantization:
         if not weight.uses() and weight.name is not None and weight.name in graph.initializers:
             graph.initializers.pop(weight.name)
 
-    def _quantize_asym(self, model: ir.Model, target: QuantTarget, array: np.ndarray, bits: int) -> None:
+    def _quantize_asym(self, model: ir.Model, target: QuantTarget, tensor: ir.TensorProtocol,
+                       awq: np.ndarray | None, bits: int) -> None:
         graph, bs = model.graph, self.config.block_size
         assert bs is not None
         weight = required(target.node.inputs[target.index], f"{target.name}: weight input")
-        q = quantize_asym(array, bs, bits)
-        k, n = array.shape
+        k, n = tensor.shape.numpy()
+
+        def compute() -> dict[str, np.ndarray]:
+            array = tensor.numpy()
+            q = quantize_asym(array * awq[:, None] if awq is not None else array, bs, bits)
+            return {"codes": q.codes.astype(ml_dtypes.uint4) if bits == 4 else q.codes,
+                    "scale": q.scale.astype(np.float32), "offset": q.offset[:, None, :].astype(np.float32)}
+
+        parts = _Parts(compute, ("codes", "scale", "offset"))
         stem = target.name
-        codes = add_initializer(graph, f"{stem}.q", q.codes.astype(ml_dtypes.uint4) if bits == 4 else q.codes)
-        scale = add_initializer(graph, f"{stem}.scale", ir.tensor(q.scale))
-        offset = add_initializer(graph, f"{stem}.offset", ir.tensor(q.offset[:, None, :]))  # [K/bs, 1, N]
+        code_dtype = ir.DataType.UINT4 if bits == 4 else ir.DataType.UINT8
+        codes = add_initializer(graph, f"{stem}.q", parts.tensor("codes", code_dtype, (k, n)))
+        scale = add_initializer(graph, f"{stem}.scale", parts.tensor("scale", ir.DataType.FLOAT, (k // bs, n)))
+        offset = add_initializer(graph, f"{stem}.offset",  # [K/bs, 1, N]
+                                 parts.tensor("offset", ir.DataType.FLOAT, (k // bs, 1, n)))
         blocked = add_initializer(graph, f"{stem}.blocked_shape", ir.tensor(np.array([k // bs, bs, n], np.int64)))
         flat = add_initializer(graph, f"{stem}.shape", ir.tensor(np.array([k, n], np.int64)))
         dq = ir.node("DequantizeLinear", [codes, scale], attributes={"axis": 0, "block_size": bs})
@@ -258,18 +292,48 @@ class WeightQuantization:
         target.node.replace_input_with(0, mul.outputs[0])
 
 
-def _typed(codes: np.ndarray, kind: str) -> ir.TensorProtocol:
+CODE_DTYPES = {"int4": ir.DataType.INT4, "fp8": ir.DataType.FLOAT8E4M3FN, "int8": ir.DataType.INT8}
+
+
+def _typed_array(codes: np.ndarray, kind: str) -> np.ndarray:
     if kind == "int4":
-        return ir.tensor(codes.astype(ml_dtypes.int4))
+        return codes.astype(ml_dtypes.int4)
     if kind == "fp8":
-        return ir.tensor(codes.astype(ml_dtypes.float8_e4m3fn))
-    return ir.tensor(codes.astype(np.int8))
+        return codes.astype(ml_dtypes.float8_e4m3fn)
+    return codes.astype(np.int8)
 
 
-def _const(value: ir.Value | None) -> np.ndarray | None:
+def _const(value: ir.Value | None) -> ir.TensorProtocol | None:
+    """The float32 constant's tensor (not read), else None."""
     if value is None or value.const_value is None or value.dtype != ir.DataType.FLOAT:
         return None
-    return value.const_value.numpy()
+    return value.const_value
+
+
+class _Parts:
+    """One weight's quantisation, computed when the first of its tensors (codes, scale, offset) is read and
+    forgotten once each has been read: the artifact writer reads them one after another, so one weight's codes are
+    in memory at a time, and a weight is quantised once per write."""
+
+    def __init__(self, compute: Callable[[], dict[str, np.ndarray]], names: tuple[str, ...]) -> None:
+        self._compute = compute
+        self._names = frozenset(names)
+        self._value: dict[str, np.ndarray] | None = None
+        self._served: set[str] = set()
+
+    def get(self, *names: str) -> tuple[np.ndarray, ...]:
+        if self._value is None:
+            self._value, self._served = self._compute(), set()
+        out = tuple(self._value[n] for n in names)
+        self._served.update(names)
+        if self._served >= self._names:
+            self._value = None
+        return out
+
+    def tensor(self, name: str, dtype: ir.DataType, shape: tuple[int, ...]) -> ir.TensorProtocol:
+        """The lazy tensor of part ``name``."""
+        return lazy_tensor(lambda: self.get(name)[0], dtype, shape)
+
 
 
 def _label(node: ir.Node, weight: ir.Value) -> str:

@@ -72,7 +72,8 @@ def _ops(artifact: Path) -> list[str]:
     return [n.op_type for n in onnx.load(str(artifact / "model.onnx"), load_external_data=False).graph.node]
 
 
-@pytest.mark.parametrize("flags", [{}, {"quant": "int8"}, {"kv_cache": "paged"}], ids=["fp32", "int8", "paged"])
+@pytest.mark.parametrize("flags", [{}, {"quant": "int8"}, {"quant": "int4-asym"}, {"kv_cache": "paged"}],
+                         ids=["fp32", "int8", "int4-asym", "paged"])
 @pytest.mark.parametrize("case", ["deepseek-v3-fp8", "llama-tied"])
 def test_the_streamed_artifact_holds_the_in_memory_ones_bytes(checkpoints: dict[str, Path], tmp_path: Path,
                                                               case: str, flags: dict[str, Any]) -> None:
