@@ -25,6 +25,7 @@ benchmarks/results/compile_memory.json (``--output``), rewritten after every row
 
     python benchmarks/compile_memory.py --quick          # 2 and 4 layers of a ~0.1 B model, fp32: a few minutes
     python benchmarks/compile_memory.py --layers 2 4 8   # the issue's ~1.4 B model (8 layers), every config
+    python benchmarks/compile_memory.py --layers 8 --mode stream --quant fp32 --kv-cache contiguous --tp 1 --parity
     python benchmarks/compile_memory.py --generate-only /tmp/ds3 --layers 2 --hidden 256 --experts 4 --vocab 512
 
 Run the whole script under ``nice`` on a shared machine. The compiles run as ``python -m moeforge.cli compile``.
@@ -171,7 +172,8 @@ def tree_bytes(path: Path) -> int:
 
 def measure_compile(checkpoint: Path, config: CompileConfig, work: Path, *, resolution: int, bisect: bool,
                     timeout_factor: float, min_timeout_s: float, safety_cap: int | None,
-                    parent: tuple[int, Path] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+                    parent: tuple[int, Path] | None = None, log: Callable[[str], None] = print,
+                    parity: bool = False) -> dict[str, Any]:
     """One row: the compile of ``checkpoint`` with ``config``, uncapped and (``bisect``) at its smallest cap.
 
     "Uncapped" runs are capped at ``safety_cap`` all the same, so that a compile bigger than the machine is killed
@@ -219,6 +221,8 @@ def measure_compile(checkpoint: Path, config: CompileConfig, work: Path, *, reso
         log(f"  {config.name}: {str(failure).splitlines()[0]}")
         return {**row, "error": str(failure)[-1500:]}
     at_min = search.at_min_cap
+    if parity and config.mode == "stream" and search.min_cap_bytes is not None:
+        row["parity_at_min_cap"] = measure_parity(cmd, out, files, search.min_cap_bytes, safety_cap, parent, log)
     return {
         **row,
         "min_cap_mib": None if search.min_cap_bytes is None else search.min_cap_bytes // MIB,
@@ -228,6 +232,27 @@ def measure_compile(checkpoint: Path, config: CompileConfig, work: Path, *, reso
         "bytes_written": written[None],
         "runs": [r.summary() for r in search.runs],
     }
+
+
+def measure_parity(compile_cmd: list[str], out: Path, files: list[Path], cap: int, safety_cap: int | None,
+                   parent: tuple[int, Path] | None, log: Callable[[str], None]) -> dict[str, Any]:
+    """Compile once (under the safety cap) and run ``moeforge parity OUT --stream`` on the artifact in a fresh group
+    capped at ``cap``, the checkpoint's and the artifact's page cache dropped first. Exit 0 = parity passed."""
+    shutil.rmtree(out, ignore_errors=True)
+    built = run_in_cgroup(compile_cmd, safety_cap, parent=parent)
+    if not built.ok:
+        return {"error": "the compile failed: " + built.log_tail[-800:]}
+    try:
+        drop_page_cache([*files, *(p for p in out.rglob("*") if p.is_file())])
+        cmd = [sys.executable, "-m", "moeforge.cli", "parity", str(out), "--stream", "--steps", "4"]
+        result = run_in_cgroup(cmd, cap, parent=parent)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    passed = result.returncode == 0 and not result.timed_out
+    log(f"  parity --stream under cap {cap // MIB} MiB: {'PASS' if passed else 'FAIL'} (exit {result.returncode}) in "
+        f"{result.seconds:.1f} s, cgroup peak {result.peak_bytes / MIB:.0f} MiB")
+    return {**result.summary(), "command": "moeforge parity ARTIFACT --stream --steps 4", "passed": passed,
+            "output_tail": result.log_tail[-1200:]}
 
 
 def criteria(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -293,6 +318,9 @@ def _parser() -> argparse.ArgumentParser:
     how.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR,
                      help=f"where checkpoints and artifacts go (default: {DEFAULT_WORK_DIR.relative_to(REPO)}); "
                           "a checkpoint found there with the same parameters is reused")
+    how.add_argument("--parity", action="store_true",
+                     help="stream mode: after the bisection, compile once more and run `moeforge parity --stream` "
+                          "on the artifact under the compile's smallest cap (issue 34: parity inside the same cap)")
     how.add_argument("--keep-checkpoints", action="store_true", help="keep the generated checkpoints")
     how.add_argument("--output", type=Path, help=f"results JSON (default: {RESULTS.relative_to(REPO)})")
     how.add_argument("--merge", action="store_true",
@@ -405,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 row = measure_compile(folder, config, args.work_dir, resolution=args.resolution_mib * MIB,
                                       bisect=args.bisect, timeout_factor=args.timeout_factor,
                                       min_timeout_s=args.min_timeout_s, safety_cap=safety_cap, parent=parent,
-                                      log=lambda line: print(line, flush=True))
+                                      log=lambda line: print(line, flush=True), parity=args.parity)
                 rows.append({"checkpoint_id": checkpoint_id, "family": family, "layers": layers,
                              "parameters": info.get("parameters"), "fp32_weight_bytes": info.get("fp32_weight_bytes"),
                              "checkpoint_file_bytes": info.get("file_bytes"), "load_avg_1min_at_start": load,

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from moeforge import __version__
 from moeforge.cli.bench import run_bench, write_result
 from moeforge.cli.inspect import summarize
@@ -24,6 +26,8 @@ from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import parse_size
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
+from moeforge.core.ort_session import UNPACKED_WEIGHTS
+from moeforge.model.lazy_weights import open_lazy_model
 from moeforge.model.loader import LoadedModel, load_config, load_model
 from moeforge.model.sharding import check_degrees
 from moeforge.model.tokenizer import Tokenizer
@@ -54,6 +58,8 @@ from moeforge.verify.parity import (
     default_prompt,
     layer_table,
     run_layer_parity,
+    streamed_parity,
+    torch_hidden_states,
     torch_reference,
 )
 from moeforge.verify.transformers_reference import load_transformers_model, transformers_reference
@@ -231,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="what the artifact is compared with: moeforge's PyTorch model, or Hugging Face transformers "
                           "running the source checkpoint (an independent implementation: also proves the checkpoint "
                           "and its config were read as transformers reads them)")
+    par.add_argument("--stream", action="store_true",
+                     help="for a model larger than memory (Hugging Face folder): the artifact generates first, then "
+                          "PyTorch runs once over those tokens with one decoder layer in memory at a time")
     par.add_argument("--json", action="store_true")
     par.add_argument("--no-weight-check", dest="check_weights", action="store_false",
                      help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
@@ -575,18 +584,33 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     if args.per_layer and args.reference == "transformers":
         raise MoeforgeError("--per-layer compares each layer with moeforge's PyTorch model: drop --reference "
                             "transformers (or run the two checks one after the other)")
-    reference, loaded = _parity_reference(args, args.model or artifact.manifest.source)
-    report = compare_with_reference(artifact.model_path, artifact.manifest.kv_cache, reference,
-                                    precision=artifact.manifest.precision)
-    result = {**report.to_dict(), "reference": args.reference}
+    if args.per_layer and not artifact.manifest.layer_outputs:
+        raise MoeforgeError("this artifact records no layer outputs; recompile it to use --per-layer")
+    if args.stream and args.reference == "transformers":
+        raise MoeforgeError("--stream runs moeforge's PyTorch model one layer at a time; transformers loads the model "
+                            "whole: drop --reference transformers or --stream")
+    spec_name, kv = args.model or artifact.manifest.source, artifact.manifest.kv_cache
+    session_config: tuple[tuple[str, str], ...] = ()
+    if args.stream:
+        _, weights = open_lazy_model(spec_name, mla_impl="absorb", check_finite=args.check_weights)
+        prompt = default_prompt(weights.model.config.vocab_size, args.prompt_len, args.seed)
+        with tqdm(total=weights.model.config.num_hidden_layers, desc="PyTorch layers", unit="layer", leave=False,
+                  disable=args.json) as layers_bar:
+            report, layered = streamed_parity(artifact.model_path, kv, weights, prompt, args.steps,
+                                              precision=artifact.manifest.precision,
+                                              on_layer=lambda _i: layers_bar.update())
+        hidden, session_config = layered.hidden, UNPACKED_WEIGHTS
+    else:
+        reference, loaded = _parity_reference(args, spec_name)
+        prompt = reference.prompt_ids
+        report = compare_with_reference(artifact.model_path, kv, reference, precision=artifact.manifest.precision)
+        hidden = torch_hidden_states(loaded.model, prompt) if args.per_layer and loaded is not None else []
+    result = {**report.to_dict(), "reference": args.reference, "stream": args.stream}
     passed = report.passed
     layer_text = ""
     if args.per_layer:
-        assert loaded is not None  # the torch reference
-        if not artifact.manifest.layer_outputs:
-            raise MoeforgeError("this artifact records no layer outputs; recompile it to use --per-layer")
-        rows, first = run_layer_parity(artifact.model_path, artifact.manifest.kv_cache, artifact.manifest.layer_outputs,
-                                       loaded.model, reference.prompt_ids)
+        rows, first = run_layer_parity(artifact.model_path, kv, artifact.manifest.layer_outputs, hidden, prompt,
+                                       session_config=session_config)
         result["layers"] = [vars(row) for row in rows]
         result["first_diverging_layer"] = first
         layer_text = "\n" + layer_table(rows, first)
@@ -611,6 +635,9 @@ def _parity_reference(args: argparse.Namespace, spec: str) -> tuple[TorchReferen
 def _sharded_parity(args: argparse.Namespace) -> int:
     """``moeforge parity DIR`` on a sharded artifact: its ranks against the unsharded PyTorch model."""
     sharded = read_sharded(args.artifact)
+    if args.stream:
+        raise MoeforgeError("--stream checks one graph; a sharded artifact has one per rank: check it without "
+                            "--stream")
     if args.per_layer:
         raise MoeforgeError("--per-layer reads one graph's intermediate values; a sharded artifact has one graph per "
                             "rank: check it without --per-layer")

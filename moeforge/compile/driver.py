@@ -63,9 +63,9 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
             loaded, weights = open_lazy_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
         else:
             loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
-        job = make_job(options, loaded)
+        job = make_job(options, loaded, weights)
         bar.update()
-        out, manifest = build_artifact(job, target, options.output_dir, bar, weights=weights)
+        out, manifest = build_artifact(job, target, options.output_dir, bar)
         return CompileResult(out, manifest, target.parity)
     finally:
         bar.close()
@@ -99,7 +99,7 @@ def _check_options(options: CompileOptions) -> None:
 
 def _check_stream(options: CompileOptions, sharded: bool) -> None:
     """What ``--stream`` cannot do yet: each of these needs the whole PyTorch model in memory."""
-    flags = (("--check", options.check), ("--calib", options.quant.calib is not None), ("--tp/--ep", sharded),
+    flags = (("--calib", options.quant.calib is not None), ("--tp/--ep", sharded),
              (f"--target {options.target}", options.target != "ort"))
     needs_torch = [flag for flag, on in flags if on]
     if needs_torch:

@@ -48,22 +48,22 @@ def stage_bar(total: int, desc: str, enabled: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="stage", disable=not enabled, leave=False, bar_format=STAGE_BAR_FORMAT)
 
 
-def make_job(options: CompileOptions, loaded: LoadedModel) -> CompileJob:
-    """The ``CompileJob`` of ``loaded``: its sequence length and calibration prompts; a quantisation block size
-    that does not fit fails here, before the export."""
-    job = CompileJob(options, loaded, _max_seq_len(options, loaded), _prompts(options.quant, loaded))
+def make_job(options: CompileOptions, loaded: LoadedModel, weights: LazyWeights | None = None) -> CompileJob:
+    """The ``CompileJob`` of ``loaded`` (on the meta device when ``weights`` holds its tensors): its sequence length
+    and calibration prompts; a quantisation block size that does not fit fails here, before the export."""
+    job = CompileJob(options, loaded, _max_seq_len(options, loaded), _prompts(options.quant, loaded), weights)
     if options.quant.scheme is not None:
         check_block_size(options.quant, in_features(job.config), job.config.name or options.model)
     return job
 
 
 def build_artifact(job: CompileJob, target: Target, output_dir: Path, bar: tqdm,
-                   sharding: dict[str, object] | None = None, weights: LazyWeights | None = None
-                   ) -> tuple[Path, Manifest]:
+                   sharding: dict[str, object] | None = None) -> tuple[Path, Manifest]:
     """Export ``job``'s model, run ``target``'s passes and write the artifact to ``output_dir`` (atomically).
-    ``sharding``: the rank's entry for the manifest when the model is one rank of a sharded compile. ``weights``:
-    the model is on the meta device and these are its tensors, read one at a time as the artifact is written."""
-    options, loaded = job.options, job.loaded
+    ``sharding``: the rank's entry for the manifest when the model is one rank of a sharded compile. With
+    ``job.weights`` the model is on the meta device and its tensors are read one at a time as the artifact is
+    written."""
+    options, loaded, weights = job.options, job.loaded, job.weights
     bar.set_postfix_str("export to ONNX")
     model = export_stateless(loaded.model, mark_layers=True, weights=weights)
     bar.update()

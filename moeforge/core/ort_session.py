@@ -28,6 +28,9 @@ PrepareSession = Callable[[str | Path, onnx.ModelProto | None, ort.SessionOption
 # ``session_config`` keys "options.<name>" set a SessionOptions attribute instead of a config entry: settings a
 # service tunes that ONNX Runtime exposes only as attributes (benchmarks/session_options.py measures them).
 OPTION_PREFIX = "options."
+# One-shot sessions over weights larger than memory (a streamed compile's golden run and --check, parity --stream):
+# prepacking copies every matrix into anonymous memory; unpacked, the weights stay in the mapped external-data file.
+UNPACKED_WEIGHTS: tuple[tuple[str, str], ...] = (("session.disable_prepacking", "1"),)
 _LEVEL = ort.GraphOptimizationLevel
 _LEVELS = {"disable": _LEVEL.ORT_DISABLE_ALL, "basic": _LEVEL.ORT_ENABLE_BASIC, "extended": _LEVEL.ORT_ENABLE_EXTENDED,
            "all": _LEVEL.ORT_ENABLE_ALL}

@@ -100,7 +100,7 @@ def open_lazy_model(spec: str, *, mla_impl: MLAImpl = "absorb", check_finite: bo
     source = resolve_source(spec)
     if source.kind != "hf":
         raise MoeforgeError(f"--stream reads a Hugging Face safetensors folder; {spec} is a {source.kind} model, "
-                            "which compiles without --stream")
+                            "which loads whole: drop --stream")
     folder = Path(source.location)
     config = ModelConfig.from_hf_json(folder / "config.json")
     checkpoint = read_hf_checkpoint(folder, config)

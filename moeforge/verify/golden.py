@@ -32,7 +32,7 @@ from polygraphy.json import load_json, save_json
 
 from moeforge.core.artifact import load_artifact
 from moeforge.core.kv_layout import KVCacheSpec
-from moeforge.core.ort_session import make_session
+from moeforge.core.ort_session import UNPACKED_WEIGHTS, make_session
 from moeforge.passes.precision import retype_floats
 from moeforge.runtime.backends.base import RowInput
 from moeforge.runtime.backends.onnxruntime_paged import packed_feeds
@@ -98,8 +98,7 @@ def write_golden(folder: Path, model_path: Path, kv: KVCacheSpec, prompt_ids: li
     else:
         # One run: packing every matrix for ONNX Runtime's GEMM first would only copy the weights into anonymous
         # memory (a streamed compile's peak would grow with the model); unpacked, they stay in the mapped file.
-        (logits,) = make_session(model_path, session_config=[("session.disable_prepacking", "1")]).run(["logits"],
-                                                                                                     feeds)
+        (logits,) = make_session(model_path, session_config=UNPACKED_WEIGHTS).run(["logits"], feeds)
     out = folder / GOLDEN_DIR
     out.mkdir(exist_ok=True)
     save_json([tokens if for_engine else feeds], str(out / INPUTS_FILE))

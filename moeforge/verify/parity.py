@@ -4,10 +4,15 @@ The PyTorch model generates greedily (prefill + N decode steps, with its cache);
 fed exactly the same tokens through its own in-place cache, and the logits are compared at every
 position: max/mean absolute error, the smallest cosine similarity, top-1 agreement, and whether
 the artifact's greedy choice equals PyTorch's at every step.
+
+A model larger than memory (``streamed_parity``, ``moeforge parity --stream``, ``compile --stream --check``): the
+artifact generates first, then PyTorch runs once over the prompt and those tokens with one decoder layer resident
+at a time (``layered_reference.py``), so both see the same tokens and PyTorch's greedy choice is its argmax there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,11 +23,14 @@ import torch
 
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.kv_layout import KVCacheSpec
+from moeforge.core.ort_session import UNPACKED_WEIGHTS
+from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.model import CausalLM
 from moeforge.quant.calibration import mean_kl
 from moeforge.quant.schemes import Thresholds, thresholds_for
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession
+from moeforge.verify.layered_reference import LayeredOutput, layered_forward
 
 
 @dataclass
@@ -168,28 +176,78 @@ def compare_with_reference(
     were released: the graph is fed the reference's tokens and its logits are compared at every step.
     ``session``: a whole-sequence session opened already (``forward`` as ``OrtSession``'s; a sharded
     artifact's ``ShardedSession``), long enough for the prompt and the steps."""
-    prompt_ids, decode_steps, tokens, ref_logits = (reference.prompt_ids, reference.decode_steps, reference.tokens,
-                                                    reference.logits)
-    prompt_len = len(prompt_ids)
-    if session is not None:
-        pass
-    elif kv_cache.paged:  # --kv-cache paged: one sequence over block pools, same comparison
-        session = PagedSequenceSession(model_path, prompt_len + decode_steps + 1, kv_cache=kv_cache, threads=threads)
-    else:
-        session = OrtSession(model_path, kv_cache=kv_cache, threads=threads)
-        session.allocate(batch=1, max_len=prompt_len + decode_steps + 1)
+    if session is None:
+        session = open_sequence_session(model_path, kv_cache, len(reference.prompt_ids) + reference.decode_steps + 1,
+                                        threads=threads)
+    ours, ours_tokens = run_sequence(session, reference.prompt_ids, reference.decode_steps, reference.tokens)
+    return parity_report(ours, ours_tokens, reference, precision)
 
+
+def streamed_parity(
+    model_path: str | Path,
+    kv_cache: KVCacheSpec,
+    weights: LazyWeights,
+    prompt_ids: list[int],
+    decode_steps: int = 16,
+    precision: str = "fp32",
+    threads: int | None = None,
+    on_layer: Callable[[int], None] | None = None,
+) -> tuple[ParityReport, LayeredOutput]:
+    """Parity of a model larger than memory: the graph at ``model_path`` generates greedily first (its weights
+    mapped from the artifact, not prepacked), then PyTorch runs once over the prompt and those tokens with one
+    decoder layer resident at a time (``layered_forward``). Each position's logits are compared as in
+    ``compare_with_reference``; PyTorch's greedy choice at each step is its argmax there, so the greedy tokens match
+    when they equal the graph's. Also returns the layered run (each layer's output, for ``run_layer_parity``)."""
+    session = open_sequence_session(model_path, kv_cache, len(prompt_ids) + decode_steps + 1, threads=threads,
+                                    session_config=UNPACKED_WEIGHTS)
+    ours, ours_tokens = run_sequence(session, prompt_ids, decode_steps, None)
+    del session  # its buffers and mapped weights go before PyTorch's layers are read
+    layered = layered_forward(weights, [*prompt_ids, *ours_tokens[:decode_steps]], on_layer)
+    prompt_len = len(prompt_ids)
+    ref_logits = [layered.logits[:prompt_len]] + [layered.logits[prompt_len + k:prompt_len + k + 1]
+                                                    for k in range(decode_steps)]
+    reference = TorchReference(list(prompt_ids), ref_logits, [int(rows[-1].argmax()) for rows in ref_logits])
+    return parity_report(ours, ours_tokens, reference, precision), layered
+
+
+def open_sequence_session(model_path: str | Path, kv_cache: KVCacheSpec, max_len: int, *, threads: int | None = None,
+                          session_config: Sequence[tuple[str, str]] = ()) -> Any:
+    """A one-sequence session of the graph at ``model_path`` for up to ``max_len`` tokens, its cache as ``kv_cache``
+    says (contiguous buffers, or pools with one block table), with ``OrtSession.forward``'s signature."""
+    if kv_cache.paged:  # --kv-cache paged: one sequence over block pools, same comparison
+        return PagedSequenceSession(model_path, max_len, kv_cache=kv_cache, threads=threads,
+                                    session_config=session_config)
+    session = OrtSession(model_path, kv_cache=kv_cache, threads=threads, session_config=session_config)
+    session.allocate(batch=1, max_len=max_len)
+    return session
+
+
+def run_sequence(session: Any, prompt_ids: list[int], decode_steps: int,
+                 fed_tokens: list[int] | None) -> tuple[list[np.ndarray], list[int]]:
+    """Prefill ``prompt_ids`` and run ``decode_steps`` single-token steps, feeding ``fed_tokens[k]`` at step k (the
+    graph's own greedy choice when None). Returns each step's logits (prefill [P, V], then [1, V]) and the graph's
+    greedy choice after each step."""
+    prompt_len = len(prompt_ids)
     ours = [session.forward(np.array([prompt_ids], np.int64), np.arange(prompt_len)[None],
                             np.ones((1, prompt_len), np.int64))[0]]
+    chosen = [int(ours[0][-1].argmax())]
     for step in range(decode_steps):
         pos = prompt_len + step
-        ours.append(session.forward(np.array([[tokens[step]]], np.int64), np.array([[pos]], np.int64),
+        token = chosen[step] if fed_tokens is None else fed_tokens[step]
+        ours.append(session.forward(np.array([[token]], np.int64), np.array([[pos]], np.int64),
                                     np.ones((1, pos + 1), np.int64))[0])
+        chosen.append(int(ours[-1][-1].argmax()))
+    return ours, chosen
 
+
+def parity_report(ours: list[np.ndarray], ours_tokens: list[int], reference: TorchReference,
+                  precision: str) -> ParityReport:
+    """The verdict on the graph's logits and greedy tokens against ``reference``'s, by ``precision``'s thresholds."""
+    prompt_len, decode_steps, tokens, ref_logits = (len(reference.prompt_ids), reference.decode_steps,
+                                                    reference.tokens, reference.logits)
     limits = thresholds_for(precision)
     steps = [_compare(i, "prefill" if i == 0 else "decode", o, r, limits)
              for i, (o, r) in enumerate(zip(ours, ref_logits, strict=True))]
-    ours_tokens = [int(o[-1].argmax()) for o in ours]
     greedy_match = ours_tokens == tokens
     report = ParityReport(
         prompt_len=prompt_len, decode_steps=decode_steps,
@@ -239,11 +297,21 @@ LAYER_RELATIVE_LIMIT = 1e-4
 
 
 @torch.inference_mode()
+def torch_hidden_states(torch_model: CausalLM, prompt_ids: list[int]) -> list[np.ndarray]:
+    """Each decoder layer's output [P, H] over a prefill of ``prompt_ids`` (the model loaded whole)."""
+    ids = torch.tensor([prompt_ids], dtype=torch.int64)
+    hidden = torch_model(ids, torch.arange(len(prompt_ids))[None], output_hidden_states=True).hidden_states
+    assert hidden is not None
+    return [h[0].numpy() for h in hidden]
+
+
 def run_layer_parity(
-    model_path: str | Path, kv_cache: KVCacheSpec, layer_outputs: list[str], torch_model: CausalLM,
-    prompt_ids: list[int],
+    model_path: str | Path, kv_cache: KVCacheSpec, layer_outputs: list[str], reference_hidden: list[np.ndarray],
+    prompt_ids: list[int], session_config: Sequence[tuple[str, str]] = (),
 ) -> tuple[list[LayerReport], int | None]:
-    """Compare every decoder layer's output over a prefill; return the rows and the first diverging layer.
+    """Compare every decoder layer's output over a prefill of ``prompt_ids`` with PyTorch's (``reference_hidden``:
+    [>= P, H] per layer, from ``torch_hidden_states`` or ``layered_forward``; rows past P are ignored, as a causal
+    model's first P rows depend on the prompt alone); return the rows and the first diverging layer.
 
     The artifact's graph keeps each layer's output as a named internal value (manifest
     ``layer_outputs``); an in-memory copy of the graph exposes them as outputs over the same weights.
@@ -257,17 +325,16 @@ def run_layer_parity(
     for name in layer_outputs:
         if name not in existing:
             proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-    ids = torch.tensor([prompt_ids], dtype=torch.int64)
-    positions = torch.arange(len(prompt_ids))[None]
-    reference = torch_model(ids, positions, output_hidden_states=True).hidden_states
-    session = OrtSession(model_path, kv_cache=kv_cache, graph=proto)  # weights still read from the artifact
+    ids = np.array([prompt_ids], dtype=np.int64)
+    positions = np.arange(len(prompt_ids))[None]
+    # weights still read from the artifact
+    session = OrtSession(model_path, kv_cache=kv_cache, graph=proto, session_config=session_config)
     session.allocate(batch=1, max_len=len(prompt_ids) + 1)
-    outputs = session.forward_with_outputs(ids.numpy(), positions.numpy(), np.ones_like(ids.numpy()),
-                                           extra_outputs=tuple(layer_outputs))[1:]
+    outputs = session.forward_with_outputs(ids, positions, np.ones_like(ids), extra_outputs=tuple(layer_outputs))[1:]
     rows, first = [], None
-    for layer, (ours, ref) in enumerate(zip(outputs, reference, strict=True)):
-        ref_np = ref.numpy().astype(np.float64)
-        err = float(np.abs(ours.astype(np.float64) - ref_np).max())
+    for layer, (ours, ref) in enumerate(zip(outputs, reference_hidden, strict=True)):
+        ref_np = ref[:len(prompt_ids)].astype(np.float64)
+        err = float(np.abs(ours.reshape(ref_np.shape).astype(np.float64) - ref_np).max())
         relative = err / max(float(np.abs(ref_np).max()), 1e-30)
         diverged = relative > LAYER_RELATIVE_LIMIT
         if diverged and first is None:

@@ -208,20 +208,21 @@ def test_genai_runs_a_gqa_artifact(artifacts):
 def test_per_layer_parity_names_the_first_diverging_layer(artifacts, name):
     import torch
 
-    from moeforge.verify.parity import run_layer_parity
+    from moeforge.verify.parity import run_layer_parity, torch_hidden_states
 
     artifact = load_artifact(artifacts[name])
     config = load_model(name).config
     assert len(artifact.manifest.layer_outputs) == config.num_hidden_layers
     prompt = default_prompt(config.vocab_size, 12)
     kv, layers = artifact.manifest.kv_cache, artifact.manifest.layer_outputs
-    rows, first = run_layer_parity(artifact.model_path, kv, layers, load_model(name).model, prompt)
+    rows, first = run_layer_parity(artifact.model_path, kv, layers,
+                                   torch_hidden_states(load_model(name).model, prompt), prompt)
     assert first is None and all(row.relative_err < 1e-5 for row in rows)
     # A reference whose layer 1 differs: layer 0 still agrees, layer 1 is named.
     perturbed = load_model(name).model
     with torch.no_grad():
         perturbed.model.layers[1].self_attn.o_proj.weight.mul_(1.5)
-    rows, first = run_layer_parity(artifact.model_path, kv, layers, perturbed, prompt)
+    rows, first = run_layer_parity(artifact.model_path, kv, layers, torch_hidden_states(perturbed, prompt), prompt)
     assert first == 1
     assert not rows[0].diverged and rows[1].diverged
 

@@ -16,6 +16,7 @@ from moeforge.compile.options import CompileOptions
 from moeforge.core.config import ModelConfig
 from moeforge.core.kv_layout import KVCacheSpec
 from moeforge.core.manifest import Manifest
+from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.loader import LoadedModel
 from moeforge.passes.base import GraphPass, PassContext, PassReport
 from moeforge.verify.parity import ParityReport
@@ -27,12 +28,14 @@ GOLDEN_PROMPT_SEED = 1
 @dataclass
 class CompileJob:
     """What the stages of one compile share: the options, the loaded model, the sequence length the artifact
-    serves and the tokenised calibration prompts ([] without ``--calib``)."""
+    serves and the tokenised calibration prompts ([] without ``--calib``). ``weights``: a streamed compile's
+    (``--stream``) tensors, read one at a time; its model is on the meta device."""
 
     options: CompileOptions
     loaded: LoadedModel
     max_seq_len: int
     prompts: list[list[int]]
+    weights: LazyWeights | None = None
 
     @property
     def config(self) -> ModelConfig:

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from moeforge.compile.genai_config import genai_config
 from moeforge.compile.options import CompileOptions
 from moeforge.compile.targets.base import GOLDEN_PROMPT_LEN, GOLDEN_PROMPT_SEED, CompileJob
@@ -26,6 +28,7 @@ from moeforge.verify.parity import (
     TorchReference,
     compare_with_reference,
     default_prompt,
+    streamed_parity,
     torch_reference,
 )
 
@@ -48,7 +51,7 @@ class OrtTarget:
     def passes(self, job: CompileJob) -> list[GraphPass]:
         """The pass list; with ``--check`` also the PyTorch reference, taken now: ``compile_model`` releases the
         torch weights once the passes are known, so that they never sit beside ONNX Runtime's copy."""
-        if self.options.check:
+        if self.options.check and job.weights is None:  # streamed: PyTorch runs layer by layer after the write
             prompt = default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN)
             self.reference = torch_reference(job.loaded.model, prompt, self.options.check_steps)
         kv = self.options.kv
@@ -86,8 +89,16 @@ class OrtTarget:
         write_golden(folder, model_path, manifest.kv_cache,
                      default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN, seed=GOLDEN_PROMPT_SEED))
         if self.options.check:
-            assert self.reference is not None, "passes() takes the reference"
-            self.parity = compare_with_reference(model_path, manifest.kv_cache, self.reference,
-                                                 precision=manifest.precision)
+            if job.weights is not None:  # a model larger than memory: one PyTorch layer resident at a time
+                prompt = default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN)
+                with tqdm(total=job.config.num_hidden_layers, desc="check: PyTorch layers", unit="layer",
+                          leave=False, position=1, disable=not self.options.progress) as layers:
+                    self.parity, _ = streamed_parity(model_path, manifest.kv_cache, job.weights, prompt,
+                                                     self.options.check_steps, precision=manifest.precision,
+                                                     on_layer=lambda _i: layers.update())
+            else:
+                assert self.reference is not None, "passes() takes the reference"
+                self.parity = compare_with_reference(model_path, manifest.kv_cache, self.reference,
+                                                     precision=manifest.precision)
             if not self.parity.passed:
                 raise ParityCheckFailed(self.parity)

@@ -322,9 +322,11 @@ class PagedSequenceSession:
     pools (as ``kv_cache`` names them) hold ``ceil(max_len / Bs)`` blocks and its block table is all of them."""
 
     def __init__(self, model_path: str | Path, max_len: int, *, kv_cache: KVCacheSpec,
-                 threads: int | None = None, collectives: bool = False) -> None:
+                 threads: int | None = None, collectives: bool = False,
+                 session_config: Sequence[tuple[str, str]] = ()) -> None:
         num_blocks = -(-max_len // _block_size(kv_cache, model_path))
-        self.session = _session(Path(model_path), threads=threads, providers=None, collectives=collectives)
+        self.session = _session(Path(model_path), threads=threads, providers=None, collectives=collectives,
+                                session_config=session_config)
         self._pools = _spec_pools(self.session, kv_cache, num_blocks, str(model_path))
         self.pools = self._pools.arrays
         self._runner = PagedRunner(self.session, self._pools)
