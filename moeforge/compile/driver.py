@@ -87,7 +87,7 @@ def _check_options(options: CompileOptions) -> None:
         raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv.block_size}")
     paged, sharded = options.kv.layout == "paged", options.tp > 1 or options.ep > 1
     if options.stream:
-        _check_stream(options, sharded)
+        _check_stream(options)
     why = refusal(options.target, paged=paged, sharded=sharded)
     if why and not options.build_only:
         shape = (" with --kv-cache paged" if paged else " with --tp/--ep" if sharded else "") \
@@ -97,9 +97,9 @@ def _check_options(options: CompileOptions) -> None:
                             "of your own")
 
 
-def _check_stream(options: CompileOptions, sharded: bool) -> None:
+def _check_stream(options: CompileOptions) -> None:
     """What ``--stream`` cannot do yet: each of these needs the whole PyTorch model in memory."""
-    flags = (("--calib", options.quant.calib is not None), ("--tp/--ep", sharded),
+    flags = (("--calib", options.quant.calib is not None),
              (f"--target {options.target}", options.target != "ort"))
     needs_torch = [flag for flag, on in flags if on]
     if needs_torch:

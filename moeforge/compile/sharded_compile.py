@@ -41,8 +41,9 @@ from moeforge.core.artifact import (
 )
 from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
+from moeforge.model.lazy_weights import open_lazy_model
 from moeforge.model.loader import LoadedModel, load_model, release_weights
-from moeforge.model.rank_model import shard_model
+from moeforge.model.rank_model import rank_sources, shard_model
 from moeforge.model.sharding import check_degrees, plan_sharding
 
 SHARDED_FORMAT = 1
@@ -215,7 +216,11 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
     scratch = out.parent / f".{out.name}.moeforge-sharded-tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         bar.set_postfix_str("load checkpoint")
-        loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
+        weights = None
+        if options.stream:  # the model on the meta device; each rank reads its slices as its artifact is written
+            loaded, weights = open_lazy_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
+        else:
+            loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
         plan = plan_sharding(loaded.config, tp, ep)  # a bad split fails before anything is written
         bar.update()
         scratch.mkdir(parents=True)
@@ -224,7 +229,9 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
         for rank in range(tp):
             model, config, layout = shard_model(loaded.model, tp, ep, rank)
             rank_loaded = LoadedModel(model, config, loaded.tokenizer, loaded.source)
-            job = make_job(rank_options, rank_loaded)
+            rank_weights = None if weights is None else weights.for_rank(
+                model, rank_sources(loaded.config, layout, weights.shape))
+            job = make_job(rank_options, rank_loaded, rank_weights)
             bar.set_postfix_str(f"rank {rank}")
             rank_root, manifest = build_artifact(job, rank_target(rank_options), scratch / rank_dir(rank), bar,
                                                  sharding={**layout.to_dict()})

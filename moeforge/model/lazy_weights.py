@@ -26,6 +26,7 @@ from moeforge.core.errors import CheckpointError, MoeforgeError
 from moeforge.model.loader import LoadedModel, resolve_source
 from moeforge.model.mla import MLAImpl
 from moeforge.model.model import CausalLM
+from moeforge.model.rank_model import TensorSlice
 from moeforge.model.safetensors_loader import HFCheckpoint, read_hf_checkpoint
 from moeforge.model.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -41,6 +42,9 @@ class LazyWeights:
     check_finite: bool = True
     # Called with (name, bytes) the first time each tensor is read: a progress bar over the weights' bytes.
     on_first_read: Callable[[str, int], None] | None = None
+    # One rank of a streamed sharded compile (``for_rank``): ``model`` is the rank's, and each of its tensors is a
+    # slice of a checkpoint tensor (``rank_model.rank_sources``), read alone. None: the names are the checkpoint's.
+    sources: Callable[[str], TensorSlice | None] | None = None
 
     def __post_init__(self) -> None:
         self._read_once: set[str] = set()
@@ -53,29 +57,42 @@ class LazyWeights:
         """The tensor's shape, from the model (no read)."""
         return tuple(self._meta_tensor(name).shape)
 
+    def for_rank(self, model: CausalLM, sources: Callable[[str], TensorSlice | None]) -> LazyWeights:
+        """The tensors of a rank model (``shard_model`` of this meta model), each read as its slice of the
+        checkpoint tensor ``sources`` names: a rank reads only what it holds."""
+        return LazyWeights(model, self.checkpoint, self.check_finite, sources=sources)
+
+    def stored(self, name: str) -> TensorSlice | None:
+        """What of the checkpoint ``name`` holds (None: a derived buffer, computed from the config)."""
+        if self.sources is not None:
+            return self.sources(name)
+        return TensorSlice(name) if name in self.checkpoint else None
+
     def total_bytes(self) -> int:
-        """The float32 bytes of every checkpoint tensor (what a streamed compile reads, once each at least)."""
-        return sum(4 * math.prod(self.shape(name)) for name in self.checkpoint.keys())
+        """The float32 bytes of every stored tensor (what a streamed compile reads, once each at least)."""
+        return sum(4 * math.prod(self.shape(name)) for name in self._tensors if self.stored(name) is not None)
 
     def read(self, name: str) -> np.ndarray:
         """``name``'s values as a float32 array (a fresh copy)."""
-        array = self._read(name)
-        if name not in self._read_once and name in self.checkpoint:
+        piece = self.stored(name)
+        array = self._derived_buffer(name) if piece is None else self._read(piece)
+        if name not in self._read_once and piece is not None:
             self._read_once.add(name)
             self.bytes_read_once += array.nbytes
             if self.on_first_read is not None:
                 self.on_first_read(name, array.nbytes)
         return array
 
-    def _read(self, name: str) -> np.ndarray:
-        if name in self.checkpoint:
-            tensor = self.checkpoint.read(name).to(torch.float32)
-            if self.check_finite and not math.isfinite(float(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
-                raise CheckpointError(
-                    f"tensor {name!r} holds NaN or Inf values: the weights are corrupt or diverged; re-download or "
-                    "re-export the checkpoint, or skip this check with --no-weight-check")
-            return tensor.numpy()
-        return self._derived_buffer(name)
+    def _read(self, piece: TensorSlice) -> np.ndarray:
+        if piece.dim is None:
+            tensor = self.checkpoint.read(piece.source).to(torch.float32)
+        else:
+            tensor = self.checkpoint.read_slice(piece.source, piece.dim, piece.start, piece.stop).to(torch.float32)
+        if self.check_finite and not math.isfinite(float(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(
+                f"tensor {piece.source!r} holds NaN or Inf values: the weights are corrupt or diverged; re-download "
+                "or re-export the checkpoint, or skip this check with --no-weight-check")
+        return tensor.numpy()
 
     def _meta_tensor(self, name: str) -> torch.Tensor:
         return self._tensors[name]

@@ -178,6 +178,9 @@ class MLAttention(nn.Module):
         query = torch.cat((q_latent, q_pe.transpose(1, 2)), dim=-1)  # [B, H, S, R+Dr]
         key = latent.unsqueeze(1)  # [B, 1, L, R+Dr]
         value = key[..., : self.kv_rank]  # [B, 1, L, R]: the value is the latent itself
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        # One latent "kv head" shared by the H query heads; with H == 1 (a tensor-parallel rank holding one head)
+        # it is plain attention, and the ONNX exporter refuses enable_gqa without more query than kv heads.
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.num_heads > 1)
         out = torch.einsum("bhsr,hvr->bshv", out, w_uv)  # [B, S, H, Dv]
         return out, (latent,)

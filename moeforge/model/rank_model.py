@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +152,58 @@ def rank_layout(config: ModelConfig, tp: int, ep: int, rank: int) -> RankLayout:
         experts = (rank * count // ep, (rank + 1) * count // ep) if ep > 1 else (0, count)
     return RankLayout(rank, tp, ep, (rank * heads, (rank + 1) * heads), kv, (rank * vocab, (rank + 1) * vocab),
                       experts)
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """Where a rank's tensor comes from: ``source``[start:stop] along ``dim`` (the whole tensor when dim is None)."""
+
+    source: str
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
+_HEAD_ROWS = ("q_proj", "q_b_proj", "kv_b_proj")
+
+
+def rank_sources(config: ModelConfig, layout: RankLayout,
+                 source_shape: Callable[[str], tuple[int, ...]]) -> Callable[[str], TensorSlice | None]:
+    """For a streamed per-rank compile: maps each tensor name of ``shard_model``'s rank model to the slice of the
+    unsharded checkpoint tensor it holds (None: a derived buffer); ``source_shape`` gives an unsharded tensor's shape.
+    The same rules as ``shard_model`` (checked tensor by tensor against it in tests/model/test_rank_sources.py), so
+    that a rank reads only its slices."""
+    tp, rank = layout.tp, layout.rank
+
+    def split(name: str, dim: int) -> TensorSlice:
+        part = source_shape(name)[dim] // tp
+        return TensorSlice(name, dim, rank * part, (rank + 1) * part)
+
+    def source(name: str) -> TensorSlice | None:
+        if name == "model.rotary.inv_freq":
+            return None
+        name = name.replace(".mlp.inner.", ".mlp.")  # AllReduced wraps a dense MLP's partial sums
+        parts = name.split(".")
+        leaf = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
+        if leaf in ("embed_tokens", "lm_head"):
+            return TensorSlice(name, 0, *layout.vocab)
+        if "self_attn" in parts and leaf in ("q_proj", "q_b_proj", "kv_b_proj", "k_proj", "v_proj"):
+            kv = leaf in ("k_proj", "v_proj")
+            first, last = layout.kv_heads if kv else layout.heads
+            per = source_shape(name)[0] // (config.num_key_value_heads if kv else config.num_attention_heads)
+            return TensorSlice(name, 0, first * per, last * per)  # rows per head
+        if "self_attn" in parts and leaf == "o_proj":
+            return split(name, 1) if parts[-1] == "weight" else TensorSlice(name)
+        if "experts" in parts and "shared_experts" not in parts:
+            if layout.ep > 1:
+                assert layout.experts is not None
+                return TensorSlice(name, 0, *layout.experts)  # whole experts
+            return split(name, 2 if leaf == "down_proj" else 1)  # each expert's intermediate
+        if leaf in ("gate_proj", "up_proj", "down_proj"):  # a dense MLP, or the shared experts
+            return split(name, 1 if leaf == "down_proj" else 0)
+        return TensorSlice(name)  # replicated: norms, router, low-rank down projections, correction bias
+
+    return source
 
 
 def _rows(t: torch.Tensor, lo: int, hi: int, per: int) -> torch.Tensor:

@@ -33,10 +33,11 @@ k >= num_hidden_layers, rotary ``inv_freq`` buffers, and ``lm_head.weight`` when
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,14 @@ class HFCheckpoint:
             raise KeyError(name)
         with _Reader(self.dtype, self.fp8_block) as reader:
             return reader.materialise(self._plan[name])
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """``name``[start:stop] along ``dim``, reading only that part (whole experts along dim 0 of a stacked expert
+        tensor: only theirs; FP8: the blocks that cover the slice)."""
+        if name not in self._plan:
+            raise KeyError(name)
+        with _Reader(self.dtype, self.fp8_block) as reader:
+            return reader.materialise(self._plan[name], (dim, start, stop))
 
     def __repr__(self) -> str:
         return f"HFCheckpoint({str(self.folder)!r}, {len(self)} tensors, {len(self.files)} file(s))"
@@ -595,22 +604,52 @@ class _Reader(contextlib.AbstractContextManager["_Reader"]):
         scale = self._get(src.scale_info)
         return dequantize_fp8_blockwise(t, scale, self.block, dtype=self.dtype or torch.float32)
 
-    def materialise(self, plan: _Plan) -> torch.Tensor:
+    def read_part(self, src: _Source, dim: int, start: int, stop: int) -> torch.Tensor:
+        """``src``[start:stop] along ``dim``, reading only that part of the mapped file (FP8: the scale blocks that
+        cover it, dequantised, then trimmed)."""
+        if src.scale_key is None:
+            return self._cast(self._get(src.info, _along(dim, start, stop)).contiguous())
+        assert src.scale_info is not None and dim < 2, "FP8 weights are 2-D, in blocks over both dims"
+        block = self.block[dim]
+        lo, hi = start // block * block, min(-(-stop // block) * block, src.info.shape[dim])
+        part = self._get(src.info, _along(dim, lo, hi))
+        scale = self._get(src.scale_info, _along(dim, lo // block, -(-hi // block)))
+        whole = dequantize_fp8_blockwise(part, scale, self.block, dtype=self.dtype or torch.float32)
+        return whole.narrow(dim, start - lo, stop - start).contiguous()
+
+    def materialise(self, plan: _Plan, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The planned tensor, or with ``part`` = (dim, start, stop) only that slice of it (read alone)."""
         if isinstance(plan, _Direct):
-            return self.read(plan.src)
+            return self.read(plan.src) if part is None else self.read_part(plan.src, *part)
         if isinstance(plan, _FusedHalf):
             two_i = plan.src.info.shape[1]
             rows = slice(0, two_i // 2) if plan.half == 0 else slice(two_i // 2, two_i)
             if plan.src.scale_key is None:
                 # Read only the needed half ([E, I, H]) straight from the mapped file.
-                return self._cast(self._get(plan.src.info, (slice(None), rows)).contiguous())
-            # FP8 blocks may straddle the gate/up boundary: dequantise all [E, 2I, H], then slice.
-            return self.read(plan.src)[:, rows].contiguous()
+                whole = self._cast(self._get(plan.src.info, (slice(None), rows)).contiguous())
+            else:  # FP8 blocks may straddle the gate/up boundary: dequantise all [E, 2I, H], then slice.
+                whole = self.read(plan.src)[:, rows].contiguous()
+            return whole if part is None else whole.narrow(part[0], part[1], part[2] - part[1]).contiguous()
         # Per-expert: fill one [E, ...] buffer so only one expert is transient besides the result.
-        first = self.read(plan.srcs[0])
-        out = torch.empty((len(plan.srcs), *first.shape), dtype=first.dtype)
-        out[0] = first
-        del first
-        for e, src in enumerate(plan.srcs[1:], start=1):
-            out[e] = self.read(src)
-        return out
+        if part is None:
+            return _stack([functools.partial(self.read, src) for src in plan.srcs])
+        dim, start, stop = part
+        if dim == 0:  # whole experts start..stop-1: the others are not read
+            return _stack([functools.partial(self.read, src) for src in plan.srcs[start:stop]])
+        return _stack([functools.partial(self.read_part, src, dim - 1, start, stop) for src in plan.srcs])
+
+
+def _along(dim: int, start: int, stop: int) -> tuple[slice, ...]:
+    """The index of [start:stop] along ``dim`` (all of the dims before it)."""
+    return (*(slice(None),) * dim, slice(start, stop))
+
+
+def _stack(reads: list[Callable[[], torch.Tensor]]) -> torch.Tensor:
+    """The tensors ``reads`` return, stacked along a new dim 0 in one buffer, read one at a time."""
+    first = reads[0]()
+    out = torch.empty((len(reads), *first.shape), dtype=first.dtype)
+    out[0] = first
+    del first
+    for e, read in enumerate(reads[1:], start=1):
+        out[e] = read()
+    return out

@@ -5,6 +5,7 @@ weight fails the compile then and leaves nothing; what needs the whole model is 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -156,7 +157,7 @@ def test_a_bad_weight_fails_the_streamed_compile_when_read_and_leaves_nothing(ch
 
 @pytest.mark.parametrize(("model", "flags", "match"), [
     ("llama-tied", {"target": "trt"}, "--target trt"),
-    ("llama-tied", {"tp": 2}, "--tp/--ep"),
+    ("llama-tied", {"quant": "int8", "calib": "prompts.txt"}, "--calib"),
     ("tiny-llama", {}, "preset model"),
 ])
 def test_what_needs_the_whole_model_is_refused_up_front(checkpoints: dict[str, Path], tmp_path: Path, model: str,
@@ -256,3 +257,57 @@ def test_parity_stream_refuses_what_loads_whole(checkpoints: dict[str, Path], tm
     artifact = _compile(checkpoints["llama-tied"], tmp_path / "stream", stream=True)
     assert main(["parity", str(artifact), "--stream", *extra]) != 0
     assert match in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ per-rank streamed compile
+def _tensor_digests(artifact: Path) -> list[tuple[tuple[int, ...], str]]:
+    """Every initializer as (shape, sha1 of its bytes), sorted: the tensors whatever their names and order."""
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(artifact / "model.onnx")).graph
+    return sorted((tuple(t.dims), hashlib.sha1(numpy_helper.to_array(t).tobytes()).hexdigest())
+                  for t in graph.initializer)
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(2, 2), (2, 1)])
+def test_each_streamed_rank_reads_its_slices_and_holds_the_in_memory_ranks_tensors(
+        checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, ep: int) -> None:
+    """``--stream --tp/--ep``: every rank's tensors equal the in-memory sharded compile's (the same bytes; the
+    generated constants' names and order aside), and each rank reads only its slices of the checkpoint: about
+    1/tp of the sharded weights plus the replicated ones, never the whole."""
+    folder = checkpoints["deepseek-v3-fp8"]
+    eager = _compile(folder, tmp_path / "eager", tp=tp, ep=ep)
+    read_by: dict[int, int] = {}
+    original = LazyWeights.read
+
+    def counted(self: LazyWeights, name: str) -> np.ndarray:
+        array = original(self, name)
+        if self.stored(name) is not None:
+            read_by[id(self)] = read_by.get(id(self), 0) + array.nbytes
+        return array
+
+    monkeypatch.setattr(LazyWeights, "read", counted)
+    streamed = _compile(folder, tmp_path / "stream", stream=True, tp=tp, ep=ep)
+    for rank in range(tp):
+        assert _tensor_digests(eager / f"rank{rank}") == _tensor_digests(streamed / f"rank{rank}")
+        assert _ops(eager / f"rank{rank}") == _ops(streamed / f"rank{rank}")
+    _, weights = open_lazy_model(str(folder))
+    total = weights.total_bytes()
+    assert len(read_by) == tp
+    assert all(0.3 * total < n < 0.75 * total for n in read_by.values()), (read_by, total)
+
+
+def test_read_slice_reads_the_slice_of_fp8_blocks_and_stacked_experts(checkpoints: dict[str, Path]) -> None:
+    """``HFCheckpoint.read_slice`` equals the slice of the whole tensor: FP8 rows and columns that start and end
+    inside a 128-block, whole experts of a stacked tensor, a slice of every expert."""
+    _, weights = open_lazy_model(str(checkpoints["deepseek-v3-fp8"]))
+    checkpoint = weights.checkpoint
+    cases = [("model.layers.0.mlp.gate_proj.weight", 0, 37, 161),  # [512, 256]
+             ("model.layers.0.mlp.down_proj.weight", 1, 100, 300),  # [256, 512]
+             ("model.layers.1.mlp.shared_experts.down_proj.weight", 1, 48, 96),  # [256, 96]: a partial last block
+             ("model.layers.1.mlp.experts.up_proj", 0, 2, 6),
+             ("model.layers.1.mlp.experts.down_proj", 2, 5, 70),
+             ("model.embed_tokens.weight", 0, 300, 600)]
+    for name, dim, start, stop in cases:
+        whole = checkpoint.read(name)
+        assert torch.equal(checkpoint.read_slice(name, dim, start, stop), whole.narrow(dim, start, stop - start)), name
