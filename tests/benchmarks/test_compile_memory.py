@@ -240,3 +240,53 @@ def test_runner_kills_a_run_past_its_timeout_and_removes_the_group() -> None:
     result = cg.run_in_cgroup(["sleep", "30"], timeout_s=0.5)
     assert result.timed_out and not result.ok and not result.oom_killed and result.seconds < 10
     assert not _our_groups()
+
+
+# ------------------------------------------------------------------------- issue 34's small version, run in CI
+# compile_memory.py --quick's model: fp32 weights 0.27 GB at 2 layers, 0.45 GB at 4. Measured smallest caps: the
+# streamed compile 576 MiB at both sizes, the in-memory one 896 and 1216 MiB (benchmarks/results/compile_memory.json).
+QUICK_SHAPE = dict(hidden=cm.QUICK["hidden"], experts=cm.QUICK["experts"], vocab=cm.QUICK["vocab"])
+FLAT_CAP = 768 * MIB  # the streamed compile's cap + 192 MiB; below what the in-memory compile needs at 4 layers
+
+
+@pytest.fixture(scope="module")
+def quick_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("quick")
+    folders = {}
+    for layers in (2, 4):
+        folders[layers] = root / f"L{layers}"
+        sd.write_checkpoint(folders[layers], sd.deepseek_v3_shape(layers, **QUICK_SHAPE), seed=0,
+                            shard_bytes=128 * MIB)
+    return folders
+
+
+def _compile_capped(checkpoint: Path, out: Path, *flags: str) -> cg.RunResult:
+    cg.drop_page_cache(cm.checkpoint_files(checkpoint))  # read cold: its page cache is charged to the compile
+    cmd = [sys.executable, "-m", "moeforge.cli", "compile", str(checkpoint), "-o", str(out), "--quiet", *flags]
+    return cg.run_in_cgroup(cmd, FLAT_CAP, timeout_s=600)
+
+
+@needs_cgroup
+def test_the_streamed_compile_fits_one_cap_at_2_and_4_layers(quick_checkpoints: dict[int, Path],
+                                                             tmp_path: Path) -> None:
+    """Flat memory: the streamed compile of 2 and of 4 layers succeeds in a container of the same size (page cache
+    counted), one the in-memory compile of 4 layers is killed in."""
+    for layers, folder in quick_checkpoints.items():
+        result = _compile_capped(folder, tmp_path / f"stream{layers}", "--stream")
+        assert result.ok, (layers, result.summary(), result.log_tail[-2000:])
+        assert (tmp_path / f"stream{layers}" / "model.onnx.data").stat().st_size > 0.9 * 4 * sum(
+            math.prod(s) for s in _shapes(folder).values())
+    eager = _compile_capped(quick_checkpoints[4], tmp_path / "eager")
+    assert not eager.ok and eager.out_of_memory, eager.summary()
+    assert not (tmp_path / "eager").exists()
+
+
+def _shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The float tensors' shapes of a synthetic checkpoint (FP8 scales and the like excluded)."""
+    shapes = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                if not name.endswith("weight_scale_inv"):
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
