@@ -4,4 +4,5 @@ import sys
 
 from moeforge.cli.commands import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned worker (compile --workers) imports the parent's main module
+    sys.exit(main())

@@ -209,8 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "physical memory): a compile whose plan exceeds it is refused before any weight is read")
     comp.add_argument("--stream", action="store_true",
                       help="streamed compile (HF safetensors folders): the model is traced without its weights and "
-                           "each weight is read, transformed and written one at a time, so memory stays far below "
-                           "the weights' size (not yet with --check, --calib, --tp/--ep or --target trt)")
+                           "each weight (with --tp: each rank's slice) is read, transformed and written one at a "
+                           "time, so memory stays far below the weights' size; --check runs PyTorch one layer at a "
+                           "time (not yet with --calib or --target trt)")
+    comp.add_argument("--workers", type=int, default=1, metavar="N",
+                      help="with --stream --tp: build N ranks at once, each in its own process (memory: N x the "
+                           "plan's per-rank peak, checked against --max-memory)")
     comp.add_argument("--no-argmax-head", dest="argmax_head", action="store_false",
                       help="leave a float32 LM head as one MatMul: no int8 copy for greedy steps (the certified "
                            "argmax head costs V x H bytes more and makes plain greedy decoding ~10%% faster)")

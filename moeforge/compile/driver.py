@@ -86,6 +86,12 @@ def _check_options(options: CompileOptions) -> None:
     if options.kv.block_size < 1:
         raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv.block_size}")
     paged, sharded = options.kv.layout == "paged", options.tp > 1 or options.ep > 1
+    if options.workers < 1:
+        raise MoeforgeError(f"--workers must be >= 1, got {options.workers}")
+    if options.workers > 1 and not (sharded and options.stream):
+        raise MoeforgeError("--workers builds the ranks of a streamed sharded compile in parallel processes: it "
+                            "needs --tp (or --ep) and --stream (without --stream each worker would load the whole "
+                            "model)")
     if options.stream:
         _check_stream(options)
     why = refusal(options.target, paged=paged, sharded=sharded)
@@ -117,12 +123,15 @@ def check_memory(options: CompileOptions) -> None:
     config = load_config(options.model)
     plan = plan_compile(options.model, config, options.quant.weights, block_size=options.quant.block_size)
     where = "--max-memory" if options.max_memory is not None else "this machine's memory (its container's limit)"
-    if options.stream and plan.peak_bytes > limit:
+    workers = min(options.workers, options.tp)
+    if options.stream and plan.peak_bytes * workers > limit:
         largest = max(r.largest_layer_fp32_bytes for r in plan.ranks)
+        each = f" x {workers} workers" if workers > 1 else ""
+        fix = f"use --workers {max(limit // plan.peak_bytes, 1)}" if workers > 1 and plan.peak_bytes <= limit else \
+            "give it more memory (--max-memory), or run on a larger host"
         raise MoeforgeError(
-            f"the streamed compile plans ~{size_text(plan.peak_bytes)} (its largest layer alone is "
-            f"{size_text(largest)} of float32 weights), more than {where}: {size_text(limit)}; give it more "
-            "memory (--max-memory), or run on a larger host")
+            f"the streamed compile plans ~{size_text(plan.peak_bytes)}{each} (its largest layer alone is "
+            f"{size_text(largest)} of float32 weights), more than {where}: {size_text(limit)}; {fix}")
     weights = 4 * plan.total_parameters
     if not options.stream and weights > limit:
         raise MoeforgeError(

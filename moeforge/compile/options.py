@@ -62,6 +62,9 @@ class CompileOptions:
     # Memory the compile may use (bytes); None: the container's limit, else the physical memory. The compile plans
     # its peak from the config (``plan.py``) and refuses up front when the plan does not fit.
     max_memory: int | None = None
+    # Ranks of a streamed sharded compile built at once, each in its own process (its memory: the plan's per-rank
+    # peak, so ``workers`` times that is checked against ``max_memory``).
+    workers: int = 1
     kv: KVOptions = field(default_factory=KVOptions)
     quant: QuantSpec = field(default_factory=QuantSpec)
     trt: TrtOptions = field(default_factory=TrtOptions)

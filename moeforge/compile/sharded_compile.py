@@ -9,7 +9,8 @@ Each rank's graph is its ``moeforge/model/rank_model.py`` model exported and run
 list: the same KV-cache, fusion and quantisation passes, on its heads and experts. Its collectives are
 ``com.microsoft.AllReduce`` / ``AllGather`` nodes (ONNX Runtime's CUDA execution provider runs them over NCCL; on
 CPU ``moeforge/ops/collectives/ort.py`` maps them to gloo). The whole directory is written under a temporary name and
-renamed at the end, as a single artifact is.
+renamed at the end, as a single artifact is; a killed compile's ranks are kept there, and the same command run again
+continues from them (``partial_compile.py``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import shutil
+import logging
+import multiprocessing
 import uuid
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from moeforge.compile.options import CompileOptions
+from moeforge.compile.partial_compile import RESUME_FILE, open_partial
 from moeforge.compile.stages import build_artifact, make_job, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.compile.targets.ort import OrtTarget
@@ -41,10 +46,12 @@ from moeforge.core.artifact import (
 )
 from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
-from moeforge.model.lazy_weights import open_lazy_model
+from moeforge.model.lazy_weights import LazyWeights, open_lazy_model
 from moeforge.model.loader import LoadedModel, load_model, release_weights
 from moeforge.model.rank_model import rank_sources, shard_model
 from moeforge.model.sharding import check_degrees, plan_sharding
+
+log = logging.getLogger(__name__)
 
 SHARDED_FORMAT = 1
 # Where the ranks meet, in graph order (what sharded.json records for a reader; the graphs hold the nodes).
@@ -206,55 +213,99 @@ def _check(options: CompileOptions) -> None:
 
 
 def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
-    """Compile ``options.model`` into ``options.tp`` rank artifacts plus ``sharded.json``; nothing is left behind
-    on failure. Raises ``ShardingError`` (a split the model cannot take) or ``MoeforgeError``."""
+    """Compile ``options.model`` into ``options.tp`` rank artifacts plus ``sharded.json``. Ranks are written into a
+    partial directory that a rerun of a killed compile continues (``partial_compile.py``); an error leaves nothing.
+    ``options.workers`` > 1 (with ``--stream``) builds that many ranks at once in separate processes. Raises
+    ``ShardingError`` (a split the model cannot take) or ``MoeforgeError``."""
     _check(options)
     out = Path(options.output_dir).expanduser().absolute()
     check_output_dir(out, force=options.force)  # a sharded or unsharded artifact may be replaced
     tp, ep = options.tp, options.ep
     bar = stage_bar(1 + 2 * tp, f"compile tp{tp}", options.progress)
-    scratch = out.parent / f".{out.name}.moeforge-sharded-tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         bar.set_postfix_str("load checkpoint")
-        weights = None
-        if options.stream:  # the model on the meta device; each rank reads its slices as its artifact is written
-            loaded, weights = open_lazy_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
-        else:
-            loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
+        loaded, weights = _open_source(options)
         plan = plan_sharding(loaded.config, tp, ep)  # a bad split fails before anything is written
         bar.update()
-        scratch.mkdir(parents=True)
-        ranks: list[dict[str, Any]] = []
-        rank_options = _rank_options(options)
-        for rank in range(tp):
-            model, config, layout = shard_model(loaded.model, tp, ep, rank)
-            rank_loaded = LoadedModel(model, config, loaded.tokenizer, loaded.source)
-            rank_weights = None if weights is None else weights.for_rank(
-                model, rank_sources(loaded.config, layout, weights.shape))
-            job = make_job(rank_options, rank_loaded, rank_weights)
-            bar.set_postfix_str(f"rank {rank}")
-            rank_root, manifest = build_artifact(job, rank_target(rank_options), scratch / rank_dir(rank), bar,
-                                                 sharding={**layout.to_dict()})
-            ranks.append({"rank": rank, "dir": rank_dir(rank), **layout.to_dict(),
-                          "weight_bytes": _weight_bytes(manifest),
-                          "kv_bytes_per_token": manifest.kv_cache.bytes_per_token,
-                          "manifest_sha256": manifest_digest(rank_root)})
-            if rank == 0:
-                first = manifest
-        release_weights(loaded.model)
-        sharded = ShardedManifest(
-            tp=tp, ep=ep, model_config=loaded.config.to_dict(), ranks=ranks, replicated=plan.replicated(),
-            kv_cache_note=_kv_note(loaded.config.mla is not None, tp, loaded.config.num_key_value_heads),
-            source=options.model if loaded.source.kind == "preset" else str(Path(loaded.source.location).resolve()))
-        (scratch / SHARDED_FILE).write_text(json.dumps(sharded.to_dict(), indent=2) + "\n", encoding="utf-8")
-        install_directory(scratch, out)
+        with open_partial(out, options, tp) as partial:
+            todo = [rank for rank in range(tp) if rank not in partial.done]
+            if partial.done:
+                log.warning("continuing a killed compile: ranks %s are already written in %s",
+                            ", ".join(map(str, sorted(partial.done))), partial.root)
+            if options.workers > 1 and len(todo) > 1:
+                release_weights(loaded.model)
+                _build_in_workers(options, todo, partial.root, bar)
+            else:
+                for rank in todo:
+                    bar.set_postfix_str(f"rank {rank}")
+                    build_rank(options, loaded, weights, rank, partial.root, bar)
+            release_weights(loaded.model)
+            ranks = [_rank_entry(partial.root, rank) for rank in range(tp)]
+            sharded = ShardedManifest(
+                tp=tp, ep=ep, model_config=loaded.config.to_dict(), ranks=ranks, replicated=plan.replicated(),
+                kv_cache_note=_kv_note(loaded.config.mla is not None, tp, loaded.config.num_key_value_heads),
+                source=options.model if loaded.source.kind == "preset" else str(Path(loaded.source.location).resolve()))
+            (partial.root / SHARDED_FILE).write_text(json.dumps(sharded.to_dict(), indent=2) + "\n", encoding="utf-8")
+            (partial.root / RESUME_FILE).unlink()
+            install_directory(partial.root, out)
         bar.update()
+        first = load_artifact(out / rank_dir(0), verify=False).manifest
         return ShardedCompileResult(out, sharded, first)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
     finally:
         bar.close()
+
+
+def _open_source(options: CompileOptions) -> tuple[LoadedModel, LazyWeights | None]:
+    """The unsharded model: loaded whole, or (``--stream``) on the meta device with its weights read on demand."""
+    if options.stream:  # each rank reads its slices as its artifact is written
+        return open_lazy_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
+    return load_model(options.model, mla_impl="absorb", check_finite=options.check_weights), None
+
+
+def build_rank(options: CompileOptions, loaded: LoadedModel, weights: LazyWeights | None, rank: int, root: Path,
+               bar: tqdm) -> None:
+    """Write rank ``rank``'s artifact to ``root/rank{rank}`` (atomically) from the unsharded ``loaded`` model."""
+    model, config, layout = shard_model(loaded.model, options.tp, options.ep, rank)
+    rank_loaded = LoadedModel(model, config, loaded.tokenizer, loaded.source)
+    rank_weights = None if weights is None else weights.for_rank(
+        model, rank_sources(loaded.config, layout, weights.shape))
+    rank_options = _rank_options(options)
+    job = make_job(rank_options, rank_loaded, rank_weights)
+    build_artifact(job, rank_target(rank_options), root / rank_dir(rank), bar, sharding={**layout.to_dict()})
+
+
+def _build_in_workers(options: CompileOptions, ranks: list[int], root: Path, bar: tqdm) -> None:
+    """Build ``ranks`` in ``options.workers`` processes (spawned: each opens the checkpoint itself and reads only
+    its ranks' slices); the first failure cancels the ranks not started and is raised here."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(options.workers, len(ranks)), mp_context=context) as pool:
+        futures = {pool.submit(_rank_worker, options, rank, root): rank for rank in ranks}
+        bar.set_postfix_str(f"{len(ranks)} ranks in {min(options.workers, len(ranks))} workers")
+        bar.total = bar.n + len(ranks) + 1  # a stage per rank, then sharded.json
+        try:
+            for future in as_completed(futures):
+                future.result()
+                bar.update()
+                bar.set_postfix_str(f"rank {futures[future]} written")
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def _rank_worker(options: CompileOptions, rank: int, root: Path) -> None:
+    """One worker's rank (a spawned process: nothing shared with the parent but the options)."""
+    loaded, weights = _open_source(options)
+    with stage_bar(1, f"rank {rank}", False) as quiet:
+        build_rank(dataclasses.replace(options, progress=False), loaded, weights, rank, root, quiet)
+
+
+def _rank_entry(root: Path, rank: int) -> dict[str, Any]:
+    """sharded.json's entry for the rank written in ``root``."""
+    rank_root = root / rank_dir(rank)
+    manifest = load_artifact(rank_root, verify=False).manifest
+    return {"rank": rank, "dir": rank_dir(rank), **(manifest.sharding or {}), "weight_bytes": _weight_bytes(manifest),
+            "kv_bytes_per_token": manifest.kv_cache.bytes_per_token, "manifest_sha256": manifest_digest(rank_root)}
 
 
 def _rank_options(options: CompileOptions) -> CompileOptions:

@@ -311,3 +311,72 @@ def test_read_slice_reads_the_slice_of_fp8_blocks_and_stacked_experts(checkpoint
     for name, dim, start, stop in cases:
         whole = checkpoint.read(name)
         assert torch.equal(checkpoint.read_slice(name, dim, start, stop), whole.narrow(dim, start, stop - start)), name
+
+
+# ------------------------------------------------------------------------ a killed sharded compile continues
+def test_a_killed_sharded_compile_continues_from_the_ranks_written(checkpoints: dict[str, Path], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interrupted while writing rank 1, the compile keeps rank 0 in its partial directory; the same command again
+    builds only rank 1 and gives the same ranks as an uninterrupted compile. Other options start over; an error
+    (not an interruption) leaves nothing."""
+    from moeforge.compile import sharded_compile
+    from moeforge.compile.partial_compile import partial_dir
+
+    folder, out = checkpoints["deepseek-v3-fp8"], tmp_path / "out"
+    built: list[int] = []
+    interrupt = [True]
+    original = sharded_compile.build_rank
+
+    def build(options: CompileOptions, loaded: Any, weights: Any, rank: int, root: Path, bar: Any) -> None:
+        if rank == 1 and interrupt[0]:  # the first attempt dies in rank 1 (rank 0 is written)
+            interrupt[0] = False
+            raise KeyboardInterrupt
+        built.append(rank)
+        original(options, loaded, weights, rank, root, bar)
+
+    monkeypatch.setattr(sharded_compile, "build_rank", build)
+    with pytest.raises(KeyboardInterrupt):
+        _compile(folder, out, stream=True, tp=2, ep=2)
+    partial = partial_dir(out.absolute())
+    assert not out.exists() and sorted(p.name for p in partial.iterdir()) == ["rank0", "resume.json"]
+    built.clear()
+    _compile(folder, out, stream=True, tp=2, ep=2)
+    assert built == [1] and not partial.exists()  # rank 0 was kept, not rebuilt
+    fresh = _compile(folder, tmp_path / "fresh", stream=True, tp=2, ep=2)
+    for rank in range(2):
+        assert _tensor_digests(out / f"rank{rank}") == _tensor_digests(fresh / f"rank{rank}")
+    # A partial directory of other options is cleared: every rank is built again.
+    partial.mkdir()
+    (partial / "rank0").mkdir()
+    (partial / "resume.json").write_text('{"fingerprint": "another compile", "tp": 2}')
+    built.clear()
+    _compile(folder, out, stream=True, tp=2, ep=2, force=True)
+    assert built == [0, 1]
+
+    def fail(*_args: Any) -> None:
+        raise CheckpointError("a corrupt weight")
+
+    monkeypatch.setattr(sharded_compile, "build_rank", fail)
+    with pytest.raises(CheckpointError):
+        _compile(folder, tmp_path / "failed", stream=True, tp=2, ep=2)
+    assert not (tmp_path / "failed").exists() and not partial_dir(tmp_path / "failed").exists()
+
+
+def test_workers_build_the_ranks_in_parallel_processes(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    folder = checkpoints["deepseek-v3-fp8"]
+    sequential = _compile(folder, tmp_path / "one", stream=True, tp=2, ep=2)
+    parallel = _compile(folder, tmp_path / "two", stream=True, tp=2, ep=2, workers=2)
+    for rank in range(2):
+        assert _tensor_digests(sequential / f"rank{rank}") == _tensor_digests(parallel / f"rank{rank}")
+
+
+@pytest.mark.parametrize(("flags", "match"), [({"workers": 2}, "needs --tp"),
+                                              ({"workers": 2, "tp": 2, "stream": False}, "needs --tp .* and --stream"),
+                                              ({"workers": 2, "tp": 2, "max_memory": 768 * MIB},
+                                               "x 2 workers.*use --workers 1")])
+def test_workers_are_refused_where_they_do_not_fit(checkpoints: dict[str, Path], tmp_path: Path,
+                                                   flags: dict[str, Any], match: str) -> None:
+    flags = {"stream": True, **flags}
+    with pytest.raises(MoeforgeError, match=match):
+        _compile(checkpoints["deepseek-v3-fp8"], tmp_path / "out", **flags)
+    assert not (tmp_path / "out").exists()
