@@ -17,9 +17,12 @@ when no other node reads it, and keeps an external initializer memory-mapped, so
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx_ir as ir
 
+from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import MS_DOMAIN, PassContext, add_initializer, ensure_opset
 
 
@@ -30,6 +33,8 @@ class SharedEmbedding:
     name = "shared_embedding"
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
+        if not ctx.config.tie_word_embeddings:  # an untied table is its own tensor: no head holds it
+            return 0
         graph = model.graph
         heads = [n for n in graph if n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN and len(n.inputs) == 3]
         for gather in list(graph):
@@ -55,9 +60,14 @@ class SharedEmbedding:
             # Copies of the head's codes [V, K/bs, bs*bits/8] and scales [V, K/bs, 1], not the head's own tensors:
             # ONNX Runtime releases a MatMulNBits weight once prepacked unless another node reads it, and keeps an
             # external initializer memory-mapped, so only the rows looked up are ever resident.
-            codes_copy = add_initializer(graph, f"{table.name}.rows_nbits", codes.const_value.numpy().copy())
-            scales_copy = add_initializer(graph, f"{table.name}.rows_scale", np.ascontiguousarray(
-                scales.const_value.numpy().reshape(vocab, hidden // block, 1)))
+            # Lazy: a streamed compile (or lazily quantised codes) computes them when the artifact is written.
+            codes_tensor, scales_tensor = codes.const_value, scales.const_value
+            scale_shape = (vocab, hidden // block, 1)
+            codes_copy = add_initializer(graph, f"{table.name}.rows_nbits", lazy_tensor(
+                functools.partial(_reshaped, codes_tensor, tuple(codes_tensor.shape.numpy())), codes_tensor.dtype,
+                codes_tensor.shape.numpy()))
+            scales_copy = add_initializer(graph, f"{table.name}.rows_scale", lazy_tensor(
+                functools.partial(_reshaped, scales_tensor, scale_shape), scales_tensor.dtype, scale_shape))
             rows = ir.node("GatherBlockQuantized", [codes_copy, ids, scales_copy], domain=MS_DOMAIN,
                            attributes={"gather_axis": 0, "quantize_axis": 2, "block_size": block, "bits": bits})
             lookup = ir.node("Reshape", [rows.outputs[0], add_initializer(  # [..., K/bs, bs] -> [..., K]
@@ -77,6 +87,11 @@ class SharedEmbedding:
         return 0
 
 
+def _reshaped(tensor: ir.TensorProtocol, shape: tuple[int, ...]) -> np.ndarray:
+    """A contiguous copy of ``tensor``'s values in ``shape``."""
+    return np.ascontiguousarray(tensor.numpy().reshape(shape)).copy()
+
+
 def _holds(head: ir.Node, table: np.ndarray) -> bool:
     """Whether MatMulNBits ``head`` (default zero point, no g_idx) dequantises to ``table`` [V, K] transposed: its
     N x K weight row n is table row n, to fp32 rounding of code * scale."""
@@ -87,12 +102,21 @@ def _holds(head: ir.Node, table: np.ndarray) -> bool:
     n, k = head.attributes["N"].as_int(), head.attributes["K"].as_int()
     if (n, k) != table.shape or bits not in (4, 8) or k % block:
         return False
-    packed = codes_v.const_value.numpy().reshape(n, -1)  # [N, K * bits / 8] uint8
-    if bits == 4:  # element 2j in the low nibble, 2j + 1 in the high one
-        codes = np.empty((n, k), np.int16)
-        codes[:, 0::2], codes[:, 1::2] = packed & 0xF, packed >> 4
-    else:
-        codes = packed.astype(np.int16)
-    scales = scales_v.const_value.numpy().reshape(n, k // block).astype(np.float32)
-    weight = (codes - (1 << (bits - 1))).astype(np.float32).reshape(n, k // block, block) * scales[:, :, None]
-    return bool(np.allclose(weight.reshape(n, k), table, rtol=2**-20, atol=0.0))
+    packed_all = codes_v.const_value.numpy().reshape(n, -1)  # [N, K * bits / 8] uint8
+    scales_all = scales_v.const_value.numpy().reshape(n, k // block)
+    for lo in range(0, n, _ROWS):  # a block of rows at a time: the temporaries stay small; the first miss returns
+        packed = packed_all[lo:lo + _ROWS]
+        rows = packed.shape[0]
+        if bits == 4:  # element 2j in the low nibble, 2j + 1 in the high one
+            codes = np.empty((rows, k), np.int16)
+            codes[:, 0::2], codes[:, 1::2] = packed & 0xF, packed >> 4
+        else:
+            codes = packed.astype(np.int16)
+        scales = scales_all[lo:lo + _ROWS].astype(np.float32)
+        weight = (codes - (1 << (bits - 1))).astype(np.float32).reshape(rows, k // block, block) * scales[:, :, None]
+        if not np.allclose(weight.reshape(rows, k), table[lo:lo + _ROWS], rtol=2**-20, atol=0.0):
+            return False
+    return True
+
+
+_ROWS = 4096  # rows compared at once
