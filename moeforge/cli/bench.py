@@ -22,7 +22,7 @@ from moeforge.core.artifact import KVCacheSpec, load_artifact
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import available_memory, host_bytes
 from moeforge.core.manifest import tool_versions
-from moeforge.model.loader import load_model
+from moeforge.model.loader import load_model, resolve_source
 from moeforge.model.model import CausalLM
 from moeforge.runtime.backends.registry import backend_for
 from moeforge.runtime.engine import (
@@ -164,7 +164,10 @@ def bench_transformers(source: str, batch: int, prompt_len: int, new_tokens: int
         from transformers import AutoModelForCausalLM
     except ImportError:
         return None
-    path = Path(source)
+    resolved = resolve_source(source)  # a built-in model's name -> its file
+    if resolved.kind == "preset":
+        return None
+    path = Path(resolved.location)
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     elif (path / "config.json").is_file():

@@ -18,7 +18,7 @@ from pathlib import Path
 from moeforge.compile.options import CompileOptions, KVOptions, TrtOptions
 from moeforge.compile.plan import plan_compile, size_text
 from moeforge.compile.sharded_compile import ShardedCompileResult, compile_sharded
-from moeforge.compile.stages import DATA_FILE, build_artifact, make_job, stage_bar
+from moeforge.compile.stages import ARTIFACT_STAGES, DATA_FILE, build_artifact, make_job, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.core.artifact import check_output_dir
 from moeforge.core.errors import MoeforgeError
@@ -55,7 +55,7 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
     check_output_dir(options.output_dir, force=options.force)  # before the expensive stages
     check_memory(options)
 
-    bar = stage_bar(5, "compile", options.progress)
+    bar = stage_bar(1 + ARTIFACT_STAGES, "compile", options.progress)
     try:
         bar.set_postfix_str("load checkpoint")
         weights = None

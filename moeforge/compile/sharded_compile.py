@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from moeforge.compile.options import CompileOptions
 from moeforge.compile.partial_compile import RESUME_FILE, open_partial
-from moeforge.compile.stages import build_artifact, make_job, stage_bar
+from moeforge.compile.stages import ARTIFACT_STAGES, build_artifact, make_job, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.compile.targets.ort import OrtTarget
 from moeforge.core.artifact import (
@@ -47,7 +47,7 @@ from moeforge.core.artifact import (
 from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
 from moeforge.model.lazy_weights import LazyWeights, open_lazy_model
-from moeforge.model.loader import LoadedModel, load_model, release_weights
+from moeforge.model.loader import LoadedModel, load_model, release_weights, source_argument
 from moeforge.model.rank_model import rank_sources, shard_model
 from moeforge.model.sharding import check_degrees, plan_sharding
 
@@ -221,7 +221,7 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
     out = Path(options.output_dir).expanduser().absolute()
     check_output_dir(out, force=options.force)  # a sharded or unsharded artifact may be replaced
     tp, ep = options.tp, options.ep
-    bar = stage_bar(1 + 2 * tp, f"compile tp{tp}", options.progress)
+    bar = stage_bar(1 + ARTIFACT_STAGES * tp + 1, f"compile tp{tp}", options.progress)  # load, ranks, sharded.json
     try:
         bar.set_postfix_str("load checkpoint")
         loaded, weights = _open_source(options)
@@ -229,6 +229,7 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
         bar.update()
         with open_partial(out, options, tp) as partial:
             todo = [rank for rank in range(tp) if rank not in partial.done]
+            bar.update(ARTIFACT_STAGES * len(partial.done))
             if partial.done:
                 log.warning("continuing a killed compile: ranks %s are already written in %s",
                             ", ".join(map(str, sorted(partial.done))), partial.root)
@@ -244,7 +245,7 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
             sharded = ShardedManifest(
                 tp=tp, ep=ep, model_config=loaded.config.to_dict(), ranks=ranks, replicated=plan.replicated(),
                 kv_cache_note=_kv_note(loaded.config.mla is not None, tp, loaded.config.num_key_value_heads),
-                source=options.model if loaded.source.kind == "preset" else str(Path(loaded.source.location).resolve()))
+                source=source_argument(options.model, loaded.source))
             (partial.root / SHARDED_FILE).write_text(json.dumps(sharded.to_dict(), indent=2) + "\n", encoding="utf-8")
             (partial.root / RESUME_FILE).unlink()
             install_directory(partial.root, out)
@@ -281,11 +282,10 @@ def _build_in_workers(options: CompileOptions, ranks: list[int], root: Path, bar
     with ProcessPoolExecutor(max_workers=min(options.workers, len(ranks)), mp_context=context) as pool:
         futures = {pool.submit(_rank_worker, options, rank, root): rank for rank in ranks}
         bar.set_postfix_str(f"{len(ranks)} ranks in {min(options.workers, len(ranks))} workers")
-        bar.total = bar.n + len(ranks) + 1  # a stage per rank, then sharded.json
         try:
             for future in as_completed(futures):
                 future.result()
-                bar.update()
+                bar.update(ARTIFACT_STAGES)
                 bar.set_postfix_str(f"rank {futures[future]} written")
         except BaseException:
             for future in futures:

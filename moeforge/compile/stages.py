@@ -25,7 +25,7 @@ from moeforge.core.artifact import write_artifact
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.manifest import MODEL_FILE, Manifest, TensorSpec, tool_versions
 from moeforge.model.lazy_weights import LazyWeights
-from moeforge.model.loader import LoadedModel, release_weights
+from moeforge.model.loader import LoadedModel, release_weights, source_argument
 from moeforge.passes.base import PassReport
 from moeforge.passes.pipeline import run_passes
 from moeforge.quant.calibration import read_prompts, tokenize_prompts
@@ -39,7 +39,9 @@ _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.s
 
 
 # Stages differ in length by orders of magnitude (a pass takes milliseconds, the export minutes), so the bar shows
-# stages done and time spent, never a rate or an ETA extrapolated from them.
+# stages done and time spent, never a rate or an ETA extrapolated from them. One artifact is ARTIFACT_STAGES of
+# them: export, the passes (one stage, each pass named in the postfix as it ends), save, the target's files, install.
+ARTIFACT_STAGES = 5
 STAGE_BAR_FORMAT = "{desc}: {n}/{total} stages [{elapsed}]{postfix}"
 
 
@@ -72,13 +74,15 @@ def build_artifact(job: CompileJob, target: Target, output_dir: Path, bar: tqdm,
     # The graph holds what it needs of the weights (its initializers view them); the torch copy of the rest
     # (e.g. the q/k/v and gate/up weights packing concatenates) would only add to the peak from here on.
     release_weights(loaded.model)
-    bar.total += len(passes)
+    done = [0]
 
-    def pass_done(report: PassReport) -> None:
-        bar.set_postfix_str(f"pass {report.name}: {report.matches}")
-        bar.update()
+    def pass_done(report: PassReport) -> None:  # the passes are one stage: the total is known from the start
+        done[0] += 1
+        bar.set_postfix_str(f"pass {done[0]}/{len(passes)} {report.name}: {report.matches}")
+        bar.refresh()
 
     reports = run_passes(model, job.context, passes, on_pass_done=pass_done)
+    bar.update()
     manifest = _manifest(model, job, target, reports)
     manifest.sharding = sharding
     bar.set_postfix_str("write artifact")
@@ -162,7 +166,7 @@ def _manifest(model: ir.Model, job: CompileJob, target: Target, reports: list[Pa
         quantization=target.quantization(reports),
         tool_versions=tool_versions(),
         files={},
-        source=job.options.model if loaded.source.kind == "preset" else str(Path(loaded.source.location).resolve()),
+        source=source_argument(job.options.model, loaded.source),
         created_utc=datetime.now(UTC).isoformat(timespec="seconds"),
         layer_outputs=layer_outputs,  # values inside model.onnx, for parity --per-layer
     )

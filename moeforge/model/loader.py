@@ -55,6 +55,14 @@ class LoadedModel:
     source: ModelSource
 
 
+def source_argument(spec: str, source: ModelSource) -> str:
+    """What names the model ``spec`` resolved to on a command line (a manifest's ``source``): a preset's or a built-in
+    model's own name (``smollm2-135m``, not the wheel's file), else the absolute path of the file or folder."""
+    if source.kind == "preset" or spec in BUILTIN_GGUF_MODELS:
+        return spec
+    return str(Path(source.location).resolve())
+
+
 def resolve_source(spec: str) -> ModelSource:
     """Classify MODEL: a preset name, a built-in model name, a ``.gguf`` file or an HF folder."""
     if spec in PRESETS:

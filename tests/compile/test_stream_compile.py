@@ -269,32 +269,33 @@ def _tensor_digests(artifact: Path) -> list[tuple[tuple[int, ...], str]]:
                   for t in graph.initializer)
 
 
-@pytest.mark.parametrize(("tp", "ep"), [(2, 2), (2, 1)])
+@pytest.mark.parametrize(("tp", "ep", "quant"), [(2, 2, None), (2, 1, None), (2, 2, "int4-asym")])
 def test_each_streamed_rank_reads_its_slices_and_holds_the_in_memory_ranks_tensors(
-        checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, ep: int) -> None:
+        checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, ep: int,
+        quant: str | None) -> None:
     """``--stream --tp/--ep``: every rank's tensors equal the in-memory sharded compile's (the same bytes; the
     generated constants' names and order aside), and each rank reads only its slices of the checkpoint: about
     1/tp of the sharded weights plus the replicated ones, never the whole."""
     folder = checkpoints["deepseek-v3-fp8"]
-    eager = _compile(folder, tmp_path / "eager", tp=tp, ep=ep)
-    read_by: dict[int, int] = {}
+    eager = _compile(folder, tmp_path / "eager", tp=tp, ep=ep, quant=quant)
+    read_by: dict[int, dict[str, int]] = {}  # per rank's weights: the bytes of each tensor it read (once each)
     original = LazyWeights.read
 
     def counted(self: LazyWeights, name: str) -> np.ndarray:
         array = original(self, name)
         if self.stored(name) is not None:
-            read_by[id(self)] = read_by.get(id(self), 0) + array.nbytes
+            read_by.setdefault(id(self), {})[name] = array.nbytes
         return array
 
     monkeypatch.setattr(LazyWeights, "read", counted)
-    streamed = _compile(folder, tmp_path / "stream", stream=True, tp=tp, ep=ep)
+    streamed = _compile(folder, tmp_path / "stream", stream=True, tp=tp, ep=ep, quant=quant)
     for rank in range(tp):
         assert _tensor_digests(eager / f"rank{rank}") == _tensor_digests(streamed / f"rank{rank}")
         assert _ops(eager / f"rank{rank}") == _ops(streamed / f"rank{rank}")
     _, weights = open_lazy_model(str(folder))
     total = weights.total_bytes()
     assert len(read_by) == tp
-    assert all(0.3 * total < n < 0.75 * total for n in read_by.values()), (read_by, total)
+    assert all(0.3 * total < sum(n.values()) < 0.75 * total for n in read_by.values()), (read_by, total)
 
 
 def test_read_slice_reads_the_slice_of_fp8_blocks_and_stacked_experts(checkpoints: dict[str, Path]) -> None:
