@@ -148,7 +148,7 @@ class CompileConfig:
         return [*(["--quant", self.quant] if self.quant != "fp32" else []),
                 *(["--kv-cache", self.kv_cache] if self.kv_cache != "contiguous" else []),
                 *(["--tp", str(self.tp)] if self.tp > 1 else []),
-                *(["--stream"] if self.mode == "stream" else [])]
+                "--stream" if self.mode == "stream" else "--no-stream"]  # in-memory: today's default streams HF
 
 
 def compile_configs(quants: Sequence[str], kv_caches: Sequence[str], tps: Sequence[int],

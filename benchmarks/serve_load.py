@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,9 +111,11 @@ def solo_tokens(artifact: Path, clients: list[Client]) -> dict[int, list[int]]:
             .token_ids for c in clients if c.leave_after is None}
 
 
-def start_server(artifact: Path, port: int, max_num_seqs: int, clients: int, cwd: Path) -> subprocess.Popen[str]:
+def start_server(artifact: Path, port: int, max_num_seqs: int, clients: int, cwd: Path,
+                 extra: Sequence[str] = ()) -> subprocess.Popen[str]:
+    """``moeforge serve ARTIFACT`` on ``port`` (``extra``: more flags), once ``/health`` answers 200."""
     command = [sys.executable, "-P", "-m", "moeforge.cli", "serve", str(artifact), "--host", HOST, "--port", str(port),
-               "--max-num-seqs", str(max_num_seqs), "--max-queued", str(clients), "--log-level", "warning"]
+               "--max-num-seqs", str(max_num_seqs), "--max-queued", str(clients), "--log-level", "warning", *extra]
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ})
     deadline = time.monotonic() + 120

@@ -207,11 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--max-memory", type=_size, metavar="SIZE",
                       help="memory the compile may use (3GiB, 3G, 3000MB; default: the container's limit, else the "
                            "physical memory): a compile whose plan exceeds it is refused before any weight is read")
-    comp.add_argument("--stream", action="store_true",
+    comp.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                       help="streamed compile (HF safetensors folders): the model is traced without its weights and "
                            "each weight (with --tp: each rank's slice) is read, transformed and written one at a "
                            "time, so memory stays far below the weights' size; --check runs PyTorch one layer at a "
-                           "time (not yet with --calib or --target trt)")
+                           "time. The default for an HF folder compiled for --target ort without --calib; "
+                           "--no-stream loads the model whole")
     comp.add_argument("--workers", type=int, default=1, metavar="N",
                       help="with --stream --tp: build N ranks at once, each in its own process (memory: N x the "
                            "plan's per-rank peak, checked against --max-memory)")

@@ -12,6 +12,7 @@ for ``--tp``). Memory: never two full copies of the weights at once (see ``stage
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from moeforge.core.host_memory import memory_limit
 from moeforge.core.kv_layout import KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
 from moeforge.model.lazy_weights import open_lazy_model
-from moeforge.model.loader import load_config, load_model
+from moeforge.model.loader import load_config, load_model, resolve_source
 from moeforge.quant.spec import QuantSpec, validate
 from moeforge.runtime.backends.registry import BACKENDS, refusal
 from moeforge.verify.parity import ParityCheckFailed, ParityReport
@@ -46,6 +47,7 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
     """Run every stage; raise MoeforgeError (bad input) or ParityCheckFailed, leaving nothing written.
     With ``options.tp`` > 1 the artifact is sharded: one artifact per rank (``moeforge.compile.sharded_compile``)."""
     target = _target(options)
+    options = resolve_stream(options)
     _check_options(options)
     validate(options.quant, target=options.target, kv_cache=options.kv.layout)
     target.check()
@@ -69,6 +71,16 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
         return CompileResult(out, manifest, target.parity)
     finally:
         bar.close()
+
+
+def resolve_stream(options: CompileOptions) -> CompileOptions:
+    """``options`` with ``stream`` decided: as given, or (None) streamed wherever the streamed compile applies -- a
+    Hugging Face safetensors folder compiled for ONNX Runtime without --calib; presets and GGUF files load whole."""
+    if options.stream is not None:
+        return options
+    applies = (options.target == "ort" and options.quant.calib is None
+               and resolve_source(options.model).kind == "hf")
+    return dataclasses.replace(options, stream=applies)
 
 
 def _target(options: CompileOptions) -> Target:
@@ -134,7 +146,9 @@ def check_memory(options: CompileOptions) -> None:
             f"{size_text(largest)} of float32 weights), more than {where}: {size_text(limit)}; {fix}")
     weights = 4 * plan.total_parameters
     if not options.stream and weights > limit:
+        fix = (f"compile with --stream (it plans ~{size_text(plan.peak_bytes)}: one layer at a time)"
+               if resolve_source(options.model).kind == "hf" else
+               "give it more memory, or compile the model's Hugging Face safetensors folder, which streams")
         raise MoeforgeError(
             f"the in-memory compile holds the model's {size_text(weights)} of float32 weights, more than {where}: "
-            f"{size_text(limit)}; compile with --stream (it plans ~{size_text(plan.peak_bytes)}: one layer at "
-            "a time)")
+            f"{size_text(limit)}; {fix}")

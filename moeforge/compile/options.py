@@ -57,8 +57,9 @@ class CompileOptions:
     # and --tp plans), for a runtime of the user's own; without it such a compile is refused before anything runs.
     build_only: bool = False
     # Read each weight from the checkpoint only when the artifact is written (HF safetensors folders): the streamed
-    # compile, whose memory does not grow with the model's weights (moeforge/model/lazy_weights.py).
-    stream: bool = False
+    # compile, whose memory does not grow with the model's weights (moeforge/model/lazy_weights.py). None: streamed
+    # wherever it applies (an HF folder, --target ort, no --calib; ``driver.resolve_stream``).
+    stream: bool | None = None
     # Memory the compile may use (bytes); None: the container's limit, else the physical memory. The compile plans
     # its peak from the config (``plan.py``) and refuses up front when the plan does not fit.
     max_memory: int | None = None

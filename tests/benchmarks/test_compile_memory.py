@@ -157,8 +157,9 @@ def test_compile_configs_and_flags() -> None:
     configs = cm.compile_configs(["fp32", "int8", "int4-asym"], ["contiguous", "paged"], [1, 2])
     assert [c.name for c in configs] == ["fp32/contiguous", "int8/contiguous", "int4-asym/contiguous",
                                          "fp32/paged", "fp32/contiguous/tp2"]
-    assert [c.flags() for c in configs] == [[], ["--quant", "int8"], ["--quant", "int4-asym"],
-                                            ["--kv-cache", "paged"], ["--tp", "2"]]
+    assert [c.flags() for c in configs] == [["--no-stream"], ["--quant", "int8", "--no-stream"],
+                                            ["--quant", "int4-asym", "--no-stream"],
+                                            ["--kv-cache", "paged", "--no-stream"], ["--tp", "2", "--no-stream"]]
     assert len(cm.compile_configs(["fp32", "int8"], ["contiguous", "paged"], [1, 2], grid="full")) == 8
 
 
@@ -276,7 +277,7 @@ def test_the_streamed_compile_fits_one_cap_at_2_and_4_layers(quick_checkpoints: 
         assert result.ok, (layers, result.summary(), result.log_tail[-2000:])
         assert (tmp_path / f"stream{layers}" / "model.onnx.data").stat().st_size > 0.9 * 4 * sum(
             math.prod(s) for s in _shapes(folder).values())
-    eager = _compile_capped(quick_checkpoints[4], tmp_path / "eager")
+    eager = _compile_capped(quick_checkpoints[4], tmp_path / "eager", "--no-stream")
     assert not eager.ok and eager.out_of_memory, eager.summary()
     assert not (tmp_path / "eager").exists()
 

@@ -59,7 +59,8 @@ def test_compile_without_output_or_plan_is_refused(capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize(("stream", "match"), [(True, "the streamed compile plans"),
-                                               (False, "compile with --stream")])
+                                               (False, "more than --max-memory.*Hugging Face safetensors folder, "
+                                                       "which streams")])
 def test_a_compile_over_max_memory_is_refused_before_reading_weights(tmp_path: Path, stream: bool,
                                                                      match: str) -> None:
     options = CompileOptions(model="tiny-deepseek-v3", output_dir=tmp_path / "out", max_memory=1000,

@@ -81,7 +81,7 @@ def test_the_streamed_artifact_holds_the_in_memory_ones_bytes(checkpoints: dict[
                                                               case: str, flags: dict[str, Any]) -> None:
     """Same tensors (names, shapes) in the same external-data bytes, same ops, same manifest contract. (model.onnx
     itself differs only in generated names, ``node_MatMul_483`` / ``val_226``, and the initializer list's order.)"""
-    eager = _compile(checkpoints[case], tmp_path / "eager", **flags)
+    eager = _compile(checkpoints[case], tmp_path / "eager", stream=False, **flags)
     streamed = _compile(checkpoints[case], tmp_path / "stream", stream=True, **flags)
     assert (eager / "model.onnx.data").read_bytes() == (streamed / "model.onnx.data").read_bytes()
     assert _tensors(eager) == _tensors(streamed)
@@ -277,7 +277,7 @@ def test_each_streamed_rank_reads_its_slices_and_holds_the_in_memory_ranks_tenso
     generated constants' names and order aside), and each rank reads only its slices of the checkpoint: about
     1/tp of the sharded weights plus the replicated ones, never the whole."""
     folder = checkpoints["deepseek-v3-fp8"]
-    eager = _compile(folder, tmp_path / "eager", tp=tp, ep=ep, quant=quant)
+    eager = _compile(folder, tmp_path / "eager", stream=False, tp=tp, ep=ep, quant=quant)
     read_by: dict[int, dict[str, int]] = {}  # per rank's weights: the bytes of each tensor it read (once each)
     original = LazyWeights.read
 
