@@ -5,7 +5,9 @@ open a socket) cannot exhaust file handles, spin the event loop on accept errors
 uvicorn's HTTP/1.1 protocol arms no timer while it waits for a request head: a connection that sends nothing,
 or a byte at a time, is kept forever. ``guarded_h11(limits)`` is that protocol with a deadline for each head
 (from the connection's opening and after every response) and a cap: a connection beyond ``max_connections``
-is closed at once. ``raise_file_limit`` lifts the soft limit on open files to the hard one and returns what
+closes the connection that has waited longest without sending a request head (or, when every other one has a
+request in flight, is closed itself), so that a flood of half-sent heads cannot lock out a client that sends its
+request at once. ``raise_file_limit`` lifts the soft limit on open files to the hard one and returns what
 the cap must stay under.
 """
 
@@ -32,7 +34,7 @@ LOG_EVERY_S = 10.0  # refusals are logged at most this often, with the count sin
 @dataclass(frozen=True)
 class ConnectionLimits:
     """``header_timeout_s``: seconds a connection may take to send a request head; ``max_connections``: open
-    connections at most (a new one beyond it is closed unanswered)."""
+    connections at most (beyond it, the one waiting longest for its request head is closed)."""
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
@@ -74,23 +76,36 @@ class _RateLimitedLog:
 
 def guarded_h11(limits: ConnectionLimits) -> type[H11Protocol]:
     """uvicorn's H11 protocol class with ``limits`` (pass it as ``uvicorn.Config(http=...)``)."""
-    over_cap = _RateLimitedLog("%d connection(s) refused: more than --max-connections open")
+    over_cap = _RateLimitedLog("%d connection(s) over --max-connections: the oldest without a request head closed")
     too_slow = _RateLimitedLog("%d connection(s) closed: no complete request head within --header-timeout")
 
     class GuardedH11Protocol(H11Protocol):
         _head_deadline: asyncio.TimerHandle | None = None
+        _waiting_since = 0.0  # loop time since which it waits for a request head (opened, or last response sent)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._waiting_since = self.loop.time()
             if len(self.connections) > limits.max_connections:
+                # Make room by closing the connection that has waited longest without a request head (half-sent
+                # heads, idle keep-alives): a flood of them cannot lock out a client that sends its request at
+                # once (a /health probe). Only when every other connection has a request in flight is the new one
+                # closed.
+                oldest = min((c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
+                              and c.conn.their_state is h11.IDLE and not c.transport.is_closing()),
+                             key=lambda c: c._waiting_since, default=None)
                 over_cap()
-                self.connections.discard(self)
-                transport.close()
-                return
+                if oldest is None:
+                    self.connections.discard(self)
+                    transport.close()
+                    return
+                oldest.connections.discard(oldest)
+                oldest.transport.close()
             self._arm_head_deadline()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._waiting_since = self.loop.time()
             self._arm_head_deadline()  # a kept-alive connection owes its next head in time too
 
         def connection_lost(self, exc: Exception | None) -> None:

@@ -80,20 +80,22 @@ def test_a_kept_alive_connection_keeps_working_within_the_timeout():
                 time.sleep(0.2)
 
 
-def test_connections_beyond_the_cap_are_closed_at_once():
+def test_at_the_cap_the_oldest_connection_without_a_request_makes_room():
+    """A cap full of connections that send nothing cannot lock out a client that sends its request at once: the one
+    waiting longest for its head is closed to admit it; the others keep waiting for theirs."""
     with _serving(ConnectionLimits(header_timeout_s=30, max_connections=5)) as (host, port):
-        held = [socket.create_connection((host, port)) for _ in range(5)]
+        held = []
+        for _ in range(5):
+            held.append(socket.create_connection((host, port)))
+            time.sleep(0.05)  # an order of arrival
         time.sleep(0.2)
-        extra = socket.create_connection((host, port))
+        assert httpx.get(f"http://{host}:{port}/health", timeout=5).status_code == 200
         deadline = time.monotonic() + 5
-        while not _closed_by_server(extra):
-            assert time.monotonic() < deadline, "a connection beyond the cap was kept"
-        assert not any(_closed_by_server(s) for s in held)  # those within the cap wait for their head
+        while not _closed_by_server(held[0]):
+            assert time.monotonic() < deadline, "the oldest half-open connection was kept at the cap"
+        assert not any(_closed_by_server(s) for s in held[2:])  # the newer ones still wait for their heads
         for sock in held:
             sock.close()
-        time.sleep(0.2)
-        assert httpx.get(f"http://{host}:{port}/health", timeout=5).status_code == 200  # room again
-        extra.close()
 
 
 def test_the_file_limit_is_raised_and_leaves_room_for_the_process():
