@@ -22,7 +22,7 @@ from moeforge.compile.plan import plan_compile
 from moeforge.compile.sharded_compile import is_sharded, rank_dir, read_sharded
 from moeforge.compile.targets import TARGETS
 from moeforge.core.artifact import load_artifact, restore_interrupted
-from moeforge.core.errors import MoeforgeError
+from moeforge.core.errors import GroupArtifactError, MoeforgeError
 from moeforge.core.host_memory import parse_size
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
@@ -342,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except MoeforgeError as exc:
-        print(f"moeforge {args.command}: error: {exc}", file=sys.stderr)
+        if not (isinstance(exc, GroupArtifactError) and os.environ.get("RANK", "0") != "0"):  # rank 0 speaks for all
+            print(f"moeforge {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

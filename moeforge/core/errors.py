@@ -25,3 +25,8 @@ class TokenizerError(MoeforgeError):
 
 class ArtifactError(MoeforgeError):
     """An artifact directory that cannot be written or read: exists, unwritable, missing, corrupted."""
+
+
+class GroupArtifactError(ArtifactError):
+    """An artifact problem every rank of a sharded group found together (each raises the same message): rank 0
+    reports it, the other ranks only exit with its code."""

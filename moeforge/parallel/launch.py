@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from moeforge.compile.sharded_compile import load_rank, read_sharded
 from moeforge.core.artifact import Artifact
-from moeforge.core.errors import ArtifactError, MoeforgeError
+from moeforge.core.errors import ArtifactError, GroupArtifactError, MoeforgeError
 from moeforge.ops.collectives.ort import DEFAULT_TIMEOUT_S, CollectiveError, init_process_group
 from moeforge.parallel.net import free_port
 from moeforge.runtime.backends.base import Backend
@@ -118,7 +118,7 @@ def _open_rank(path: str | Path, world: World) -> Artifact:
     statuses = gather_status(problem)
     bad = [f"rank {r}: {text}" for r, text in enumerate(statuses) if text]
     if bad:
-        raise ArtifactError("the ranks do not hold one sharded artifact: " + "; ".join(bad))
+        raise GroupArtifactError("the ranks do not hold one sharded artifact: " + "; ".join(bad))
     assert artifact is not None
     spec = backend_for(artifact.manifest)
     why = spec.refusal(paged=artifact.manifest.kv_cache.paged, sharded=True)

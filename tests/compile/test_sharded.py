@@ -351,3 +351,16 @@ def test_a_rank_killed_mid_stream_ends_the_stream_with_an_error_and_done(
         error = json.loads(events[-2])["error"]
         assert error["type"] == "server_error" and "rank" in error["message"]
         assert proc.wait(timeout=LAUNCH_TIMEOUT_S) != 0
+
+
+def test_a_deleted_rank_is_reported_once_by_the_cli(sharded_artifacts: dict[str, tuple[Path, Path]],
+                                                    tmp_path: Path) -> None:
+    """Every rank finds the missing rank together; rank 0 alone prints it (one error line, exit 2)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(sharded_artifacts[_case_id(CASES[0])][0], broken)
+    shutil.rmtree(broken / "rank1")
+    result = subprocess.run([sys.executable, "-m", "moeforge.cli", "run", str(broken), "--prompt-ids", "1,2,3",
+                             "--max-new-tokens", "2"], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert result.returncode == 2
+    assert result.stderr.count("error:") == 1 and "rank 1: no artifact" in result.stderr, result.stderr[-2000:]
+    assert "terminate called" not in result.stderr
