@@ -107,10 +107,16 @@ def build_artifact(job: CompileJob, target: Target, output_dir: Path, bar: tqdm,
 
 @contextlib.contextmanager
 def _weights_bar(weights: LazyWeights, enabled: bool) -> Iterator[None]:
-    """A bar over the bytes of the checkpoint tensors not read yet, advanced as the writer reads each one."""
+    """A bar over the bytes of the checkpoint tensors not read yet (rate, ETA), advanced as the writer reads each
+    one, with the tensors done in its postfix."""
+    tensors = len(weights.stored_names())
     with tqdm(total=weights.total_bytes() - weights.bytes_read_once, desc="weights", unit="B", unit_scale=True,
               unit_divisor=1024, disable=not enabled, leave=False, position=1) as bar:
-        weights.on_first_read = lambda _name, nbytes: bar.update(nbytes)
+        def advance(_name: str, nbytes: int) -> None:
+            bar.set_postfix_str(f"{weights.tensors_read_once}/{tensors} tensors", refresh=False)
+            bar.update(nbytes)
+
+        weights.on_first_read = advance
         try:
             yield
         finally:

@@ -47,7 +47,7 @@ class LazyWeights:
     sources: Callable[[str], TensorSlice | None] | None = None
 
     def __post_init__(self) -> None:
-        self._read_once: set[str] = set()
+        self._read_once: set[str] = set()  # the stored tensors read so far (len: tensors done)
         self.bytes_read_once = 0  # float32 bytes of the distinct checkpoint tensors read so far
         # Taken now: the exporter rewires the module tree for a while (moeforge/compile/onnx_export.py).
         self._tensors = {name: t for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
@@ -62,15 +62,24 @@ class LazyWeights:
         checkpoint tensor ``sources`` names: a rank reads only what it holds."""
         return LazyWeights(model, self.checkpoint, self.check_finite, sources=sources)
 
+    @property
+    def tensors_read_once(self) -> int:
+        """How many distinct stored tensors have been read."""
+        return len(self._read_once)
+
     def stored(self, name: str) -> TensorSlice | None:
         """What of the checkpoint ``name`` holds (None: a derived buffer, computed from the config)."""
         if self.sources is not None:
             return self.sources(name)
         return TensorSlice(name) if name in self.checkpoint else None
 
+    def stored_names(self) -> list[str]:
+        """The model's tensors that are read from the checkpoint (derived buffers excluded)."""
+        return [name for name in self._tensors if self.stored(name) is not None]
+
     def total_bytes(self) -> int:
         """The float32 bytes of every stored tensor (what a streamed compile reads, once each at least)."""
-        return sum(4 * math.prod(self.shape(name)) for name in self._tensors if self.stored(name) is not None)
+        return sum(4 * math.prod(self.shape(name)) for name in self.stored_names())
 
     def read(self, name: str) -> np.ndarray:
         """``name``'s values as a float32 array (a fresh copy)."""

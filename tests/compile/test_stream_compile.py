@@ -381,3 +381,47 @@ def test_workers_are_refused_where_they_do_not_fit(checkpoints: dict[str, Path],
     with pytest.raises(MoeforgeError, match=match):
         _compile(checkpoints["deepseek-v3-fp8"], tmp_path / "out", **flags)
     assert not (tmp_path / "out").exists()
+
+
+_KILLED_IN_RANK_1 = """
+import os, signal, sys
+from pathlib import Path
+from moeforge.compile import sharded_compile
+from moeforge.compile.driver import CompileOptions, compile_model
+original = sharded_compile.build_rank
+def build(options, loaded, weights, rank, root, bar):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would: no handler, no cleanup
+    original(options, loaded, weights, rank, root, bar)
+sharded_compile.build_rank = build
+compile_model(CompileOptions.from_flags(model=sys.argv[1], output_dir=Path(sys.argv[2]), max_seq_len=64,
+                                        progress=False, stream=True, tp=2, ep=2))
+"""
+
+
+def test_a_sigkilled_sharded_compile_continues_from_its_partial_directory(
+        checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process killed with SIGKILL while writing rank 1 leaves rank 0 in the partial directory; the same compile
+    run again builds rank 1 only."""
+    import signal
+    import subprocess
+
+    from moeforge.compile import sharded_compile
+    from moeforge.compile.partial_compile import partial_dir
+
+    folder, out = checkpoints["deepseek-v3-fp8"], tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_IN_RANK_1, str(folder), str(out)], capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    partial = partial_dir(out.absolute())
+    assert not out.exists() and (partial / "rank0" / "manifest.json").is_file()
+    built: list[int] = []
+    original = sharded_compile.build_rank
+
+    def build(options: CompileOptions, loaded: Any, weights: Any, rank: int, root: Path, bar: Any) -> None:
+        built.append(rank)
+        original(options, loaded, weights, rank, root, bar)
+
+    monkeypatch.setattr(sharded_compile, "build_rank", build)
+    _compile(folder, out, stream=True, tp=2, ep=2)
+    assert built == [1] and not partial.exists() and (out / "sharded.json").is_file()
