@@ -37,9 +37,8 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
-from serve_load import HOST, metrics, start_server
+from serve_load import HOST, metrics, report, start_server
 
-from moeforge.cli.bench import write_result
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.parallel.net import free_port
 
@@ -240,11 +239,7 @@ def main() -> int:
         artifact = args.artifact or compile_model(CompileOptions(
             model="tiny-llama", output_dir=Path(tmp) / "tiny-llama", max_seq_len=1024, progress=False)).output_dir
         results, failures = run(artifact, args.slow_connections, args.seconds, args.stall_timeout)
-    write_result(args.out, "serve_abuse", results)
-    print(json.dumps(results, indent=2))
-    for failure in failures:
-        print("FAIL", failure, file=sys.stderr)
-    return 1 if failures else 0
+    return report(args.out, "serve_abuse", results, failures)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -223,7 +224,12 @@ def main() -> int:
             artifact = compile_model(CompileOptions(model="tiny-llama", output_dir=Path(tmp) / "tiny-llama",
                                                     max_seq_len=256, progress=False)).output_dir
         results, failures = run(artifact, args.clients, args.max_num_seqs, args.timeout, args.seed)
-    write_result(args.out, "serve_load", results)
+    return report(args.out, "serve_load", results, failures)
+
+
+def report(out: Path, name: str, results: dict[str, Any], failures: list[str]) -> int:
+    """Write ``results`` (machine described) to ``out``, print them and each failure; the exit code (1: a failure)."""
+    write_result(out, name, results)
     print(json.dumps(results, indent=2))
     for failure in failures:
         print("FAIL", failure, file=sys.stderr)

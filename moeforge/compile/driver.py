@@ -19,15 +19,14 @@ from pathlib import Path
 from moeforge.compile.options import CompileOptions, KVOptions, TrtOptions
 from moeforge.compile.plan import plan_compile, size_text
 from moeforge.compile.sharded_compile import ShardedCompileResult, compile_sharded
-from moeforge.compile.stages import ARTIFACT_STAGES, DATA_FILE, build_artifact, make_job, stage_bar
+from moeforge.compile.stages import ARTIFACT_STAGES, DATA_FILE, build_artifact, make_job, open_source, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.core.artifact import check_output_dir
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import memory_limit
 from moeforge.core.kv_layout import KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
-from moeforge.model.lazy_weights import open_lazy_model
-from moeforge.model.loader import load_config, load_model, resolve_source
+from moeforge.model.loader import load_config, resolve_source
 from moeforge.quant.spec import QuantSpec, validate
 from moeforge.runtime.backends.registry import BACKENDS, refusal
 from moeforge.verify.parity import ParityCheckFailed, ParityReport
@@ -60,11 +59,7 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
     bar = stage_bar(1 + ARTIFACT_STAGES, "compile", options.progress)
     try:
         bar.set_postfix_str("load checkpoint")
-        weights = None
-        if options.stream:  # the model on the meta device; each weight read when the artifact is written
-            loaded, weights = open_lazy_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
-        else:
-            loaded = load_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
+        loaded, weights = open_source(options)  # streamed: each weight read when the artifact is written
         job = make_job(options, loaded, weights)
         bar.update()
         out, manifest = build_artifact(job, target, options.output_dir, bar)

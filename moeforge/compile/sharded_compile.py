@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from moeforge.compile.options import CompileOptions
 from moeforge.compile.partial_compile import RESUME_FILE, open_partial
-from moeforge.compile.stages import ARTIFACT_STAGES, build_artifact, make_job, stage_bar
+from moeforge.compile.stages import ARTIFACT_STAGES, build_artifact, make_job, open_source, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.compile.targets.ort import OrtTarget
 from moeforge.core.artifact import (
@@ -46,8 +46,8 @@ from moeforge.core.artifact import (
 )
 from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
-from moeforge.model.lazy_weights import LazyWeights, open_lazy_model
-from moeforge.model.loader import LoadedModel, load_model, release_weights, source_argument
+from moeforge.model.lazy_weights import LazyWeights
+from moeforge.model.loader import LoadedModel, release_weights, source_argument
 from moeforge.model.rank_model import rank_sources, shard_model
 from moeforge.model.sharding import check_degrees, plan_sharding
 
@@ -224,7 +224,7 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
     bar = stage_bar(1 + ARTIFACT_STAGES * tp + 1, f"compile tp{tp}", options.progress)  # load, ranks, sharded.json
     try:
         bar.set_postfix_str("load checkpoint")
-        loaded, weights = _open_source(options)
+        loaded, weights = open_source(options)
         plan = plan_sharding(loaded.config, tp, ep)  # a bad split fails before anything is written
         bar.update()
         with open_partial(out, options, tp) as partial:
@@ -254,13 +254,6 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
         return ShardedCompileResult(out, sharded, first)
     finally:
         bar.close()
-
-
-def _open_source(options: CompileOptions) -> tuple[LoadedModel, LazyWeights | None]:
-    """The unsharded model: loaded whole, or (``--stream``) on the meta device with its weights read on demand."""
-    if options.stream:  # each rank reads its slices as its artifact is written
-        return open_lazy_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
-    return load_model(options.model, mla_impl="absorb", check_finite=options.check_weights), None
 
 
 def build_rank(options: CompileOptions, loaded: LoadedModel, weights: LazyWeights | None, rank: int, root: Path,
@@ -295,7 +288,7 @@ def _build_in_workers(options: CompileOptions, ranks: list[int], root: Path, bar
 
 def _rank_worker(options: CompileOptions, rank: int, root: Path) -> None:
     """One worker's rank (a spawned process: nothing shared with the parent but the options)."""
-    loaded, weights = _open_source(options)
+    loaded, weights = open_source(options)
     with stage_bar(1, f"rank {rank}", False) as quiet:
         build_rank(dataclasses.replace(options, progress=False), loaded, weights, rank, root, quiet)
 

@@ -24,8 +24,8 @@ from moeforge.compile.targets import CompileJob, Target
 from moeforge.core.artifact import write_artifact
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.manifest import MODEL_FILE, Manifest, TensorSpec, tool_versions
-from moeforge.model.lazy_weights import LazyWeights
-from moeforge.model.loader import LoadedModel, release_weights, source_argument
+from moeforge.model.lazy_weights import LazyWeights, open_lazy_model
+from moeforge.model.loader import LoadedModel, load_model, release_weights, source_argument
 from moeforge.passes.base import PassReport
 from moeforge.passes.pipeline import run_passes
 from moeforge.quant.calibration import read_prompts, tokenize_prompts
@@ -48,6 +48,14 @@ STAGE_BAR_FORMAT = "{desc}: {n}/{total} stages [{elapsed}]{postfix}"
 def stage_bar(total: int, desc: str, enabled: bool) -> tqdm:
     """The compile's progress bar over ``total`` stages (passes are added once the target's list is known)."""
     return tqdm(total=total, desc=desc, unit="stage", disable=not enabled, leave=False, bar_format=STAGE_BAR_FORMAT)
+
+
+def open_source(options: CompileOptions) -> tuple[LoadedModel, LazyWeights | None]:
+    """The (unsharded) model to compile: loaded whole, or with ``options.stream`` on the meta device with its weights
+    read on demand (``LazyWeights``)."""
+    if options.stream:
+        return open_lazy_model(options.model, mla_impl="absorb", check_finite=options.check_weights)
+    return load_model(options.model, mla_impl="absorb", check_finite=options.check_weights), None
 
 
 def make_job(options: CompileOptions, loaded: LoadedModel, weights: LazyWeights | None = None) -> CompileJob:

@@ -225,7 +225,7 @@ def test_an_output_where_no_directory_can_be_made_is_refused_before_loading(monk
     def no_load(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the model was loaded before the output location was checked")
 
-    monkeypatch.setattr("moeforge.compile.driver.load_model", no_load)
+    monkeypatch.setattr("moeforge.compile.stages.load_model", no_load)
     with pytest.raises(ArtifactError, match=r"/proc/moeforge-x: creating a directory in /proc fails"):
         compile_model(CompileOptions(model="tiny-llama", output_dir="/proc/moeforge-x", progress=False))
 
@@ -252,7 +252,7 @@ def test_unwritable_output_is_refused_before_loading(tmp_path: Path, monkeypatch
     def no_load(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the model was loaded before the output location was checked")
 
-    monkeypatch.setattr("moeforge.compile.driver.load_model", no_load)
+    monkeypatch.setattr("moeforge.compile.stages.load_model", no_load)
     with pytest.raises(ArtifactError, match="not writable"):
         compile_model(CompileOptions(model="tiny-llama", output_dir=locked / "art", max_seq_len=64, progress=False))
     assert list(locked.iterdir()) == []
