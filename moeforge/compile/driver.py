@@ -99,6 +99,10 @@ def _check_options(options: CompileOptions) -> None:
         raise MoeforgeError("--workers builds the ranks of a streamed sharded compile in parallel processes: it "
                             "needs --tp (or --ep) and --stream (without --stream each worker would load the whole "
                             "model)")
+    if options.placement is not None and not (options.ep > 1 and options.ep == options.tp):
+        raise MoeforgeError(f"--placement places whole experts on expert-parallel ranks: it needs --tp N --ep N "
+                            f"with N > 1 (got --tp {options.tp} --ep {options.ep}); pass the --ep the plan was made "
+                            "for to both")
     if options.stream:
         _check_stream(options)
     why = refusal(options.target, paged=paged, sharded=sharded)

@@ -52,6 +52,9 @@ class CompileOptions:
     check_weights: bool = True  # refuse NaN/Inf weights at load (--no-weight-check skips the scan)
     tp: int = 1  # tensor-parallel ranks: > 1 writes one artifact per rank (moeforge/compile/sharded_compile.py)
     ep: int = 1  # expert-parallel ranks: 1 (each expert split tp ways) or tp (whole experts per rank)
+    # An EPLB plan (``moeforge eplb -o``) with --ep N: each rank holds the logical experts of its slots, replicas
+    # included (``moeforge/model/expert_slots.py``); None: contiguous experts.
+    placement: Path | None = None
     argmax_head: bool = True  # ONNX Runtime, float32 head: the certified greedy head (moeforge/passes/argmax_head.py)
     # Build an artifact no moeforge backend runs yet (runtime/backends/registry.py says which: TensorRT paged engines
     # and --tp plans), for a runtime of the user's own; without it such a compile is refused before anything runs.

@@ -47,7 +47,8 @@ def partial_dir(out: Path) -> Path:
 
 def compile_fingerprint(options: CompileOptions) -> str:
     """sha256 over what decides the artifact's bytes: the options (not where it goes, --force, progress, workers
-    or the memory limit), the source's files (names, sizes, modification times) and moeforge's version."""
+    or the memory limit), the source's files (names, sizes, modification times), the placement plan's content and
+    moeforge's version."""
     settings = dataclasses.asdict(dataclasses.replace(options, output_dir=Path("."), force=False, progress=False,
                                                       workers=1, max_memory=None))
     source = Path(options.model).expanduser()
@@ -57,7 +58,11 @@ def compile_fingerprint(options: CompileOptions) -> str:
         files = [[source.name, source.stat().st_size, source.stat().st_mtime_ns]]
     else:  # a preset or built-in model: its name (and moeforge's version) decide it
         files = [[options.model]]
-    text = json.dumps({"moeforge": __version__, "options": settings, "source": files}, sort_keys=True, default=str)
+    placement = options.placement
+    plan = hashlib.sha256(placement.expanduser().read_bytes()).hexdigest() \
+        if placement is not None and placement.expanduser().is_file() else None  # its content, not only its path
+    text = json.dumps({"moeforge": __version__, "options": settings, "source": files, "placement": plan},
+                      sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -46,9 +46,10 @@ from moeforge.core.artifact import (
 )
 from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
+from moeforge.model.expert_slots import ExpertSlots, load_plan
 from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.loader import LoadedModel, release_weights, source_argument
-from moeforge.model.rank_model import rank_sources, shard_model
+from moeforge.model.rank_model import moe_layer_index, rank_sources, shard_model
 from moeforge.model.sharding import check_degrees, plan_sharding
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,14 @@ class ShardedManifest:
     source: str = ""
     created_utc: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     format_version: int = SHARDED_FORMAT
+    # ``ExpertSlots.to_dict()`` of a ``--placement`` compile (slot -> logical expert per MoE layer), else None.
+    placement: dict[str, Any] | None = None
+
+    def expert_slots(self) -> ExpertSlots | None:
+        """The placement the ranks were compiled with (None: contiguous experts, or no expert parallelism)."""
+        if self.placement is None:
+            return None
+        return ExpertSlots.from_array(self.placement["physical_to_logical"], self.ep)
 
     @property
     def world_size(self) -> int:
@@ -91,7 +100,8 @@ class ShardedManifest:
         return {"format": SHARDED_FORMAT_NAME, "format_version": self.format_version, "world_size": self.world_size,
                 "tp": self.tp, "ep": self.ep, "compile_id": self.compile_id, "source": self.source,
                 "created_utc": self.created_utc, "model_config": self.model_config, "ranks": self.ranks,
-                "collectives": self.collectives, "replicated": self.replicated, "kv_cache_note": self.kv_cache_note}
+                "collectives": self.collectives, "replicated": self.replicated, "kv_cache_note": self.kv_cache_note,
+                "placement": self.placement}
 
     @classmethod
     def from_dict(cls, data: Any, where: Path) -> ShardedManifest:
@@ -110,10 +120,14 @@ class ShardedManifest:
                     raise ValueError(f"ranks[{index}] is {entry.get('rank')!r} in {entry.get('dir')!r}")
                 if not isinstance(entry.get("manifest_sha256"), str):
                     raise ValueError(f"ranks[{index}] has no manifest_sha256")
+            placement = data.get("placement")
+            if placement is not None:
+                ExpertSlots.from_array(placement["physical_to_logical"], ep)
             return cls(tp=tp, ep=ep, model_config=dict(data["model_config"]), ranks=ranks,
                        compile_id=str(data["compile_id"]), collectives=list(data.get("collectives", [])),
                        replicated=list(data.get("replicated", [])), kv_cache_note=str(data.get("kv_cache_note", "")),
-                       source=str(data.get("source", "")), created_utc=str(data.get("created_utc", "")))
+                       source=str(data.get("source", "")), created_utc=str(data.get("created_utc", "")),
+                       placement=None if placement is None else dict(placement))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ArtifactError(f"{where} is malformed ({exc}); {fix}") from None
 
@@ -226,6 +240,7 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
         bar.set_postfix_str("load checkpoint")
         loaded, weights = open_source(options)
         plan = plan_sharding(loaded.config, tp, ep)  # a bad split fails before anything is written
+        slots = placement_slots(options, loaded)
         bar.update()
         with open_partial(out, options, tp) as partial:
             todo = [rank for rank in range(tp) if rank not in partial.done]
@@ -245,7 +260,8 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
             sharded = ShardedManifest(
                 tp=tp, ep=ep, model_config=loaded.config.to_dict(), ranks=ranks, replicated=plan.replicated(),
                 kv_cache_note=_kv_note(loaded.config.mla is not None, tp, loaded.config.num_key_value_heads),
-                source=source_argument(options.model, loaded.source))
+                source=source_argument(options.model, loaded.source),
+                placement=None if slots is None else slots.to_dict())
             (partial.root / SHARDED_FILE).write_text(json.dumps(sharded.to_dict(), indent=2) + "\n", encoding="utf-8")
             (partial.root / RESUME_FILE).unlink()
             install_directory(partial.root, out)
@@ -259,13 +275,25 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
 def build_rank(options: CompileOptions, loaded: LoadedModel, weights: LazyWeights | None, rank: int, root: Path,
                bar: tqdm) -> None:
     """Write rank ``rank``'s artifact to ``root/rank{rank}`` (atomically) from the unsharded ``loaded`` model."""
-    model, config, layout = shard_model(loaded.model, options.tp, options.ep, rank)
+    model, config, layout = shard_model(loaded.model, options.tp, options.ep, rank, placement_slots(options, loaded))
     rank_loaded = LoadedModel(model, config, loaded.tokenizer, loaded.source)
     rank_weights = None if weights is None else weights.for_rank(
         model, rank_sources(loaded.config, layout, weights.shape))
     rank_options = _rank_options(options)
     job = make_job(rank_options, rank_loaded, rank_weights)
     build_artifact(job, rank_target(rank_options), root / rank_dir(rank), bar, sharding={**layout.to_dict()})
+
+
+def placement_slots(options: CompileOptions, loaded: LoadedModel) -> ExpertSlots | None:
+    """The ``--placement`` plan's slots, checked against the model (its MoE layers and experts) and ``--ep``."""
+    if options.placement is None:
+        return None
+    config = loaded.config
+    if config.moe is None:
+        raise MoeforgeError(f"--placement places routed experts; {config.name} has none: drop --placement")
+    slots = load_plan(options.placement)
+    slots.check(len(moe_layer_index(config)), config.moe.n_routed_experts, options.ep, config.name)
+    return slots
 
 
 def _build_in_workers(options: CompileOptions, ranks: list[int], root: Path, bar: tqdm) -> None:

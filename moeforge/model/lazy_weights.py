@@ -93,7 +93,12 @@ class LazyWeights:
         return array
 
     def _read(self, piece: TensorSlice) -> np.ndarray:
-        if piece.dim is None:
+        if piece.indices is not None:  # an expert placement's slots: whole experts by index, zeros for an empty slot
+            experts = {e: self.checkpoint.read_slice(piece.source, 0, e, e + 1)[0].to(torch.float32)
+                       for e in sorted(set(piece.indices)) if e >= 0}
+            blank = torch.zeros(self.checkpoint.shape(piece.source)[1:])
+            tensor = torch.stack([experts[e] if e >= 0 else blank for e in piece.indices])
+        elif piece.dim is None:
             tensor = self.checkpoint.read(piece.source).to(torch.float32)
         else:
             tensor = self.checkpoint.read_slice(piece.source, piece.dim, piece.start, piece.stop).to(torch.float32)

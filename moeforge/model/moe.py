@@ -74,6 +74,27 @@ def hold_local_experts(expert_ids: torch.Tensor, weights: torch.Tensor, first: i
     return torch.where(held, local, count), torch.where(held, weights, 0.0)
 
 
+def route_to_replicas(expert_ids: torch.Tensor, logical_to_slot: torch.Tensor,
+                      replica_count: torch.Tensor) -> torch.Tensor:
+    """Logical expert ids [T, K] -> physical slot ids [T, K] under an expert placement with replicas (EPLB).
+
+    ``logical_to_slot`` [E, R_max] lists each logical expert's slots (padded by repeating its first), ``replica_count``
+    [E] how many it has. The ``j``-th choice of expert ``e`` in the step (counted in token order) goes to its replica
+    ``j % replica_count[e]``: deterministic, so every rank maps a choice to the same one slot, and the choices of a
+    replicated expert are split evenly (counts differ by at most one) over its replicas whatever position ``k`` the
+    router gives it. (A rule on the flat position ``t * K + k`` would not split a hot expert that is mostly the top
+    choice when ``K`` and the replica count share a factor.) Every replica holds the same weights, so the model's
+    math is unchanged."""
+    expert_ids = expert_ids.to(torch.int64)  # the exported router's ids are int32; ONNX indexes with int64
+    flat = expert_ids.reshape(-1)  # [T * K], token-major
+    experts = torch.arange(logical_to_slot.shape[0], dtype=torch.int64)
+    chosen = (flat[:, None] == experts[None, :]).to(torch.int64)  # [T * K, E] one-hot
+    occurrence = torch.gather(torch.cumsum(chosen, dim=0), 1, flat[:, None]).squeeze(1) - 1  # [T * K]
+    replica = torch.remainder(occurrence, replica_count[flat])  # [T * K]
+    slots: torch.Tensor = logical_to_slot[flat, replica].reshape(expert_ids.shape)
+    return slots
+
+
 class MoEBlock(nn.Module):
     """out = sum_k w_k * expert_k(x) + shared_experts(x).
 
@@ -87,7 +108,10 @@ class MoEBlock(nn.Module):
         super().__init__()
         moe = config.moe
         assert moe is not None
-        self.first_expert = 0  # expert parallelism: the global id of this block's first routed expert
+        self.first_expert = 0  # expert parallelism: the global id of this block's first routed expert (or slot)
+        # Expert placement with replicas (``moeforge compile --placement``): (logical_to_slot [E, R_max], replica_count
+        # [E]) as nested tuples, turned into constants at trace time (not buffers: nothing to read from a checkpoint).
+        self.slot_table: tuple[tuple[tuple[int, ...], ...], tuple[int, ...]] | None = None
         self.reduce: nn.Module | None = None  # tensor parallelism: sums the ranks' partial outputs
         self.gate = MoERouter(config)
         self.experts = RoutedExperts(moe.n_routed_experts, config.hidden_size, moe.moe_intermediate_size)
@@ -99,7 +123,15 @@ class MoEBlock(nn.Module):
 
     def local_routing(self, expert_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's global choices [T, K] as this block's: unchanged when it holds every routed expert, else
-        (an expert-parallel rank) ``hold_local_experts``."""
+        (an expert-parallel rank) ``hold_local_experts``; with a placement, each logical choice first goes to one of
+        its replicas' slots (``route_to_replicas``) and the rank holds slots, not experts."""
+        if self.slot_table is not None:
+            table, counts = self.slot_table
+            # The tables are constants with values (CPU): a streamed compile traces on the meta device, where a
+            # tensor has none, so the lookup runs on CPU and its result moves back (both moves export as nothing).
+            slots = route_to_replicas(expert_ids.cpu(), torch.tensor(table, dtype=torch.int64),
+                                      torch.tensor(counts, dtype=torch.int64)).to(expert_ids.device)
+            return hold_local_experts(slots, weights, self.first_expert, self.experts.num_experts)
         if self.experts.num_experts == self.gate.moe.n_routed_experts:
             return expert_ids, weights
         return hold_local_experts(expert_ids, weights, self.first_expert, self.experts.num_experts)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeforge.core.config import ModelConfig
+from moeforge.model.expert_slots import EMPTY, ExpertSlots
 from moeforge.model.mlp import SwiGLU
 from moeforge.model.model import CausalLM
 from moeforge.model.moe import MoEBlock
@@ -47,7 +48,9 @@ class RankLayout:
     heads: tuple[int, int]
     kv_heads: tuple[int, int]
     vocab: tuple[int, int]
-    experts: tuple[int, int] | None  # routed experts held (all of them, each partly, when ep == 1)
+    experts: tuple[int, int] | None  # routed experts held (all, each partly, when ep == 1); slots with a placement
+    # With an expert placement (``--placement``): per MoE layer, the logical expert of each of this rank's slots.
+    expert_slots: tuple[tuple[int, ...], ...] | None = None
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -134,8 +137,9 @@ def rank_config(config: ModelConfig, tp: int, ep: int) -> ModelConfig:
     return config.replace(**changes)
 
 
-def rank_layout(config: ModelConfig, tp: int, ep: int, rank: int) -> RankLayout:
-    """Index ranges rank ``rank`` holds (see ``RankLayout``)."""
+def rank_layout(config: ModelConfig, tp: int, ep: int, rank: int, slots: ExpertSlots | None = None) -> RankLayout:
+    """Index ranges rank ``rank`` holds (see ``RankLayout``); with ``slots`` (an expert placement, ep > 1) its routed
+    experts are its slots ``rank * S .. (rank + 1) * S - 1``."""
     heads = config.num_attention_heads // tp
     if config.mla is not None:
         kv = (rank * heads, (rank + 1) * heads)
@@ -150,8 +154,13 @@ def rank_layout(config: ModelConfig, tp: int, ep: int, rank: int) -> RankLayout:
     if config.moe is not None:
         count = config.moe.n_routed_experts
         experts = (rank * count // ep, (rank + 1) * count // ep) if ep > 1 else (0, count)
+    held = None
+    if slots is not None and ep > 1:
+        size = slots.slots_per_rank
+        experts = (rank * size, (rank + 1) * size)
+        held = tuple(slots.rank_experts(layer, rank) for layer in range(slots.layers))
     return RankLayout(rank, tp, ep, (rank * heads, (rank + 1) * heads), kv, (rank * vocab, (rank + 1) * vocab),
-                      experts)
+                      experts, held)
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,8 @@ class TensorSlice:
     dim: int | None = None
     start: int = 0
     stop: int = 0
+    # Instead of start:stop: whole experts by index along dim 0 (an expert placement's slots; ``EMPTY``: zeros).
+    indices: tuple[int, ...] | None = None
 
 
 _HEAD_ROWS = ("q_proj", "q_b_proj", "kv_b_proj")
@@ -174,6 +185,7 @@ def rank_sources(config: ModelConfig, layout: RankLayout,
     The same rules as ``shard_model`` (checked tensor by tensor against it in tests/model/test_rank_sources.py), so
     that a rank reads only its slices."""
     tp, rank = layout.tp, layout.rank
+    moe_index = moe_layer_index(config)
 
     def split(name: str, dim: int) -> TensorSlice:
         part = source_shape(name)[dim] // tp
@@ -195,6 +207,8 @@ def rank_sources(config: ModelConfig, layout: RankLayout,
         if "self_attn" in parts and leaf == "o_proj":
             return split(name, 1) if parts[-1] == "weight" else TensorSlice(name)
         if "experts" in parts and "shared_experts" not in parts:
+            if layout.expert_slots is not None:  # an expert placement: the logical expert of each slot
+                return TensorSlice(name, 0, indices=layout.expert_slots[moe_index[int(parts[2])]])
             if layout.ep > 1:
                 assert layout.experts is not None
                 return TensorSlice(name, 0, *layout.experts)  # whole experts
@@ -204,6 +218,12 @@ def rank_sources(config: ModelConfig, layout: RankLayout,
         return TensorSlice(name)  # replicated: norms, router, low-rank down projections, correction bias
 
     return source
+
+
+def moe_layer_index(config: ModelConfig) -> dict[int, int]:
+    """Decoder layer index -> its index among the MoE layers (the numbering of ``expert_hits`` and placements)."""
+    moe_layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)] if config.moe else []
+    return {layer: index for index, layer in enumerate(moe_layers)}
 
 
 def _rows(t: torch.Tensor, lo: int, hi: int, per: int) -> torch.Tensor:
@@ -217,15 +237,17 @@ def _split(t: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def shard_model(model: CausalLM, tp: int, ep: int, rank: int) -> tuple[RankCausalLM, ModelConfig, RankLayout]:
+def shard_model(model: CausalLM, tp: int, ep: int, rank: int,
+                slots: ExpertSlots | None = None) -> tuple[RankCausalLM, ModelConfig, RankLayout]:
     """Rank ``rank``'s model (its own copies of its weight slices), the config it was built from, and its layout.
 
     The split must be valid (``moeforge.model.sharding.plan_sharding`` checks it first); OLMoE-style q/k norms over the
-    whole projection need every head and are refused by the plan.
+    whole projection need every head and are refused by the plan. ``slots`` (ep > 1): an expert placement with
+    replicas (``ExpertSlots.check`` first); each MoE layer holds the logical experts of its slots.
     """
     config = model.config
     local_config = rank_config(config, tp, ep)
-    layout = rank_layout(config, tp, ep, rank)
+    layout = rank_layout(config, tp, ep, rank, slots)
     with torch.device("meta"):
         local = RankCausalLM(local_config, model.mla_impl)
     local.group_size = tp
@@ -242,7 +264,7 @@ def shard_model(model: CausalLM, tp: int, ep: int, rank: int) -> tuple[RankCausa
         dst.input_layernorm = copy.deepcopy(src.input_layernorm)
         dst.post_attention_layernorm = copy.deepcopy(src.post_attention_layernorm)
         _shard_attention(src.self_attn, dst.self_attn, config, layout)
-        dst.mlp = _shard_mlp(src.mlp, config, layout, index)
+        dst.mlp = _shard_mlp(src.mlp, config, layout, index, slots)
     local.model.rotary = copy.deepcopy(full.rotary)
     return local, local_config, layout
 
@@ -272,7 +294,8 @@ def _shard_swiglu(src: Any, dst: Any, rank: int, tp: int) -> None:
     dst.down_proj.weight = nn.Parameter(_split(src.down_proj.weight, 1, rank, tp), requires_grad=False)
 
 
-def _shard_mlp(src: Any, config: ModelConfig, layout: RankLayout, index: int) -> nn.Module:
+def _shard_mlp(src: Any, config: ModelConfig, layout: RankLayout, index: int,
+               slots: ExpertSlots | None = None) -> nn.Module:
     tp, ep, rank = layout.tp, layout.ep, layout.rank
     if not isinstance(src, MoEBlock):
         with torch.device("meta"):
@@ -281,11 +304,22 @@ def _shard_mlp(src: Any, config: ModelConfig, layout: RankLayout, index: int) ->
         return AllReduced(dense, tp)
     moe = config.moe
     assert moe is not None and layout.experts is not None
+    moe_index = moe_layer_index(config)[index]
     with torch.device("meta"):  # every tensor is replaced below
         block = MoEBlock(config if ep > 1 else rank_config(config, tp, ep))
     block.gate = copy.deepcopy(src.gate)
     experts = block.experts
-    if ep > 1:
+    if ep > 1 and layout.expert_slots is not None:  # an expert placement: this rank's slots, replicas included
+        held = layout.expert_slots[moe_index]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            stacked = getattr(src.experts, name)  # [E, ...]
+            picked = torch.stack([stacked[e] if e != EMPTY else torch.zeros_like(stacked[0]) for e in held])
+            setattr(experts, name, nn.Parameter(picked, requires_grad=False))
+        experts.num_experts = len(held)
+        block.first_expert = layout.experts[0]
+        assert slots is not None
+        block.slot_table = slots.slot_table(moe_index, moe.n_routed_experts)
+    elif ep > 1:
         first, last = layout.experts
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(experts, name, nn.Parameter(getattr(src.experts, name)[first:last].clone(), requires_grad=False))

@@ -16,7 +16,8 @@ A layer whose load is all zero (nothing measured) is planned as if every expert 
 predicted imbalance is 1). The prediction (``rank_load``, ``imbalance`` = max / mean rank load) assumes each replica
 serves ``load / replicas`` of its expert.
 
-Not done here: compiling an artifact with a placement and mapping the router's logical choice to a replica.
+A plan compiles into an expert-parallel artifact with ``moeforge compile MODEL --tp N --ep N --placement plan.json``
+(``moeforge.model.expert_slots``: each rank holds its slots' experts; the router's logical choice goes to one replica).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from typing import Any
 import numpy as np
 
 from moeforge.core.errors import MoeforgeError
+from moeforge.model.expert_slots import EMPTY, PLAN_FORMAT, PLAN_VERSION, ExpertSlots
 
-FORMAT = "moeforge-eplb-plan"
-FORMAT_VERSION = 1
+FORMAT = PLAN_FORMAT
+FORMAT_VERSION = PLAN_VERSION
 MODES = ("hierarchical", "global", "contiguous", "round_robin")
 METRIC = "moeforge:expert_routed_tokens_total"
-EMPTY = -1  # a physical slot holding no expert (baselines with fill_redundant=False)
+# EMPTY (-1): a physical slot holding no expert (baselines with fill_redundant=False)
 
 
 class EplbError(MoeforgeError):
@@ -84,6 +86,10 @@ class Placement:
         object.__setattr__(self, "load", load)
         object.__setattr__(self, "physical_to_logical", phy.astype(np.int64))
         object.__setattr__(self, "replica_count", count.astype(np.int64))
+
+    def slots(self) -> ExpertSlots:
+        """What a compile needs of the plan: slot -> logical expert per layer, on ``ep`` ranks."""
+        return ExpertSlots.from_array(self.physical_to_logical, self.ep)
 
     @property
     def slots_per_rank(self) -> int:
@@ -332,6 +338,16 @@ def parse_stats(text: str) -> tuple[np.ndarray, str | None]:
     if any(isinstance(v, bool) or not isinstance(v, int | float) for row in data for v in row):
         raise EplbError("statistics JSON: every load must be a number")
     return _check_load(data), sha
+
+
+def stats_groups(text: str) -> int | None:
+    """The model's expert groups (``n_group``) recorded in JSON statistics (``--expert-load-out``), else None."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    groups = data.get("groups") if isinstance(data, dict) else None
+    return groups if isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1 else None
 
 
 def _parse_scrape(text: str) -> np.ndarray:
