@@ -35,7 +35,14 @@ from moeforge.runtime.backends.base import Backend
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession
 from moeforge.runtime.backends.registry import backend_for
-from moeforge.runtime.backends.sharded import ShardedBackend, ShardedSession, agree, gather_status, serve_rank
+from moeforge.runtime.backends.sharded import (
+    ExpertLayout,
+    ShardedBackend,
+    ShardedSession,
+    agree,
+    gather_status,
+    serve_rank,
+)
 from moeforge.runtime.engine import EngineConfig, open_engine_backend
 
 CHILD_WAIT_S = 60.0  # how long rank 0 waits for the other ranks to exit after STOP
@@ -135,10 +142,10 @@ def open_rank_backend(path: str | Path, world: World, config: EngineConfig) -> t
     kv = artifact.manifest.kv_cache
     slots = config.scheduling.max_num_seqs
     blocks = config.cache.num_kv_blocks(slots, kv.max_seq_len, kv.block_size) if kv.paged and kv.block_size else 0
-    slots, blocks = agree([slots, blocks])
-    # A rank neither counts expert load nor profiles: the sharded backend reports neither (each rank would see only
-    # its own experts' share).
-    rank_options = dataclasses.replace(config.backend, track_expert_load=False, profile=False)
+    slots, blocks, track = agree([slots, blocks, int(config.backend.track_expert_load)])
+    # Every rank counts its own experts' load when rank 0 asks for it (``ShardedBackend.expert_load`` gathers them);
+    # no rank profiles (the sharded backend reports rank 0's kernel shares only).
+    rank_options = dataclasses.replace(config.backend, track_expert_load=bool(track), profile=False)
     backend = open_engine_backend(artifact, dataclasses.replace(config, backend=rank_options), collectives=True,
                                   num_slots=slots, num_blocks=blocks or None)
     return backend, artifact
@@ -147,7 +154,10 @@ def open_rank_backend(path: str | Path, world: World, config: EngineConfig) -> t
 def sharded_backend(path: str | Path, world: World, config: EngineConfig) -> tuple[ShardedBackend, Artifact]:
     """Rank 0's backend for the engine (``LLMEngine(backend, ...)``)."""
     local, artifact = open_rank_backend(path, world, config)
-    return ShardedBackend(local, world.world_size, heartbeat_s=DEFAULT_TIMEOUT_S / 4), artifact
+    sharded = read_sharded(path)
+    moe = sharded.model_config.get("moe")
+    experts = None if not moe else ExpertLayout(sharded.ep, int(moe["n_routed_experts"]), sharded.expert_slots())
+    return ShardedBackend(local, world.world_size, heartbeat_s=DEFAULT_TIMEOUT_S / 4, experts=experts), artifact
 
 
 def open_rank_session(path: str | Path, world: World, max_len: int) -> tuple[Any, Artifact]:

@@ -206,6 +206,12 @@ class LLMEngine:
         counter = getattr(self.backend, "expert_load", None)
         return counter() if counter is not None else None
 
+    def rank_expert_load(self) -> np.ndarray | None:
+        """Expert computations (token x expert) each rank of a sharded artifact ran so far, [L_moe, N] (its max / mean
+        per layer is the expert-parallel imbalance), when the backend tracks expert load; None otherwise (one rank)."""
+        counter = getattr(self.backend, "rank_expert_load", None)
+        return counter() if counter is not None else None
+
     def argmax_head_stats(self) -> ArgmaxHeadStats | None:
         """Runs of the certified argmax head so far (greedy steps fed ``argmax_only``, and those repeated on the
         float head), when the backend's artifact has one (moeforge/passes/argmax_head.py); None otherwise."""

@@ -30,6 +30,8 @@ from moeforge.runtime.outputs import RequestOutput
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve.metrics import ServerMetrics
 
+EXPERT_LOAD_PERIOD_S = 1.0  # how often a busy server refreshes its expert-load metrics
+
 log = logging.getLogger(__name__)
 
 # Called on the loop thread with (the prompt's index in its submission, the output).
@@ -100,6 +102,8 @@ class EngineLoop:
         self._deadline: float | None = None
         self._profile_steps = profile_steps
         self._expert_baseline: np.ndarray | None = None  # expert load routed by the warm-up step
+        self._rank_baseline: np.ndarray | None = None  # and its per-rank load (sharded artifacts)
+        self._expert_published = float("-inf")
         self._thread = threading.Thread(target=self._run, name="moeforge-engine-loop", daemon=True)
 
     # ---- any thread
@@ -130,6 +134,20 @@ class EngineLoop:
         """Abort every request the loop holds (each reports a final "abort" output)."""
         self._commands.put(_AbortAll())
 
+    def served_expert_load(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The expert load the served requests routed, the warm-up's subtracted: ([L_moe, E] routed tokens per
+        logical expert, [L_moe, N] per rank of a sharded artifact), each None where not counted. Call once the loop
+        has stopped (the engine is the loop's until then)."""
+        if self._thread.is_alive():
+            raise RuntimeError("served_expert_load() reads the engine: stop the loop first")
+        engine = self.engine
+        load, ranks = engine.expert_load(), engine.rank_expert_load()
+        if load is not None and self._expert_baseline is not None:
+            load = load - self._expert_baseline
+        if ranks is not None and self._rank_baseline is not None:
+            ranks = ranks - self._rank_baseline
+        return load, ranks
+
     def stop(self, timeout: float) -> None:
         """Refuse new requests, let in-flight ones run for ``timeout`` seconds, abort the rest, end the thread.
         Blocks until the thread has ended (call it off the event loop)."""
@@ -150,6 +168,7 @@ class EngineLoop:
         while engine.has_unfinished():
             engine.step()
         self._expert_baseline = engine.expert_load()
+        self._rank_baseline = engine.rank_expert_load()
         if self.metrics is not None:
             self.metrics.set_baseline(engine.stats())
 
@@ -258,9 +277,19 @@ class EngineLoop:
         state.kv_blocks_in_use = stats.kv.blocks_in_use
         if self.metrics is not None:
             self.metrics.update_engine(stats)
-            load = engine.expert_load()  # a fresh copy; None unless the artifact routes to experts
-            if load is not None:
-                self.metrics.set_expert_load(load if self._expert_baseline is None else load - self._expert_baseline)
+            now = time.monotonic()
+            # At most once a second while busy, and whenever the engine goes idle: a sharded artifact's counts are
+            # gathered from every rank.
+            if now - self._expert_published >= EXPERT_LOAD_PERIOD_S or not (stats.running or stats.waiting):
+                self._expert_published = now
+                load = engine.expert_load()  # a fresh copy; None unless the artifact routes to experts
+                if load is not None:
+                    base = self._expert_baseline
+                    self.metrics.set_expert_load(load if base is None else load - base)
+                ranks = engine.rank_expert_load()
+                if ranks is not None:
+                    base = self._rank_baseline
+                    self.metrics.set_rank_expert_load(ranks if base is None else ranks - base)
         if self._profile_steps and stats.totals.steps >= self._profile_steps:
             self._profile_steps = 0  # profiling ends with the first read
             share = engine.attention_time_share()

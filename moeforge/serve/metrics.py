@@ -15,7 +15,10 @@ certified argmax head: greedy runs fed ``argmax_only``, and those repeated on th
 Prefix-cache queries and hits count KV blocks (the
 engine's unit), where vLLM counts tokens. MoE artifacts add ``expert_routed_tokens_total{layer, expert}`` (tokens
 the router sent to each expert of each MoE layer, read from the graph's routing output) and
-``expert_load_imbalance{layer}`` (max / mean of that layer's counts; 1 = perfectly balanced). Those are built at
+``expert_load_imbalance{layer}`` (max / mean of that layer's counts; 1 = perfectly balanced); sharded expert-parallel
+artifacts also ``expert_rank_routed_tokens_total{layer, rank}`` (token x expert computations each rank ran: its
+experts' or placement slots' share) and ``expert_rank_load_imbalance{layer}`` (max / mean over the ranks, the
+straggler factor a placement lowers). Those are built at
 scrape time from the loop thread's latest snapshot (``ExpertLoad``): DeepSeek-V3 has 58 x 256 of them, too many to
 update one by one after every step.
 """
@@ -54,20 +57,31 @@ class ExpertLoad(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.snapshot: np.ndarray | None = None
+        self.rank_snapshot: np.ndarray | None = None  # [L_moe, N] per-rank load of a sharded artifact
 
     def collect(self) -> Iterator[Metric]:
+        ranks = self.rank_snapshot
+        if ranks is not None:
+            yield from self._families(
+                ranks, "rank", "expert_rank_routed_tokens", "Expert computations (token x expert) each rank of a "
+                "sharded artifact ran per MoE layer (its experts or placement slots).", "expert_rank_load_imbalance",
+                "Max / mean over the ranks of a MoE layer's per-rank expert load (1 = balanced; 0 before any "
+                "token): the expert-parallel straggler factor.")
         counts = self.snapshot
-        if counts is None:
-            return
-        routed = CounterMetricFamily(PREFIX + "expert_routed_tokens", "Tokens the router sent to each expert of "
-                                     "each MoE layer (prompt and generated tokens the model ran).",
-                                     labels=("model_name", "layer", "expert"))
-        imbalance = GaugeMetricFamily(PREFIX + "expert_load_imbalance", "Max / mean of a MoE layer's routed-token "
-                                      "counts over its experts (1 = balanced; 0 before any token).",
-                                      labels=("model_name", "layer"))
+        if counts is not None:
+            yield from self._families(
+                counts, "expert", "expert_routed_tokens", "Tokens the router sent to each expert of each MoE layer "
+                "(prompt and generated tokens the model ran).", "expert_load_imbalance", "Max / mean of a MoE "
+                "layer's routed-token counts over its experts (1 = balanced; 0 before any token).")
+
+    def _families(self, counts: np.ndarray, label: str, counter: str, counter_help: str, gauge: str,
+                  gauge_help: str) -> Iterator[Metric]:
+        """A counter per (layer, ``label``) of ``counts`` [L_moe, X] and a max / mean gauge per layer."""
+        routed = CounterMetricFamily(PREFIX + counter, counter_help, labels=("model_name", "layer", label))
+        imbalance = GaugeMetricFamily(PREFIX + gauge, gauge_help, labels=("model_name", "layer"))
         for layer, row in enumerate(counts.tolist()):
-            for expert, count in enumerate(row):
-                routed.add_metric((self.model_name, str(layer), str(expert)), count)
+            for index, count in enumerate(row):
+                routed.add_metric((self.model_name, str(layer), str(index)), count)
             mean = sum(row) / len(row)
             imbalance.add_metric((self.model_name, str(layer)), max(row) / mean if mean else 0.0)
         yield routed
@@ -196,6 +210,10 @@ class ServerMetrics:
     def set_expert_load(self, counts: np.ndarray) -> None:
         """The engine's routed-token counts [L_moe, E] after a step (a copy the caller no longer writes)."""
         self.expert_load.snapshot = counts
+
+    def set_rank_expert_load(self, counts: np.ndarray) -> None:
+        """A sharded artifact's per-rank expert load [L_moe, N] after a step (a copy the caller no longer writes)."""
+        self.expert_load.rank_snapshot = counts
 
     def set_attention_share(self, share: float) -> None:
         self.attention_share.labels(self._model).set(share)

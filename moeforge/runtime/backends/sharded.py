@@ -11,7 +11,8 @@ Control messages are int64 tensors broadcast from rank 0 on the same gloo group 
     EXECUTE: n_rows, then per row: slot, start, n_tokens, n_blocks (-1: contiguous), tokens..., blocks...
     RELEASE: slot.   FORWARD: B, S, T, input_ids [B*S], position_ids [B*S], attention_mask [B*T] (a whole
     sequence session's ``forward``, for parity).   HEARTBEAT: nothing (sent while idle, so an idle rank's wait
-    never times out).   STOP.
+    never times out).   EXPERT_LOAD: nothing; then every rank all-gathers its expert counts [L_moe, S] (its own
+    experts' or placement slots' routed tokens), so rank 0 sees every rank's load.   STOP.
 
 Failures are fatal to the whole world, never a hang: a rank that dies or hangs makes the next collective fail
 on the others (the group's timeout bounds the wait); rank 0 raises ``RankFailure`` (the engine does not swallow
@@ -31,13 +32,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeforge.model.expert_slots import ExpertSlots
 from moeforge.ops.collectives.ort import raise_collective_failure
 from moeforge.runtime.backends.base import Backend, FatalBackendError, PoolInfo, RowInput, StepInput
 
 log = logging.getLogger(__name__)
 
-EXECUTE, RELEASE, HEARTBEAT, STOP, FORWARD = 1, 2, 3, 4, 5
-_OPS = {EXECUTE: "execute", RELEASE: "release", HEARTBEAT: "heartbeat", STOP: "stop", FORWARD: "forward"}
+EXECUTE, RELEASE, HEARTBEAT, STOP, FORWARD, EXPERT_LOAD = 1, 2, 3, 4, 5, 6
+_OPS = {EXECUTE: "execute", RELEASE: "release", HEARTBEAT: "heartbeat", STOP: "stop", FORWARD: "forward",
+        EXPERT_LOAD: "expert_load"}
 
 
 class RankFailure(FatalBackendError):
@@ -105,12 +108,44 @@ class Channel:
         return Message(op, body.numpy(), seq)
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How the ranks' expert counts add up: ``ep`` 1 (every rank routes every expert: rank 0's counts are the
+    load), or ``ep`` ranks of whole experts or placement slots (``slots``: slot -> logical expert; None: rank ``r``
+    holds experts ``r * S .. (r + 1) * S - 1``)."""
+
+    ep: int
+    experts: int
+    slots: ExpertSlots | None = None
+
+    def logical(self, gathered: np.ndarray) -> np.ndarray:
+        """[N, L, S] per-rank counts -> [L, E] routed tokens per logical expert."""
+        if self.ep == 1:
+            return np.asarray(gathered[0])
+        per_slot = np.concatenate(list(gathered), axis=1)  # [L, N * S], slot order
+        return per_slot if self.slots is None else self.slots.logical_counts(per_slot, self.experts)
+
+    def per_slot(self, gathered: np.ndarray) -> np.ndarray | None:
+        """[N, L, S] -> [L, N * S]: routed tokens per physical slot, rank 0's first (None when ``ep`` is 1)."""
+        return None if self.ep == 1 else np.concatenate(list(gathered), axis=1)
+
+    def per_rank(self, gathered: np.ndarray) -> np.ndarray:
+        """[N, L, S] -> [L, N]: the expert computations (token x expert) each rank ran per MoE layer."""
+        if self.ep == 1:  # each rank computes its share of every routed expert: the same load on all
+            return np.repeat(gathered[0].sum(axis=1, keepdims=True), gathered.shape[0], axis=1)
+        return np.asarray(gathered.sum(axis=2).T)
+
+
 class ShardedBackend:
     """Rank 0's ``Backend``: broadcasts each step and release, then runs its own rank's backend (``local``)."""
 
-    def __init__(self, local: Backend, world_size: int, heartbeat_s: float) -> None:
+    def __init__(self, local: Backend, world_size: int, heartbeat_s: float,
+                 experts: ExpertLayout | None = None) -> None:
         self.local = local
         self.world_size = world_size
+        self.experts = experts
+        self._steps = 0  # steps executed: the expert counts gathered after step n stay valid until step n + 1
+        self._gathered: tuple[int, np.ndarray] | None = None
         self._channel = Channel()
         self._lock = threading.Lock()  # one collective sequence at a time: steps, releases and heartbeats
         self._failure: str | None = None
@@ -146,9 +181,41 @@ class ShardedBackend:
         return self.local.op_time_shares()
 
     def expert_load(self) -> np.ndarray | None:
-        """Rank 0's expert counts (every rank runs the same router on the same tokens)."""
+        """Routed tokens per MoE layer and logical expert so far, [L_moe, E], summed over the ranks' experts (or
+        placement slots); None unless the artifact routes to experts and every rank tracks them."""
+        gathered = self._gather_expert_counts()
+        return None if gathered is None or self.experts is None else self.experts.logical(gathered)
+
+    def rank_expert_load(self) -> np.ndarray | None:
+        """Expert computations (token x expert) each rank ran so far, [L_moe, N]: the per-rank load whose max / mean
+        is the expert-parallel imbalance; None as for ``expert_load``."""
+        gathered = self._gather_expert_counts()
+        return None if gathered is None or self.experts is None else self.experts.per_rank(gathered)
+
+    def slot_expert_load(self) -> np.ndarray | None:
+        """Routed tokens per MoE layer and physical slot, [L_moe, N * S] in rank order (replicas of one expert
+        counted apart); None for ``ep`` 1 or as for ``expert_load``."""
+        gathered = self._gather_expert_counts()
+        return None if gathered is None or self.experts is None else self.experts.per_slot(gathered)
+
+    def _gather_expert_counts(self) -> np.ndarray | None:
+        """[N, L, S]: every rank's own counts (an EXPERT_LOAD message, then an all-gather on every rank)."""
+        if self._gathered is not None and self._gathered[0] == self._steps:
+            return self._gathered[1]
         counts = getattr(self.local, "expert_load", None)
-        return counts() if counts is not None else None
+        local = counts() if counts is not None else None
+        if local is None:
+            return None
+        with self._lock:
+            self._check_alive()
+            try:
+                self._channel.send(EXPERT_LOAD)
+                gathered = gather_counts(local)
+            except Exception as exc:
+                raise self._fail(f"a peer did not send its expert load ({type(exc).__name__}: {exc})") from exc
+            self._last_sent = time.monotonic()
+        self._gathered = (self._steps, gathered)
+        return gathered
 
     def execute(self, step: StepInput) -> np.ndarray:
         with self._lock:
@@ -156,6 +223,7 @@ class ShardedBackend:
             try:
                 self._channel.send(EXECUTE, encode_step(step))
                 logits = self.local.execute(step)
+                self._steps += 1
                 raise_collective_failure()  # a collective inside the graph failed: its logits are garbage
             except Exception as exc:
                 raise self._fail(f"the step failed on rank 0 or a peer ({type(exc).__name__}: {exc})") from exc
@@ -269,6 +337,13 @@ def serve_rank(local: Any) -> None:
         try:
             if message.op == RELEASE:
                 local.release(int(message.payload[0]))
+            elif message.op == EXPERT_LOAD:
+                counts = getattr(local, "expert_load", None)
+                mine = counts() if counts is not None else None
+                if mine is None:
+                    raise RankFailure(f"rank {dist.get_rank()} does not count expert load (rank 0 does): start every "
+                                      "rank with the same options")
+                gather_counts(mine)
             elif message.op == FORWARD:
                 local.forward(*decode_forward(message.payload))
             else:
@@ -299,3 +374,11 @@ def gather_status(message: str, limit: int = 480) -> list[str]:
         size = int(part[0]) * 256 + int(part[1])
         out.append(bytes(part[2: 2 + size].tolist()).decode("utf-8", "replace"))
     return out
+
+
+def gather_counts(counts: np.ndarray) -> np.ndarray:
+    """Every rank's [L, S] int64 counts, stacked in rank order [N, L, S], on every rank (one all-gather)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64))
+    parts = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    return torch.stack(parts).numpy()
