@@ -18,12 +18,13 @@ import torch
 
 from moeforge.cli.inspect import format_bytes
 from moeforge.compile.genai_config import genai_greedy
-from moeforge.core.artifact import KVCacheSpec, load_artifact
+from moeforge.core.artifact import KVCacheSpec, artifact_digest, artifact_model_config, load_artifact
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import available_memory, host_bytes
 from moeforge.core.manifest import tool_versions
 from moeforge.model.loader import load_model, resolve_source
 from moeforge.model.model import CausalLM
+from moeforge.runtime.backends.base import Backend
 from moeforge.runtime.backends.registry import backend_for
 from moeforge.runtime.engine import (
     BackendOptions,
@@ -32,6 +33,7 @@ from moeforge.runtime.engine import (
     SchedulingOptions,
     SpeculativeOptions,
 )
+from moeforge.runtime.expert_stats import expert_load_record, write_expert_load
 from moeforge.runtime.sampler import SamplingParams
 
 
@@ -91,16 +93,21 @@ def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[in
 
 
 def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
-                 threads: int | None = None, speculative_tokens: int = 0) -> dict[str, Any]:
+                 threads: int | None = None, speculative_tokens: int = 0, backend: Backend | None = None,
+                 expert_load_out: Path | None = None, artifact_sha256: str = "",
+                 model_name: str = "") -> dict[str, Any]:
     """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT (and with
-    ``speculative_tokens`` the draft tokens fed and accepted)."""
+    ``speculative_tokens`` the draft tokens fed and accepted). ``backend``: opened already (a sharded artifact's
+    ``ShardedBackend``; ``artifact_dir`` is its rank 0). MoE artifacts also report the measured expert-load
+    imbalance of the timed run (``expert_load``), written to ``expert_load_out`` as ``moeforge eplb`` reads it."""
     engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
-        backend=BackendOptions(threads=threads),
-        speculative=SpeculativeOptions(tokens=speculative_tokens)))
+        backend=BackendOptions(threads=threads, track_expert_load=True),
+        speculative=SpeculativeOptions(tokens=speculative_tokens)), backend=backend)
     vocab = engine.backend.vocab_size
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     engine.generate(_prompts(vocab, batch, prompt_len, seed=99), SamplingParams(max_tokens=2, ignore_eos=True))
+    warm_load, warm_ranks = engine.expert_load(), engine.rank_expert_load()
     start = time.perf_counter()
     for prompt in _prompts(vocab, batch, prompt_len):
         engine.add_request(prompt, params)
@@ -121,21 +128,48 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     rss = peak_rss_mib()  # before the profiled engine below is loaded
     drafts = {"speculative_tokens": speculative_tokens, "draft_tokens": engine.metrics.draft_tokens,
               "accepted_draft_tokens": engine.metrics.accepted_draft_tokens} if speculative_tokens else {}
+    groups = int((artifact_model_config(artifact_dir).get("moe") or {}).get("n_group") or 1)
+    experts = _expert_load(engine, warm_load, warm_ranks, expert_load_out, artifact_sha256, model_name, groups)
     del engine  # free its caches first: one engine's memory at a time (what check_bench_memory assumes)
     gc.collect()
-    # Attention's share of kernel time, from a separate profiled run (profiling perturbs the timings).
-    profiled = LLMEngine.from_artifact(artifact_dir, EngineConfig(
-        scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
-        backend=BackendOptions(threads=threads, profile=True)))
-    profiled.generate(_prompts(vocab, batch, prompt_len), params)
+    share = None
+    if backend is None:  # attention's share of kernel time, from a separate profiled run (it perturbs the timings)
+        profiled = LLMEngine.from_artifact(artifact_dir, EngineConfig(
+            scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
+            backend=BackendOptions(threads=threads, profile=True)))
+        profiled.generate(_prompts(vocab, batch, prompt_len), params)
+        share = profiled.attention_time_share()
     return {
-        "attention_time_share": round(profiled.attention_time_share() or 0.0, 3),
+        **({"expert_load": experts} if experts else {}),
+        "attention_time_share": round(share or 0.0, 3),
         "prefill_tokens_per_s": batch * prompt_len / (first_tokens_at - start),
         "decode_tokens_per_s": batch * (new_tokens - 1) / (end - first_tokens_at),
         "ttft_ms_median": 1e3 * sorted(ttfts)[len(ttfts) // 2],
         "peak_rss_mib": round(rss, 1),
         **drafts,
     }
+
+
+def _expert_load(engine: LLMEngine, warm_load: np.ndarray | None, warm_ranks: np.ndarray | None,
+                 out: Path | None, artifact_sha256: str, model_name: str, groups: int) -> dict[str, Any] | None:
+    """The timed run's expert load (the warm-up's subtracted): per-layer imbalance over the experts and, sharded,
+    over the ranks; written to ``out`` (the statistics ``moeforge eplb`` reads) when given."""
+    load, ranks = engine.expert_load(), engine.rank_expert_load()
+    if load is None:
+        if out is not None:
+            raise MoeforgeError(f"--expert-load-out {out}: the artifact routes no experts (not a MoE model)")
+        return None
+    load = load - warm_load if warm_load is not None else load
+    ranks = ranks - warm_ranks if ranks is not None and warm_ranks is not None else ranks
+    record = expert_load_record(load, ranks, artifact_sha256, model_name, groups)
+    if out is not None:
+        write_expert_load(out, record)
+    summary: dict[str, Any] = {"expert_imbalance": record["imbalance"],
+                               "expert_imbalance_mean": round(float(np.mean(record["imbalance"])), 4)}
+    if ranks is not None:
+        summary.update(rank_imbalance=record["rank_imbalance"],
+                       rank_imbalance_mean=round(float(np.mean(record["rank_imbalance"])), 4))
+    return summary
 
 
 def bench_torch(model: CausalLM, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict[str, Any]:
@@ -242,17 +276,22 @@ def check_bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int,
 
 
 def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
-              threads: int | None = None, compare: bool = True, speculative_tokens: int = 0) -> dict[str, Any]:
+              threads: int | None = None, compare: bool = True, speculative_tokens: int = 0,
+              expert_load_out: Path | None = None) -> dict[str, Any]:
     """All measurements of ``moeforge bench`` in one run, with ratios to our engine. A batch whose cache and
     logits do not fit in the available memory is refused before anything is allocated."""
     artifact = load_artifact(artifact_dir)
     vocab = int(artifact.manifest.model_config["vocab_size"])
     if backend_for(artifact.manifest).host_kv:  # a TensorRT engine's cache is GPU memory, sized by its profiles
         check_bench_memory(artifact.manifest.kv_cache, vocab, batch, prompt_len)
-    result: dict[str, Any] = {"artifact": str(artifact_dir), "model": artifact.manifest.model_config.get("name"),
+    model_name = artifact.manifest.model_config.get("name")
+    result: dict[str, Any] = {"artifact": str(artifact_dir), "model": model_name,
                               "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
                               "moeforge_onnxruntime": bench_engine(artifact_dir, batch, prompt_len, new_tokens,
-                                                                   threads, speculative_tokens)}
+                                                                   threads, speculative_tokens,
+                                                                   expert_load_out=expert_load_out,
+                                                                   artifact_sha256=artifact_digest(artifact_dir),
+                                                                   model_name=str(model_name))}
     if compare:
         source = artifact.manifest.source
         result["pytorch_eager"] = bench_torch(load_model(source).model, batch, prompt_len, new_tokens, vocab)

@@ -15,13 +15,13 @@ from typing import Any
 from tqdm import tqdm
 
 from moeforge import __version__
-from moeforge.cli.bench import run_bench, write_result
+from moeforge.cli.bench import bench_engine, run_bench, write_result
 from moeforge.cli.inspect import summarize
 from moeforge.compile.driver import CompileOptions, ParityCheckFailed, compile_model
 from moeforge.compile.plan import plan_compile
 from moeforge.compile.sharded_compile import is_sharded, rank_dir, read_sharded
 from moeforge.compile.targets import TARGETS
-from moeforge.core.artifact import load_artifact, restore_interrupted
+from moeforge.core.artifact import artifact_digest, load_artifact, restore_interrupted
 from moeforge.core.errors import GroupArtifactError, MoeforgeError
 from moeforge.core.host_memory import parse_size
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
@@ -31,7 +31,7 @@ from moeforge.model.lazy_weights import open_lazy_model
 from moeforge.model.loader import LoadedModel, load_config, load_model
 from moeforge.model.sharding import check_degrees
 from moeforge.model.tokenizer import Tokenizer
-from moeforge.parallel.eplb import parse_stats, rebalance, round_robin, write_plan
+from moeforge.parallel.eplb import parse_stats, rebalance, round_robin, stats_groups, write_plan
 from moeforge.parallel.launch import (
     World,
     open_rank_backend,
@@ -43,6 +43,7 @@ from moeforge.parallel.launch import (
 from moeforge.quant.schemes import ACCURACY_LEVELS, ASYM_OFFSETS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
 from moeforge.runtime.backends.registry import BACKENDS, BackendSpec, backend_for, backend_named
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
+from moeforge.runtime.expert_stats import check_writable, save_expert_load
 from moeforge.runtime.request import check_room
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve import ServeOptions, serve
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     run.add_argument("--mla-impl", choices=["absorb", "naive"], default="absorb", help="MLA cache layout")
     run.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    run.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
+                     help="write the expert-load statistics of this run (routed tokens per MoE layer and expert, per "
+                          "rank when sharded, with the artifact's sha256) as JSON at exit, for moeforge eplb")
     run.add_argument("--no-weight-check", dest="check_weights", action="store_false",
                      help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
 
@@ -159,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--ep", type=int, default=1,
                       help="expert-parallel ranks with --tp: 1 (each expert split over the ranks) or equal to --tp "
                            "(whole experts per rank)")
+    comp.add_argument("--placement", type=Path, default=None, metavar="PLAN",
+                      help="with --tp N --ep N: an expert placement written by moeforge eplb (each rank holds its "
+                           "slots' experts, replicas of the heaviest included; outputs equal the unsharded model's)")
     comp.add_argument("--force", action="store_true", help="replace an existing output directory")
     comp.add_argument("--check", action="store_true", help="run the parity check before publishing the artifact")
     comp.add_argument("--build-only", action="store_true",
@@ -261,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                        help=SPECULATIVE_HELP)
     bench.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    bench.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
+                     help="write the expert-load statistics of this run (routed tokens per MoE layer and expert, per "
+                          "rank when sharded, with the artifact's sha256) as JSON at exit, for moeforge eplb")
     bench.add_argument("--save", action="store_true", help="also write benchmarks/results/bench_<model>_b<B>.json")
 
     cfg = _subcommand(sub, "config", "print a model's config, parameter count and KV bytes per token")
@@ -306,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="profile the first N engine steps for moeforge:attention_time_share (0 = off)")
     srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                      help="uvicorn's log level")
+    srv.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
+                     help="write the expert-load statistics of the requests served (routed tokens per MoE layer and "
+                          "expert, per rank when sharded, with the artifact's sha256) as JSON at exit, for eplb")
 
     eplb = _subcommand(sub, "eplb", "plan expert placement with redundant experts from measured expert load (EPLB) "
                        "and report the predicted per-rank imbalance against contiguous and round-robin placement")
@@ -316,9 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     eplb.add_argument("--redundant", type=int, required=True,
                       help="redundant expert slots per layer (experts + R must divide by --ep)")
     eplb.add_argument("--nodes", type=int, default=1, help="nodes the ranks span (must divide --ep)")
-    eplb.add_argument("--groups", type=int, default=1,
+    eplb.add_argument("--groups", type=int, default=None,
                       help="the model's expert groups (n_group; 1 if it has none): with --groups divisible by "
-                           "--nodes, each group stays on one node")
+                           "--nodes, each group stays on one node (default: what the statistics record, else 1)")
     eplb.add_argument("--json", action="store_true", help="print the per-layer imbalance as JSON")
     return parser
 
@@ -453,9 +466,11 @@ class _Printer:
 
 
 def _run_artifact(args: argparse.Namespace) -> int:
+    check_writable(args.expert_load_out)
     config = EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=1),
-        backend=BackendOptions(threads=args.threads, huge_pages=not args.no_huge_pages),
+        backend=BackendOptions(threads=args.threads, huge_pages=not args.no_huge_pages,
+                               track_expert_load=args.expert_load_out is not None),
         speculative=SpeculativeOptions(tokens=args.speculative_tokens))
     if is_sharded(args.model):
         return _sharded(args.model, lambda world: open_rank_backend(args.model, world, config)[0],
@@ -496,10 +511,16 @@ def _generate(args: argparse.Namespace, engine: LLMEngine) -> int:
     if final.error:
         raise MoeforgeError(final.error)
     printer.done(final.token_ids)
+    if args.expert_load_out is not None:
+        save_expert_load(args.expert_load_out, engine.expert_load(), engine.rank_expert_load(), args.model,
+                         model_name(Path(args.model)))
     return EXIT_OK
 
 
 def _run_torch(args: argparse.Namespace) -> int:
+    if args.expert_load_out is not None:
+        raise MoeforgeError("--expert-load-out counts an artifact's routing (the graph's expert_hits); run a compiled "
+                            "artifact, or leave the flag out with --backend torch")
     loaded = load_model(args.model, mla_impl=args.mla_impl, check_finite=args.check_weights)
     tokenizer = loaded.tokenizer
     prompt_ids = _prompt_ids(args, tokenizer, args.model)
@@ -684,8 +705,18 @@ def _golden_parity(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2 or args.speculative_tokens < 0:
         raise MoeforgeError("--batch and --prompt-len must be >= 1, --new-tokens >= 2, --speculative-tokens >= 0")
-    result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
-                       compare=not args.no_compare, speculative_tokens=args.speculative_tokens)
+    check_writable(args.expert_load_out)
+    if is_sharded(args.artifact):
+        if not args.no_compare or args.speculative_tokens:
+            raise MoeforgeError(f"{args.artifact} is sharded: bench measures its engine only; pass --no-compare "
+                                "(and no --speculative-tokens)")
+        result = _sharded_bench(args)
+    else:
+        result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
+                           compare=not args.no_compare, speculative_tokens=args.speculative_tokens,
+                           expert_load_out=args.expert_load_out)
+    if result is None:  # a rank other than 0: it served rank 0's run
+        return EXIT_OK
     if args.save:
         name = str(result["model"] or "model").lower().replace(" ", "-")
         write_result(f"benchmarks/results/bench_{name}_b{args.batch}.json", "bench", result)
@@ -703,7 +734,35 @@ def _cmd_bench(args: argparse.Namespace) -> int:
           f"attention {100 * ours['attention_time_share']:.0f}% of kernel time")
     for name, ratio in result.get("decode_speedup_vs", {}).items():
         print(f"decode speed vs {name}: {ratio:.2f}x")
+    experts = ours.get("expert_load")
+    if experts:
+        print(f"expert load imbalance (max / mean over experts, mean of layers): {experts['expert_imbalance_mean']:.3f}"
+              + (f"; over ranks: {experts['rank_imbalance_mean']:.3f} (per layer "
+                 + " ".join(f"{x:.2f}" for x in experts["rank_imbalance"]) + ")" if "rank_imbalance" in experts
+                 else ""))
     return EXIT_OK
+
+
+def _sharded_bench(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``moeforge bench`` on a sharded artifact: rank 0 runs the engine over all ranks (no peers compared)."""
+    config = EngineConfig(backend=BackendOptions(threads=args.threads, track_expert_load=True))
+    results: list[dict[str, Any]] = []
+
+    def main(backend: Any) -> int:
+        top = Path(args.artifact)
+        measured = bench_engine(top / rank_dir(0), args.batch, args.prompt_len, args.new_tokens, args.threads,
+                                backend=backend, expert_load_out=args.expert_load_out,
+                                artifact_sha256=artifact_digest(top), model_name=model_name(top))
+        results.append({"artifact": str(top), "model": model_name(top), "batch": args.batch,
+                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "ranks": backend.world_size,
+                        "moeforge_onnxruntime": measured})
+        return EXIT_OK
+
+    code = _sharded(args.artifact, lambda world: open_rank_backend(args.artifact, world, config)[0], main,
+                    lambda world: sharded_backend(args.artifact, world, config)[0])
+    if code != EXIT_OK:
+        raise SystemExit(code)
+    return results[0] if results else None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -741,7 +800,7 @@ def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions
         chat_template=args.chat_template, max_body_bytes=args.max_body_bytes, stall_timeout=args.stall_timeout,
         header_timeout=args.header_timeout, max_connections=args.max_connections,
         served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
-        profile_steps=args.profile_steps, log_level=args.log_level)
+        profile_steps=args.profile_steps, log_level=args.log_level, expert_load_out=args.expert_load_out)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -786,7 +845,8 @@ def _cmd_eplb(args: argparse.Namespace) -> int:
         raise MoeforgeError(f"cannot read statistics {args.stats}: {getattr(exc, 'strerror', None) or exc}; pass "
                             "the JSON statistics or a /metrics scrape") from None
     load, sha = parse_stats(text)
-    plan = rebalance(load, args.ep, args.redundant, args.nodes, args.groups, artifact_sha256=sha)
+    groups = args.groups if args.groups is not None else stats_groups(text) or 1
+    plan = rebalance(load, args.ep, args.redundant, args.nodes, groups, artifact_sha256=sha)
     write_plan(plan, args.output)
     robin = round_robin(load, args.ep, args.redundant).imbalance.tolist()
     rows = [{"layer": layer, "contiguous": before, "round_robin": robin[layer], "eplb": after}

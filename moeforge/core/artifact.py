@@ -586,3 +586,25 @@ def _check_external_data(root: Path, manifest: Manifest) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- inspection
+
+
+def artifact_model_config(path: str | Path) -> dict[str, Any]:
+    """The model config an artifact records (``sharded.json``'s when sharded, else ``manifest.json``'s)."""
+    root = Path(path).expanduser().absolute()
+    record = root / SHARDED_FILE if (root / SHARDED_FILE).is_file() else root / MANIFEST_FILE
+    try:
+        config = json.loads(record.read_text()).get("model_config")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ArtifactError(f"cannot read the model config of {record}: {exc}") from None
+    return config if isinstance(config, dict) else {}
+
+
+def artifact_digest(path: str | Path) -> str:
+    """The sha256 that names an artifact: of its ``sharded.json`` (which records every rank's manifest hash) when
+    sharded, else of its ``manifest.json`` (which records the hash of every other file)."""
+    root = Path(path).expanduser().absolute()
+    record = root / SHARDED_FILE if (root / SHARDED_FILE).is_file() else root / MANIFEST_FILE
+    try:
+        return hashlib.sha256(record.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {record}: {exc.strerror or exc}") from None

@@ -32,6 +32,7 @@ from moeforge.runtime.engine import (
     SchedulingOptions,
     SpeculativeOptions,
 )
+from moeforge.runtime.expert_stats import check_writable, save_expert_load
 from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
 from moeforge.serve.connections import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -75,6 +76,8 @@ class ServeOptions:
     # Polled while serving: why the backend's processes are broken (a sharded artifact's rank died), else None.
     # On a reason /health says so at once and the server stops with exit code 1, for a supervisor to restart it.
     liveness: Callable[[], str | None] | None = None
+    # Written at exit: the expert load the served requests routed (``moeforge eplb`` reads it); MoE artifacts only.
+    expert_load_out: Path | None = None
 
 
 class _Server(uvicorn.Server):
@@ -145,7 +148,11 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
         connection_limits(options)
     except ValueError as exc:  # the field's name becomes the flag's
         raise MoeforgeError(_as_flags(str(exc))) from None
+    check_writable(options.expert_load_out)
     engine = LLMEngine.from_artifact(options.artifact, engine_config(options), backend=options.backend)
+    if options.expert_load_out is not None and engine.expert_load() is None:
+        raise MoeforgeError(f"--expert-load-out {options.expert_load_out}: {options.artifact} routes no experts "
+                            "(not a MoE model); leave the flag out")
     app = create_app(engine, config)
     state: ServerState = app.state.server
     return app, state
@@ -194,7 +201,20 @@ def serve(options: ServeOptions) -> int:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if options.expert_load_out is not None and server.started and not failure:
+        _save_expert_load(options, state)
     return 0 if server.started and not failure else 1
+
+
+def _save_expert_load(options: ServeOptions, state: ServerState) -> None:
+    """Write what the served requests routed (the loop has stopped: lifespan's end). A sharded artifact's ranks are
+    still up (they stop once ``serve`` returns), so its counts are gathered from them; ``options.artifact`` is then
+    rank 0's directory and the statistics are named by the top directory's digest."""
+    load, ranks = state.engine.served_expert_load()
+    top = options.artifact.parent if options.backend is not None else options.artifact
+    path = save_expert_load(options.expert_load_out or Path(), load, ranks, top,
+                            options.served_model_name or model_name(options.artifact))
+    log.info("expert-load statistics of the served requests written to %s", path)
 
 
 def _watch(liveness: Callable[[], str | None], server: uvicorn.Server, state: ServerState, failure: list[str]) -> None:
