@@ -9,10 +9,14 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 # Nothing in the suite may reach a model hub; transformers must read only local files.
+if TYPE_CHECKING:
+    import numpy as np
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -67,3 +71,30 @@ def wait_healthy(process: "subprocess.Popen[str]", url: str, timeout_s: float = 
             pass
         assert time.monotonic() < deadline, "the server did not come up"
         time.sleep(0.2)
+
+
+def pytorch_router_counts(preset: str, sequences: list[list[int]]) -> "np.ndarray":
+    """[L_moe, E]: how many of ``sequences``' tokens the PyTorch routers of ``preset`` send to each expert (the
+    independent count the graph's ``expert_hits`` are checked against)."""
+    import numpy as np
+    import torch
+
+    from moeforge.model.loader import load_model
+    from moeforge.model.moe import MoERouter
+
+    model = load_model(preset).model
+    routers = [m for m in model.modules() if isinstance(m, MoERouter)]
+    counts = np.zeros((len(routers), routers[0].weight.shape[0]), np.int64)
+
+    def hook(index: int) -> Any:
+        def record(_module: Any, _inputs: Any, output: Any) -> None:
+            counts[index] += np.bincount(output[0].reshape(-1).numpy(), minlength=counts.shape[1])
+        return record
+
+    handles = [router.register_forward_hook(hook(i)) for i, router in enumerate(routers)]
+    with torch.no_grad():
+        for tokens in sequences:
+            model(torch.tensor([tokens]), torch.arange(len(tokens))[None])
+    for handle in handles:
+        handle.remove()
+    return counts

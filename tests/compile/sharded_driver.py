@@ -50,10 +50,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--speculative-tokens", type=int, default=0)
     parser.add_argument("--prompts", default=None, help="a JSON list of token lists (default: PROMPTS)")
+    parser.add_argument("--expert-load", default=None,
+                        help="write the expert load of the run (logical, per rank, per slot) to this JSON file")
     args = parser.parse_args()
     config = EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=8),
-        backend=BackendOptions(threads=1),
+        backend=BackendOptions(threads=1, track_expert_load=args.expert_load is not None),
         speculative=SpeculativeOptions(tokens=args.speculative_tokens,
                                        max_batch=8 if args.speculative_tokens else None))
     prompts = json.loads(args.prompts) if args.prompts else PROMPTS
@@ -71,6 +73,11 @@ def main() -> int:
         metrics = engine.metrics
         Path(args.out + ".metrics.json").write_text(json.dumps(
             {"draft_tokens": metrics.draft_tokens, "accepted_draft_tokens": metrics.accepted_draft_tokens}))
+        if args.expert_load:
+            load, ranks, slots = backend.expert_load(), backend.rank_expert_load(), backend.slot_expert_load()
+            Path(args.expert_load).write_text(json.dumps({
+                "logical": None if load is None else load.tolist(), "ranks": None if ranks is None else ranks.tolist(),
+                "slots": None if slots is None else slots.tolist()}))
     except MoeforgeError as exc:
         print(f"rank 0: error: {exc}", file=sys.stderr)
         return 3

@@ -5,13 +5,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.model.loader import load_model
-from moeforge.model.moe import MoERouter
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
+from tests.conftest import pytorch_router_counts
 
 
 @pytest.fixture(scope="module", params=["contiguous", "paged"])
@@ -20,27 +19,6 @@ def artifact(request, tmp_path_factory) -> Path:
     compile_model(CompileOptions.from_flags(model="tiny-deepseek-v3", output_dir=out, max_seq_len=64,
                                             kv_cache=request.param, progress=False))
     return out
-
-
-def _torch_counts(sequences: list[list[int]]) -> np.ndarray:
-    """Per MoE layer and expert, how many of ``sequences``' tokens the PyTorch router sent there."""
-    model = load_model("tiny-deepseek-v3").model
-    routers = [m for m in model.modules() if isinstance(m, MoERouter)]
-    counts = np.zeros((len(routers), routers[0].weight.shape[0]), np.int64)
-
-    def hook(index: int):
-        def record(module, inputs, output):
-            ids = output[0].reshape(-1).numpy()
-            counts[index] += np.bincount(ids, minlength=counts.shape[1])
-        return record
-
-    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
-    with torch.no_grad():
-        for tokens in sequences:
-            model(torch.tensor([tokens]), torch.arange(len(tokens))[None])
-    for handle in handles:
-        handle.remove()
-    return counts
 
 
 def test_expert_load_equals_the_pytorch_router(artifact):
@@ -56,7 +34,7 @@ def test_expert_load_equals_the_pytorch_router(artifact):
     ran = [p + o.token_ids[:-1] for p, o in zip(prompts, outputs, strict=True)]
     got = engine.expert_load()
     assert got is not None
-    np.testing.assert_array_equal(got, _torch_counts(ran))
+    np.testing.assert_array_equal(got, pytorch_router_counts("tiny-deepseek-v3", ran))
     top_k = load_model("tiny-deepseek-v3").config.moe.num_experts_per_tok
     assert (got.sum(axis=1) == top_k * sum(len(r) for r in ran)).all()  # every real token once per layer
 

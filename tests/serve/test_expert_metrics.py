@@ -8,13 +8,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from moeforge.model.loader import load_model
-from moeforge.model.moe import MoERouter
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.serve import ServerConfig, create_app
+from tests.conftest import pytorch_router_counts
 
 from .conftest import _running
 
@@ -27,22 +25,6 @@ def moe_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("serve-moe") / MOE_MODEL
     return compile_model(CompileOptions(model=MOE_MODEL, output_dir=out, max_seq_len=64, progress=False)).output_dir
-
-
-def _router_counts(sequences: list[list[int]]) -> np.ndarray:
-    model = load_model(MOE_MODEL).model
-    routers = [m for m in model.modules() if isinstance(m, MoERouter)]
-    counts = np.zeros((len(routers), routers[0].weight.shape[0]), np.int64)
-    handles = [router.register_forward_hook(
-        lambda _m, _i, out, i=i: counts.__setitem__(i, counts[i] + np.bincount(out[0].reshape(-1).numpy(),
-                                                                             minlength=counts.shape[1])))
-        for i, router in enumerate(routers)]
-    with torch.no_grad():
-        for tokens in sequences:
-            model(torch.tensor([tokens]), torch.arange(len(tokens))[None])
-    for handle in handles:
-        handle.remove()
-    return counts
 
 
 def test_expert_load_metrics_equal_the_pytorch_router(moe_artifact):
@@ -60,7 +42,7 @@ def test_expert_load_metrics_equal_the_pytorch_router(moe_artifact):
             ran.append(prompt + reply["choices"][0]["token_ids"][:-1])  # the last token was sampled, never run
         text = httpx.get(f"{url}/metrics", timeout=30).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    expected = _router_counts(ran)
+    expected = pytorch_router_counts(MOE_MODEL, ran)
     got = np.zeros_like(expected)
     for sample in families["moeforge:expert_routed_tokens"].samples:
         got[int(sample.labels["layer"]), int(sample.labels["expert"])] = sample.value
