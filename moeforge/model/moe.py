@@ -80,17 +80,18 @@ def route_to_replicas(expert_ids: torch.Tensor, logical_to_slot: torch.Tensor,
 
     ``logical_to_slot`` [E, R_max] lists each logical expert's slots (padded by repeating its first), ``replica_count``
     [E] how many it has. The ``j``-th choice of expert ``e`` in the step (counted in token order) goes to its replica
-    ``j % replica_count[e]``: deterministic, so every rank maps a choice to the same one slot, and the choices of a
-    replicated expert are split evenly (counts differ by at most one) over its replicas whatever position ``k`` the
-    router gives it. (A rule on the flat position ``t * K + k`` would not split a hot expert that is mostly the top
-    choice when ``K`` and the replica count share a factor.) Every replica holds the same weights, so the model's
-    math is unchanged."""
+    ``(j + s) % replica_count[e]``, ``s`` the sum of all the step's expert ids: deterministic, so every rank maps a
+    choice to the same one slot; within a step the choices of a replicated expert split evenly (counts differ by at
+    most one) whatever position ``k`` the router gives it, and the offset ``s`` changes from step to step, so the odd
+    choice of an uneven split (a decode step choosing the expert once) does not always land on the first replica.
+    (A rule on the flat position ``t * K + k`` would not split a hot expert that is mostly the top choice when ``K``
+    and the replica count share a factor.) Every replica holds the same weights, so the model's math is unchanged."""
     expert_ids = expert_ids.to(torch.int64)  # the exported router's ids are int32; ONNX indexes with int64
     flat = expert_ids.reshape(-1)  # [T * K], token-major
     experts = torch.arange(logical_to_slot.shape[0], dtype=torch.int64)
     chosen = (flat[:, None] == experts[None, :]).to(torch.int64)  # [T * K, E] one-hot
     occurrence = torch.gather(torch.cumsum(chosen, dim=0), 1, flat[:, None]).squeeze(1) - 1  # [T * K]
-    replica = torch.remainder(occurrence, replica_count[flat])  # [T * K]
+    replica = torch.remainder(occurrence + flat.sum(), replica_count[flat])  # [T * K]
     slots: torch.Tensor = logical_to_slot[flat, replica].reshape(expert_ids.shape)
     return slots
 
