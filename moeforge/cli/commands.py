@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 from moeforge import __version__
 from moeforge.cli.bench import bench_engine, run_bench, write_result
-from moeforge.cli.inspect import summarize
+from moeforge.cli.inspect import summarize, summarize_sharded
 from moeforge.compile.driver import CompileOptions, ParityCheckFailed, compile_model
 from moeforge.compile.plan import plan_compile
-from moeforge.compile.sharded_compile import is_sharded, rank_dir, read_sharded
+from moeforge.compile.sharded_compile import is_sharded, load_rank, rank_dir, read_sharded
 from moeforge.compile.targets import TARGETS
 from moeforge.core.artifact import artifact_digest, load_artifact, restore_interrupted
 from moeforge.core.errors import GroupArtifactError, MoeforgeError
@@ -587,6 +587,13 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if is_sharded(args.artifact):
+        sharded = read_sharded(args.artifact)
+        for rank in range(sharded.world_size):  # each rank's manifest (and, verified, its files) is the recorded one
+            load_rank(args.artifact, rank, sharded.world_size, verify=not args.no_verify)
+        print(json.dumps(sharded.to_dict(), indent=2) if args.json else
+              summarize_sharded(Path(args.artifact).expanduser().absolute(), sharded))
+        return EXIT_OK
     artifact = load_artifact(args.artifact, verify=not args.no_verify)
     print(artifact.manifest.to_json() if args.json else summarize(artifact))
     return EXIT_OK

@@ -9,6 +9,7 @@ from typing import Any
 
 import onnx
 
+from moeforge.compile.sharded_compile import ShardedManifest
 from moeforge.compile.trt.inspect_engine import engine_lines
 from moeforge.core.artifact import MODEL_FILE, Artifact
 from moeforge.core.config import ModelConfig
@@ -145,4 +146,51 @@ def summarize(artifact: Artifact) -> str:
     lines += _table([[rel, format_bytes(int(e["bytes"])), str(e["sha256"])[:12]] for rel, e in sorted(m.files.items())])
     if artifact.extra_files:
         lines.append(f"           not in the manifest (ignored): {', '.join(artifact.extra_files)}")
+    return "\n".join(lines) + "\n"
+
+
+def _span(value: Any) -> str:
+    return f"{value[0]}..{value[1] - 1}" if isinstance(value, list) and len(value) == 2 else "-"
+
+
+def summarize_sharded(root: Path, sharded: ShardedManifest) -> str:
+    """Human-readable description of a sharded artifact (``sharded.json``) for ``moeforge inspect DIR``: the split,
+    each rank's share, the expert placement and its replicas; each ``DIR/rank{i}`` is inspected on its own."""
+    lines = [f"sharded    {root}  (format {sharded.format_version}, compile {sharded.compile_id[:12]})",
+             f"model      {_model_line(sharded.model_config)}",
+             f"split      tp {sharded.tp}, ep {sharded.ep}: {sharded.world_size} ranks, one process each"]
+    if sharded.source:
+        lines.append(f"source     {sharded.source}")
+    lines.append(f"created    {sharded.created_utc or '?'}")
+    lines.append("")
+    rows = [["rank", "heads", "kv heads", "vocab rows", "experts" if sharded.placement is None else "slots",
+             "weights", "KV / token", "manifest"]]
+    rows += [[str(r.get("rank")), _span(r.get("heads")), _span(r.get("kv_heads")), _span(r.get("vocab")),
+              _span(r.get("experts")), format_bytes(float(r.get("weight_bytes", 0))),
+              format_bytes(float(r.get("kv_bytes_per_token", 0))), str(r.get("manifest_sha256", ""))[:12]]
+             for r in sharded.ranks]
+    lines += _table(rows)
+    slots = sharded.expert_slots()
+    lines.append("")
+    if slots is None:
+        lines.append("placement  " + ("contiguous: rank r holds experts r * E / N .. (r + 1) * E / N - 1"
+                                      if sharded.ep > 1 else "none (every rank holds a slice of every expert)"))
+    else:
+        lines.append(f"placement  --placement: {slots.slots_per_rank} slots per rank; replicated experts per MoE layer "
+                     "(expert: ranks of its replicas)")
+        for layer in range(slots.layers):
+            ranks: dict[int, list[int]] = {}
+            for slot, expert in enumerate(slots.physical_to_logical[layer]):
+                if expert >= 0:
+                    ranks.setdefault(expert, []).append(slot // slots.slots_per_rank)
+            replicated = [f"{e}: {','.join(map(str, r))}" for e, r in sorted(ranks.items()) if len(r) > 1]
+            empty = sum(1 for e in slots.physical_to_logical[layer] if e < 0)
+            lines.append(f"  MoE layer {layer}: " + ("; ".join(replicated) or "no replicas")
+                         + (f" ({empty} empty slots)" if empty else ""))
+    lines.append("")
+    lines.append("collectives")
+    lines += [f"  {c}" for c in sharded.collectives]
+    if sharded.kv_cache_note:
+        lines.append(f"KV cache   {sharded.kv_cache_note}")
+    lines.append(f"ranks      moeforge inspect {root / 'rank0'} (and rank1 ...) describes each rank's artifact")
     return "\n".join(lines) + "\n"

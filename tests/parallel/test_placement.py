@@ -143,6 +143,33 @@ def test_the_placement_is_recorded_and_each_rank_holds_its_slots(placed: dict[st
         assert stacked == {experts // 2 + 1}, stacked
 
 
+def test_inspect_shows_the_split_and_the_replicas(placed: dict[str, Any], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``moeforge inspect`` on the sharded directory: every rank's share and, per MoE layer, which ranks hold each
+    replicated expert; ``--json`` is sharded.json; a rank from another compile is refused."""
+    import shutil
+
+    from moeforge.cli.commands import main
+
+    case = placed["tiny-deepseek-v3"]
+    assert main(["inspect", str(case["sharded"])]) == 0
+    text = capsys.readouterr().out
+    assert "split      tp 2, ep 2" in text and "slots" in text
+    for layer, row in enumerate(case["plan"].physical_to_logical):
+        half = len(row) // 2
+        expected = sorted({int(row[half - 1]), int(row[-1])})
+        assert f"MoE layer {layer}: " + "; ".join(f"{e}: 0,1" for e in expected) in text
+    assert main(["inspect", str(case["sharded"]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads((case["sharded"] / "sharded.json").read_text())
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(case["sharded"], mixed)
+    shutil.rmtree(mixed / "rank1")
+    shutil.copytree(placed["tiny-qwen3-moe"]["sharded"] / "rank1", mixed / "rank1")
+    assert main(["inspect", str(mixed)]) == 2
+    assert "rank directory from another compile" in capsys.readouterr().err
+
+
 def test_the_users_workflow_from_measured_load_to_a_balanced_run(placed: dict[str, Any], tmp_path: Path) -> None:
     """``run --expert-load-out`` -> ``eplb`` (groups from the statistics) -> ``compile --placement`` -> the sharded
     ``run --expert-load-out`` and ``bench`` report the per-rank load; tokens unchanged."""
