@@ -18,7 +18,7 @@ import torch
 
 from moeforge.cli.inspect import format_bytes
 from moeforge.compile.genai_config import genai_greedy
-from moeforge.core.artifact import KVCacheSpec, artifact_digest, artifact_model_config, load_artifact
+from moeforge.core.artifact import KVCacheSpec, load_artifact
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import available_memory, host_bytes
 from moeforge.core.manifest import tool_versions
@@ -33,7 +33,7 @@ from moeforge.runtime.engine import (
     SchedulingOptions,
     SpeculativeOptions,
 )
-from moeforge.runtime.expert_stats import expert_load_record, write_expert_load
+from moeforge.runtime.expert_stats import run_record, write_expert_load
 from moeforge.runtime.sampler import SamplingParams
 
 
@@ -94,12 +94,13 @@ def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[in
 
 def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
                  threads: int | None = None, speculative_tokens: int = 0, backend: Backend | None = None,
-                 expert_load_out: Path | None = None, artifact_sha256: str = "",
+                 expert_load_out: Path | None = None, stats_artifact: str | Path | None = None,
                  model_name: str = "") -> dict[str, Any]:
     """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT (and with
     ``speculative_tokens`` the draft tokens fed and accepted). ``backend``: opened already (a sharded artifact's
     ``ShardedBackend``; ``artifact_dir`` is its rank 0). MoE artifacts also report the measured expert-load
-    imbalance of the timed run (``expert_load``), written to ``expert_load_out`` as ``moeforge eplb`` reads it."""
+    imbalance of the timed run (``expert_load``), written to ``expert_load_out`` as ``moeforge eplb`` reads it, named
+    by ``stats_artifact`` (the sharded artifact's top directory; default ``artifact_dir``)."""
     engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
         backend=BackendOptions(threads=threads, track_expert_load=True),
@@ -128,8 +129,7 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     rss = peak_rss_mib()  # before the profiled engine below is loaded
     drafts = {"speculative_tokens": speculative_tokens, "draft_tokens": engine.metrics.draft_tokens,
               "accepted_draft_tokens": engine.metrics.accepted_draft_tokens} if speculative_tokens else {}
-    groups = int((artifact_model_config(artifact_dir).get("moe") or {}).get("n_group") or 1)
-    experts = _expert_load(engine, warm_load, warm_ranks, expert_load_out, artifact_sha256, model_name, groups)
+    experts = _expert_load(engine, warm_load, warm_ranks, expert_load_out, stats_artifact or artifact_dir, model_name)
     del engine  # free its caches first: one engine's memory at a time (what check_bench_memory assumes)
     gc.collect()
     share = None
@@ -151,7 +151,7 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
 
 
 def _expert_load(engine: LLMEngine, warm_load: np.ndarray | None, warm_ranks: np.ndarray | None,
-                 out: Path | None, artifact_sha256: str, model_name: str, groups: int) -> dict[str, Any] | None:
+                 out: Path | None, artifact: str | Path, model_name: str) -> dict[str, Any] | None:
     """The timed run's expert load (the warm-up's subtracted): per-layer imbalance over the experts and, sharded,
     over the ranks; written to ``out`` (the statistics ``moeforge eplb`` reads) when given."""
     load, ranks = engine.expert_load(), engine.rank_expert_load()
@@ -161,7 +161,7 @@ def _expert_load(engine: LLMEngine, warm_load: np.ndarray | None, warm_ranks: np
         return None
     load = load - warm_load if warm_load is not None else load
     ranks = ranks - warm_ranks if ranks is not None and warm_ranks is not None else ranks
-    record = expert_load_record(load, ranks, artifact_sha256, model_name, groups)
+    record = run_record(load, ranks, artifact, model_name)
     if out is not None:
         write_expert_load(out, record)
     summary: dict[str, Any] = {"expert_imbalance": record["imbalance"],
@@ -290,7 +290,6 @@ def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens:
                               "moeforge_onnxruntime": bench_engine(artifact_dir, batch, prompt_len, new_tokens,
                                                                    threads, speculative_tokens,
                                                                    expert_load_out=expert_load_out,
-                                                                   artifact_sha256=artifact_digest(artifact_dir),
                                                                    model_name=str(model_name))}
     if compare:
         source = artifact.manifest.source

@@ -21,7 +21,7 @@ from moeforge.compile.driver import CompileOptions, ParityCheckFailed, compile_m
 from moeforge.compile.plan import plan_compile
 from moeforge.compile.sharded_compile import is_sharded, load_rank, rank_dir, read_sharded
 from moeforge.compile.targets import TARGETS
-from moeforge.core.artifact import artifact_digest, load_artifact, restore_interrupted
+from moeforge.core.artifact import load_artifact, restore_interrupted
 from moeforge.core.errors import GroupArtifactError, MoeforgeError
 from moeforge.core.host_memory import parse_size
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
@@ -759,7 +759,7 @@ def _sharded_bench(args: argparse.Namespace) -> dict[str, Any] | None:
         top = Path(args.artifact)
         measured = bench_engine(top / rank_dir(0), args.batch, args.prompt_len, args.new_tokens, args.threads,
                                 backend=backend, expert_load_out=args.expert_load_out,
-                                artifact_sha256=artifact_digest(top), model_name=model_name(top))
+                                stats_artifact=top, model_name=model_name(top))
         results.append({"artifact": str(top), "model": model_name(top), "batch": args.batch,
                         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "ranks": backend.world_size,
                         "moeforge_onnxruntime": measured})

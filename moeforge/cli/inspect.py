@@ -178,12 +178,11 @@ def summarize_sharded(root: Path, sharded: ShardedManifest) -> str:
     else:
         lines.append(f"placement  --placement: {slots.slots_per_rank} slots per rank; replicated experts per MoE layer "
                      "(expert: ranks of its replicas)")
+        experts = int(sharded.model_config["moe"]["n_routed_experts"])
         for layer in range(slots.layers):
-            ranks: dict[int, list[int]] = {}
-            for slot, expert in enumerate(slots.physical_to_logical[layer]):
-                if expert >= 0:
-                    ranks.setdefault(expert, []).append(slot // slots.slots_per_rank)
-            replicated = [f"{e}: {','.join(map(str, r))}" for e, r in sorted(ranks.items()) if len(r) > 1]
+            expert_slots, replicas = slots.slot_table(layer, experts)
+            replicated = [f"{e}: {','.join(str(slot // slots.slots_per_rank) for slot in expert_slots[e][:n])}"
+                          for e, n in enumerate(replicas) if n > 1]
             empty = sum(1 for e in slots.physical_to_logical[layer] if e < 0)
             lines.append(f"  MoE layer {layer}: " + ("; ".join(replicated) or "no replicas")
                          + (f" ({empty} empty slots)" if empty else ""))

@@ -588,10 +588,15 @@ def _check_external_data(root: Path, manifest: Manifest) -> None:
 # ---------------------------------------------------------------------------------------------- inspection
 
 
+def _record_file(path: str | Path) -> Path:
+    """The file that describes an artifact as a whole: ``sharded.json`` when sharded, else ``manifest.json``."""
+    root = Path(path).expanduser().absolute()
+    return root / SHARDED_FILE if (root / SHARDED_FILE).is_file() else root / MANIFEST_FILE
+
+
 def artifact_model_config(path: str | Path) -> dict[str, Any]:
     """The model config an artifact records (``sharded.json``'s when sharded, else ``manifest.json``'s)."""
-    root = Path(path).expanduser().absolute()
-    record = root / SHARDED_FILE if (root / SHARDED_FILE).is_file() else root / MANIFEST_FILE
+    record = _record_file(path)
     try:
         config = json.loads(record.read_text()).get("model_config")
     except (OSError, ValueError, AttributeError) as exc:
@@ -602,8 +607,7 @@ def artifact_model_config(path: str | Path) -> dict[str, Any]:
 def artifact_digest(path: str | Path) -> str:
     """The sha256 that names an artifact: of its ``sharded.json`` (which records every rank's manifest hash) when
     sharded, else of its ``manifest.json`` (which records the hash of every other file)."""
-    root = Path(path).expanduser().absolute()
-    record = root / SHARDED_FILE if (root / SHARDED_FILE).is_file() else root / MANIFEST_FILE
+    record = _record_file(path)
     try:
         return hashlib.sha256(record.read_bytes()).hexdigest()
     except OSError as exc:

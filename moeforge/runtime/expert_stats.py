@@ -69,6 +69,13 @@ def check_writable(path: str | os.PathLike[str] | None) -> None:
                             "create it or choose another path")
 
 
+def run_record(load: np.ndarray, rank_load: np.ndarray | None, artifact: str | os.PathLike[str],
+               model: str | None) -> dict[str, Any]:
+    """The statistics of a run of ``artifact`` (its top directory): named by its digest, with its expert groups."""
+    moe = artifact_model_config(Path(artifact)).get("moe") or {}
+    return expert_load_record(load, rank_load, artifact_digest(Path(artifact)), model, int(moe.get("n_group") or 1))
+
+
 def save_expert_load(path: str | os.PathLike[str], load: np.ndarray | None, rank_load: np.ndarray | None,
                      artifact: str | os.PathLike[str], model: str | None) -> Path:
     """Write a run's statistics for ``--expert-load-out``: ``load`` [L_moe, E] (None: the artifact routes no
@@ -76,6 +83,4 @@ def save_expert_load(path: str | os.PathLike[str], load: np.ndarray | None, rank
     if load is None:
         raise MoeforgeError(f"--expert-load-out {path}: {artifact} routes no experts (not a MoE model); leave the "
                             "flag out")
-    moe = artifact_model_config(Path(artifact)).get("moe") or {}
-    groups = int(moe.get("n_group") or 1)
-    return write_expert_load(path, expert_load_record(load, rank_load, artifact_digest(Path(artifact)), model, groups))
+    return write_expert_load(path, run_record(load, rank_load, artifact, model))

@@ -140,8 +140,11 @@ class EngineLoop:
         has stopped (the engine is the loop's until then)."""
         if self._thread.is_alive():
             raise RuntimeError("served_expert_load() reads the engine: stop the loop first")
-        engine = self.engine
-        load, ranks = engine.expert_load(), engine.rank_expert_load()
+        return self._expert_load_since_warm_up()
+
+    def _expert_load_since_warm_up(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(per logical expert, per rank) load read from the engine now, less what the warm-up step routed."""
+        load, ranks = self.engine.expert_load(), self.engine.rank_expert_load()  # fresh copies, or None
         if load is not None and self._expert_baseline is not None:
             load = load - self._expert_baseline
         if ranks is not None and self._rank_baseline is not None:
@@ -282,14 +285,11 @@ class EngineLoop:
             # gathered from every rank.
             if now - self._expert_published >= EXPERT_LOAD_PERIOD_S or not (stats.running or stats.waiting):
                 self._expert_published = now
-                load = engine.expert_load()  # a fresh copy; None unless the artifact routes to experts
+                load, ranks = self._expert_load_since_warm_up()  # None unless the artifact routes to experts
                 if load is not None:
-                    base = self._expert_baseline
-                    self.metrics.set_expert_load(load if base is None else load - base)
-                ranks = engine.rank_expert_load()
+                    self.metrics.set_expert_load(load)
                 if ranks is not None:
-                    base = self._rank_baseline
-                    self.metrics.set_rank_expert_load(ranks if base is None else ranks - base)
+                    self.metrics.set_rank_expert_load(ranks)
         if self._profile_steps and stats.totals.steps >= self._profile_steps:
             self._profile_steps = 0  # profiling ends with the first read
             share = engine.attention_time_share()
