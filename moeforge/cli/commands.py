@@ -486,7 +486,14 @@ def _sharded(path: str, worker: Callable[[World], Any], main: Callable[[Any], in
     ``main`` on it, the others serve it (``worker`` opens their side). Always tells the ranks to stop."""
     world = start_world(path)
     if world.rank != 0:
-        return run_worker(worker(world), world)
+        try:
+            local = worker(world)
+        except BaseException:
+            # Every rank found the problem together (the group is whole): tear the group down before the error
+            # ends the process. A gloo group left to the interpreter's exit can abort it ("terminate called ...").
+            world.finish(EXIT_BAD_INPUT)
+            raise
+        return run_worker(local, world)
     side, code = None, EXIT_BAD_INPUT
     try:
         side = rank0(world)
