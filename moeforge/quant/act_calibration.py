@@ -28,9 +28,10 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.core.errors import MoeforgeError
+from moeforge.passes.base import PassContext
 from moeforge.passes.quant_math import FP8_MAX
 from moeforge.passes.quant_weights import QuantTarget, quant_targets
-from moeforge.quant.calibration import GraphRunner
+from moeforge.quant.calibration import GraphRunner, runner_options
 from moeforge.quant.schemes import SCHEMES
 
 METHODS = ("minmax", "percentile")
@@ -104,11 +105,12 @@ class _Activations:
     """The fp32 ``model`` in an ONNX Runtime session returning the values ``names``; ``rows(prompts)`` yields, per
     prompt, name -> rows [tokens, K]. Calibration streams over them (memory does not grow with the prompts)."""
 
-    def __init__(self, model: ir.Model, names: list[str], prompts: list[list[int]]) -> None:
+    def __init__(self, model: ir.Model, names: list[str], prompts: list[list[int]],
+                 ctx: PassContext | None = None) -> None:
         if not prompts:
             raise ActivationCalibrationError("static activation scales need calibration prompts: pass --calib FILE")
         self.names, self.prompts = list(dict.fromkeys(names)), prompts
-        self.runner = GraphRunner(model, extra_outputs=tuple(self.names))
+        self.runner = GraphRunner(model, extra_outputs=tuple(self.names), **runner_options(ctx))
 
     def rows(self) -> Iterator[dict[str, np.ndarray]]:
         for ids in self.prompts:
@@ -157,9 +159,9 @@ def percentile_from_top(top: np.ndarray, n: int, percentile: float) -> float:
 
 
 def calibrate(model: ir.Model, names: list[str], prompts: list[list[int]],
-              spec: ActivationSpec) -> dict[str, float]:
+              spec: ActivationSpec, ctx: PassContext | None = None) -> dict[str, float]:
     """Per-tensor ``amax`` of each value in ``names`` over ``prompts`` (no smoothing)."""
-    acts = _Activations(model, names, prompts)
+    acts = _Activations(model, names, prompts, ctx)
     cmax, count = acts.channel_max()
     if spec.method == "minmax" or spec.percentile >= 100.0:
         return {name: float(cmax[name].max()) for name in acts.names}
@@ -199,7 +201,7 @@ class ActivationPlan:
 
     @classmethod
     def calibrate(cls, model: ir.Model, spec: ActivationSpec, prompts: list[list[int]],
-                  keep: frozenset[str] = frozenset()) -> ActivationPlan:
+                  keep: frozenset[str] = frozenset(), ctx: PassContext | None = None) -> ActivationPlan:
         """Ranges (and SmoothQuant scales) of every MatMul activation that will get Q/DQ, on the fp32 ``model``
         before weights are quantised: quantised MatMul weights except the LM head, the router, MoE experts,
         ``keep`` (``--keep-fp``) and labels matching ``spec.keep``."""
@@ -207,7 +209,7 @@ class ActivationPlan:
         targets = [(t, x) for t in candidates if not spec.keeps(t.label) and (x := activation_name(t))]
         if not targets:
             raise ActivationCalibrationError("the model has no MatMul whose activations can be quantised")
-        acts = _Activations(model, [x for _, x in targets], prompts)
+        acts = _Activations(model, [x for _, x in targets], prompts, ctx)
         cmax, count = acts.channel_max()
         plan = cls(spec, {}, kept=[t.label for t in candidates if spec.keeps(t.label)])
         keys: dict[str, tuple[str, np.ndarray | None]] = {}  # Q input name -> (activation, divisor s)

@@ -1,21 +1,36 @@
 """Calibration data: a text file of prompts, one per line, run through the compiled fp32 graph.
 
-``read_prompts`` checks the file; ``GraphRunner`` runs an in-memory onnx-ir graph in ONNX Runtime
-(prefill from an empty cache) and can return internal values (MatMul inputs for AWQ) and take
-replacement weights as feeds (one weight swapped at a time for the sensitivity sweep).
+``read_prompts`` checks the file; ``GraphRunner`` runs an onnx-ir graph in ONNX Runtime (prefill from an empty
+cache) and can return internal values (MatMul inputs for AWQ) and take replacement weights as feeds (one weight
+swapped at a time for the sensitivity sweep).
+
+Memory: by default the graph is serialised in memory (a protobuf holding every weight, then ONNX Runtime's own
+copy). A streamed compile (``PassContext.scratch_dir``) cannot afford that: its weights are lazy reads of the
+checkpoint. There the runner writes the graph to a temporary folder first, one tensor at a time (``ir.save``: each
+lazy weight read, transformed, written and freed), and ONNX Runtime maps the external data file with prepacking
+off, so the weights stay clean file pages the kernel reclaims under a memory cap -- the same way the streamed
+``--check`` runs the artifact. The folder is deleted as soon as the session holds its mapping (nothing is left
+behind, even if the compile is killed later). Results are the same numbers: the same graph, the same kernels.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import onnx_ir as ir
+from tqdm import tqdm
 
 from moeforge.core.errors import MoeforgeError
-from moeforge.core.ort_session import make_session
+from moeforge.core.ort_session import UNPACKED_WEIGHTS, make_session
 from moeforge.model.tokenizer import Tokenizer
+from moeforge.passes.base import PassContext
+
+SCRATCH_PREFIX = ".moeforge-calib-"
 
 PAST_PREFIX = "past_key_values."
 
@@ -51,11 +66,37 @@ def tokenize_prompts(prompts: list[str], tokenizer: Tokenizer | None, max_len: i
 
 
 class GraphRunner:
-    """An in-memory graph in an ONNX Runtime session; ``overridable`` weights can be fed per run."""
+    """A graph in an ONNX Runtime session; ``overridable`` weights can be fed per run. ``scratch_dir``: write the
+    graph there and map its weights instead of serialising it in memory (see the module docstring)."""
 
     def __init__(self, model: ir.Model, extra_outputs: tuple[str, ...] = (),
-                 overridable: tuple[str, ...] = (), threads: int | None = None) -> None:
-        proto = ir.serde.serialize_model(model)
+                 overridable: tuple[str, ...] = (), threads: int | None = None,
+                 scratch_dir: Path | None = None, progress: bool = False) -> None:
+        self.extra_outputs = extra_outputs
+        if scratch_dir is None:
+            proto = self._edit(ir.serde.serialize_model(model), extra_outputs, overridable)
+            # errors only (make_session): overridable initializers are intended, no warning per weight. Prepacking
+            # off in both cases: packed and unpacked MatMuls round differently, and a streamed compile must
+            # calibrate to the in-memory one's numbers (one-shot runs gain little from prepacking anyway).
+            self.session = make_session(None, graph=proto, threads=threads, session_config=UNPACKED_WEIGHTS,
+                                        providers=["CPUExecutionProvider"])
+        else:
+            scratch_dir.mkdir(parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=scratch_dir))
+            try:
+                path = folder / "model.onnx"
+                _save_with_bar(model, path, progress)
+                proto = self._edit(onnx.load(str(path), load_external_data=False), extra_outputs, overridable)
+                self.session = make_session(path, graph=proto, threads=threads, session_config=UNPACKED_WEIGHTS,
+                                            providers=["CPUExecutionProvider"])
+            finally:  # the session maps the data file; its pages stay valid once the name is gone
+                shutil.rmtree(folder, ignore_errors=True)
+        self.inputs = {i.name: i for i in self.session.get_inputs()}
+
+    @staticmethod
+    def _edit(proto: onnx.ModelProto, extra_outputs: tuple[str, ...],
+              overridable: tuple[str, ...]) -> onnx.ModelProto:
+        """``proto`` returning ``extra_outputs`` too, with the ``overridable`` initializers also graph inputs."""
         existing = {o.name for o in proto.graph.output}
         for name in extra_outputs:
             if name not in existing:
@@ -66,10 +107,7 @@ class GraphRunner:
             for name in overridable:
                 init = by_name[name]
                 proto.graph.input.append(_tensor_info(name, init.data_type, list(init.dims)))
-        # errors only (make_session): overridable initializers are intended, no warning per weight
-        self.session = make_session(None, graph=proto, threads=threads, providers=["CPUExecutionProvider"])
-        self.extra_outputs = extra_outputs
-        self.inputs = {i.name: i for i in self.session.get_inputs()}
+        return proto
 
     def run(self, ids: list[int], weights: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Prefill ``ids`` from an empty cache: [logits [S, V], *extras]."""
@@ -86,6 +124,24 @@ class GraphRunner:
         feeds.update(weights or {})
         outputs = self.session.run(["logits", *self.extra_outputs], feeds)
         return [outputs[0][0], *outputs[1:]]
+
+
+def runner_options(ctx: PassContext | None) -> dict[str, Any]:
+    """``GraphRunner`` keywords from a pass's context: where a streamed compile maps the graph from, and the bar."""
+    if ctx is None:
+        return {}
+    return {"scratch_dir": ctx.scratch_dir, "progress": ctx.progress}
+
+
+def _save_with_bar(model: ir.Model, path: Path, progress: bool) -> None:
+    """``ir.save`` with external data; a bar over the tensors written (each lazy weight is read and transformed
+    now, which takes as long as writing the artifact)."""
+    with tqdm(desc="calibration graph", unit="tensor", disable=not progress, leave=False, position=1) as bar:
+        def advance(_tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
+            bar.total = info.total
+            bar.update()
+
+        ir.save(model, path, external_data=path.name + ".data", callback=advance)
 
 
 def _value_info(name: str) -> onnx.ValueInfoProto:

@@ -20,7 +20,7 @@ from moeforge.core.config import ModelConfig
 from moeforge.core.kv_layout import cache_names
 from moeforge.passes.base import PassContext
 from moeforge.passes.kv_quant import KVCacheQuantization, KVScales, scales_from_amax
-from moeforge.quant.calibration import GraphRunner
+from moeforge.quant.calibration import GraphRunner, runner_options
 
 # Per head (the MLA latent is one head): see moeforge/passes/kv_quant.py for why not per channel.
 DEFAULT_GRANULARITY = "head"
@@ -31,7 +31,7 @@ def calibrate_kv_amax(model: ir.Model, ctx: PassContext, prompts: list[list[int]
     mla = ctx.config.mla is not None
     layers = [cache_names(i, mla) for i in range(ctx.config.num_hidden_layers)]
     outputs = tuple(name for names in layers for name in names.present[: 1 if mla else 2])
-    runner = GraphRunner(model, extra_outputs=outputs)
+    runner = GraphRunner(model, extra_outputs=outputs, **runner_options(ctx))
     rotary = rotary_pairs(ctx.config)
     amax: list[np.ndarray] | None = None
     for ids in prompts:

@@ -35,7 +35,7 @@ from moeforge.passes.quant_math import awq_search
 from moeforge.passes.quant_weights import QuantConfig, QuantTarget, WeightQuantization, quant_targets
 from moeforge.passes.shared_embedding import SharedEmbedding
 from moeforge.quant.act_calibration import ActivationPlan, activation_name, weight_array
-from moeforge.quant.calibration import GraphRunner
+from moeforge.quant.calibration import GraphRunner, runner_options
 from moeforge.quant.kv_calibration import CalibratedKVQuantization
 from moeforge.quant.schemes import SCHEMES
 from moeforge.quant.sensitivity import choose_kept, measure
@@ -229,7 +229,7 @@ class WeightSensitivity(_PlannedPass):
 
     def run(self, model: ir.Model, ctx: PassContext) -> int:
         plan = self.plan
-        rows = measure(model, plan.prompts, plan.kind, plan.spec.block)
+        rows = measure(model, plan.prompts, plan.kind, plan.spec.block, ctx)
         plan.chosen = frozenset(r.name for r in choose_kept(rows, plan.spec.keep_fp))
         plan.sensitivity = [{"name": r.name, "label": r.label, "kl": r.kl} for r in rows]
         return len(rows)
@@ -245,23 +245,48 @@ class AwqScales(_PlannedPass):
         plan = self.plan
         targets = [t for t in plan.targets if not t.is_moe and not t.is_lm_head and t.name not in plan.chosen]
         names = {t.name: activation_name(t) for t in targets}
-        inputs = tuple(dict.fromkeys(names.values()))
-        runner = GraphRunner(model, extra_outputs=inputs)
-        rows: dict[str, list[np.ndarray]] = {name: [] for name in inputs}
-        for ids in plan.prompts:
-            for name, value in zip(inputs, runner.run(ids)[1:], strict=True):
-                rows[name].append(value.reshape(-1, value.shape[-1]))
-        rng = np.random.default_rng(0)
+        runner = GraphRunner(model, extra_outputs=tuple(dict.fromkeys(names.values())), **runner_options(ctx))
+        samples, means = sample_activations(runner, names, plan.prompts, AWQ_SAMPLE_ROWS)
         block = plan.spec.block
         assert block is not None, "AWQ schemes quantise in blocks"
         for target in targets:
-            x = np.concatenate(rows[names[target.name]])
-            sample = x[rng.permutation(len(x))[:AWQ_SAMPLE_ROWS]]
-            s, alpha = awq_search(weight_array(target), sample, np.abs(x).mean(0), plan.kind, block)
+            x = names[target.name]
+            s, alpha = awq_search(weight_array(target), samples[target.name], means[x], plan.kind, block)
             if alpha > 0:
                 plan.awq[target.name] = s
             plan.alphas[target.name] = alpha
         return len(plan.awq)
+
+
+def sample_activations(runner: GraphRunner, names: dict[str, str], prompts: list[list[int]],
+                       rows: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """AWQ's statistics without holding every activation: per target (target -> the activation its MatMul reads),
+    ``rows`` rows drawn at random from all of the activation's rows over ``prompts`` [rows, K]; per activation, the
+    mean |x| over all rows [K]. Two passes over the prompts: the first counts rows and sums |x|, then each target
+    draws its rows (one seeded generator, targets in order), the second gathers them. Memory: one prompt's
+    activations and the samples, whatever the number of prompts (a streamed compile's calibration)."""
+    inputs = list(runner.extra_outputs)
+    count = dict.fromkeys(inputs, 0)
+    total: dict[str, np.ndarray] = {}
+    for ids in prompts:
+        for name, value in zip(inputs, runner.run(ids)[1:], strict=True):
+            x = np.abs(value.reshape(-1, value.shape[-1]))  # [rows, K]
+            total[name] = total[name] + x.sum(0, dtype=np.float64) if name in total else x.sum(0, dtype=np.float64)
+            count[name] += len(x)
+    rng = np.random.default_rng(0)
+    chosen = {target: rng.permutation(count[x])[:rows] for target, x in names.items()}  # global row indices
+    samples = {target: np.empty((len(chosen[target]), len(total[x])), np.float32) for target, x in names.items()}
+    offset = dict.fromkeys(inputs, 0)
+    for ids in prompts:
+        values = dict(zip(inputs, runner.run(ids)[1:], strict=True))
+        for target, x in names.items():
+            block = values[x].reshape(-1, values[x].shape[-1])  # this prompt's rows [offset, offset + len)
+            here = (chosen[target] >= offset[x]) & (chosen[target] < offset[x] + len(block))
+            samples[target][here] = block[chosen[target][here] - offset[x]]
+        for name in inputs:
+            offset[name] += len(values[name].reshape(-1, values[name].shape[-1]))
+    means = {name: (total[name] / count[name]).astype(np.float32) for name in inputs}
+    return samples, means
 
 
 class ActivationRanges(_PlannedPass):
@@ -273,7 +298,7 @@ class ActivationRanges(_PlannedPass):
         plan = self.plan
         spec = plan.spec.activation_spec()
         assert spec is not None
-        plan.activations = ActivationPlan.calibrate(model, spec, plan.prompts, plan.keep)
+        plan.activations = ActivationPlan.calibrate(model, spec, plan.prompts, plan.keep, ctx)
         plan.awq = plan.activations.smoothing
         return len(plan.activations.amax)
 

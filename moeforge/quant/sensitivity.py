@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from moeforge.passes.base import PassContext
 from moeforge.passes.quant_math import fake_quantize
 from moeforge.passes.quant_weights import QuantTarget, quant_targets
 from moeforge.quant.act_calibration import weight_array
-from moeforge.quant.calibration import GraphRunner, mean_kl
+from moeforge.quant.calibration import GraphRunner, mean_kl, runner_options
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,12 @@ def fake_quantized(target: QuantTarget, kind: str, block_size: int | None) -> np
     return fake_quantize(w, kind, block_size).astype(np.float32)
 
 
-def measure(model: ir.Model, prompts: list[list[int]], kind: str, block_size: int | None) -> list[Sensitivity]:
-    """Sensitivity of every quantisable weight, most sensitive first."""
+def measure(model: ir.Model, prompts: list[list[int]], kind: str, block_size: int | None,
+            ctx: PassContext | None = None) -> list[Sensitivity]:
+    """Sensitivity of every quantisable weight, most sensitive first (``ctx``: a streamed compile's scratch folder,
+    where the graph's weights are mapped from; one replaced weight is in memory at a time)."""
     targets = quant_targets(model)
-    runner = GraphRunner(model, overridable=tuple(t.name for t in targets))
+    runner = GraphRunner(model, overridable=tuple(t.name for t in targets), **runner_options(ctx))
     reference = [runner.run(ids)[0] for ids in prompts]
     rows = []
     for target in targets:

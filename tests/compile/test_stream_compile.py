@@ -23,6 +23,7 @@ from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.core.errors import CheckpointError, MoeforgeError
 from moeforge.model.lazy_weights import LazyWeights, open_lazy_model
 from moeforge.model.loader import load_model
+from moeforge.model.tokenizer import Tokenizer
 from moeforge.verify.layered_reference import layered_forward
 from moeforge.verify.parity import compare_with_reference, default_prompt, torch_hidden_states, torch_reference
 
@@ -46,6 +47,7 @@ def _llama_folder(folder: Path) -> Path:
         for param in model.parameters():
             param.normal_(0, 0.2)
     model.save_pretrained(folder)
+    Tokenizer.byte_level(300, 256, 257).save(folder)  # for the --calib prompts
     return folder
 
 
@@ -89,6 +91,91 @@ def test_the_streamed_artifact_holds_the_in_memory_ones_bytes(checkpoints: dict[
     manifests = [json.loads((a / "manifest.json").read_text()) for a in (eager, streamed)]
     for key in ("inputs", "outputs", "kv_cache", "precision", "quantization", "layer_outputs", "model_config"):
         assert manifests[0][key] == manifests[1][key], key
+
+
+CALIBRATED = [({"quant": "int4-awq"}, "deepseek-v3-fp8"), ({"quant": "w8a8"}, "llama-tied"),
+              ({"quant": "int8", "keep_fp": 0.25}, "llama-tied"), ({"kv_quant": "int8"}, "deepseek-v3-fp8"),
+              ({"quant": "w8a8", "kv_quant": "int8", "calib_method": "percentile"}, "deepseek-v3-fp8")]
+
+
+@pytest.fixture(scope="module")
+def calib_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "prompts.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog.\nMixture of experts routes each token.\n"
+                    "Pipelines stream weights from disk, one tensor at a time.\n")
+    return path
+
+
+@pytest.mark.parametrize(("flags", "case"), CALIBRATED, ids=["int4-awq", "w8a8", "keep-fp", "kv-int8", "w8a8-kv"])
+def test_a_streamed_calibrated_compile_equals_the_in_memory_one(checkpoints: dict[str, Path], tmp_path: Path,
+                                                                calib_prompts: Path, case: str,
+                                                                flags: dict[str, Any]) -> None:
+    """AWQ, SmoothQuant/static activation ranges, --keep-fp sensitivity and the int8 KV scales run the graph over
+    the --calib prompts; streamed, ONNX Runtime maps the weights from a scratch file written one tensor at a time.
+    The same numbers come out: the same bytes and the same manifest (scales, kept weights, AWQ alphas), and no
+    scratch file is left beside the artifact."""
+    flags = {**flags, "calib": str(calib_prompts)}
+    eager = _compile(checkpoints[case], tmp_path / "eager", stream=False, **flags)
+    streamed = _compile(checkpoints[case], tmp_path / "stream", stream=True, **flags)
+    assert (eager / "model.onnx.data").read_bytes() == (streamed / "model.onnx.data").read_bytes()
+    assert _tensors(eager) == _tensors(streamed)
+    manifests = [json.loads((a / "manifest.json").read_text()) for a in (eager, streamed)]
+    assert manifests[0]["quantization"] == manifests[1]["quantization"]
+    summary = manifests[1]["quantization"]
+    assert 3 in (summary.get("calibration_prompts"), summary.get("kv_cache", {}).get("calibration_prompts"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eager", "stream"]  # no .moeforge-calib-* left
+
+
+def test_a_streamed_calibration_reads_one_layer_at_a_time(checkpoints: dict[str, Path], tmp_path: Path,
+                                                          calib_prompts: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration graph's weights go to the scratch file one tensor at a time, as the artifact's do: the
+    arrays read from the checkpoint alive at once never exceed one layer's weights."""
+    alive: dict[int, int] = {}
+    peak = [0]
+    original = LazyWeights.read
+
+    def tracked(self: LazyWeights, name: str) -> np.ndarray:
+        array = original(self, name)
+        alive[id(array)] = array.nbytes
+        peak[0] = max(peak[0], sum(alive.values()))
+        weakref.finalize(array, alive.pop, id(array), None)
+        return array
+
+    from moeforge.quant import calibration
+
+    saved = []
+    original_save = calibration._save_with_bar
+    monkeypatch.setattr(calibration, "_save_with_bar", lambda *a: (saved.append(a[1]), original_save(*a)))
+    monkeypatch.setattr(LazyWeights, "read", tracked)
+    folder = checkpoints["deepseek-v3-fp8"]
+    _compile(folder, tmp_path / "stream", stream=True, quant="int4-awq", calib=str(calib_prompts))
+    assert saved and all(path.parent.parent == tmp_path for path in saved)  # scratch beside the artifact
+    _, weights = open_lazy_model(str(folder))
+    sizes = {name: int(np.prod(weights.shape(name))) * 4 for name in weights.checkpoint.keys()}
+    layers = [sum(b for n, b in sizes.items() if n.startswith(f"model.layers.{i}.")) for i in range(DS3.layers)]
+    one_layer = max(max(layers), *(b for n, b in sizes.items() if not n.startswith("model.layers.")))
+    assert 0 < peak[0] <= one_layer < sum(sizes.values()), (peak[0], one_layer, sum(sizes.values()))
+
+
+@pytest.mark.parametrize("flags", [{"dtype": "fp16"}, {"dtype": "bf16", "quant": "int8"}], ids=["fp16", "bf16-int8"])
+def test_a_streamed_tensorrt_compile_equals_the_in_memory_one(checkpoints: dict[str, Path], tmp_path: Path,
+                                                              flags: dict[str, Any]) -> None:
+    """--target trt streamed: the precision pass converts each weight when it is written (no serialised copy of
+    the graph), the engine's golden run maps the weights (bf16: an fp32 copy written one tensor at a time, then
+    removed) and TensorRT-RTX reads them through a mapping. Same ONNX bytes and golden logits as the in-memory
+    compile, a plan built, nothing left over."""
+    pytest.importorskip("tensorrt_rtx_bindings")
+    eager = _compile(checkpoints["llama-tied"], tmp_path / "eager", stream=False, target="trt", **flags)
+    streamed = _compile(checkpoints["llama-tied"], tmp_path / "stream", stream=True, target="trt", **flags)
+    assert (eager / "model.onnx.data").read_bytes() == (streamed / "model.onnx.data").read_bytes()
+    assert _tensors(eager) == _tensors(streamed)
+    from moeforge.verify.golden import load_golden
+
+    np.testing.assert_array_equal(load_golden(eager)[1], load_golden(streamed)[1])
+    for artifact in (eager, streamed):
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        assert (artifact / "model.plan").stat().st_size == manifest["engine"]["plan_bytes"] > 0
+        assert not [p.name for p in artifact.iterdir() if "fp32" in p.name]  # the bf16 golden's copy is gone
 
 
 @pytest.mark.parametrize("case", ["deepseek-v3-fp8", "llama-tied"])
@@ -156,8 +243,6 @@ def test_a_bad_weight_fails_the_streamed_compile_when_read_and_leaves_nothing(ch
 
 
 @pytest.mark.parametrize(("model", "flags", "match"), [
-    ("llama-tied", {"target": "trt"}, "--target trt"),
-    ("llama-tied", {"quant": "int8", "calib": "prompts.txt"}, "--calib"),
     ("tiny-llama", {}, "preset model"),
 ])
 def test_what_needs_the_whole_model_is_refused_up_front(checkpoints: dict[str, Path], tmp_path: Path, model: str,

@@ -43,7 +43,11 @@ class CompileJob:
 
     @property
     def context(self) -> PassContext:
-        return PassContext(config=self.loaded.config, max_seq_len=self.max_seq_len)
+        # Streamed: calibration maps the graph's weights from a folder beside the artifact (same disk, not /tmp,
+        # which may be a tmpfs counted as memory).
+        scratch = self.options.output_dir.absolute().parent if self.weights is not None else None
+        return PassContext(config=self.loaded.config, max_seq_len=self.max_seq_len, scratch_dir=scratch,
+                           progress=self.options.progress)
 
 
 class Target(Protocol):
