@@ -218,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="streamed compile (HF safetensors folders): the model is traced without its weights and "
                            "each weight (with --tp: each rank's slice) is read, transformed and written one at a "
                            "time, so memory stays far below the weights' size; --check runs PyTorch one layer at a "
-                           "time. The default for an HF folder compiled for --target ort without --calib; "
-                           "--no-stream loads the model whole")
+                           "time; --calib and --target trt map the weights from disk. The default for an HF "
+                           "folder; --no-stream loads the model whole")
     comp.add_argument("--workers", type=int, default=1, metavar="N",
                       help="with --stream --tp: build N ranks at once, each in its own process (memory: N x the "
                            "plan's per-rank peak, checked against --max-memory)")

@@ -70,11 +70,10 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
 
 def resolve_stream(options: CompileOptions) -> CompileOptions:
     """``options`` with ``stream`` decided: as given, or (None) streamed wherever the streamed compile applies -- a
-    Hugging Face safetensors folder compiled for ONNX Runtime without --calib; presets and GGUF files load whole."""
+    Hugging Face safetensors folder (every target, every scheme); presets and GGUF files load whole."""
     if options.stream is not None:
         return options
-    applies = (options.target == "ort" and options.quant.calib is None
-               and resolve_source(options.model).kind == "hf")
+    applies = resolve_source(options.model).kind == "hf"
     return dataclasses.replace(options, stream=applies)
 
 
@@ -103,8 +102,6 @@ def _check_options(options: CompileOptions) -> None:
         raise MoeforgeError(f"--placement places whole experts on expert-parallel ranks: it needs --tp N --ep N "
                             f"with N > 1 (got --tp {options.tp} --ep {options.ep}); pass the --ep the plan was made "
                             "for to both")
-    if options.stream:
-        _check_stream(options)
     why = refusal(options.target, paged=paged, sharded=sharded)
     if why and not options.build_only:
         shape = (" with --kv-cache paged" if paged else " with --tp/--ep" if sharded else "") \
@@ -112,16 +109,6 @@ def _check_options(options: CompileOptions) -> None:
         raise MoeforgeError(f"--target {options.target}{shape} builds an artifact no moeforge backend runs: {why}. "
                             "Compile for --target ort to run it here, or pass --build-only to build it for a runtime "
                             "of your own")
-
-
-def _check_stream(options: CompileOptions) -> None:
-    """What ``--stream`` cannot do yet: each of these needs the whole PyTorch model in memory."""
-    flags = (("--calib", options.quant.calib is not None),
-             (f"--target {options.target}", options.target != "ort"))
-    needs_torch = [flag for flag, on in flags if on]
-    if needs_torch:
-        raise MoeforgeError(f"--stream does not combine with {', '.join(needs_torch)} yet (each loads the whole "
-                            "model); compile without --stream, or drop those flags")
 
 
 def check_memory(options: CompileOptions) -> None:

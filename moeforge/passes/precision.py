@@ -12,16 +12,25 @@ the half type; ``logits`` [B, S, V] stays float32 (a Cast at the end), so sample
 
 The fp16 conversion is ONNX Runtime's ``float16.convert_float_to_float16`` (inserts the casts, clamps
 initializers to the fp16 range); bf16 is the same graph with every float16 type and tensor retyped.
+
+Weights are never serialised whole: the converter runs on the graph with every float initializer replaced by an
+external-data placeholder (name, type and shape; no bytes), so it decides types and casts only; each converted
+initializer is then a lazy tensor that reads its source (itself lazy in a streamed compile) and applies the same
+conversion (``convert_np_to_float16``: clamped to the fp16 range; bf16 through float32) when the artifact writer
+reads it. Memory: one tensor, whatever the model's size; the bytes equal the eager conversion's.
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+from onnxruntime.transformers import float16
 
+from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import PassContext
 
 FP32_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "Softmax",
@@ -41,19 +50,65 @@ class HalfPrecision:
         self.dtype = dtype
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
-        proto = ir.serde.serialize_model(model)
+        sources = _float_initializers(model.graph)
+        try:  # serialised with placeholders: types and shapes, no weight read
+            for name, tensor in sources.items():
+                model.graph.initializers[name].const_value = _placeholder(tensor)
+            proto = ir.serde.serialize_model(model)
+        finally:
+            for name, tensor in sources.items():
+                model.graph.initializers[name].const_value = tensor
         casts_before = _count_casts(proto)
         keep = [v.name for v in list(proto.graph.input) + list(proto.graph.output) if v.name in KEEP_FP32_IO]
-        converted = convert_float_to_float16(
-            proto, keep_io_types=keep, op_block_list=[*DEFAULT_OP_BLOCK_LIST, *FP32_OPS], force_fp16_initializers=True,
-        )
+        # The converter takes a value's shape from its data (numpy_helper.to_array); a placeholder's is its dims.
+        with mock.patch.object(float16, "make_value_info_from_tensor", _value_info_from_dims):
+            converted = float16.convert_float_to_float16(
+                proto, keep_io_types=keep, op_block_list=[*float16.DEFAULT_OP_BLOCK_LIST, *FP32_OPS],
+                force_fp16_initializers=True,
+            )
         if self.dtype == "bf16":
             retype_floats(converted, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
         new = ir.serde.deserialize_model(converted)
+        for name, value in new.graph.initializers.items():
+            if name in sources:
+                value.const_value = _converted(sources[name], value.dtype)
         model.graph = new.graph  # the opset imports live on the graph
         model.functions.clear()
         model.functions.update(new.functions)
         return _count_casts(converted) - casts_before
+
+
+_PLACEHOLDER = "moeforge-precision-placeholder"  # an external-data location never read (every one is replaced)
+
+
+def _float_initializers(graph: ir.Graph) -> dict[str, ir.TensorProtocol]:
+    """The float32 initializers (the ones the conversion retypes), by name; nothing read."""
+    return {name: value.const_value for name, value in graph.initializers.items()
+            if value.const_value is not None and value.const_value.dtype == ir.DataType.FLOAT}
+
+
+def _placeholder(tensor: ir.TensorProtocol) -> ir.ExternalTensor:
+    return ir.ExternalTensor(_PLACEHOLDER, offset=0, length=tensor.nbytes, dtype=tensor.dtype,
+                             shape=ir.Shape(tensor.shape.numpy()), name=tensor.name)
+
+
+def _converted(source: ir.TensorProtocol, dtype: ir.DataType) -> ir.TensorProtocol:
+    """``source`` (float32) as the converter typed it: unchanged, fp16 (clamped) or bf16 (fp16 then bf16)."""
+    if dtype == ir.DataType.FLOAT:
+        return source
+    if dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        raise AssertionError(f"the fp16 conversion retyped initializer {source.name} to {dtype}")
+
+    def compute() -> np.ndarray:
+        array = source.numpy()  # flat, as the converter reads raw_data (it rejects 0-d arrays)
+        half = float16.convert_np_to_float16(array.reshape(-1)).reshape(array.shape)  # its clamping and bounds
+        return half if dtype == ir.DataType.FLOAT16 else half.astype(np.float32).astype(ml_dtypes.bfloat16)
+
+    return lazy_tensor(compute, dtype, tuple(source.shape.numpy()), source.name)
+
+
+def _value_info_from_dims(tensor: onnx.TensorProto) -> onnx.ValueInfoProto:
+    return onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
 
 
 def _count_casts(proto: onnx.ModelProto) -> int:
@@ -68,7 +123,9 @@ def retype_floats(proto: onnx.ModelProto, source: int, target: int) -> None:
         onnx.helper.tensor_dtype_to_np_dtype(target)
 
     def convert(tensor: onnx.TensorProto) -> None:
-        if tensor.data_type == source:
+        if tensor.data_type == source and tensor.data_location == onnx.TensorProto.EXTERNAL:
+            tensor.data_type = target  # a placeholder (HalfPrecision): its values are converted when read
+        elif tensor.data_type == source:
             array = onnx.numpy_helper.to_array(tensor).astype(np.float32).astype(numpy_target)
             tensor.CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
 

@@ -139,18 +139,50 @@ def check_engine(artifact_dir: str | Path) -> tuple[GoldenCheck, float]:
 
 def _run_engine_graph(model_path: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
     """logits of an engine's graph on ONNX Runtime CPU; bf16 graphs run retyped to fp32 (ONNX Runtime's CPU
-    kernels have no bf16 arithmetic; the weights keep their bf16-rounded values)."""
-    graph = None
-    if any(v.dtype.name == "bfloat16" for v in feeds.values()):
-        graph = _bf16_as_fp32(model_path)
+    kernels have no bf16 arithmetic; the weights keep their bf16-rounded values).
+
+    Memory stays far below the weights' size, as for a streamed compile's artifact: the weights stay in the mapped
+    data file (no prepacking; no constant folding, which would store a float32 copy of every fp16 weight that
+    ONNX Runtime's CPU kernels read through a Cast: each Cast then runs per step on one weight at a time), and the
+    bf16 -> fp32 copy is written to a file beside the graph one tensor at a time and mapped likewise."""
+    bf16 = any(v.dtype.name == "bfloat16" for v in feeds.values())
+    if bf16:
         feeds = {k: v.astype(np.float32) if v.dtype.name == "bfloat16" else v for k, v in feeds.items()}
-    session = make_session(model_path, graph=graph, providers=["CPUExecutionProvider"])
+        model_path = _bf16_as_fp32(model_path)
+    try:
+        session = make_session(model_path, providers=["CPUExecutionProvider"], optimize=False,
+                               session_config=UNPACKED_WEIGHTS)
+    finally:  # the session maps the copy; its pages stay valid once the names are gone
+        if bf16:
+            model_path.unlink()
+            (model_path.parent / (model_path.name + ".data")).unlink(missing_ok=True)
     (logits,) = session.run(["logits"], feeds)
     return np.asarray(logits)
 
 
-def _bf16_as_fp32(model_path: Path) -> onnx.ModelProto:
-    """The graph at ``model_path`` with weights loaded and every bfloat16 type, Cast and tensor made float32."""
-    proto = onnx.load(str(model_path))
-    retype_floats(proto, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT)
-    return proto
+def _bf16_as_fp32(model_path: Path) -> Path:
+    """A copy of the graph at ``model_path`` beside it (``<name>.fp32.onnx`` + its data file) with every bfloat16
+    type, Cast and tensor made float32; external weights are converted and written one at a time."""
+    proto = onnx.load(str(model_path), load_external_data=False)
+    out = model_path.with_name(model_path.stem + ".fp32.onnx")
+    data_name = out.name + ".data"
+    mapped: dict[str, np.ndarray] = {}
+    with (out.parent / data_name).open("wb") as data:
+        for tensor in proto.graph.initializer:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {entry.key: entry.value for entry in tensor.external_data}
+            location = info["location"]
+            if location not in mapped:
+                mapped[location] = np.memmap(model_path.parent / location, dtype=np.uint8, mode="r")
+            raw = mapped[location][int(info.get("offset", 0)):int(info.get("offset", 0)) + int(info["length"])]
+            array = raw.view(ml_dtypes.bfloat16).astype(np.float32) if tensor.data_type == \
+                onnx.TensorProto.BFLOAT16 else raw
+            offset = data.tell()
+            data.write(np.ascontiguousarray(array).tobytes())
+            del tensor.external_data[:]
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(array.nbytes))):
+                tensor.external_data.add(key=key, value=value)
+    retype_floats(proto, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT)  # external ones: their type only
+    onnx.save(proto, str(out))
+    return out

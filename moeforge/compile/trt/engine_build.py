@@ -8,6 +8,14 @@ Two optimisation profiles cover the engine's work: ``decode`` (S = 1, B up to ``
 profile by S. The cache length is static (TensorRT's KV-cache update layer needs it), so each
 profile records L but does not vary it. Full TensorRT's timing cache is saved beside the plan and read
 by the next build pointed at it; TensorRT-RTX tunes at run time and ignores timing caches (noted).
+
+Memory: the parser is handed the graph without its weights (``load_model_proto``) and each external initializer
+as a pointer into a copy-on-write mapping of the data file (``load_initializer``), so weights the builder only reads
+stay clean file pages the kernel can reclaim (``parse_from_file`` reads them all into the parser's heap); the plan
+goes to its file through a stream writer (``build_serialized_network_to_stream``) instead of one host buffer of
+the plan's size. (A read-only mapping fails TensorRT-RTX 1.7's build: it writes into some weights; only those pages
+become private memory. Weight-stripped plans, ``STRIP_PLAN``, would keep the weights out of the plan, but TensorRT-RTX
+1.7 cannot build them without a GPU: "graph_jit.cpp: CHECK(status == CUDA_SUCCESS)".)
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from moeforge.compile.trt.paged_profiles import paged_profiles
@@ -96,12 +105,12 @@ class ParsedNetwork:
         self.network = self.builder.create_network(trt.network_flags())
         self.parser = trt.module.OnnxParser(self.network, self.logger)
         self.collectives = 0
-        if num_ranks > 1:
-            graph = onnx.load(str(onnx_path), load_external_data=False)
-            placeholders = placeholder_graph(graph)
-            parsed = self.parser.parse(graph.SerializeToString(), str(onnx_path))
-        else:
-            parsed = self.parser.parse_from_file(str(onnx_path))
+        graph = onnx.load(str(onnx_path), load_external_data=False)
+        placeholders = placeholder_graph(graph) if num_ranks > 1 else {}
+        parsed = self.parser.load_model_proto(graph.SerializeToString(), str(onnx_path))
+        # The mappings must outlive the parser and the network (TensorRT reads the weights until the build ends).
+        self.weights = _map_initializers(self.parser, graph, onnx_path.parent) if parsed else []
+        parsed = parsed and self.parser.parse_model_proto()
         if not parsed:
             errors = [str(self.parser.get_error(i)) for i in range(self.parser.num_errors)]
             raise _parse_error(onnx_path, errors)
@@ -126,6 +135,47 @@ class ParsedNetwork:
 
         return ([spec(net.get_input(i)) for i in range(net.num_inputs)],
                 [spec(net.get_output(i)) for i in range(net.num_outputs)])
+
+
+def _map_initializers(parser: Any, graph: onnx.ModelProto, folder: Path) -> list[np.memmap]:
+    """Hand every external initializer of ``graph`` to ``parser`` as a pointer into a copy-on-write mapping of its
+    data file; returns the mappings (keep them alive while the parser's network is in use)."""
+    maps: dict[str, np.memmap] = {}
+    for tensor in graph.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location, offset, length = info["location"], int(info.get("offset", 0)), int(info["length"])
+        if location not in maps:
+            maps[location] = np.memmap(folder / location, dtype=np.uint8, mode="c")
+        data = maps[location]
+        if offset + length > len(data):
+            raise EngineBuildError(f"{location} is shorter than initializer {tensor.name} needs ({offset + length} "
+                                   f"bytes, the file has {len(data)}): the artifact is truncated; recompile it")
+        if not parser.load_initializer(tensor.name, data[offset:offset + length].ctypes.data, length):
+            errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+            raise EngineBuildError(f"TensorRT refused initializer {tensor.name}: {'; '.join(errors)[:500]}")
+    return list(maps.values())
+
+
+class _PlanFile:
+    """A TensorRT stream writer into an open file (the plan is written as the builder serialises it)."""
+
+    def __init__(self, trt: TensorRT, path: Path) -> None:
+        class Writer(trt.module.IStreamWriter):  # type: ignore[name-defined, misc]
+            def __init__(self, handle: Any) -> None:
+                trt.module.IStreamWriter.__init__(self)
+                self.handle = handle
+
+            def write(self, data: Any) -> int:
+                return int(self.handle.write(data))
+
+        self.path = path
+        self.handle = path.open("wb")
+        self.writer = Writer(self.handle)
+
+    def close(self) -> None:
+        self.handle.close()
 
 
 def _parse_error(onnx_path: Path, errors: list[str]) -> EngineBuildError:
@@ -223,11 +273,15 @@ def build_engine(onnx_path: Path, plan_path: Path, options: BuildOptions, trt: T
         timing_cache = config.create_timing_cache(cache_bytes)
         config.set_timing_cache(timing_cache, ignore_mismatch=False)
 
-    plan = parsed.builder.build_serialized_network(parsed.network, config)
-    if plan is None:
+    plan = _PlanFile(trt, plan_path)
+    try:
+        built = parsed.builder.build_serialized_network_to_stream(parsed.network, config, plan.writer)
+    finally:
+        plan.close()
+    if not built:
+        plan_path.unlink(missing_ok=True)
         raise EngineBuildError(f"TensorRT ({trt.impl} {trt.version}) could not build {onnx_path.name} for {target}; "
                                "rerun with --verbose for the builder log")
-    plan_path.write_bytes(memoryview(plan))
     if timing_cache is not None and options.timing_cache is not None:
         options.timing_cache.write_bytes(memoryview(timing_cache.serialize()))
     inputs, outputs = parsed.io()
