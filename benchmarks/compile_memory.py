@@ -131,33 +131,46 @@ def smallest_cap(run: Callable[[int | None], RunResult], resolution: int, *, cei
 
 
 # ================================================================================== compile configurations
+# Schemes that run the graph over --calib prompts (AWQ scales, static activation ranges + SmoothQuant).
+CALIBRATED = ("int4-awq", "w8a8")
+CALIB_PROMPTS = ("The quick brown fox jumps over the lazy dog.",
+                 "Mixture of experts routes each token to a few experts.",
+                 "A streamed compile reads, transforms and writes one tensor at a time.",
+                 "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)")
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     quant: str = "fp32"
     kv_cache: str = "contiguous"
     tp: int = 1
     mode: str = "in-memory"  # or "stream": moeforge compile --stream (weights read as the artifact is written)
+    target: str = "ort"  # or "trt": the TensorRT(-RTX) engine, built on CPU
 
     @property
     def name(self) -> str:
-        parts = [self.quant, self.kv_cache] + ([f"tp{self.tp}"] if self.tp > 1 else []) + (
-            ["stream"] if self.mode == "stream" else [])
+        parts = ([self.target] if self.target != "ort" else []) + [self.quant, self.kv_cache] + (
+            [f"tp{self.tp}"] if self.tp > 1 else []) + (["stream"] if self.mode == "stream" else [])
         return "/".join(parts)
 
-    def flags(self) -> list[str]:
-        return [*(["--quant", self.quant] if self.quant != "fp32" else []),
+    def flags(self, calib: Path | None = None) -> list[str]:
+        """The compile's flags; ``calib``: the prompts file a calibrated scheme reads."""
+        return [*(["--target", self.target] if self.target != "ort" else []),
+                *(["--quant", self.quant] if self.quant != "fp32" else []),
+                *(["--calib", str(calib)] if self.quant in CALIBRATED and calib is not None else []),
                 *(["--kv-cache", self.kv_cache] if self.kv_cache != "contiguous" else []),
                 *(["--tp", str(self.tp)] if self.tp > 1 else []),
                 "--stream" if self.mode == "stream" else "--no-stream"]  # in-memory: today's default streams HF
 
 
 def compile_configs(quants: Sequence[str], kv_caches: Sequence[str], tps: Sequence[int],
-                    grid: str = "axes", modes: Sequence[str] = ("in-memory",)) -> list[CompileConfig]:
+                    grid: str = "axes", modes: Sequence[str] = ("in-memory",), target: str = "ort"
+                    ) -> list[CompileConfig]:
     """``grid`` "full": every combination; "axes": the base (the first of each list) and each other value of each
-    list varied alone from it (fp32, int8, int4-asym, paged, tp 2 for the defaults)."""
+    list varied alone from it (fp32, int8, int4-asym, paged, tp 2 for the defaults). ``target``: every one's."""
     if grid == "full":
-        return [CompileConfig(q, k, t, m) for q, k, t, m in itertools.product(quants, kv_caches, tps, modes)]
-    base = CompileConfig(quants[0], kv_caches[0], tps[0], modes[0])
+        return [CompileConfig(q, k, t, m, target) for q, k, t, m in itertools.product(quants, kv_caches, tps, modes)]
+    base = CompileConfig(quants[0], kv_caches[0], tps[0], modes[0], target)
     configs = [base]
     configs += [dataclasses.replace(base, quant=q) for q in quants[1:]]
     configs += [dataclasses.replace(base, kv_cache=k) for k in kv_caches[1:]]
@@ -180,8 +193,10 @@ def measure_compile(checkpoint: Path, config: CompileConfig, work: Path, *, reso
     alone rather than whatever the kernel's global OOM killer picks; it also bounds the bisection. A compile that
     fails for another reason gives a row with its ``error``."""
     out = work / "artifact"
+    calib = work / "calib.txt"
+    calib.write_text("\n".join(p.replace("\n", " ") for p in CALIB_PROMPTS) + "\n")
     cmd = [sys.executable, "-m", "moeforge.cli", "compile", str(checkpoint), "-o", str(out), "--quiet",
-           *config.flags()]
+           *config.flags(calib)]
     files = checkpoint_files(checkpoint)
     written: dict[int | None, int] = {}
     timeout: list[float | None] = [None]
@@ -206,7 +221,8 @@ def measure_compile(checkpoint: Path, config: CompileConfig, work: Path, *, reso
         if result.limit_bytes is None and result.ok:
             timeout[0] = max(min_timeout_s, timeout_factor * result.seconds)
 
-    row: dict[str, Any] = {"config": config.name, "quant": config.quant, "kv_cache": config.kv_cache, "tp": config.tp,
+    row: dict[str, Any] = {"config": config.name, "target": config.target, "quant": config.quant,
+                           "kv_cache": config.kv_cache, "tp": config.tp,
                            "command": " ".join(["moeforge", *cmd[3:]]),
                            "safety_cap_mib": None if safety_cap is None else safety_cap // MIB}
     if not bisect:
@@ -291,13 +307,21 @@ def _parser() -> argparse.ArgumentParser:
     size = parser.add_argument_group("checkpoint")
     size.add_argument("--layers", type=int, nargs="+", help="checkpoint sizes to measure (default: 2 4 8)")
     add_shape_arguments(size)
+    size.add_argument("--family", choices=["deepseek-v3", "llama"], default="deepseek-v3",
+                      help="generated checkpoints: DeepSeek-V3-shaped FP8 (default) or a Llama (GQA, fp32, "
+                           "intermediate 4 x --hidden, --hidden / 64 heads, 4 KV heads; written by transformers)")
     size.add_argument("--checkpoint", type=Path,
                       help="measure this existing HF folder instead of generating (one checkpoint; --layers ignored)")
     size.add_argument("--generate-only", type=Path, metavar="DIR",
                       help="write the checkpoint (the first --layers) to DIR and exit")
     what = parser.add_argument_group("compiles")
-    what.add_argument("--quant", nargs="+", choices=["fp32", "int8", "int8-asym", "int4", "int4-asym", "fp8"],
-                      help="weight schemes (default: fp32 int8 int4-asym)")
+    what.add_argument("--quant", nargs="+",
+                      choices=["fp32", "int8", "int8-asym", "int4", "int4-asym", "fp8", *CALIBRATED],
+                      help="weight schemes (default: fp32 int8 int4-asym; int4-awq and w8a8 calibrate on a few "
+                           "built-in prompts, --calib)")
+    what.add_argument("--target", choices=["ort", "trt"], default="ort",
+                      help="ort (default) or trt: the TensorRT-RTX engine built on CPU (fp16; use --family llama: "
+                           "TensorRT-RTX has no attention kernel for the DeepSeek shapes' MLA heads)")
     what.add_argument("--kv-cache", nargs="+", choices=["contiguous", "paged"],
                       help="KV-cache layouts (default: contiguous paged)")
     what.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes (default: 1 2)")
@@ -371,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if warning:
         raise SystemExit(warning)
     parent = find_memory_cgroup()  # every run, capped or not, is measured in a cgroup
-    configs = compile_configs(args.quant, args.kv_cache, args.tp, args.grid, args.mode)
+    configs = compile_configs(args.quant, args.kv_cache, args.tp, args.grid, args.mode, args.target)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     available = _mem_available() or physical
@@ -413,6 +437,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 info |= json.loads((folder / STAMP_FILE).read_text())
             layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
             family = folder.name
+        elif args.family == "llama":
+            family = f"llama-H{args.hidden}-V{args.vocab}-s{args.seed}"
+            folder = args.work_dir / f"llama-L{layers}-{family}"
+            print(f"checkpoint: {layers} layers -> {folder}", flush=True)
+            info = write_llama_checkpoint(folder, layers, args.hidden, args.vocab, args.seed)
+            info["folder"] = str(folder)
         else:
             shape = shape_from_args(args, layers)
             family = (f"H{shape.hidden}-E{shape.experts}-K{shape.top_k}-V{shape.vocab}-mtp{shape.mtp_layers}"
@@ -446,6 +476,25 @@ def main(argv: Sequence[str] | None = None) -> None:
                 shutil.rmtree(folder, ignore_errors=True)
     save()
     print("wrote", args.output)
+
+
+def write_llama_checkpoint(folder: Path, layers: int, hidden: int, vocab: int, seed: int) -> dict[str, Any]:
+    """A seeded Llama (GQA, untied head) saved by transformers, with a byte-level tokenizer (for --calib)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from moeforge.model.tokenizer import Tokenizer
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=min(4, max(1, hidden // 64)),
+                         vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, max_shard_size="512MB")
+    Tokenizer.byte_level(vocab, 256, 257).save(folder)
+    params = sum(p.numel() for p in model.parameters())
+    return {"parameters": params, "fp32_weight_bytes": 4 * params,
+            "file_bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors"))}
 
 
 def _mem_available() -> int | None:
