@@ -71,6 +71,7 @@ class HalfPrecision:
         new = ir.serde.deserialize_model(converted)
         for name, value in new.graph.initializers.items():
             if name in sources:
+                assert value.dtype is not None, f"initializer {name} has no type after the conversion"
                 value.const_value = _converted(sources[name], value.dtype)
         model.graph = new.graph  # the opset imports live on the graph
         model.functions.clear()
@@ -89,7 +90,7 @@ def _float_initializers(graph: ir.Graph) -> dict[str, ir.TensorProtocol]:
 
 def _placeholder(tensor: ir.TensorProtocol) -> ir.ExternalTensor:
     return ir.ExternalTensor(_PLACEHOLDER, offset=0, length=tensor.nbytes, dtype=tensor.dtype,
-                             shape=ir.Shape(tensor.shape.numpy()), name=tensor.name)
+                             shape=ir.Shape(tensor.shape.numpy()), name=tensor.name or "")
 
 
 def _converted(source: ir.TensorProtocol, dtype: ir.DataType) -> ir.TensorProtocol:
@@ -102,7 +103,8 @@ def _converted(source: ir.TensorProtocol, dtype: ir.DataType) -> ir.TensorProtoc
     def compute() -> np.ndarray:
         array = source.numpy()  # flat, as the converter reads raw_data (it rejects 0-d arrays)
         half = float16.convert_np_to_float16(array.reshape(-1)).reshape(array.shape)  # its clamping and bounds
-        return half if dtype == ir.DataType.FLOAT16 else half.astype(np.float32).astype(ml_dtypes.bfloat16)
+        out: np.ndarray = half if dtype == ir.DataType.FLOAT16 else half.astype(np.float32).astype(ml_dtypes.bfloat16)
+        return out
 
     return lazy_tensor(compute, dtype, tuple(source.shape.numpy()), source.name)
 
