@@ -30,6 +30,7 @@ from moeforge.model.model import CausalLM, ModelOutput
 from moeforge.model.moe import MoEBlock
 from moeforge.model.routing import router_attributes
 from moeforge.ops.collectives import torch_op as collectives
+from moeforge.ops.expert_stack import ExpertStack
 from moeforge.ops.moe_router import function as router_function
 from moeforge.ops.moe_router import torch_op as router_op
 from moeforge.ops.sparse_mla import function as sparse_mla_function
@@ -239,13 +240,20 @@ def attach_lazy_weights(model: ir.Model, weights: LazyWeights, sources: dict[str
         if value.dtype != ir.DataType.FLOAT:
             raise MoeforgeError(f"{name}: the streamed compile handles float32 weights, the graph has {value.dtype}")
         shape = ir.Shape(weights.shape(source))  # the model's (meta) shape: the graph's too
-        value.const_value = ir.LazyTensor(_reader(weights, source), ir.DataType.FLOAT, shape, name=name)
+        if weights.is_expert_stack(source):  # written (and read) one expert at a time
+            value.const_value = ExpertStack(_expert_reader(weights, source), ir.DataType.FLOAT, shape.numpy(), name)
+        else:
+            value.const_value = ir.LazyTensor(_reader(weights, source), ir.DataType.FLOAT, shape, name=name)
         attached += 1
     return attached
 
 
 def _reader(weights: LazyWeights, name: str) -> Callable[[], ir.TensorProtocol]:
     return lambda: ir.tensor(weights.read(name), name=name)
+
+
+def _expert_reader(weights: LazyWeights, name: str) -> Callable[[int], np.ndarray]:
+    return lambda e: weights.read_expert(name, e)
 
 
 def fold_weight_transposes(model: ir.Model) -> int:

@@ -30,6 +30,8 @@ from moeforge.model.rank_model import TensorSlice
 from moeforge.model.safetensors_loader import HFCheckpoint, read_hf_checkpoint
 from moeforge.model.tokenizer import TOKENIZER_FILE, Tokenizer
 
+_EXPERT_STACKS = ("gate_proj", "up_proj", "down_proj")  # moe.Experts' stacked parameters [E, ...]
+
 
 @dataclass
 class LazyWeights:
@@ -48,6 +50,7 @@ class LazyWeights:
 
     def __post_init__(self) -> None:
         self._read_once: set[str] = set()  # the stored tensors read so far (len: tensors done)
+        self._experts_read: set[tuple[str, int]] = set()  # (stacked experts weight, expert) read so far
         self.bytes_read_once = 0  # float32 bytes of the distinct checkpoint tensors read so far
         # Taken now: the exporter rewires the module tree for a while (moeforge/compile/onnx_export.py).
         self._tensors = {name: t for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
@@ -92,6 +95,48 @@ class LazyWeights:
                 self.on_first_read(name, array.nbytes)
         return array
 
+    def is_expert_stack(self, name: str) -> bool:
+        """Whether ``name`` is a stacked routed-experts weight [E, ...] (``moe.Experts``'s gate/up/down), which
+        ``read_expert`` reads one expert at a time."""
+        owner, _, attr = name.rpartition(".")
+        return owner.endswith(".experts") and attr in _EXPERT_STACKS and len(self.shape(name)) == 3 \
+            and self.stored(name) is not None
+
+    def read_expert(self, name: str, e: int) -> np.ndarray:
+        """Expert ``e`` of the stacked experts weight ``name`` as a float32 array [shape[1:]], reading only that
+        expert's part of the checkpoint (FP8: its blocks): a streamed compile writes MoE weights expert by expert
+        (``ops/expert_stack.py``). A placement's empty slot is zeros."""
+        piece = self.stored(name)
+        assert piece is not None and self.is_expert_stack(name), f"{name} is not a stacked experts weight"
+        if piece.indices is not None:
+            source = piece.indices[e]
+            if source < 0:
+                return np.zeros(self.shape(name)[1:], np.float32)
+            tensor = self.checkpoint.read_slice(piece.source, 0, source, source + 1)[0]
+        elif piece.dim is None or piece.dim == 0:
+            first = piece.start if piece.dim == 0 else 0
+            tensor = self.checkpoint.read_slice(piece.source, 0, first + e, first + e + 1)[0]
+        else:  # tp within each expert: its rows or columns of expert e
+            whole = self.checkpoint.read_slice(piece.source, 0, e, e + 1)[0]
+            tensor = whole.narrow(piece.dim - 1, piece.start, piece.stop - piece.start).clone()
+        array = self._checked(tensor.to(torch.float32), piece.source)
+        if (name, e) not in self._experts_read and name not in self._read_once:
+            self._experts_read.add((name, e))
+            self.bytes_read_once += array.nbytes
+            if sum(1 for key in self._experts_read if key[0] == name) == self.shape(name)[0]:
+                self._read_once.add(name)  # every expert read: the tensor counts as done
+            if self.on_first_read is not None:
+                self.on_first_read(name, array.nbytes)
+        return array
+
+    def _checked(self, tensor: torch.Tensor, source: str) -> np.ndarray:
+        if self.check_finite and not math.isfinite(float(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(
+                f"tensor {source!r} holds NaN or Inf values: the weights are corrupt or diverged; re-download "
+                "or re-export the checkpoint, or skip this check with --no-weight-check")
+        result: np.ndarray = tensor.numpy()
+        return result
+
     def _read(self, piece: TensorSlice) -> np.ndarray:
         if piece.indices is not None:  # an expert placement's slots: whole experts by index, zeros for an empty slot
             experts = {e: self.checkpoint.read_slice(piece.source, 0, e, e + 1)[0].to(torch.float32)
@@ -102,11 +147,7 @@ class LazyWeights:
             tensor = self.checkpoint.read(piece.source).to(torch.float32)
         else:
             tensor = self.checkpoint.read_slice(piece.source, piece.dim, piece.start, piece.stop).to(torch.float32)
-        if self.check_finite and not math.isfinite(float(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(
-                f"tensor {piece.source!r} holds NaN or Inf values: the weights are corrupt or diverged; re-download "
-                "or re-export the checkpoint, or skip this check with --no-weight-check")
-        return tensor.numpy()
+        return self._checked(tensor, piece.source)
 
     def _meta_tensor(self, name: str) -> torch.Tensor:
         return self._tensors[name]

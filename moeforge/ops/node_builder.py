@@ -69,6 +69,12 @@ class NodeBuilder:
         unique = self._unique_initializer_name(name)
         return self._register(lazy_tensor(compute, dtype, shape, unique), unique)
 
+    def initializer_tensor(self, tensor: ir.TensorProtocol, name: str) -> ir.Value:
+        """An initializer holding ``tensor`` as it is (e.g. a lazy ``ExpertStack``), under a unique ``name``."""
+        unique = self._unique_initializer_name(name)
+        tensor.name = unique
+        return self._register(tensor, unique)
+
     def _unique_initializer_name(self, name: str) -> str:
         if self.graph is None:
             raise ValueError("initializers need a graph (function bodies use Constant nodes)")

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from moeforge.ops.expert_stack import ExpertStack, experts_of
 from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import MS_DOMAIN, PassContext, add_initializer, ensure_opset, required
 from moeforge.passes.quant_math import pack_nbits, pack_rows
@@ -187,12 +188,21 @@ class QuantLowering:
             stem = required(node.inputs[i], f"{node.name}: input {i}").name or f"fc{i}"  # in ``found``: set
             e, n, k = codes.shape.numpy()
             scale_shape = tuple(scale.shape.numpy())
-            # Lazy (computed when written): codes packed by rows [E, N, K * bits / 8], scales [E, N(, K/bs)].
-            inputs += [add_initializer(graph, f"{stem}.qmoe", lazy_tensor(
-                           _packed_rows(codes, b), ir.DataType.UINT8, (e, n, k * b // 8))),
-                       add_initializer(graph, f"{stem}.qmoe_scale", lazy_tensor(
-                           _moe_scales(scale, per_channel), ir.DataType.FLOAT,
-                           scale_shape[:2] if per_channel else scale_shape)),
+            # Lazy (computed when written): codes packed by rows [E, N, K * bits / 8], scales [E, N(, K/bs)];
+            # expert by expert when the codes are (a streamed compile: ops/expert_stack.py).
+            packed_shape = (e, n, k * b // 8)
+            qmoe_scale_shape = scale_shape[:2] if per_channel else scale_shape
+            codes_of, scale_of = experts_of(codes), experts_of(scale)
+            if codes_of is not None and scale_of is not None:
+                packed: ir.TensorProtocol = ExpertStack(_expert_packed_rows(codes_of, b), ir.DataType.UINT8,
+                                                        packed_shape)
+                scales: ir.TensorProtocol = ExpertStack(_expert_moe_scales(scale_of, per_channel),
+                                                        ir.DataType.FLOAT, qmoe_scale_shape)
+            else:
+                packed = lazy_tensor(_packed_rows(codes, b), ir.DataType.UINT8, packed_shape)
+                scales = lazy_tensor(_moe_scales(scale, per_channel), ir.DataType.FLOAT, qmoe_scale_shape)
+            inputs += [add_initializer(graph, f"{stem}.qmoe", packed),
+                       add_initializer(graph, f"{stem}.qmoe_scale", scales),
                        node.inputs[i + 1] if i + 1 < len(node.inputs) else None]
         inputs += [None, None, None]  # fc1..fc3 zero points: defaults (symmetric)
         while inputs and inputs[-1] is None:
@@ -242,6 +252,17 @@ def _int8_codes(codes: ir.TensorProtocol) -> np.ndarray:
 
 def _packed_rows(codes: ir.TensorProtocol, bits: int) -> Callable[[], np.ndarray]:
     return lambda: pack_rows(_int8_codes(codes), bits)
+
+
+def _expert_packed_rows(codes_of: Callable[[int], np.ndarray], bits: int) -> Callable[[int], np.ndarray]:
+    return lambda e: pack_rows(codes_of(e).astype(np.int8), bits)
+
+
+def _expert_moe_scales(scale_of: Callable[[int], np.ndarray], per_channel: bool) -> Callable[[int], np.ndarray]:
+    def compute(e: int) -> np.ndarray:
+        array = scale_of(e)  # [N, 1 or K/bs]
+        return np.ascontiguousarray(array[..., 0] if per_channel else array, np.float32)
+    return compute
 
 
 def _moe_scales(scale: ir.TensorProtocol, per_channel: bool) -> Callable[[], np.ndarray]:

@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from moeforge.ops.expert_stack import ExpertStack, experts_of
 from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import MS_DOMAIN, PassContext, add_initializer, required
 from moeforge.passes.paged_kv import LOGITS_3D
@@ -185,7 +186,7 @@ class WeightQuantization:
     def _quantize(self, model: ir.Model, target: QuantTarget) -> None:
         """Codes and scales are lazy tensors (``_Parts``): the weight is read and quantised when the artifact is
         written (or when a later pass reads them), never held whole beside the others."""
-        graph, cfg = model.graph, self.config
+        cfg = self.config
         weight = required(target.node.inputs[target.index], f"{target.name}: weight input")
         tensor = _const(weight)
         assert tensor is not None
@@ -198,17 +199,22 @@ class WeightQuantization:
             scale_shape: tuple[int, ...] = (experts, n, 1) if block is None else (experts, n, k // block)
             kind = cfg.kind
 
+            def expert_scale(q: QuantizedWeight) -> np.ndarray:  # [N, 1] (one block of K) or [N, K/bs]
+                scale: np.ndarray = (q.scale[:, None] if block is None else q.scale.T).astype(np.float32)
+                return scale
+
             def compute() -> dict[str, np.ndarray]:
                 array = tensor.numpy()
                 quantized = [self._q(array[e].T, cfg.kind) for e in range(experts)]
                 codes = np.stack([q.values.T for q in quantized])
-                if block is None:
-                    scale = np.stack([q.scale[:, None] for q in quantized])  # [E, N, 1]: one block of K
-                else:
-                    scale = np.stack([q.scale.T for q in quantized])  # [E, N, K/bs]
-                return {"codes": _typed_array(codes, kind), "scale": scale.astype(np.float32)}
+                scale = np.stack([expert_scale(q) for q in quantized])  # [E, N, 1 or K/bs]
+                return {"codes": _typed_array(codes, kind), "scale": scale}
 
             attributes = {"axis": 2, "block_size": k if block is None else block}
+            source_of = experts_of(tensor)
+            if source_of is not None:  # streamed: quantised and written expert by expert
+                self._quantize_experts(model, target, source_of, expert_scale, shape, scale_shape, attributes)
+                return
         else:
             s = cfg.awq_scales.get(target.name)
             asymmetric = cfg.asymmetric and kind == cfg.kind and (not target.is_lm_head or cfg.head_asymmetric)
@@ -229,9 +235,18 @@ class WeightQuantization:
             if s is not None:
                 self._scale_activation(model, target, (1.0 / s).astype(np.float32))
         parts = _Parts(compute, ("codes", "scale"))
+        self._replace_with_dq(model, target, parts.tensor("codes", CODE_DTYPES[kind], shape),
+                              parts.tensor("scale", ir.DataType.FLOAT, scale_shape), attributes)
+
+    @staticmethod
+    def _replace_with_dq(model: ir.Model, target: QuantTarget, codes: ir.TensorProtocol, scale: ir.TensorProtocol,
+                         attributes: dict[str, int]) -> None:
+        """``DequantizeLinear(codes, scale)`` in place of ``target``'s weight (dropped if nothing else reads it)."""
+        graph = model.graph
+        weight = required(target.node.inputs[target.index], f"{target.name}: weight input")
         stem = target.name
-        codes_value = add_initializer(graph, f"{stem}.q", parts.tensor("codes", CODE_DTYPES[kind], shape))
-        scale_value = add_initializer(graph, f"{stem}.scale", parts.tensor("scale", ir.DataType.FLOAT, scale_shape))
+        codes_value = add_initializer(graph, f"{stem}.q", codes)
+        scale_value = add_initializer(graph, f"{stem}.scale", scale)
         dq = ir.node("DequantizeLinear", [codes_value, scale_value], attributes=attributes)
         dq.outputs[0].name = f"{stem}.dq"
         dq.outputs[0].shape, dq.outputs[0].type = weight.shape, ir.TensorType(ir.DataType.FLOAT)
@@ -239,6 +254,25 @@ class WeightQuantization:
         target.node.replace_input_with(target.index, dq.outputs[0])
         if not weight.uses() and weight.name is not None and weight.name in graph.initializers:
             graph.initializers.pop(weight.name)
+
+    def _quantize_experts(self, model: ir.Model, target: QuantTarget, source_of: Callable[[int], np.ndarray],
+                          expert_scale: Callable[[QuantizedWeight], np.ndarray], shape: tuple[int, ...],
+                          scale_shape: tuple[int, ...], attributes: dict[str, int]) -> None:
+        """The MoE branch of ``_quantize`` for an ``ExpertStack`` weight [E, N, K]: codes and scales are
+        ``ExpertStack``s too, each expert quantised when its codes are written (its scales kept until they are)."""
+        kind = self.config.kind
+        pending: dict[int, np.ndarray] = {}  # expert -> scales made with its codes, not written yet
+
+        def codes_of(e: int) -> np.ndarray:
+            q = self._q(source_of(e).T, kind)
+            pending[e] = expert_scale(q)
+            return _typed_array(q.values.T, kind)
+
+        def scale_of(e: int) -> np.ndarray:
+            return pending.pop(e) if e in pending else expert_scale(self._q(source_of(e).T, kind))
+
+        self._replace_with_dq(model, target, ExpertStack(codes_of, CODE_DTYPES[kind], shape),
+                              ExpertStack(scale_of, ir.DataType.FLOAT, scale_shape), attributes)
 
     def _quantize_asym(self, model: ir.Model, target: QuantTarget, tensor: ir.TensorProtocol,
                        awq: np.ndarray | None, bits: int) -> None:

@@ -193,34 +193,55 @@ def test_the_streamed_artifact_matches_pytorch(checkpoints: dict[str, Path], tmp
     assert report.passed, report
 
 
-def test_weights_are_read_one_at_a_time_while_the_artifact_is_written(checkpoints: dict[str, Path],
-                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                      ) -> None:
+@pytest.mark.parametrize("flags", [{}, {"quant": "int4"}], ids=["fp32", "int4"])
+def test_weights_are_read_one_at_a_time_while_the_artifact_is_written(checkpoints: dict[str, Path], tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      flags: dict[str, Any]) -> None:
     """While the artifact is written, the arrays read from the checkpoint that are alive at once never exceed one
-    layer's weights (each transform reads what it combines, e.g. q/k/v or a layer's gate and up experts, and drops
-    it before the next), whatever the number of layers. The in-memory compile holds every weight at once."""
+    layer's weights (each transform reads what it combines, e.g. q/k/v, and drops it before the next), whatever the
+    number of layers; routed experts are read one expert at a time and never whole (at most an expert's gate and up
+    at once, for fc1's interleave), through the MoE lowering and the per-expert quantisation (QMoE). The in-memory
+    compile holds every weight at once."""
     alive: dict[int, int] = {}
-    peak = [0]
+    experts_alive: dict[int, int] = {}
+    peak, expert_peak = [0], [0]
     names: set[str] = set()
-    original = LazyWeights.read
+    read, read_expert = LazyWeights.read, LazyWeights.read_expert
+
+    def track(array: np.ndarray, pool: dict[int, int], high: list[int]) -> None:
+        pool[id(array)] = array.nbytes
+        high[0] = max(high[0], sum(pool.values()))
+        weakref.finalize(array, pool.pop, id(array), None)
 
     def tracked(self: LazyWeights, name: str) -> np.ndarray:
-        array = original(self, name)
+        array = read(self, name)
         names.add(name)
-        alive[id(array)] = array.nbytes
-        peak[0] = max(peak[0], sum(alive.values()))
-        weakref.finalize(array, alive.pop, id(array), None)
+        track(array, alive, peak)
+        return array
+
+    def tracked_expert(self: LazyWeights, name: str, e: int) -> np.ndarray:
+        array = read_expert(self, name, e)
+        names.add(f"{name}[{e}]")
+        track(array, alive, peak)
+        track(array, experts_alive, expert_peak)
         return array
 
     monkeypatch.setattr(LazyWeights, "read", tracked)
+    monkeypatch.setattr(LazyWeights, "read_expert", tracked_expert)
     folder = checkpoints["deepseek-v3-fp8"]
-    _compile(folder, tmp_path / "stream", stream=True)
+    _compile(folder, tmp_path / "stream", stream=True, **flags)
     _, weights = open_lazy_model(str(folder))
     sizes = {name: int(np.prod(weights.shape(name))) * 4 for name in weights.checkpoint.keys()}
     layers = [sum(b for n, b in sizes.items() if n.startswith(f"model.layers.{i}.")) for i in range(DS3.layers)]
     one_layer = max(max(layers), *(b for n, b in sizes.items() if not n.startswith("model.layers.")))
     assert 0 < peak[0] <= one_layer < sum(sizes.values()), (peak[0], one_layer, sum(sizes.values()))
-    assert names >= set(weights.checkpoint.keys())  # every checkpoint tensor went into the artifact
+    stacks = [n for n in weights.checkpoint.keys() if weights.is_expert_stack(n)]
+    assert stacks and not names & set(stacks)  # never read whole ...
+    one_expert = max(sizes[n] // weights.shape(n)[0] for n in stacks)
+    assert 0 < expert_peak[0] <= 2 * one_expert  # ... but expert by expert
+    every = {n for n in weights.checkpoint.keys() if n not in stacks} | {
+        f"{n}[{e}]" for n in stacks for e in range(weights.shape(n)[0])}
+    assert names >= every  # every checkpoint tensor (every expert) went into the artifact
 
 
 def test_a_bad_weight_fails_the_streamed_compile_when_read_and_leaves_nothing(checkpoints: dict[str, Path],
@@ -364,7 +385,7 @@ def test_each_streamed_rank_reads_its_slices_and_holds_the_in_memory_ranks_tenso
     folder = checkpoints["deepseek-v3-fp8"]
     eager = _compile(folder, tmp_path / "eager", stream=False, tp=tp, ep=ep, quant=quant)
     read_by: dict[int, dict[str, int]] = {}  # per rank's weights: the bytes of each tensor it read (once each)
-    original = LazyWeights.read
+    original, original_expert = LazyWeights.read, LazyWeights.read_expert
 
     def counted(self: LazyWeights, name: str) -> np.ndarray:
         array = original(self, name)
@@ -372,7 +393,13 @@ def test_each_streamed_rank_reads_its_slices_and_holds_the_in_memory_ranks_tenso
             read_by.setdefault(id(self), {})[name] = array.nbytes
         return array
 
+    def counted_expert(self: LazyWeights, name: str, e: int) -> np.ndarray:  # routed experts: one at a time
+        array = original_expert(self, name, e)
+        read_by.setdefault(id(self), {})[f"{name}[{e}]"] = array.nbytes
+        return array
+
     monkeypatch.setattr(LazyWeights, "read", counted)
+    monkeypatch.setattr(LazyWeights, "read_expert", counted_expert)
     streamed = _compile(folder, tmp_path / "stream", stream=True, tp=tp, ep=ep, quant=quant)
     for rank in range(tp):
         assert _tensor_digests(eager / f"rank{rank}") == _tensor_digests(streamed / f"rank{rank}")
