@@ -6,9 +6,10 @@ float32 for vectors, norms, routers and the embedding, and the scheme's storage 
 one float32 scale, and an offset for the asymmetric schemes, per block): an estimate within a few percent (the
 LM head's own scheme and the argmax head's int8 copy are left out).
 
-The working set is the streamed compile's (``--stream``): weights are read one layer at a time as the artifact is
-written, so its peak is the process's fixed part plus a multiple of the largest layer's float32 weights (a
-transform holds what it reads and what it makes: the MoE fc1 reads the gate and up experts, writes both interleaved).
+The working set is the streamed compile's (``--stream``): weights are read one tensor (q/k/v: one group) at a time
+as the artifact is written, and routed experts one expert at a time, so its peak is the process's fixed part plus a
+multiple of the largest layer's float32 weights with each stacked routed-experts tensor counted as one expert (a
+transform holds what it reads and what it makes: the MoE fc1 reads an expert's gate and up, writes both interleaved).
 Both constants come from ``benchmarks/compile_memory.py`` on the synthetic DeepSeek-V3-shaped checkpoints
 (``benchmarks/results/compile_memory.json``); so does the rate behind the time estimate.
 """
@@ -32,12 +33,16 @@ GIB = 2**30
 # of layers); it takes FIXED_SECONDS plus the float32 weights at RATE_BYTES_PER_S (1.4 B parameters: 52 s).
 RUNTIME_BYTES = 460 * 2**20
 LAYER_FACTOR = 1.4
+# Graph bookkeeping per decoder layer (the torch.export program, the onnx-ir graph, the rewriter's state), not
+# weights: a streamed tp 2 rank's peak RSS was 878 MB at 2 layers and 952 MB at 8 (~12 MB a layer).
+PER_LAYER_BYTES = 12 * 2**20
 FIXED_SECONDS = 20.0
 RATE_BYTES_PER_S = 190e6
 
 @dataclass(frozen=True)
 class RankPlan:
-    """One rank's share: parameters, the artifact's weight bytes, the largest layer's float32 bytes."""
+    """One rank's share: parameters, the artifact's weight bytes, the largest layer's float32 bytes (its stacked
+    routed experts counted as one expert each: the streamed compile reads and writes them expert by expert)."""
 
     rank: int
     parameters: int
@@ -55,11 +60,13 @@ class CompilePlan:
     ep: int
     total_parameters: int
     ranks: list[RankPlan]
+    layers: int = 0  # decoder layers (graph bookkeeping grows with them: PER_LAYER_BYTES)
 
     @property
     def peak_bytes(self) -> int:
         """The streamed compile's planned peak memory, for the largest rank."""
-        return RUNTIME_BYTES + int(LAYER_FACTOR * max(r.largest_layer_fp32_bytes for r in self.ranks))
+        return (RUNTIME_BYTES + int(LAYER_FACTOR * max(r.largest_layer_fp32_bytes for r in self.ranks))
+                + PER_LAYER_BYTES * self.layers)
 
     @property
     def seconds(self) -> float:
@@ -77,7 +84,8 @@ class CompilePlan:
         total = sum(r.artifact_bytes for r in self.ranks)
         lines.append(f"artifact: {total / GIB:.1f} GiB in all")
         lines.append(f"streamed compile (--stream) peak memory: ~{size_text(self.peak_bytes)} "
-                     f"({size_text(RUNTIME_BYTES)} + {LAYER_FACTOR:g} x the largest layer's float32 weights)")
+                     f"({size_text(RUNTIME_BYTES)} + {LAYER_FACTOR:g} x the largest layer's float32 weights, routed "
+                     f"experts one at a time, + {PER_LAYER_BYTES / 2**20:.0f} MiB x {self.layers} layers of graph)")
         lines.append(f"time: ~{_duration(self.seconds)} at the measured {RATE_BYTES_PER_S / 1e6:.0f} MB/s of float32 "
                      "weights (2 cores; benchmarks/results/compile_memory.json)")
         return "\n".join(lines)
@@ -100,10 +108,17 @@ def plan_compile(model: str, config: ModelConfig, scheme: str | None = None, tp:
             matrix = tensor.dim() >= 2 and "embed_tokens" not in name
             artifact += int(count * (bytes_per_param if matrix else 4))
             layer = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
-            layers[layer] = layers.get(layer, 0) + 4 * count
+            resident = count // tensor.shape[0] if _is_expert_stack(name, tensor) else count
+            layers[layer] = layers.get(layer, 0) + 4 * resident
         ranks.append(RankPlan(rank, sum(t.numel() for t in tensors.values()), artifact, max(layers.values())))
     total = sum(t.numel() for t in full.state_dict().values())
-    return CompilePlan(model, scheme or "fp32", tp, ep, total, ranks)
+    return CompilePlan(model, scheme or "fp32", tp, ep, total, ranks, config.num_hidden_layers)
+
+
+def _is_expert_stack(name: str, tensor: torch.Tensor) -> bool:
+    """A stacked routed-experts weight [E, ...] (``LazyWeights.is_expert_stack``'s rule, on the meta model)."""
+    owner, _, attr = name.rpartition(".")
+    return owner.endswith(".experts") and attr in ("gate_proj", "up_proj", "down_proj") and tensor.dim() == 3
 
 
 def _bytes_per_parameter(scheme: str | None, block_size: int | None) -> float:
