@@ -60,6 +60,15 @@ def _scratch_name(out: Path, tag: str) -> Path:
     return out.parent / f".{out.name}.{tag}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
+def make_scratch_dir(out: str | Path) -> Path:
+    """A new scratch folder beside the artifact path ``out`` (created), named as the artifact writer's own: if this
+    process is killed, the next write of ``out`` removes it (``_remove_stale_scratch``)."""
+    path = _scratch_name(Path(out).expanduser().absolute(), _TMP_TAG)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkdir(path)
+    return path
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -50,7 +50,7 @@ class LazyWeights:
 
     def __post_init__(self) -> None:
         self._read_once: set[str] = set()  # the stored tensors read so far (len: tensors done)
-        self._experts_read: set[tuple[str, int]] = set()  # (stacked experts weight, expert) read so far
+        self._experts_read: dict[str, set[int]] = {}  # stacked experts weight -> the experts read so far
         self.bytes_read_once = 0  # float32 bytes of the distinct checkpoint tensors read so far
         # Taken now: the exporter rewires the module tree for a while (moeforge/compile/onnx_export.py).
         self._tensors = {name: t for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]}
@@ -110,9 +110,8 @@ class LazyWeights:
         assert piece is not None and self.is_expert_stack(name), f"{name} is not a stacked experts weight"
         if piece.indices is not None:
             source = piece.indices[e]
-            if source < 0:
-                return np.zeros(self.shape(name)[1:], np.float32)
-            tensor = self.checkpoint.read_slice(piece.source, 0, source, source + 1)[0]
+            tensor = torch.zeros(self.shape(name)[1:]) if source < 0 else \
+                self.checkpoint.read_slice(piece.source, 0, source, source + 1)[0]
         elif piece.dim is None or piece.dim == 0:
             first = piece.start if piece.dim == 0 else 0
             tensor = self.checkpoint.read_slice(piece.source, 0, first + e, first + e + 1)[0]
@@ -120,10 +119,11 @@ class LazyWeights:
             whole = self.checkpoint.read_slice(piece.source, 0, e, e + 1)[0]
             tensor = whole.narrow(piece.dim - 1, piece.start, piece.stop - piece.start).clone()
         array = self._checked(tensor.to(torch.float32), piece.source)
-        if (name, e) not in self._experts_read and name not in self._read_once:
-            self._experts_read.add((name, e))
+        done = self._experts_read.setdefault(name, set())
+        if e not in done and name not in self._read_once:
+            done.add(e)
             self.bytes_read_once += array.nbytes
-            if sum(1 for key in self._experts_read if key[0] == name) == self.shape(name)[0]:
+            if len(done) == self.shape(name)[0]:
                 self._read_once.add(name)  # every expert read: the tensor counts as done
             if self.on_first_read is not None:
                 self.on_first_read(name, array.nbytes)

@@ -35,9 +35,9 @@ class PassContext:
     config: ModelConfig
     max_seq_len: int
     # A streamed compile's weights do not fit in memory: a pass that runs the graph in ONNX Runtime (calibration)
-    # writes it to a temporary folder here and lets ONNX Runtime map the weights (``quant/calibration.py``).
-    # None: the graph is serialised in memory, as the in-memory compile always did.
-    scratch_dir: Path | None = None
+    # writes it to a scratch folder beside this artifact path and lets ONNX Runtime map the weights
+    # (``quant/calibration.py``). None: the graph is serialised in memory, as the in-memory compile always did.
+    artifact_dir: Path | None = None
     progress: bool = False  # a pass that takes long shows a bar (the compile's --progress)
 
 

@@ -30,6 +30,7 @@ import onnx
 import onnx_ir as ir
 from onnxruntime.transformers import float16
 
+from moeforge.ops.expert_stack import ExpertStack, experts_of
 from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import PassContext
 
@@ -50,7 +51,7 @@ class HalfPrecision:
         self.dtype = dtype
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
-        sources = _float_initializers(model.graph)
+        sources = _placeholder_sources(model.graph)
         try:  # serialised with placeholders: types and shapes, no weight read
             for name, tensor in sources.items():
                 model.graph.initializers[name].const_value = _placeholder(tensor)
@@ -82,10 +83,15 @@ class HalfPrecision:
 _PLACEHOLDER = "moeforge-precision-placeholder"  # an external-data location never read (every one is replaced)
 
 
-def _float_initializers(graph: ir.Graph) -> dict[str, ir.TensorProtocol]:
-    """The float32 initializers (the ones the conversion retypes), by name; nothing read."""
+_SMALL_BYTES = 4096  # other initializers up to this size (shapes, axes) go to the converter as they are
+
+
+def _placeholder_sources(graph: ir.Graph) -> dict[str, ir.TensorProtocol]:
+    """The initializers the converter gets as placeholders, by name; nothing read: every float32 one (those it
+    retypes) and every other large one (quantised codes it leaves alone, which must not be serialised either)."""
     return {name: value.const_value for name, value in graph.initializers.items()
-            if value.const_value is not None and value.const_value.dtype == ir.DataType.FLOAT}
+            if value.const_value is not None
+            and (value.const_value.dtype == ir.DataType.FLOAT or value.const_value.nbytes > _SMALL_BYTES)}
 
 
 def _placeholder(tensor: ir.TensorProtocol) -> ir.ExternalTensor:
@@ -94,19 +100,24 @@ def _placeholder(tensor: ir.TensorProtocol) -> ir.ExternalTensor:
 
 
 def _converted(source: ir.TensorProtocol, dtype: ir.DataType) -> ir.TensorProtocol:
-    """``source`` (float32) as the converter typed it: unchanged, fp16 (clamped) or bf16 (fp16 then bf16)."""
-    if dtype == ir.DataType.FLOAT:
+    """``source`` as the converter typed it: unchanged (any type it left alone), or float32 made fp16 (clamped) or
+    bf16 (fp16 then bf16); a stacked-experts ``ExpertStack`` stays one, converted expert by expert."""
+    if dtype == source.dtype:
         return source
-    if dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-        raise AssertionError(f"the fp16 conversion retyped initializer {source.name} to {dtype}")
+    if source.dtype != ir.DataType.FLOAT or dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        raise AssertionError(f"the fp16 conversion retyped initializer {source.name} from {source.dtype} to {dtype}")
 
-    def compute() -> np.ndarray:
-        array = source.numpy()  # flat, as the converter reads raw_data (it rejects 0-d arrays)
-        half = float16.convert_np_to_float16(array.reshape(-1)).reshape(array.shape)  # its clamping and bounds
+    def convert(array: np.ndarray) -> np.ndarray:
+        flat = array.reshape(-1)  # as the converter reads raw_data (it rejects 0-d arrays)
+        half = float16.convert_np_to_float16(flat).reshape(array.shape)  # its clamping and bounds
         out: np.ndarray = half if dtype == ir.DataType.FLOAT16 else half.astype(np.float32).astype(ml_dtypes.bfloat16)
         return out
 
-    return lazy_tensor(compute, dtype, tuple(source.shape.numpy()), source.name)
+    shape = tuple(source.shape.numpy())
+    experts = experts_of(source)
+    if experts is not None:
+        return ExpertStack(lambda e: convert(experts(e)), dtype, shape, source.name)
+    return lazy_tensor(lambda: convert(source.numpy()), dtype, shape, source.name)
 
 
 def _value_info_from_dims(tensor: onnx.TensorProto) -> onnx.ValueInfoProto:

@@ -261,15 +261,25 @@ class WeightQuantization:
         """The MoE branch of ``_quantize`` for an ``ExpertStack`` weight [E, N, K]: codes and scales are
         ``ExpertStack``s too, each expert quantised when its codes are written (its scales kept until they are)."""
         kind = self.config.kind
-        pending: dict[int, np.ndarray] = {}  # expert -> scales made with its codes, not written yet
+        # expert -> scales made with its codes, not written yet. The writer writes every expert's codes before the
+        # scales; keeping the scales saves quantising each expert twice, up to PENDING_SCALE_BYTES (DeepSeek-V3 int4
+        # fc1 at tp 1 would keep ~0.9 GiB), past which the rest are recomputed when their scales are written.
+        pending: dict[int, np.ndarray] = {}
+        kept = [0]
 
         def codes_of(e: int) -> np.ndarray:
             q = self._q(source_of(e).T, kind)
-            pending[e] = expert_scale(q)
+            scale = expert_scale(q)
+            if kept[0] + scale.nbytes <= PENDING_SCALE_BYTES:
+                pending[e] = scale
+                kept[0] += scale.nbytes
             return _typed_array(q.values.T, kind)
 
         def scale_of(e: int) -> np.ndarray:
-            return pending.pop(e) if e in pending else expert_scale(self._q(source_of(e).T, kind))
+            if e in pending:
+                kept[0] -= pending[e].nbytes
+                return pending.pop(e)
+            return expert_scale(self._q(source_of(e).T, kind))
 
         self._replace_with_dq(model, target, ExpertStack(codes_of, CODE_DTYPES[kind], shape),
                               ExpertStack(scale_of, ir.DataType.FLOAT, scale_shape), attributes)
@@ -326,6 +336,7 @@ class WeightQuantization:
         target.node.replace_input_with(0, mul.outputs[0])
 
 
+PENDING_SCALE_BYTES = 64 * 2**20  # per stacked experts weight: see _quantize_experts
 CODE_DTYPES = {"int4": ir.DataType.INT4, "fp8": ir.DataType.FLOAT8E4M3FN, "int8": ir.DataType.INT8}
 
 

@@ -9,14 +9,15 @@ copy). A streamed compile (``PassContext.scratch_dir``) cannot afford that: its 
 checkpoint. There the runner writes the graph to a temporary folder first, one tensor at a time (``ir.save``: each
 lazy weight read, transformed, written and freed), and ONNX Runtime maps the external data file with prepacking
 off, so the weights stay clean file pages the kernel reclaims under a memory cap -- the same way the streamed
-``--check`` runs the artifact. The folder is deleted as soon as the session holds its mapping (nothing is left
-behind, even if the compile is killed later). Results are the same numbers: the same graph, the same kernels.
+``--check`` runs the artifact. The folder sits beside the artifact (not /tmp, which may be a tmpfs counted as
+memory) and is deleted as soon as the session holds its mapping; it is named as the artifact writer's scratch, so
+if the compile is killed while writing it, the next compile to that path removes it. Results are the same
+numbers: the same graph, the same kernels.
 """
 
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,11 @@ import onnx
 import onnx_ir as ir
 from tqdm import tqdm
 
+from moeforge.core.artifact import make_scratch_dir
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.ort_session import UNPACKED_WEIGHTS, make_session
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.passes.base import PassContext
-
-SCRATCH_PREFIX = ".moeforge-calib-"
 
 PAST_PREFIX = "past_key_values."
 
@@ -66,14 +66,15 @@ def tokenize_prompts(prompts: list[str], tokenizer: Tokenizer | None, max_len: i
 
 
 class GraphRunner:
-    """A graph in an ONNX Runtime session; ``overridable`` weights can be fed per run. ``scratch_dir``: write the
-    graph there and map its weights instead of serialising it in memory (see the module docstring)."""
+    """A graph in an ONNX Runtime session; ``overridable`` weights can be fed per run. ``artifact_dir``: write the
+    graph to a scratch folder beside that artifact path and map its weights instead of serialising it in memory
+    (see the module docstring)."""
 
     def __init__(self, model: ir.Model, extra_outputs: tuple[str, ...] = (),
                  overridable: tuple[str, ...] = (), threads: int | None = None,
-                 scratch_dir: Path | None = None, progress: bool = False) -> None:
+                 artifact_dir: Path | None = None, progress: bool = False) -> None:
         self.extra_outputs = extra_outputs
-        if scratch_dir is None:
+        if artifact_dir is None:
             proto = self._edit(ir.serde.serialize_model(model), extra_outputs, overridable)
             # errors only (make_session): overridable initializers are intended, no warning per weight. Prepacking
             # off in both cases: packed and unpacked MatMuls round differently, and a streamed compile must
@@ -81,8 +82,8 @@ class GraphRunner:
             self.session = make_session(None, graph=proto, threads=threads, session_config=UNPACKED_WEIGHTS,
                                         providers=["CPUExecutionProvider"])
         else:
-            scratch_dir.mkdir(parents=True, exist_ok=True)
-            folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=scratch_dir))
+            _check_disk(model, artifact_dir.parent)
+            folder = make_scratch_dir(artifact_dir)
             try:
                 path = folder / "model.onnx"
                 _save_with_bar(model, path, progress)
@@ -109,8 +110,10 @@ class GraphRunner:
                 proto.graph.input.append(_tensor_info(name, init.data_type, list(init.dims)))
         return proto
 
-    def run(self, ids: list[int], weights: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
-        """Prefill ``ids`` from an empty cache: [logits [S, V], *extras]."""
+    def run(self, ids: list[int], weights: dict[str, np.ndarray] | None = None,
+            extras: tuple[str, ...] | None = None) -> list[np.ndarray]:
+        """Prefill ``ids`` from an empty cache: [logits [S, V], *extras] (``extras``: a subset of the runner's
+        extra outputs, in that order; default all of them)."""
         s = len(ids)
         feeds: dict[str, np.ndarray] = {
             "input_ids": np.array([ids], np.int64), "position_ids": np.arange(s, dtype=np.int64)[None],
@@ -122,7 +125,7 @@ class GraphRunner:
                 _, heads, _, dim = arg.shape
                 feeds[name] = np.zeros((1, heads, s, dim), np.int8 if arg.type == "tensor(int8)" else np.float32)
         feeds.update(weights or {})
-        outputs = self.session.run(["logits", *self.extra_outputs], feeds)
+        outputs = self.session.run(["logits", *(self.extra_outputs if extras is None else extras)], feeds)
         return [outputs[0][0], *outputs[1:]]
 
 
@@ -130,7 +133,20 @@ def runner_options(ctx: PassContext | None) -> dict[str, Any]:
     """``GraphRunner`` keywords from a pass's context: where a streamed compile maps the graph from, and the bar."""
     if ctx is None:
         return {}
-    return {"scratch_dir": ctx.scratch_dir, "progress": ctx.progress}
+    return {"artifact_dir": ctx.artifact_dir, "progress": ctx.progress}
+
+
+def _check_disk(model: ir.Model, folder: Path) -> None:
+    """Refuse, before writing, a calibration graph that the disk beside the artifact cannot hold."""
+    need = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return  # the artifact writer reports an unusable folder
+    if free < need:
+        raise CalibrationError(f"calibration writes the graph's {need / 2**30:.1f} GiB of weights beside the artifact "
+                               f"(the streamed compile maps them from disk), but {folder} has {free / 2**30:.1f} GiB "
+                               "free; free space there or write the artifact to a larger disk")
 
 
 def _save_with_bar(model: ir.Model, path: Path, progress: bool) -> None:

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 CALIB_MAX_TOKENS = 256  # per prompt
 AWQ_SAMPLE_ROWS = 512  # activation rows kept per MatMul for the AWQ scale search
+AWQ_SAMPLE_BUDGET = 256 * 2**20  # bytes of sample rows gathered at once (more targets: another pass per group)
 
 
 def in_features(config: ModelConfig) -> list[int]:
@@ -246,25 +247,29 @@ class AwqScales(_PlannedPass):
         targets = [t for t in plan.targets if not t.is_moe and not t.is_lm_head and t.name not in plan.chosen]
         names = {t.name: activation_name(t) for t in targets}
         runner = GraphRunner(model, extra_outputs=tuple(dict.fromkeys(names.values())), **runner_options(ctx))
-        samples, means = sample_activations(runner, names, plan.prompts, AWQ_SAMPLE_ROWS)
+        # Statistics without holding every activation row: counts and means first, then each target's seeded
+        # sample of rows, gathered for a group of targets at a time (one more pass over the prompts per group).
+        count, means = activation_totals(runner, plan.prompts)
+        rng = np.random.default_rng(0)
+        chosen = {t.name: rng.permutation(count[names[t.name]])[:AWQ_SAMPLE_ROWS] for t in targets}
+        by_name = {t.name: t for t in targets}
         block = plan.spec.block
         assert block is not None, "AWQ schemes quantise in blocks"
-        for target in targets:
-            x = names[target.name]
-            s, alpha = awq_search(weight_array(target), samples[target.name], means[x], plan.kind, block)
-            if alpha > 0:
-                plan.awq[target.name] = s
-            plan.alphas[target.name] = alpha
+        widths = {t.name: len(means[names[t.name]]) for t in targets}
+        for group in sample_groups(list(by_name), widths, AWQ_SAMPLE_ROWS, AWQ_SAMPLE_BUDGET):
+            samples = gather_rows(runner, {t: names[t] for t in group}, chosen, plan.prompts)
+            for name in group:
+                s, alpha = awq_search(weight_array(by_name[name]), samples.pop(name), means[names[name]], plan.kind,
+                                      block)
+                if alpha > 0:
+                    plan.awq[name] = s
+                plan.alphas[name] = alpha
         return len(plan.awq)
 
 
-def sample_activations(runner: GraphRunner, names: dict[str, str], prompts: list[list[int]],
-                       rows: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """AWQ's statistics without holding every activation: per target (target -> the activation its MatMul reads),
-    ``rows`` rows drawn at random from all of the activation's rows over ``prompts`` [rows, K]; per activation, the
-    mean |x| over all rows [K]. Two passes over the prompts: the first counts rows and sums |x|, then each target
-    draws its rows (one seeded generator, targets in order), the second gathers them. Memory: one prompt's
-    activations and the samples, whatever the number of prompts (a streamed compile's calibration)."""
+def activation_totals(runner: GraphRunner, prompts: list[list[int]]) -> tuple[dict[str, int], dict[str, np.ndarray]]:
+    """Pass 1 of AWQ's statistics, per extra output of ``runner`` (an activation [.., K]): its number of rows over
+    ``prompts`` and its mean |x| per channel [K] (summed in float64), holding one prompt's activations at a time."""
     inputs = list(runner.extra_outputs)
     count = dict.fromkeys(inputs, 0)
     total: dict[str, np.ndarray] = {}
@@ -273,20 +278,44 @@ def sample_activations(runner: GraphRunner, names: dict[str, str], prompts: list
             x = np.abs(value.reshape(-1, value.shape[-1]))  # [rows, K]
             total[name] = total[name] + x.sum(0, dtype=np.float64) if name in total else x.sum(0, dtype=np.float64)
             count[name] += len(x)
-    rng = np.random.default_rng(0)
-    chosen = {target: rng.permutation(count[x])[:rows] for target, x in names.items()}  # global row indices
-    samples = {target: np.empty((len(chosen[target]), len(total[x])), np.float32) for target, x in names.items()}
-    offset = dict.fromkeys(inputs, 0)
+    return count, {name: (total[name] / count[name]).astype(np.float32) for name in inputs}
+
+
+def gather_rows(runner: GraphRunner, names: dict[str, str], chosen: dict[str, np.ndarray],
+                prompts: list[list[int]]) -> dict[str, np.ndarray]:
+    """Pass 2: per target (target -> the activation its MatMul reads), the rows ``chosen[target]`` (indices into
+    all of the activation's rows over ``prompts``, in prompt order) in that order [len(chosen), K]; only these
+    targets' activations are fetched."""
+    extras = tuple(dict.fromkeys(names.values()))
+    samples: dict[str, np.ndarray] = {}
+    offset = dict.fromkeys(extras, 0)
     for ids in prompts:
-        values = dict(zip(inputs, runner.run(ids)[1:], strict=True))
+        values = {name: v.reshape(-1, v.shape[-1]) for name, v in zip(extras, runner.run(ids, extras=extras)[1:],
+                                                                        strict=True)}
         for target, x in names.items():
-            block = values[x].reshape(-1, values[x].shape[-1])  # this prompt's rows [offset, offset + len)
-            here = (chosen[target] >= offset[x]) & (chosen[target] < offset[x] + len(block))
-            samples[target][here] = block[chosen[target][here] - offset[x]]
-        for name in inputs:
-            offset[name] += len(values[name].reshape(-1, values[name].shape[-1]))
-    means = {name: (total[name] / count[name]).astype(np.float32) for name in inputs}
-    return samples, means
+            block, rows = values[x], chosen[target]  # this prompt's rows are [offset, offset + len(block))
+            if target not in samples:
+                samples[target] = np.empty((len(rows), block.shape[1]), np.float32)
+            here = (rows >= offset[x]) & (rows < offset[x] + len(block))
+            samples[target][here] = block[rows[here] - offset[x]]
+        for name in extras:
+            offset[name] += len(values[name])
+    return samples
+
+
+def sample_groups(targets: list[str], widths: dict[str, int], rows: int, budget: int) -> list[list[str]]:
+    """``targets`` in order, cut into groups whose samples (``rows`` x width float32 each) fit ``budget`` bytes
+    (a target alone may exceed it): AWQ gathers and searches one group at a time."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for target in targets:
+        size = rows * widths[target] * 4
+        if groups[-1] and used + size > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(target)
+        used += size
+    return [g for g in groups if g]
 
 
 class ActivationRanges(_PlannedPass):

@@ -166,15 +166,28 @@ def _bf16_as_fp32(model_path: Path) -> Path:
     proto = onnx.load(str(model_path), load_external_data=False)
     out = model_path.with_name(model_path.stem + ".fp32.onnx")
     data_name = out.name + ".data"
-    mapped: dict[str, np.ndarray] = {}
-    with (out.parent / data_name).open("wb") as data:
+    try:
+        _write_fp32_data(proto, model_path.parent, out.parent / data_name)
+    except BaseException:
+        (out.parent / data_name).unlink(missing_ok=True)
+        raise
+    retype_floats(proto, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT)  # external ones: their type only
+    onnx.save(proto, str(out))
+    return out
+
+
+def _write_fp32_data(proto: onnx.ModelProto, folder: Path, path: Path) -> None:
+    """Copy every external initializer of ``proto`` (data files under ``folder``) into ``path``, bf16 ones as
+    float32, one at a time, and point the initializers at the copy."""
+    data_name, mapped = path.name, dict[str, np.ndarray]()
+    with path.open("wb") as data:
         for tensor in proto.graph.initializer:
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             info = {entry.key: entry.value for entry in tensor.external_data}
             location = info["location"]
             if location not in mapped:
-                mapped[location] = np.memmap(model_path.parent / location, dtype=np.uint8, mode="r")
+                mapped[location] = np.memmap(folder / location, dtype=np.uint8, mode="r")
             raw = mapped[location][int(info.get("offset", 0)):int(info.get("offset", 0)) + int(info["length"])]
             array = raw.view(ml_dtypes.bfloat16).astype(np.float32) if tensor.data_type == \
                 onnx.TensorProto.BFLOAT16 else raw
@@ -183,6 +196,3 @@ def _bf16_as_fp32(model_path: Path) -> Path:
             del tensor.external_data[:]
             for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(array.nbytes))):
                 tensor.external_data.add(key=key, value=value)
-    retype_floats(proto, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT)  # external ones: their type only
-    onnx.save(proto, str(out))
-    return out

@@ -45,8 +45,8 @@ class CompileJob:
     def context(self) -> PassContext:
         # Streamed: calibration maps the graph's weights from a folder beside the artifact (same disk, not /tmp,
         # which may be a tmpfs counted as memory).
-        scratch = self.options.output_dir.absolute().parent if self.weights is not None else None
-        return PassContext(config=self.loaded.config, max_seq_len=self.max_seq_len, scratch_dir=scratch,
+        out = self.options.output_dir.absolute() if self.weights is not None else None
+        return PassContext(config=self.loaded.config, max_seq_len=self.max_seq_len, artifact_dir=out,
                            progress=self.options.progress)
 
 

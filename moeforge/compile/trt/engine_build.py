@@ -107,10 +107,14 @@ class ParsedNetwork:
         self.collectives = 0
         graph = onnx.load(str(onnx_path), load_external_data=False)
         placeholders = placeholder_graph(graph) if num_ranks > 1 else {}
-        parsed = self.parser.load_model_proto(graph.SerializeToString(), str(onnx_path))
         # The mappings must outlive the parser and the network (TensorRT reads the weights until the build ends).
-        self.weights = _map_initializers(self.parser, graph, onnx_path.parent) if parsed else []
-        parsed = parsed and self.parser.parse_model_proto()
+        self.weights: list[np.memmap] = []
+        if hasattr(self.parser, "load_model_proto"):  # TensorRT-RTX 1.x, TensorRT >= 10.13
+            parsed = self.parser.load_model_proto(graph.SerializeToString(), str(onnx_path))
+            self.weights = _map_initializers(self.parser, graph, onnx_path.parent) if parsed else []
+            parsed = parsed and self.parser.parse_model_proto()
+        else:  # older TensorRT: the parser reads the external weights into its own memory
+            parsed = self.parser.parse(graph.SerializeToString(), str(onnx_path))
         if not parsed:
             errors = [str(self.parser.get_error(i)) for i in range(self.parser.num_errors)]
             raise _parse_error(onnx_path, errors)
@@ -273,11 +277,17 @@ def build_engine(onnx_path: Path, plan_path: Path, options: BuildOptions, trt: T
         timing_cache = config.create_timing_cache(cache_bytes)
         config.set_timing_cache(timing_cache, ignore_mismatch=False)
 
-    plan = _PlanFile(trt, plan_path)
-    try:
-        built = parsed.builder.build_serialized_network_to_stream(parsed.network, config, plan.writer)
-    finally:
-        plan.close()
+    if hasattr(parsed.builder, "build_serialized_network_to_stream"):  # the plan never in one host buffer
+        plan = _PlanFile(trt, plan_path)
+        try:
+            built = parsed.builder.build_serialized_network_to_stream(parsed.network, config, plan.writer)
+        finally:
+            plan.close()
+    else:
+        serialized = parsed.builder.build_serialized_network(parsed.network, config)
+        built = serialized is not None
+        if built:
+            plan_path.write_bytes(memoryview(serialized))
     if not built:
         plan_path.unlink(missing_ok=True)
         raise EngineBuildError(f"TensorRT ({trt.impl} {trt.version}) could not build {onnx_path.name} for {target}; "

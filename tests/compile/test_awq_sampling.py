@@ -1,0 +1,60 @@
+"""AWQ's statistics are gathered without holding every activation row (``quant/plan.py``): counts and means in one
+pass over the prompts, then each target's seeded sample of rows, a group of targets at a time. The result must be
+what the direct computation on every row gives: ``x[permutation(len(x))[:rows]]`` and ``mean |x|`` of the
+concatenated activations, with one generator drawn target after target."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeforge.quant.plan import activation_totals, gather_rows, sample_groups
+
+
+class _Runner:
+    """A stand-in for ``GraphRunner``: each prompt yields fixed activations [1, len(ids) * k, width] per output."""
+
+    def __init__(self, widths: dict[str, int], per_token: dict[str, int]) -> None:
+        self.extra_outputs = tuple(widths)
+        self.widths, self.per_token = widths, per_token
+        self.runs: list[tuple[str, ...]] = []
+
+    def value(self, name: str, ids: list[int]) -> np.ndarray:
+        rng = np.random.default_rng([sum(ids), len(ids), self.extra_outputs.index(name)])
+        return rng.standard_normal((1, len(ids) * self.per_token[name], self.widths[name])).astype(np.float32)
+
+    def run(self, ids: list[int], weights: None = None, extras: tuple[str, ...] | None = None) -> list[np.ndarray]:
+        names = self.extra_outputs if extras is None else extras
+        self.runs.append(tuple(names))
+        return [np.zeros((len(ids), 3), np.float32), *(self.value(n, ids) for n in names)]
+
+
+def test_sampled_rows_and_means_equal_the_direct_computation() -> None:
+    widths, per_token = {"a": 8, "b": 5, "c": 8}, {"a": 1, "b": 2, "c": 1}
+    runner = _Runner(widths, per_token)
+    prompts = [[1, 2, 3, 4, 5], [7] * 40, [3, 9], list(range(300))]
+    names = {"t0": "a", "t1": "b", "t2": "a", "t3": "c"}  # t0 and t2 read the same activation
+    rows = 64
+
+    whole = {x: np.concatenate([runner.value(x, ids).reshape(-1, widths[x]) for ids in prompts]) for x in widths}
+    rng = np.random.default_rng(0)
+    expected = {t: whole[x][rng.permutation(len(whole[x]))[:rows]] for t, x in names.items()}
+
+    count, means = activation_totals(runner, prompts)
+    for x in widths:
+        assert count[x] == len(whole[x])
+        np.testing.assert_allclose(means[x], np.abs(whole[x]).mean(0), rtol=1e-6)
+    rng = np.random.default_rng(0)
+    chosen = {t: rng.permutation(count[x])[:rows] for t, x in names.items()}
+    # A budget that fits two targets' samples at a time: two groups, each one more pass fetching only its outputs.
+    groups = sample_groups(list(names), {t: widths[x] for t, x in names.items()}, rows, 2 * rows * 8 * 4)
+    assert groups == [["t0", "t1"], ["t2", "t3"]]
+    runner.runs.clear()
+    for group in groups:
+        samples = gather_rows(runner, {t: names[t] for t in group}, chosen, prompts)
+        for t in group:
+            np.testing.assert_array_equal(samples[t], expected[t])
+    assert runner.runs == [("a", "b")] * len(prompts) + [("a", "c")] * len(prompts)
+
+
+def test_a_target_larger_than_the_budget_is_a_group_of_its_own() -> None:
+    assert sample_groups(["x", "y", "z"], {"x": 10, "y": 1000, "z": 10}, 512, 512 * 100 * 4) == [["x"], ["y"], ["z"]]
