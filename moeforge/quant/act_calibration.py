@@ -101,21 +101,35 @@ def check_options(scheme: str, method: str | None, percentile: float | None, alp
     return ActivationSpec(dtype, method, p, a or None, patterns)
 
 
+FETCH_BUDGET = 256 * 2**20  # bytes of activations one calibration run returns (more: another run per group)
+
+
 class _Activations:
-    """The fp32 ``model`` in an ONNX Runtime session returning the values ``names``; ``rows(prompts)`` yields, per
-    prompt, name -> rows [tokens, K]. Calibration streams over them (memory does not grow with the prompts)."""
+    """The fp32 ``model`` in an ONNX Runtime session returning the values ``names``; ``rows()`` yields batches of
+    name -> rows [tokens, K], each name once per prompt. Calibration streams over them: memory grows neither with the
+    prompts nor with the layers, as a run returns a group of the values at most ``budget`` bytes for the longest
+    prompt (every MatMul input of a 61-layer model for 256 tokens would be ~2.7 GB), one more run per group. The
+    statistics taken from them (max, count, the largest values) do not depend on the batches' order."""
 
     def __init__(self, model: ir.Model, names: list[str], prompts: list[list[int]],
-                 ctx: PassContext | None = None) -> None:
+                 ctx: PassContext | None = None, budget: int | None = None) -> None:
         if not prompts:
             raise ActivationCalibrationError("static activation scales need calibration prompts: pass --calib FILE")
         self.names, self.prompts = list(dict.fromkeys(names)), prompts
         self.runner = GraphRunner(model, extra_outputs=tuple(self.names), **runner_options(ctx))
+        longest = max(len(ids) for ids in prompts)
+        widths = _widths(model, set(self.names))
+        # A value without a static width counts as the widest known one (or one channel).
+        default = max(widths.values(), default=1)
+        self.groups = fetch_groups(self.names, {n: longest * widths.get(n, default) * 4 for n in self.names},
+                                   FETCH_BUDGET if budget is None else budget)
 
     def rows(self) -> Iterator[dict[str, np.ndarray]]:
-        for ids in self.prompts:
-            outputs = self.runner.run(ids)[1:]
-            yield {name: v.reshape(-1, v.shape[-1]) for name, v in zip(self.names, outputs, strict=True)}
+        for group in self.groups:
+            for ids in self.prompts:
+                outputs = self.runner.run(ids, extras=group)[1:]
+                yield {name: v.reshape(-1, v.shape[-1]) for name, v in zip(group, outputs, strict=True)}
+
 
     def channel_max(self) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """Pass 1: max |x_j| per channel [K] and the number of values, per name."""
@@ -136,6 +150,8 @@ class _Activations:
         top: dict[str, np.ndarray] = {key: np.empty(0, np.float32) for key in keys}
         for batch in self.rows():
             for key, (name, divisor) in keys.items():
+                if name not in batch:  # fetched in another group's runs
+                    continue
                 x = batch[name] if divisor is None else batch[name] / divisor
                 values = np.concatenate([top[key], np.abs(x).ravel()])
                 if len(values) > need[key]:
@@ -143,6 +159,31 @@ class _Activations:
                 top[key] = values
         return {key: percentile_from_top(np.sort(top[key]), count[name], percentile)
                 for key, (name, _) in keys.items()}
+
+
+def fetch_groups(names: list[str], sizes: dict[str, int], budget: int) -> list[tuple[str, ...]]:
+    """``names`` in order, cut into groups of at most ``budget`` bytes (``sizes``; a name alone may exceed it)."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name in names:
+        if groups[-1] and used + sizes[name] > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += sizes[name]
+    return [tuple(g) for g in groups if g]
+
+
+def _widths(model: ir.Model, names: set[str]) -> dict[str, int]:
+    """The last dimension of each value in ``names`` that has a static one."""
+    out = {}
+    for node in model.graph:
+        for value in node.outputs:
+            if value.name in names and value.shape is not None and len(value.shape):
+                last = value.shape[-1]
+                if isinstance(last, int):
+                    out[value.name] = last
+    return out
 
 
 def top_count(n: int, percentile: float) -> int:

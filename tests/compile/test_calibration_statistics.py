@@ -1,7 +1,8 @@
-"""AWQ's statistics are gathered without holding every activation row (``quant/plan.py``): counts and means in one
-pass over the prompts, then each target's seeded sample of rows, a group of targets at a time. The result must be
-what the direct computation on every row gives: ``x[permutation(len(x))[:rows]]`` and ``mean |x|`` of the
-concatenated activations, with one generator drawn target after target."""
+"""Calibration statistics gathered without holding every activation (a streamed compile's calibration of a deep
+model). AWQ (``quant/plan.py``): counts and means in one pass over the prompts, then each target's seeded sample of
+rows, a group of targets at a time; the result must be what the direct computation on every row gives,
+``x[permutation(len(x))[:rows]]`` and ``mean |x|`` of the concatenated activations, with one generator drawn target
+after target. w8a8 (``quant/act_calibration.py``): activations fetched a group at a time give the same ranges."""
 
 from __future__ import annotations
 
@@ -58,3 +59,33 @@ def test_sampled_rows_and_means_equal_the_direct_computation() -> None:
 
 def test_a_target_larger_than_the_budget_is_a_group_of_its_own() -> None:
     assert sample_groups(["x", "y", "z"], {"x": 10, "y": 1000, "z": 10}, 512, 512 * 100 * 4) == [["x"], ["y"], ["z"]]
+
+
+def test_static_ranges_are_the_same_whatever_the_fetch_groups(monkeypatch) -> None:
+    """w8a8 calibration fetches its activations a group at a time (a run per group and prompt), so that a deep
+    model's activations never come back all at once: one name per group gives the ranges of a single group."""
+    from moeforge.compile.onnx_export import export_stateless
+    from moeforge.model.loader import load_model
+    from moeforge.quant import act_calibration
+    from moeforge.quant.act_calibration import ActivationPlan, check_options
+
+    model = export_stateless(load_model("tiny-llama").model)
+    prompts = [[5, 9, 2, 7, 1, 3], list(range(20, 60)), [11, 4]]
+    spec = check_options("w8a8", "percentile", 99.0)
+    assert spec is not None
+    whole = ActivationPlan.calibrate(model, spec, prompts)
+    monkeypatch.setattr(act_calibration, "FETCH_BUDGET", 1)  # every activation in a group of its own
+    runs: list[int] = []
+    original = act_calibration._Activations.rows
+
+    def counted(self: act_calibration._Activations):  # type: ignore[no-untyped-def]
+        runs.append(len(self.groups))
+        yield from original(self)
+
+    monkeypatch.setattr(act_calibration._Activations, "rows", counted)
+    grouped = ActivationPlan.calibrate(model, spec, prompts)
+    assert runs and runs[0] > 1  # one group per activation (q, k and v share theirs)
+    assert grouped.amax == whole.amax
+    assert grouped.smoothing.keys() == whole.smoothing.keys()
+    for name in whole.smoothing:
+        np.testing.assert_array_equal(grouped.smoothing[name], whole.smoothing[name])
