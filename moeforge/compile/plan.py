@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from moeforge.core.config import ModelConfig
+from moeforge.model.lazy_weights import is_expert_stack_name
 from moeforge.model.model import CausalLM
 from moeforge.model.rank_model import shard_model
 from moeforge.quant.schemes import SCHEMES
@@ -108,17 +109,11 @@ def plan_compile(model: str, config: ModelConfig, scheme: str | None = None, tp:
             matrix = tensor.dim() >= 2 and "embed_tokens" not in name
             artifact += int(count * (bytes_per_param if matrix else 4))
             layer = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
-            resident = count // tensor.shape[0] if _is_expert_stack(name, tensor) else count
+            resident = count // tensor.shape[0] if is_expert_stack_name(name, tensor.dim()) else count
             layers[layer] = layers.get(layer, 0) + 4 * resident
         ranks.append(RankPlan(rank, sum(t.numel() for t in tensors.values()), artifact, max(layers.values())))
     total = sum(t.numel() for t in full.state_dict().values())
     return CompilePlan(model, scheme or "fp32", tp, ep, total, ranks, config.num_hidden_layers)
-
-
-def _is_expert_stack(name: str, tensor: torch.Tensor) -> bool:
-    """A stacked routed-experts weight [E, ...] (``LazyWeights.is_expert_stack``'s rule, on the meta model)."""
-    owner, _, attr = name.rpartition(".")
-    return owner.endswith(".experts") and attr in ("gate_proj", "up_proj", "down_proj") and tensor.dim() == 3
 
 
 def _bytes_per_parameter(scheme: str | None, block_size: int | None) -> float:

@@ -33,8 +33,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import onnx
 
 from moeforge.core.errors import ArtifactError
@@ -67,6 +68,26 @@ def make_scratch_dir(out: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     os.mkdir(path)
     return path
+
+
+def external_initializers(graph: onnx.ModelProto, folder: Path, mode: Literal["r", "c"] = "r"
+                          ) -> Iterator[tuple[onnx.TensorProto, np.ndarray]]:
+    """Each initializer of ``graph`` (loaded without its external data) stored in a data file under ``folder``,
+    with its bytes: a uint8 view into a memory map of that file (``mode`` "r", or "c": copy-on-write, for a reader
+    that writes into its buffers). Nothing is read until the bytes are used; a view keeps its map alive."""
+    maps: dict[str, np.memmap] = {}
+    for tensor in graph.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location, offset, length = info["location"], int(info.get("offset", 0)), int(info["length"])
+        if location not in maps:
+            maps[location] = np.memmap(folder / location, dtype=np.uint8, mode=mode)
+        data = maps[location]
+        if offset + length > len(data):
+            raise ArtifactError(f"{location} is shorter than initializer {tensor.name} needs ({offset + length} "
+                                f"bytes, the file has {len(data)}): the artifact is truncated; recompile it")
+        yield tensor, data[offset:offset + length]
 
 
 def _pid_alive(pid: int) -> bool:

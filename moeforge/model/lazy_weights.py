@@ -33,6 +33,13 @@ from moeforge.model.tokenizer import TOKENIZER_FILE, Tokenizer
 _EXPERT_STACKS = ("gate_proj", "up_proj", "down_proj")  # moe.Experts' stacked parameters [E, ...]
 
 
+def is_expert_stack_name(name: str, ndim: int) -> bool:
+    """Whether the model tensor ``name`` of ``ndim`` dimensions is a stacked routed-experts weight [E, ...]
+    (``moe.Experts``'s gate/up/down): the streamed compile reads and writes it one expert at a time."""
+    owner, _, attr = name.rpartition(".")
+    return owner.endswith(".experts") and attr in _EXPERT_STACKS and ndim == 3
+
+
 @dataclass
 class LazyWeights:
     """The tensors of a meta-device model by state-dict name: ``read(name)`` -> float32 array, from the checkpoint
@@ -98,9 +105,7 @@ class LazyWeights:
     def is_expert_stack(self, name: str) -> bool:
         """Whether ``name`` is a stacked routed-experts weight [E, ...] (``moe.Experts``'s gate/up/down), which
         ``read_expert`` reads one expert at a time."""
-        owner, _, attr = name.rpartition(".")
-        return owner.endswith(".experts") and attr in _EXPERT_STACKS and len(self.shape(name)) == 3 \
-            and self.stored(name) is not None
+        return is_expert_stack_name(name, len(self.shape(name))) and self.stored(name) is not None
 
     def read_expert(self, name: str, e: int) -> np.ndarray:
         """Expert ``e`` of the stacked experts weight ``name`` as a float32 array [shape[1:]], reading only that

@@ -51,3 +51,14 @@ class ExpertStack(ir.LazyTensor):
 def experts_of(tensor: ir.TensorProtocol | None) -> ExpertFn | None:
     """``tensor``'s per-expert maker when it is an ``ExpertStack``, else None (use the whole-tensor path)."""
     return tensor.checked if isinstance(tensor, ExpertStack) else None
+
+
+def map_tensor(source: ir.TensorProtocol, fn: Callable[[np.ndarray], np.ndarray], dtype: ir.DataType,
+               shape: Sequence[int], name: str | None = None) -> ir.TensorProtocol:
+    """``fn(source)`` computed when read: expert by expert (an ``ExpertStack``) when ``source`` is one, else
+    whole. ``fn`` must act on each expert alone (elementwise, or along the trailing axes), so both give the same
+    bytes."""
+    experts = experts_of(source)
+    if experts is not None:
+        return ExpertStack(lambda e: fn(experts(e)), dtype, shape, name)
+    return ir.LazyTensor(lambda: ir.tensor(fn(source.numpy()), name=name), dtype, ir.Shape(list(shape)), name=name)

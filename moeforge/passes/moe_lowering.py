@@ -40,7 +40,7 @@ import onnx_ir as ir
 from onnx_ir import convenience
 
 from moeforge.model import moe_op
-from moeforge.ops.expert_stack import ExpertStack, experts_of
+from moeforge.ops.expert_stack import ExpertStack, experts_of, map_tensor
 from moeforge.ops.moe_router import schema as router_schema
 from moeforge.ops.moe_router.function import check_nodes
 from moeforge.ops.moe_router.ort_lowering import lower_router
@@ -163,7 +163,7 @@ def _expert_weights(b: NodeBuilder, gate: ir.Value, up: ir.Value, down: ir.Value
                     rsf: float) -> tuple[ir.Value, ir.Value]:
     """fc1 [E, 2I, H] interleaved gate/up rows, fc2 [E, H, I] = down * routed_scaling_factor."""
     g, u, d = const_tensor(gate), const_tensor(up), const_tensor(down)
-    gate_of, up_of, down_of = experts_of(g), experts_of(u), experts_of(d)
+    gate_of, up_of = experts_of(g), experts_of(u)
     # Computed when the artifact is written (lazy), from the stacked tensors, which are read only then; expert by
     # expert where the sources are (a streamed compile: ops/expert_stack.py).
     if g is not None and u is not None and gate_of is not None and up_of is not None:
@@ -188,14 +188,10 @@ def _expert_weights(b: NodeBuilder, gate: ir.Value, up: ir.Value, down: ir.Value
         h_dim = b.op("Slice", [shape, b.const_i64([3]), b.const_i64([4])], None, "gate_up_h")
         target = b.op("Concat", [e_dim, b.const_i64([-1]), h_dim], {"axis": 0}, "fc1_shape")
         fc1 = b.op("Reshape", [stacked, target], None, "fc1_gate_up_interleaved")
-    if d is not None and down_of is not None:
-        fc2 = b.initializer_tensor(ExpertStack(lambda k: (down_of(k).astype(np.float32) * np.float32(rsf)
-                                                          ).astype(np.float32), ir.DataType.FLOAT, d.shape.numpy()),
+    if d is not None:
+        fc2 = b.initializer_tensor(map_tensor(d, lambda w: (w.astype(np.float32) * np.float32(rsf)).astype(np.float32),
+                                              ir.DataType.FLOAT, d.shape.numpy()),
                                    _derived_name(down, "fc2_down_scaled", strip="down_proj"))
-    elif d is not None:
-        fc2 = b.lazy_initializer(lambda: (d.numpy().astype(np.float32) * np.float32(rsf)).astype(np.float32),
-                                 ir.DataType.FLOAT, d.shape.numpy(),
-                                 _derived_name(down, "fc2_down_scaled", strip="down_proj"))
     elif rsf == 1.0:
         fc2 = b.as_f32(down, "down_f32")
     else:

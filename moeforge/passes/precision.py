@@ -30,8 +30,7 @@ import onnx
 import onnx_ir as ir
 from onnxruntime.transformers import float16
 
-from moeforge.ops.expert_stack import ExpertStack, experts_of
-from moeforge.ops.node_builder import lazy_tensor
+from moeforge.ops.expert_stack import map_tensor
 from moeforge.passes.base import PassContext
 
 FP32_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "Softmax",
@@ -113,11 +112,7 @@ def _converted(source: ir.TensorProtocol, dtype: ir.DataType) -> ir.TensorProtoc
         out: np.ndarray = half if dtype == ir.DataType.FLOAT16 else half.astype(np.float32).astype(ml_dtypes.bfloat16)
         return out
 
-    shape = tuple(source.shape.numpy())
-    experts = experts_of(source)
-    if experts is not None:
-        return ExpertStack(lambda e: convert(experts(e)), dtype, shape, source.name)
-    return lazy_tensor(lambda: convert(source.numpy()), dtype, shape, source.name)
+    return map_tensor(source, convert, dtype, tuple(source.shape.numpy()), source.name)
 
 
 def _value_info_from_dims(tensor: onnx.TensorProto) -> onnx.ValueInfoProto:

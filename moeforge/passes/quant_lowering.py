@@ -23,13 +23,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from moeforge.ops.expert_stack import ExpertStack, experts_of
+from moeforge.ops.expert_stack import map_tensor
 from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import MS_DOMAIN, PassContext, add_initializer, ensure_opset, required
 from moeforge.passes.quant_math import pack_nbits, pack_rows
@@ -192,15 +193,9 @@ class QuantLowering:
             # expert by expert when the codes are (a streamed compile: ops/expert_stack.py).
             packed_shape = (e, n, k * b // 8)
             qmoe_scale_shape = scale_shape[:2] if per_channel else scale_shape
-            codes_of, scale_of = experts_of(codes), experts_of(scale)
-            if codes_of is not None and scale_of is not None:
-                packed: ir.TensorProtocol = ExpertStack(_expert_packed_rows(codes_of, b), ir.DataType.UINT8,
-                                                        packed_shape)
-                scales: ir.TensorProtocol = ExpertStack(_expert_moe_scales(scale_of, per_channel),
-                                                        ir.DataType.FLOAT, qmoe_scale_shape)
-            else:
-                packed = lazy_tensor(_packed_rows(codes, b), ir.DataType.UINT8, packed_shape)
-                scales = lazy_tensor(_moe_scales(scale, per_channel), ir.DataType.FLOAT, qmoe_scale_shape)
+            packed = map_tensor(codes, partial(_qmoe_codes, bits=b), ir.DataType.UINT8, packed_shape)
+            scales = map_tensor(scale, partial(_qmoe_scales, per_channel=per_channel), ir.DataType.FLOAT,
+                                qmoe_scale_shape)
             inputs += [add_initializer(graph, f"{stem}.qmoe", packed),
                        add_initializer(graph, f"{stem}.qmoe_scale", scales),
                        node.inputs[i + 1] if i + 1 < len(node.inputs) else None]
@@ -250,26 +245,14 @@ def _int8_codes(codes: ir.TensorProtocol) -> np.ndarray:
     return codes.numpy().astype(np.int8)
 
 
-def _packed_rows(codes: ir.TensorProtocol, bits: int) -> Callable[[], np.ndarray]:
-    return lambda: pack_rows(_int8_codes(codes), bits)
+def _qmoe_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """QMoE's codes from the DequantizeLinear ones [(E,) N, K]: packed by rows [(E,) N, K * bits / 8]."""
+    return pack_rows(codes.astype(np.int8), bits)
 
 
-def _expert_packed_rows(codes_of: Callable[[int], np.ndarray], bits: int) -> Callable[[int], np.ndarray]:
-    return lambda e: pack_rows(codes_of(e).astype(np.int8), bits)
-
-
-def _expert_moe_scales(scale_of: Callable[[int], np.ndarray], per_channel: bool) -> Callable[[int], np.ndarray]:
-    def compute(e: int) -> np.ndarray:
-        array = scale_of(e)  # [N, 1 or K/bs]
-        return np.ascontiguousarray(array[..., 0] if per_channel else array, np.float32)
-    return compute
-
-
-def _moe_scales(scale: ir.TensorProtocol, per_channel: bool) -> Callable[[], np.ndarray]:
-    def compute() -> np.ndarray:
-        array = scale.numpy()
-        return np.ascontiguousarray(array[..., 0] if per_channel else array, np.float32)
-    return compute
+def _qmoe_scales(scale: np.ndarray, per_channel: bool) -> np.ndarray:
+    """QMoE's scales from the DequantizeLinear ones [(E,) N, 1 or K/bs]: per channel [(E,) N], else as they are."""
+    return np.ascontiguousarray(scale[..., 0] if per_channel else scale, np.float32)
 
 
 def asym_digit_weights(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, block: int,

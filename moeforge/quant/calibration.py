@@ -5,7 +5,7 @@ cache) and can return internal values (MatMul inputs for AWQ) and take replaceme
 swapped at a time for the sensitivity sweep).
 
 Memory: by default the graph is serialised in memory (a protobuf holding every weight, then ONNX Runtime's own
-copy). A streamed compile (``PassContext.scratch_dir``) cannot afford that: its weights are lazy reads of the
+copy). A streamed compile (``PassContext.artifact_dir``) cannot afford that: its weights are lazy reads of the
 checkpoint. There the runner writes the graph to a temporary folder first, one tensor at a time (``ir.save``: each
 lazy weight read, transformed, written and freed), and ONNX Runtime maps the external data file with prepacking
 off, so the weights stay clean file pages the kernel reclaims under a memory cap -- the same way the streamed

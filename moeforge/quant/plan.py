@@ -34,7 +34,7 @@ from moeforge.passes.quant_lowering import QuantLowering
 from moeforge.passes.quant_math import awq_search
 from moeforge.passes.quant_weights import QuantConfig, QuantTarget, WeightQuantization, quant_targets
 from moeforge.passes.shared_embedding import SharedEmbedding
-from moeforge.quant.act_calibration import ActivationPlan, activation_name, weight_array
+from moeforge.quant.act_calibration import ActivationPlan, activation_name, fetch_groups, weight_array
 from moeforge.quant.calibration import GraphRunner, runner_options
 from moeforge.quant.kv_calibration import CalibratedKVQuantization
 from moeforge.quant.schemes import SCHEMES
@@ -255,8 +255,8 @@ class AwqScales(_PlannedPass):
         by_name = {t.name: t for t in targets}
         block = plan.spec.block
         assert block is not None, "AWQ schemes quantise in blocks"
-        widths = {t.name: len(means[names[t.name]]) for t in targets}
-        for group in sample_groups(list(by_name), widths, AWQ_SAMPLE_ROWS, AWQ_SAMPLE_BUDGET):
+        sample_bytes = {t.name: len(chosen[t.name]) * len(means[names[t.name]]) * 4 for t in targets}
+        for group in fetch_groups(list(by_name), sample_bytes, AWQ_SAMPLE_BUDGET):
             samples = gather_rows(runner, {t: names[t] for t in group}, chosen, plan.prompts)
             for name in group:
                 s, alpha = awq_search(weight_array(by_name[name]), samples.pop(name), means[names[name]], plan.kind,
@@ -301,21 +301,6 @@ def gather_rows(runner: GraphRunner, names: dict[str, str], chosen: dict[str, np
         for name in extras:
             offset[name] += len(values[name])
     return samples
-
-
-def sample_groups(targets: list[str], widths: dict[str, int], rows: int, budget: int) -> list[list[str]]:
-    """``targets`` in order, cut into groups whose samples (``rows`` x width float32 each) fit ``budget`` bytes
-    (a target alone may exceed it): AWQ gathers and searches one group at a time."""
-    groups: list[list[str]] = [[]]
-    used = 0
-    for target in targets:
-        size = rows * widths[target] * 4
-        if groups[-1] and used + size > budget:
-            groups.append([])
-            used = 0
-        groups[-1].append(target)
-        used += size
-    return [g for g in groups if g]
 
 
 class ActivationRanges(_PlannedPass):

@@ -30,7 +30,7 @@ from polygraphy.comparator import RunResults
 from polygraphy.comparator.struct import IterationResult
 from polygraphy.json import load_json, save_json
 
-from moeforge.core.artifact import load_artifact
+from moeforge.core.artifact import external_initializers, load_artifact
 from moeforge.core.kv_layout import KVCacheSpec
 from moeforge.core.ort_session import UNPACKED_WEIGHTS, make_session
 from moeforge.passes.precision import retype_floats
@@ -179,16 +179,9 @@ def _bf16_as_fp32(model_path: Path) -> Path:
 def _write_fp32_data(proto: onnx.ModelProto, folder: Path, path: Path) -> None:
     """Copy every external initializer of ``proto`` (data files under ``folder``) into ``path``, bf16 ones as
     float32, one at a time, and point the initializers at the copy."""
-    data_name, mapped = path.name, dict[str, np.ndarray]()
+    data_name = path.name
     with path.open("wb") as data:
-        for tensor in proto.graph.initializer:
-            if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            info = {entry.key: entry.value for entry in tensor.external_data}
-            location = info["location"]
-            if location not in mapped:
-                mapped[location] = np.memmap(folder / location, dtype=np.uint8, mode="r")
-            raw = mapped[location][int(info.get("offset", 0)):int(info.get("offset", 0)) + int(info["length"])]
+        for tensor, raw in external_initializers(proto, folder):
             array = raw.view(ml_dtypes.bfloat16).astype(np.float32) if tensor.data_type == \
                 onnx.TensorProto.BFLOAT16 else raw
             offset = data.tell()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeforge.quant.plan import activation_totals, gather_rows, sample_groups
+from moeforge.quant.act_calibration import fetch_groups
+from moeforge.quant.plan import activation_totals, gather_rows
 
 
 class _Runner:
@@ -47,8 +48,8 @@ def test_sampled_rows_and_means_equal_the_direct_computation() -> None:
     rng = np.random.default_rng(0)
     chosen = {t: rng.permutation(count[x])[:rows] for t, x in names.items()}
     # A budget that fits two targets' samples at a time: two groups, each one more pass fetching only its outputs.
-    groups = sample_groups(list(names), {t: widths[x] for t, x in names.items()}, rows, 2 * rows * 8 * 4)
-    assert groups == [["t0", "t1"], ["t2", "t3"]]
+    groups = fetch_groups(list(names), {t: rows * widths[x] * 4 for t, x in names.items()}, 2 * rows * 8 * 4)
+    assert groups == [("t0", "t1"), ("t2", "t3")]
     runner.runs.clear()
     for group in groups:
         samples = gather_rows(runner, {t: names[t] for t in group}, chosen, prompts)
@@ -58,7 +59,8 @@ def test_sampled_rows_and_means_equal_the_direct_computation() -> None:
 
 
 def test_a_target_larger_than_the_budget_is_a_group_of_its_own() -> None:
-    assert sample_groups(["x", "y", "z"], {"x": 10, "y": 1000, "z": 10}, 512, 512 * 100 * 4) == [["x"], ["y"], ["z"]]
+    assert fetch_groups(["x", "y", "z"], {"x": 10, "y": 1000, "z": 10}, 100) == [("x",), ("y",), ("z",)]
+    assert fetch_groups(["x", "y", "z"], {"x": 10, "y": 80, "z": 10}, 100) == [("x", "y", "z")]
 
 
 def test_static_ranges_are_the_same_whatever_the_fetch_groups(monkeypatch) -> None:

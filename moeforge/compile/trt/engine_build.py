@@ -31,6 +31,7 @@ import onnx
 
 from moeforge.compile.trt.paged_profiles import paged_profiles
 from moeforge.compile.trt.profiles import ProfileSpec
+from moeforge.core.artifact import external_initializers
 from moeforge.core.errors import MoeforgeError
 from moeforge.ops.collectives.tensorrt import insert_collectives, placeholder_graph
 from moeforge.runtime.backends.trt_adapter import TensorRT, load_tensorrt
@@ -108,10 +109,10 @@ class ParsedNetwork:
         graph = onnx.load(str(onnx_path), load_external_data=False)
         placeholders = placeholder_graph(graph) if num_ranks > 1 else {}
         # The mappings must outlive the parser and the network (TensorRT reads the weights until the build ends).
-        self.weights: list[np.memmap] = []
+        self.weights: list[np.ndarray] = []
         if hasattr(self.parser, "load_model_proto"):  # TensorRT-RTX 1.x, TensorRT >= 10.13
             parsed = self.parser.load_model_proto(graph.SerializeToString(), str(onnx_path))
-            self.weights = _map_initializers(self.parser, graph, onnx_path.parent) if parsed else []
+            self.weights = _load_initializers(self.parser, graph, onnx_path.parent) if parsed else []
             parsed = parsed and self.parser.parse_model_proto()
         else:  # older TensorRT: the parser reads the external weights into its own memory
             parsed = self.parser.parse(graph.SerializeToString(), str(onnx_path))
@@ -141,25 +142,16 @@ class ParsedNetwork:
                 [spec(net.get_output(i)) for i in range(net.num_outputs)])
 
 
-def _map_initializers(parser: Any, graph: onnx.ModelProto, folder: Path) -> list[np.memmap]:
+def _load_initializers(parser: Any, graph: onnx.ModelProto, folder: Path) -> list[np.ndarray]:
     """Hand every external initializer of ``graph`` to ``parser`` as a pointer into a copy-on-write mapping of its
-    data file; returns the mappings (keep them alive while the parser's network is in use)."""
-    maps: dict[str, np.memmap] = {}
-    for tensor in graph.graph.initializer:
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        info = {entry.key: entry.value for entry in tensor.external_data}
-        location, offset, length = info["location"], int(info.get("offset", 0)), int(info["length"])
-        if location not in maps:
-            maps[location] = np.memmap(folder / location, dtype=np.uint8, mode="c")
-        data = maps[location]
-        if offset + length > len(data):
-            raise EngineBuildError(f"{location} is shorter than initializer {tensor.name} needs ({offset + length} "
-                                   f"bytes, the file has {len(data)}): the artifact is truncated; recompile it")
-        if not parser.load_initializer(tensor.name, data[offset:offset + length].ctypes.data, length):
+    data file; returns the views (keep them alive while the parser's network is in use)."""
+    views = []
+    for tensor, data in external_initializers(graph, folder, mode="c"):
+        if not parser.load_initializer(tensor.name, data.ctypes.data, data.nbytes):
             errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
             raise EngineBuildError(f"TensorRT refused initializer {tensor.name}: {'; '.join(errors)[:500]}")
-    return list(maps.values())
+        views.append(data)
+    return views
 
 
 class _PlanFile:
