@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 # Parent of a request's first block. A fixed 16-byte value keeps every hashed message the same
@@ -80,8 +80,11 @@ class BlockPool:
     recently freed first, dropping their key (an eviction). ``blocks`` is for reading only.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None) -> None:
+        """``on_evict(block_id, block_hash)``: called when a cached free block is handed out again, before its
+        content is overwritten (the KV tiers copy it out then)."""
         self.num_blocks = num_blocks  # fixed for the pool's life
+        self._on_evict = on_evict
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))  # uncached free blocks, FIFO
         self._cached_free: OrderedDict[int, bytes] = OrderedDict()  # cached free block -> its key, LRU first
@@ -115,6 +118,8 @@ class BlockPool:
                 block_id = self._free.popleft()
             else:
                 block_id, block_hash = self._cached_free.popitem(last=False)
+                if self._on_evict is not None:
+                    self._on_evict(block_id, block_hash)
                 del self._cached[block_hash]
                 self.blocks[block_id].block_hash = None
                 self._evictions += 1

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeforge.core.artifact import Artifact, load_artifact
+from moeforge.core.artifact import Artifact, artifact_digest, load_artifact
 from moeforge.core.errors import MoeforgeError, TokenizerError
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.backends.base import (
@@ -54,6 +54,7 @@ from moeforge.runtime.engine_config import (
     check_host_memory,
 )
 from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
+from moeforge.runtime.kv_tiers.tiers import KVTiers
 from moeforge.runtime.output_text import OutputText
 from moeforge.runtime.outputs import EngineMetrics, EngineStats, RequestOutput
 from moeforge.runtime.request import Request, RequestStatus, check_room, prompt_token_ids
@@ -77,7 +78,9 @@ class LLMEngine:
     """Serve generation requests on one backend (``from_artifact`` builds the ONNX Runtime one)."""
 
     def __init__(self, backend: Backend, *, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = (),
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, artifact_id: str | None = None) -> None:
+        """``artifact_id``: the artifact's digest (``core/artifact.artifact_digest``), which keys a disk KV tier's
+        files so that no other artifact's blocks are ever loaded; ``from_artifact`` gives it."""
         config = config or EngineConfig()
         if config.speculative.tokens and not getattr(backend, "multi_logit_rows", False):
             raise EngineConfigError(f"SpeculativeOptions(tokens={config.speculative.tokens}): the "
@@ -106,7 +109,9 @@ class LLMEngine:
             slots_blocks = backend.num_slots * -(-backend.max_seq_len // block_size)
             wanted = config.cache.num_kv_blocks(backend.num_slots, backend.max_seq_len, block_size)
             num_blocks = min(wanted, slots_blocks)
-        self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size, enable_prefix_caching=pool is not None))
+        self.tiers = _open_tiers(backend, config.cache, artifact_id)
+        self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size, enable_prefix_caching=pool is not None),
+                                 self.tiers)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=min(config.scheduling.max_num_seqs, backend.num_slots),
             max_num_batched_tokens=config.scheduling.max_num_batched_tokens,
@@ -133,7 +138,8 @@ class LLMEngine:
         if backend is None:
             backend = open_engine_backend(artifact, config)
         tokenizer, eos = _tokenizer_and_eos(artifact)
-        return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config)
+        return cls(backend, tokenizer=tokenizer, eos_token_ids=eos, config=config,
+                   artifact_id=artifact_digest(artifact.root) if config.cache.disk_dir is not None else None)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams = DEFAULT_PARAMS) -> int:
@@ -173,6 +179,7 @@ class LLMEngine:
             request.text = OutputText(self.tokenizer, params.stop_strings)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
+        self.kv.prefetch(ids)  # its prefix blocks below the pool start loading before its turn
         return request.request_id
 
     def abort(self, request_id: int) -> None:
@@ -189,7 +196,19 @@ class LLMEngine:
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                            max_num_seqs=self.scheduler.config.max_num_seqs, num_blocks=self.kv.config.num_blocks,
                            kv=self.kv.stats(), totals=dataclasses.replace(self.metrics),
-                           argmax_head=self.argmax_head_stats())
+                           argmax_head=self.argmax_head_stats(),
+                           kv_tiers=self.tiers.stats() if self.tiers is not None else None)
+
+    def shutdown(self) -> int:
+        """End of service: write every cached KV block to the disk tier (when there is one), so the next process
+        serving this artifact starts with its prefixes, and stop the tiers' threads. Returns the blocks written.
+        Call it between steps; the engine can still step afterwards, without tiers' background work."""
+        if self.tiers is None:
+            return 0
+        try:
+            return self.kv.flush_tiers()
+        finally:
+            self.tiers.close()
 
     def attention_time_share(self) -> float | None:
         """Fraction of backend compute spent in attention kernels so far, when the backend can tell
@@ -502,3 +521,21 @@ def open_engine_backend(artifact: Artifact, config: EngineConfig, *, collectives
     if backend_for(manifest).host_kv:  # device caches (TensorRT) are TensorRT's and torch's to account for
         check_host_memory(config, kv, int(manifest.model_config["vocab_size"]), num_blocks)
     return open_backend(artifact, config.backend, num_slots=slots, num_blocks=num_blocks, collectives=collectives)
+
+
+def _open_tiers(backend: Backend, cache: CacheOptions, artifact_id: str | None) -> KVTiers | None:
+    """The KV tiers ``cache`` asks for, over ``backend``'s pools; None when it asks for none."""
+    if not cache.tiered:
+        return None
+    if backend.kv_pool is None:
+        raise EngineConfigError("KV host/disk tiers (--kv-host-bytes, --kv-disk-dir) keep prefix-cache blocks, which "
+                                "only paged artifacts have: compile with --kv-cache paged, or drop the tier options")
+    block_io = getattr(backend, "block_io", None)
+    io = block_io() if block_io is not None else None
+    if io is None:
+        raise EngineConfigError(f"the {type(backend).__name__} cannot copy KV blocks out of its pools, so it cannot "
+                                "have host/disk tiers: drop --kv-host-bytes / --kv-disk-dir")
+    if cache.disk_dir is not None and not artifact_id:
+        raise EngineConfigError("CacheOptions(disk_dir=...) needs the artifact's identity to key its files: open the "
+                                "engine with LLMEngine.from_artifact, or pass artifact_id")
+    return KVTiers(cache.tier_settings(), io, artifact_id)

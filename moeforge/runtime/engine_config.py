@@ -7,6 +7,7 @@ anything is allocated, a configuration whose buffers cannot fit in host memory (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -15,6 +16,10 @@ from moeforge.core.host_memory import available_memory, gib, host_bytes
 from moeforge.core.kv_layout import KVCacheSpec
 from moeforge.core.ort_session import OPTION_PREFIX, session_option
 from moeforge.runtime.backends.base import BackendOptions
+from moeforge.runtime.kv_tiers.block_codec import OFFLOAD_DTYPES
+from moeforge.runtime.kv_tiers.tiers import TierSettings
+
+DEFAULT_DISK_BYTES = 16 << 30  # --kv-disk-bytes when only --kv-disk-dir is given
 
 
 class EngineConfigError(MoeforgeError):
@@ -63,12 +68,37 @@ class CacheOptions:
 
     block_size: int | None = None
     kv_blocks: int | None = None
+    # Tiers below the pool (runtime/kv_tiers; paged artifacts): L2 host memory, L3 a directory shared by processes
+    # and restarts, blocks stored as ``offload_dtype`` ("native": bit for bit; "int8": 4x smaller, lossy), queued
+    # requests' disk blocks read ahead by a background thread (``prefetch``).
+    host_bytes: int = 0
+    disk_dir: str | Path | None = None
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    offload_dtype: str = "native"
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_blocks is not None and not (_is_int(self.kv_blocks) and self.kv_blocks >= 1):
             raise EngineConfigError(f"CacheOptions(kv_blocks={self.kv_blocks!r}): give at least 1 block, "
                                     "or None for the default (every slot can reach max_seq_len)")
-        _check_ints(self, (("block_size", 1, True),))
+        _check_ints(self, (("block_size", 1, True), ("host_bytes", 0, False), ("disk_bytes", 1, False)))
+        if self.offload_dtype not in OFFLOAD_DTYPES:
+            raise EngineConfigError(f"CacheOptions(offload_dtype={self.offload_dtype!r}) is unknown: use one of "
+                                    f"{', '.join(OFFLOAD_DTYPES)} (--kv-offload-dtype)")
+        if self.disk_dir is not None and not isinstance(self.disk_dir, str | Path):
+            raise EngineConfigError(f"CacheOptions(disk_dir={self.disk_dir!r}) must be a path (--kv-disk-dir)")
+        if not isinstance(self.prefetch, bool):
+            raise EngineConfigError(f"CacheOptions(prefetch={self.prefetch!r}) must be True or False")
+
+    @property
+    def tiered(self) -> bool:
+        """Whether a host or disk tier is configured below the pool."""
+        return self.host_bytes > 0 or self.disk_dir is not None
+
+    def tier_settings(self) -> TierSettings:
+        """The tiers as ``KVTiers`` takes them."""
+        return TierSettings(self.host_bytes, None if self.disk_dir is None else Path(self.disk_dir),
+                            self.disk_bytes, self.offload_dtype, self.prefetch)
 
     def num_kv_blocks(self, num_slots: int, max_seq_len: int, block_size: int) -> int:
         """``kv_blocks``, or the default: ``num_slots`` sequences of ``max_seq_len`` tokens each."""

@@ -28,10 +28,14 @@ Letters: B block size (tokens per block), p a token position.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moeforge.runtime.block_pool import BlockPool, CacheFullError, KVCacheStats, full_block_hashes, hash_block_tokens
+from moeforge.runtime.kv_tiers.tiers import KVTiers
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,15 @@ class KVCacheManager:
     the positions it has not computed yet (from ``num_cached_tokens`` on, for a new request).
     """
 
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, tiers: KVTiers | None = None) -> None:
+        """``tiers``: host / disk levels below the pool (runtime/kv_tiers): evicted blocks are demoted there, and a
+        prefix that continues there is promoted back instead of recomputed. Needs prefix caching."""
+        if tiers is not None and not config.enable_prefix_caching:
+            raise ValueError("KV tiers are keyed by the prefix cache: enable prefix caching to use them")
         self.config = config
         self.block_size = config.block_size
-        self.pool = BlockPool(config.num_blocks)
+        self.tiers = tiers
+        self.pool = BlockPool(config.num_blocks, on_evict=self._demote if tiers is not None else None)
         self._allocations: dict[int, _Allocation] = {}
         self._pending: list[tuple[int, bytes]] = []  # (block id, key) registered since the last commit_step
 
@@ -82,7 +91,7 @@ class KVCacheManager:
 
     def can_allocate(self, request_id: int, token_ids: Sequence[int], token_budget: int | None = None) -> bool:
         """Whether ``allocate`` with the same arguments would succeed now."""
-        _, hits, num_allocated = self._plan(request_id, token_ids, token_budget)
+        _, hits, _, num_allocated = self._plan(request_id, token_ids, token_budget)
         return self.pool.can_allocate(self._blocks_to_take(hits, num_allocated))
 
     def allocate(self, request_id: int, token_ids: Sequence[int], token_budget: int | None = None) -> int:
@@ -93,7 +102,7 @@ class KVCacheManager:
         further tokens (default: all of them; a smaller budget is a prefill chunk, continued with
         ``append``). A preempted request comes back through here with all its tokens.
         """
-        lookup_hashes, hits, num_allocated = self._plan(request_id, token_ids, token_budget)
+        lookup_hashes, hits, found_below, num_allocated = self._plan(request_id, token_ids, token_budget)
         needed = self._blocks_to_take(hits, num_allocated)
         if not self.pool.can_allocate(needed):
             raise CacheFullError(f"request {request_id}: need {needed} free KV-cache blocks, "
@@ -101,15 +110,29 @@ class KVCacheManager:
         # Take the hits first: allocating fresh blocks could otherwise evict them.
         hits = self.pool.acquire_prefix(lookup_hashes) if self.config.enable_prefix_caching else []
         fresh = self.pool.allocate(_cdiv(num_allocated, self.block_size) - len(hits))
-        num_cached = len(hits) * self.block_size
-        allocation = _Allocation(list(token_ids), hits + fresh, lookup_hashes[:len(hits)], num_allocated, num_cached)
+        keys = lookup_hashes[:len(hits)]
+        if self.tiers is not None:
+            lower = lookup_hashes[len(hits):len(hits) + found_below]
+            promoted = self.tiers.promote(lower, fresh[:len(lower)], len(lookup_hashes) - len(hits))
+            for block_id, block_hash in zip(fresh[:promoted], lower[:promoted], strict=True):
+                self.pool.register(block_id, block_hash)  # written already: committed, not pending
+            keys = lookup_hashes[:len(hits) + promoted]
+            if promoted < len(lower):  # a block vanished or failed its check since _plan: compute from there
+                num_allocated = self._room(len(token_ids), len(keys) * self.block_size, token_budget)
+                surplus = len(hits) + len(fresh) - _cdiv(num_allocated, self.block_size)
+                if surplus > 0:
+                    self.pool.release(reversed(fresh[len(fresh) - surplus:]))
+                    fresh = fresh[:len(fresh) - surplus]
+        num_cached = len(keys) * self.block_size
+        allocation = _Allocation(list(token_ids), hits + fresh, keys, num_allocated, num_cached)
         self._allocations[request_id] = allocation
         self._register_full_blocks(allocation)
         return num_cached
 
     def _plan(self, request_id: int, token_ids: Sequence[int],
-              token_budget: int | None) -> tuple[list[bytes], list[int], int]:
-        """(hashes to look up, cached block ids found, tokens the request would have room for) for ``allocate``."""
+              token_budget: int | None) -> tuple[list[bytes], list[int], int, int]:
+        """(hashes to look up, cached block ids found, blocks after them found below the pool, tokens the request
+        would have room for) for ``allocate``."""
         if request_id in self._allocations:
             raise ValueError(f"request {request_id} is already allocated")
         if not token_ids:
@@ -123,10 +146,15 @@ class KVCacheManager:
             lookable = token_ids[:(len(token_ids) - 1) // self.block_size * self.block_size]
             lookup_hashes = full_block_hashes(lookable, self.block_size)
             hits = self.pool.lookup(lookup_hashes)
-        num_cached = len(hits) * self.block_size
-        to_compute = len(token_ids) - num_cached
-        num_allocated = num_cached + (to_compute if token_budget is None else min(token_budget, to_compute))
-        return lookup_hashes, hits, num_allocated
+        lower = self.tiers.find(lookup_hashes[len(hits):]) if self.tiers is not None else 0
+        num_allocated = self._room(len(token_ids), (len(hits) + lower) * self.block_size, token_budget)
+        return lookup_hashes, hits, lower, num_allocated
+
+    @staticmethod
+    def _room(num_tokens: int, num_cached: int, token_budget: int | None) -> int:
+        """Tokens an allocation gives room to: the cached ones, then at most ``token_budget`` to compute."""
+        to_compute = num_tokens - num_cached
+        return num_cached + (to_compute if token_budget is None else min(token_budget, to_compute))
 
     def _blocks_to_take(self, hits: list[int], num_allocated: int) -> int:
         """Free blocks an allocation consumes: fresh ones, plus hits that are cached but free now."""
@@ -200,6 +228,38 @@ class KVCacheManager:
         for block_id, block_hash in reversed(self._pending):
             self.pool.unregister(block_id, block_hash)
         self._pending.clear()
+
+    # -- tiers below the pool -----------------------------------------------------------------
+
+    def _demote(self, block_id: int, block_hash: bytes) -> None:
+        """The pool evicts a cached block: the tiers copy it out first, unless its KV is not written yet (a key
+        pending until ``commit_step``). A tier failure loses the block below L1, never the step."""
+        assert self.tiers is not None
+        if (block_id, block_hash) in self._pending:
+            return
+        try:
+            self.tiers.demote(block_id, block_hash)
+        except Exception:  # a cache below L1 is best effort: losing a block there costs only its recompute
+            log.exception("KV block %d could not be demoted; it will be recomputed if needed again", block_id)
+
+    def prefetch(self, token_ids: Sequence[int]) -> None:
+        """A request with these tokens was queued: start reading its prefix blocks that are below L1 into host
+        memory (in the background), so its admission does not wait for the disk."""
+        if self.tiers is None or len(token_ids) <= self.block_size:
+            return
+        lookable = token_ids[:(len(token_ids) - 1) // self.block_size * self.block_size]
+        hashes = full_block_hashes(lookable, self.block_size)
+        self.tiers.prefetch(hashes[len(self.pool.lookup(hashes)):])
+
+    def flush_tiers(self) -> int:
+        """Write every committed cached block (L1 and below) to the disk tier, for the next process; returns the
+        blocks written (0 without a disk tier). For a clean shutdown: nothing else may run meanwhile."""
+        if self.tiers is None:
+            return 0
+        pending = set(self._pending)
+        cached = [(block_id, key) for key, block_id in self.pool.cached_blocks().items()
+                  if (block_id, key) not in pending]
+        return self.tiers.flush(cached)
 
     # -- releasing ----------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from moeforge.runtime.backends.base import ArgmaxHeadStats
 from moeforge.runtime.block_pool import KVCacheStats
+from moeforge.runtime.kv_tiers.tiers import KVTierStats
 from moeforge.runtime.request import RequestMetrics
 
 
@@ -48,7 +49,8 @@ class EngineMetrics:
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine after a step, for monitors (the server's metrics): requests running and waiting,
-    the KV block manager's counts, the totals so far, and the argmax head's runs (None without one)."""
+    the KV block manager's counts, the totals so far, the argmax head's runs (None without one) and the KV tiers'
+    counts (None without tiers)."""
 
     running: int
     waiting: int
@@ -57,3 +59,4 @@ class EngineStats:
     kv: KVCacheStats
     totals: EngineMetrics
     argmax_head: ArgmaxHeadStats | None
+    kv_tiers: KVTierStats | None = None  # the host / disk tiers below the pool, when configured

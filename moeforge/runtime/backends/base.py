@@ -14,6 +14,7 @@ backend besides the cache contents.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,6 +88,30 @@ class PoolInfo:
 
 
 @dataclass(frozen=True)
+class PoolShape:
+    """One pool's block: ``shape`` [Bs, Hkv, D] of numpy dtype ``dtype`` (e.g. "float32")."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Every pool's block, in the order the backend reads and writes them."""
+
+    pools: tuple[PoolShape, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one block in the pools (all layers)."""
+        return sum(p.nbytes for p in self.pools)
+
+
+@dataclass(frozen=True)
 class StepInput:
     """All rows of one engine step (prefill chunks and decodes mixed)."""
 
@@ -143,4 +168,22 @@ class Backend(Protocol):
 
     # Optional (the engine reads them with getattr): ``argmax_head_stats() -> ArgmaxHeadStats | None``, the certified
     # argmax head's runs where the artifact has one; ``multi_logit_rows: bool`` (absent: False), whether rows may ask
-    # for ``num_logits`` > 1 and start before the cache's end (what speculative decoding needs).
+    # for ``num_logits`` > 1 and start before the cache's end (what speculative decoding needs); ``block_io() ->
+    # BlockIO | None``, a paged backend's pools as whole blocks to copy out and in (the KV tiers, runtime/kv_tiers).
+
+
+class BlockIO(Protocol):
+    """Copy whole KV-cache blocks out of and into a paged backend's pools (every layer's row ``block_id``), for the
+    tiers below the pool (runtime/kv_tiers). Called only between steps, on the engine's thread."""
+
+    def layout(self) -> BlockLayout:
+        """The pools' block shapes and dtypes, in the order ``read`` returns and ``write`` takes them."""
+        ...
+
+    def read(self, block_ids: Sequence[int]) -> list[list[np.ndarray]]:
+        """Per block, a copy of its row in each pool ([Bs, Hkv, D] each, layout order)."""
+        ...
+
+    def write(self, block_ids: Sequence[int], rows: Sequence[Sequence[np.ndarray]]) -> None:
+        """Overwrite each block's row in every pool with ``rows`` (as ``read`` returns them)."""
+        ...

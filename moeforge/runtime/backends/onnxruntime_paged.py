@@ -37,7 +37,9 @@ from moeforge.runtime.backends.base import (
     DEFAULT_BACKEND_OPTIONS,
     ArgmaxHeadStats,
     BackendOptions,
+    BlockLayout,
     PoolInfo,
+    PoolShape,
     RowInput,
     StepInput,
     check_row_tokens,
@@ -95,6 +97,23 @@ class BlockPools:
 
     def pointers(self) -> dict[str, int]:
         return {name: value.data_ptr() for name, _, value in self._values}
+
+    # -- BlockIO (runtime/backends/base.py): whole blocks out of and into every pool, for the KV tiers --------
+
+    def layout(self) -> BlockLayout:
+        return BlockLayout(tuple(PoolShape(tuple(a.shape[1:]), a.dtype.name) for a in self.arrays.values()))
+
+    def read(self, block_ids: Sequence[int]) -> list[list[np.ndarray]]:
+        index = np.asarray(block_ids, np.int64)
+        per_pool = [array[index] for array in self.arrays.values()]  # fancy indexing copies: [n, Bs, Hkv, D]
+        return [[rows[i] for rows in per_pool] for i in range(len(block_ids))]
+
+    def write(self, block_ids: Sequence[int], rows: Sequence[Sequence[np.ndarray]]) -> None:
+        if len(rows) != len(block_ids):
+            raise ValueError(f"{len(rows)} blocks of rows for {len(block_ids)} block ids")
+        for position, array in enumerate(self.arrays.values()):
+            for block_id, block in zip(block_ids, rows, strict=True):
+                array[block_id] = block[position]  # in place: the bound OrtValue wraps this buffer
 
 
 def packed_feeds(rows: Sequence[RowInput], *, all_logits: bool = False) -> dict[str, np.ndarray]:
@@ -262,6 +281,10 @@ class PagedOrtBackend:
     def pool_bytes(self) -> int:
         """Bytes allocated for all pools (all layers)."""
         return sum(p.nbytes for p in self.pools.values())
+
+    def block_io(self) -> BlockPools:
+        """The pools as a ``BlockIO``: blocks copied out and in by the KV tiers (runtime/kv_tiers)."""
+        return self._pools
 
     def pool_pointers(self) -> dict[str, int]:
         """data_ptr of each bound pool OrtValue (unchanged by runs when ORT writes in place)."""
