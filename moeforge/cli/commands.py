@@ -17,6 +17,8 @@ from tqdm import tqdm
 from moeforge import __version__
 from moeforge.cli.bench import bench_engine, run_bench, write_result
 from moeforge.cli.inspect import summarize, summarize_sharded
+from moeforge.cli.kv_tier_flags import add_tier_flags, cache_options
+from moeforge.cli.multi_turn import bench_multi_turn
 from moeforge.compile.driver import CompileOptions, ParityCheckFailed, compile_model
 from moeforge.compile.plan import plan_compile
 from moeforge.compile.sharded_compile import is_sharded, load_rank, rank_dir, read_sharded
@@ -133,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
                      help="write the expert-load statistics of this run (routed tokens per MoE layer and expert, per "
                           "rank when sharded, with the artifact's sha256) as JSON at exit, for moeforge eplb")
+    add_tier_flags(run)
     run.add_argument("--no-weight-check", dest="check_weights", action="store_false",
                      help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
 
@@ -272,6 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the expert-load statistics of this run (routed tokens per MoE layer and expert, per "
                           "rank when sharded, with the artifact's sha256) as JSON at exit, for moeforge eplb")
     bench.add_argument("--save", action="store_true", help="also write benchmarks/results/bench_<model>_b<B>.json")
+    bench.add_argument("--multi-turn", action="store_true",
+                       help="paged artifacts: a multi-turn chat workload (conversations sharing system prompts, each "
+                            "turn resending its history) with the KV tiers given, against the pool alone: prefill "
+                            "tokens computed, TTFT p50/p99, throughput, identical outputs")
+    bench.add_argument("--conversations", type=int, default=32, help="--multi-turn: conversations")
+    bench.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per conversation")
+    bench.add_argument("--kv-blocks", type=int, default=None,
+                       help="KV-cache blocks of the pool (--multi-turn default: a quarter of the workload's prefixes)")
+    add_tier_flags(bench)
 
     cfg = _subcommand(sub, "config", "print a model's config, parameter count and KV bytes per token")
     cfg.add_argument("model", help="HF folder, .gguf file, or a preset name (full-size presets included)")
@@ -302,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "are aborted and their KV blocks freed (default: %(default)s)")
     srv.add_argument("--kv-blocks", type=int, default=None,
                      help="KV-cache blocks (default: every running request can reach max_seq_len)")
+    add_tier_flags(srv)
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     srv.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help=SPECULATIVE_HELP)
     srv.add_argument("--no-huge-pages", action="store_true",
@@ -468,7 +481,7 @@ class _Printer:
 def _run_artifact(args: argparse.Namespace) -> int:
     check_writable(args.expert_load_out)
     config = EngineConfig(
-        scheduling=SchedulingOptions(max_num_seqs=1),
+        scheduling=SchedulingOptions(max_num_seqs=1), cache=cache_options(args),
         backend=BackendOptions(threads=args.threads, huge_pages=not args.no_huge_pages,
                                track_expert_load=args.expert_load_out is not None),
         speculative=SpeculativeOptions(tokens=args.speculative_tokens))
@@ -511,9 +524,12 @@ def _generate(args: argparse.Namespace, engine: LLMEngine) -> int:
                               "the artifact's max_seq_len")
     printer = _Printer(args, engine.tokenizer)
     final = None
-    for out in engine.stream(prompt, params):
-        final = out
-        printer.progress(out.token_ids)
+    try:
+        for out in engine.stream(prompt, params):
+            final = out
+            printer.progress(out.token_ids)
+    finally:
+        engine.shutdown()  # with --kv-disk-dir: the prompt's blocks stay on disk for the next run
     assert final is not None
     if final.error:
         raise MoeforgeError(final.error)
@@ -525,6 +541,9 @@ def _generate(args: argparse.Namespace, engine: LLMEngine) -> int:
 
 
 def _run_torch(args: argparse.Namespace) -> int:
+    if args.kv_host_bytes or args.kv_disk_dir is not None:
+        raise MoeforgeError("--kv-host-bytes / --kv-disk-dir tier a paged artifact's KV cache; PyTorch has none: "
+                            "run a compiled paged artifact, or leave the flags out")
     if args.expert_load_out is not None:
         raise MoeforgeError("--expert-load-out counts an artifact's routing (the graph's expert_hits); run a compiled "
                             "artifact, or leave the flag out with --backend torch")
@@ -720,6 +739,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2 or args.speculative_tokens < 0:
         raise MoeforgeError("--batch and --prompt-len must be >= 1, --new-tokens >= 2, --speculative-tokens >= 0")
     check_writable(args.expert_load_out)
+    if args.multi_turn:
+        return bench_multi_turn(args)
+    if args.kv_host_bytes or args.kv_disk_dir is not None or args.kv_blocks is not None:
+        raise MoeforgeError("--kv-blocks and the KV tier flags shape the --multi-turn workload's cache: add "
+                            "--multi-turn, or leave them out")
     if is_sharded(args.artifact):
         if not args.no_compare or args.speculative_tokens:
             raise MoeforgeError(f"{args.artifact} is sharded: bench measures its engine only; pass --no-compare "
@@ -810,6 +834,8 @@ def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions
         api_key=args.api_key if args.api_key is not None else os.environ.get("MOEFORGE_API_KEY") or None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_blocks=args.kv_blocks, threads=args.threads, huge_pages=not args.no_huge_pages,
+        kv_host_bytes=args.kv_host_bytes, kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
+        kv_offload_dtype=args.kv_offload_dtype,
         speculative_tokens=args.speculative_tokens,
         chat_template=args.chat_template, max_body_bytes=args.max_body_bytes, stall_timeout=args.stall_timeout,
         header_timeout=args.header_timeout, max_connections=args.max_connections,

@@ -198,6 +198,17 @@ class EngineLoop:
             self._accepting = False
             self.state.alive = False
             self._refuse_pending()
+            self._shutdown_engine()
+
+    def _shutdown_engine(self) -> None:
+        """The loop ended (a drain, or a failure): the engine writes its cached KV blocks to the disk tier (when
+        there is one) for the next server on this artifact. On this thread: the engine is this thread's alone."""
+        try:
+            written = self.engine.shutdown()
+            if written:
+                log.info("wrote %d KV-cache blocks to the disk tier for the next start", written)
+        except Exception:  # the blocks are a cache: losing them costs a recompute, the shutdown goes on
+            log.exception("could not write the KV cache to the disk tier at shutdown")
 
     def _take_commands(self, block: bool) -> None:
         """Apply every queued command; wait for one first when ``block`` (nothing to run)."""

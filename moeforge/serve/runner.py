@@ -32,6 +32,7 @@ from moeforge.runtime.engine import (
     SchedulingOptions,
     SpeculativeOptions,
 )
+from moeforge.runtime.engine_config import DEFAULT_DISK_BYTES
 from moeforge.runtime.expert_stats import check_writable, save_expert_load
 from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
 from moeforge.serve.connections import (
@@ -60,6 +61,11 @@ class ServeOptions:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
     kv_blocks: int | None = None
+    # KV tiers below the pool (CacheOptions.host_bytes / disk_dir / disk_bytes / offload_dtype)
+    kv_host_bytes: int = 0
+    kv_disk_dir: Path | None = None
+    kv_disk_bytes: int = DEFAULT_DISK_BYTES
+    kv_offload_dtype: str = "native"
     threads: int | None = None
     huge_pages: bool = True  # BackendOptions.huge_pages
     speculative_tokens: int = 0  # SpeculativeOptions.tokens
@@ -119,7 +125,8 @@ def engine_config(options: ServeOptions) -> EngineConfig:
     return EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=options.max_num_seqs,
                                      max_num_batched_tokens=options.max_num_batched_tokens),
-        cache=CacheOptions(kv_blocks=options.kv_blocks),
+        cache=CacheOptions(kv_blocks=options.kv_blocks, host_bytes=options.kv_host_bytes, disk_dir=options.kv_disk_dir,
+                           disk_bytes=options.kv_disk_bytes, offload_dtype=options.kv_offload_dtype),
         backend=BackendOptions(threads=options.threads, profile=options.profile_steps > 0,
                                track_expert_load=True, huge_pages=options.huge_pages),
         speculative=SpeculativeOptions(tokens=options.speculative_tokens))
