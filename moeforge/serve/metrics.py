@@ -20,7 +20,8 @@ artifacts also ``expert_rank_routed_tokens_total{layer, rank}`` (token x expert 
 experts' or placement slots' share) and ``expert_rank_load_imbalance{layer}`` (max / mean over the ranks, the
 straggler factor a placement lowers). Those are built at
 scrape time from the loop thread's latest snapshot (``ExpertLoad``): DeepSeek-V3 has 58 x 256 of them, too many to
-update one by one after every step.
+update one by one after every step. Servers with KV tiers (``--kv-host-bytes``, ``--kv-disk-dir``) add the
+``kv_tier_*`` series of kv_tier_metrics.py.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from prometheus_client.registry import Collector
 
 from moeforge.runtime.backends.base import ArgmaxHeadStats
 from moeforge.runtime.outputs import EngineMetrics, EngineStats
+from moeforge.serve.kv_tier_metrics import KVTierMetrics
 
 PREFIX = "moeforge:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -140,6 +142,8 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the final token.", E2E_BUCKETS)
         self.expert_load = ExpertLoad(model_name)
         r.register(self.expert_load)
+        self.kv_tiers = KVTierMetrics(model_name)  # moeforge/serve/kv_tier_metrics.py; absent without tiers
+        r.register(self.kv_tiers)
         self._model = model_name
         self._seen: EngineStats | None = None  # the previous snapshot: counters advance by the difference
         # Every labelled series exists from the start (at 0), so a scrape before the first request shows them.
@@ -186,6 +190,7 @@ class ServerMetrics:
             advance(self.argmax_reruns, stats.argmax_head.reruns, head.reruns)
         advance(self.draft_tokens, totals.draft_tokens, was.draft_tokens)
         advance(self.accepted_draft_tokens, totals.accepted_draft_tokens, was.accepted_draft_tokens)
+        self.kv_tiers.snapshot = stats.kv_tiers
         self._seen = stats
 
     def admitted(self, prompt_tokens: int) -> None:

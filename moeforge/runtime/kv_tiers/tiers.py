@@ -65,8 +65,8 @@ class TierSettings:
 class KVTierStats:
     """Counts since the tiers were opened. A lookup reaches L2 after an L1 miss and L3 after an L2 miss;
     ``*_hits`` count blocks promoted from that tier, ``*_misses`` blocks looked up there and not found (every
-    block after the first miss of a chain counts, as for L1). Seconds are time on the engine's thread (encode +
-    copy for host, synchronous reads for disk) plus, for disk, the writer's and prefetcher's I/O time."""
+    block after the first miss of a chain counts, as for L1). ``demote_seconds`` / ``promote_seconds`` are time on the
+    engine's thread; the disk's read / write seconds are all file I/O, the writer's and prefetcher's included."""
 
     host_hits: int
     host_misses: int
@@ -80,11 +80,13 @@ class KVTierStats:
     host_blocks: int
     host_bytes: int
     host_capacity_bytes: int
-    host_seconds: float  # demotion copies + promotions from host memory
+    demote_seconds: float  # engine thread: copying evicted blocks out of the pool and encoding them
+    promote_seconds: float  # engine thread: fetching (a synchronous disk read included), decoding, writing to the pool
     disk_read_seconds: float
     disk_write_seconds: float
     disk_read_bytes: int
     disk_write_bytes: int
+    disk_capacity_bytes: int
     disk: DiskTierStats | None
 
 
@@ -113,7 +115,7 @@ class KVTiers:
         self._closed = False
         self._counts = dict.fromkeys(("host_hits", "host_misses", "disk_hits", "disk_misses", "demotions",
                                       "promotions", "prefetched", "prefetch_hits", "dropped"), 0)
-        self._host_seconds = 0.0
+        self._demote_seconds = self._promote_seconds = 0.0
         self._writer: threading.Thread | None = None
         self._prefetcher: threading.Thread | None = None
         self._prefetch_queue: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
@@ -139,7 +141,7 @@ class KVTiers:
                     self._queue_disk(old_key, old_payload)
             else:
                 self._queue_disk(key, payload)
-            self._host_seconds += time.perf_counter() - start
+            self._demote_seconds += time.perf_counter() - start
 
     # -- lookups and promotion -----------------------------------------------------------------------
 
@@ -193,7 +195,7 @@ class KVTiers:
                 counts["disk_misses"] += looked_up - host_hits - disk_hits
             counts["promotions"] += len(payloads)
             counts["prefetch_hits"] += prefetch_hits
-            self._host_seconds += time.perf_counter() - start
+            self._promote_seconds += time.perf_counter() - start
         return len(payloads)
 
     def prefetch(self, keys: Sequence[bytes]) -> None:
@@ -239,11 +241,12 @@ class KVTiers:
         with self._lock:
             return KVTierStats(
                 **self._counts, host_blocks=len(self.host), host_bytes=self.host.nbytes,
-                host_capacity_bytes=self.host.capacity_bytes, host_seconds=self._host_seconds,
+                host_capacity_bytes=self.host.capacity_bytes, demote_seconds=self._demote_seconds,
+                promote_seconds=self._promote_seconds,
                 disk_read_seconds=disk.read_seconds if disk else 0.0,
                 disk_write_seconds=disk.write_seconds if disk else 0.0,
                 disk_read_bytes=disk.read_bytes if disk else 0, disk_write_bytes=disk.write_bytes if disk else 0,
-                disk=disk)
+                disk_capacity_bytes=self.settings.disk_bytes if disk else 0, disk=disk)
 
     # -- background work -----------------------------------------------------------------------------
 
