@@ -72,6 +72,15 @@ def make(tmp_path: Path | None = None, *, num_blocks: int = 4, host: int = 1 << 
     return KVCacheManager(KVCacheConfig(num_blocks, B), tiers), pools, tiers
 
 
+def leave_on_disk(tmp_path: Path, tokens: list[int]) -> None:
+    """A process that served ``tokens`` and shut down cleanly: their blocks are in ``tmp_path``."""
+    manager, pools, tiers = make(tmp_path, num_blocks=4, host=0)
+    run_prompt(manager, pools, 0, tokens)
+    manager.free(0)
+    manager.flush_tiers()
+    tiers.close()
+
+
 # -- codec and host store -----------------------------------------------------------------------
 
 def test_codec_native_is_bit_exact_and_int8_is_bounded():
@@ -158,11 +167,7 @@ def test_disk_tier_behind_a_small_host_tier_and_flush_for_the_next_process(tmp_p
 
 
 def test_a_block_corrupted_between_find_and_promote_is_recomputed(tmp_path):
-    manager, pools, tiers = make(tmp_path, num_blocks=4, host=0)
-    run_prompt(manager, pools, 0, prompt(0, 3))
-    manager.free(0)
-    manager.flush_tiers()
-    tiers.close()
+    leave_on_disk(tmp_path, prompt(0, 3))
     fresh, fresh_pools, fresh_tiers = make(tmp_path, num_blocks=4, host=0)
     second = full_block_hashes(prompt(0, 3), B)[1]
     files = [f for f in tmp_path.rglob("*.kvblock") if f.stem == second.hex()]
@@ -181,11 +186,7 @@ def test_a_block_corrupted_between_find_and_promote_is_recomputed(tmp_path):
 
 
 def test_prefetch_reads_a_queued_prefix_into_host_memory_ahead_of_its_turn(tmp_path):
-    manager, pools, tiers = make(tmp_path, num_blocks=4, host=0)
-    run_prompt(manager, pools, 0, prompt(0, 3))
-    manager.free(0)
-    manager.flush_tiers()
-    tiers.close()
+    leave_on_disk(tmp_path, prompt(0, 3))
     fresh, fresh_pools, fresh_tiers = make(tmp_path, num_blocks=4, host=0, prefetch=True)
     fresh.prefetch(prompt(0, 3))
     deadline = time.monotonic() + 10
