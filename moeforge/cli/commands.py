@@ -36,8 +36,8 @@ from moeforge.model.tokenizer import Tokenizer
 from moeforge.parallel.eplb import parse_stats, rebalance, round_robin, stats_groups, write_plan
 from moeforge.parallel.launch import (
     World,
-    open_rank_backend,
     open_rank_session,
+    rank_worker,
     run_worker,
     sharded_backend,
     start_world,
@@ -486,27 +486,28 @@ def _run_artifact(args: argparse.Namespace) -> int:
                                track_expert_load=args.expert_load_out is not None),
         speculative=SpeculativeOptions(tokens=args.speculative_tokens))
     if is_sharded(args.model):
-        return _sharded(args.model, lambda world: open_rank_backend(args.model, world, config)[0],
+        return _sharded(args.model, lambda world: rank_worker(args.model, world, config),
                         lambda backend: _generate(args, LLMEngine.from_artifact(Path(args.model) / rank_dir(0), config,
                                                                                 backend=backend)),
                         lambda world: sharded_backend(args.model, world, config)[0])
     return _generate(args, LLMEngine.from_artifact(args.model, config))
 
 
-def _sharded(path: str, worker: Callable[[World], Any], main: Callable[[Any], int],
+def _sharded(path: str, worker: Callable[[World], tuple[Any, Any]], main: Callable[[Any], int],
              rank0: Callable[[World], Any]) -> int:
     """Run a command on a sharded artifact: start or join the ranks; rank 0 opens its side (``rank0``) and runs
-    ``main`` on it, the others serve it (``worker`` opens their side). Always tells the ranks to stop."""
+    ``main`` on it, the others serve it (``worker`` opens their side: (backend or session, KV-tier handler or None)).
+    Always tells the ranks to stop."""
     world = start_world(path)
     if world.rank != 0:
         try:
-            local = worker(world)
+            local, kv_tiers = worker(world)
         except BaseException:
             # Every rank found the problem together (the group is whole): tear the group down before the error
             # ends the process. A gloo group left to the interpreter's exit can abort it ("terminate called ...").
             world.finish(EXIT_BAD_INPUT)
             raise
-        return run_worker(local, world)
+        return run_worker(local, world, kv_tiers)
     side, code = None, EXIT_BAD_INPUT
     try:
         side = rank0(world)
@@ -715,7 +716,7 @@ def _sharded_parity(args: argparse.Namespace) -> int:
               f"sharded tp {sharded.tp} ep {sharded.ep}, reference: {args.reference}\n" + report.table())
         return EXIT_OK if report.passed else EXIT_CHECK_FAILED
 
-    return _sharded(args.artifact, lambda world: open_rank_session(args.artifact, world, max_len)[0], main,
+    return _sharded(args.artifact, lambda world: (open_rank_session(args.artifact, world, max_len)[0], None), main,
                     lambda world: open_rank_session(args.artifact, world, max_len)[0])
 
 
@@ -796,7 +797,7 @@ def _sharded_bench(args: argparse.Namespace) -> dict[str, Any] | None:
                         "moeforge_onnxruntime": measured})
         return EXIT_OK
 
-    code = _sharded(args.artifact, lambda world: open_rank_backend(args.artifact, world, config)[0], main,
+    code = _sharded(args.artifact, lambda world: rank_worker(args.artifact, world, config), main,
                     lambda world: sharded_backend(args.artifact, world, config)[0])
     if code != EXIT_OK:
         raise SystemExit(code)
@@ -819,7 +820,7 @@ def _sharded_serve(args: argparse.Namespace) -> int:
         worlds.append(world)
         return sharded_backend(args.artifact, world, config)[0]
 
-    return _sharded(args.artifact, lambda world: open_rank_backend(args.artifact, world, config)[0],
+    return _sharded(args.artifact, lambda world: rank_worker(args.artifact, world, config),
                     lambda backend: serve(dataclasses.replace(options, artifact=Path(args.artifact) / rank_dir(0),
                                                               backend=backend, liveness=worlds[0].dead_rank)),
                     rank0)

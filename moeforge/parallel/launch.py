@@ -20,14 +20,16 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 from moeforge.compile.sharded_compile import load_rank, read_sharded
-from moeforge.core.artifact import Artifact
+from moeforge.core.artifact import Artifact, artifact_digest
 from moeforge.core.errors import ArtifactError, GroupArtifactError, MoeforgeError
 from moeforge.ops.collectives.ort import DEFAULT_TIMEOUT_S, CollectiveError, init_process_group
 from moeforge.parallel.net import free_port
@@ -44,6 +46,8 @@ from moeforge.runtime.backends.sharded import (
     serve_rank,
 )
 from moeforge.runtime.engine import EngineConfig, open_engine_backend
+from moeforge.runtime.kv_tiers.sharded_tiers import rank_handler
+from moeforge.runtime.kv_tiers.tiers import KVTiers
 
 CHILD_WAIT_S = 60.0  # how long rank 0 waits for the other ranks to exit after STOP
 
@@ -151,6 +155,22 @@ def open_rank_backend(path: str | Path, world: World, config: EngineConfig) -> t
     return backend, artifact
 
 
+def rank_worker(path: str | Path, world: World,
+                config: EngineConfig) -> tuple[Backend, Callable[[np.ndarray], None] | None]:
+    """A rank other than 0: its backend (``open_rank_backend``) and, when ``config`` has KV tiers, the handler of
+    rank 0's KV-tier messages over this rank's own tiers (its shard; files keyed by its own manifest digest)."""
+    backend, artifact = open_rank_backend(path, world, config)
+    if not config.cache.tiered:
+        return backend, None
+    block_io = getattr(backend, "block_io", None)
+    io = block_io() if block_io is not None else None
+    if io is None:
+        raise ArtifactError(f"rank {world.rank}: its backend cannot copy KV blocks, so it cannot have KV tiers; "
+                            "compile with --kv-cache paged or drop --kv-host-bytes / --kv-disk-dir")
+    tiers = KVTiers(config.cache.tier_settings(), io, artifact_digest(artifact.root))
+    return backend, rank_handler(tiers)
+
+
 def sharded_backend(path: str | Path, world: World, config: EngineConfig) -> tuple[ShardedBackend, Artifact]:
     """Rank 0's backend for the engine (``LLMEngine(backend, ...)``)."""
     local, artifact = open_rank_backend(path, world, config)
@@ -174,7 +194,7 @@ def open_rank_session(path: str | Path, world: World, max_len: int) -> tuple[Any
     return (ShardedSession(session) if world.rank == 0 else session), artifact
 
 
-def run_worker(local: Any, world: World) -> int:
+def run_worker(local: Any, world: World, kv_tiers: Callable[[np.ndarray], None] | None = None) -> int:
     """A rank other than 0: serve rank 0's steps until STOP; the process's exit status.
 
     SIGINT and SIGTERM are ignored here: a terminal's Ctrl-C and torchrun's or a supervisor's SIGTERM reach every
@@ -183,7 +203,7 @@ def run_worker(local: Any, world: World) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        serve_rank(local)
+        serve_rank(local, kv_tiers)
     except MoeforgeError as exc:
         print(f"moeforge rank {world.rank}: error: {exc}", file=sys.stderr)
         sys.stderr.flush()

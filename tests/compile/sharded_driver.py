@@ -6,6 +6,8 @@ Rank 0 runs 8 concurrent greedy requests through ``LLMEngine`` on a ``ShardedBac
 OUT.json; every other rank serves the steps. ``--die-after N``: rank 1 exits abruptly after N steps (a rank dying
 mid-step), which must make rank 0 fail with an error, not hang. ``--speculative-tokens K``: prompt-lookup drafts for
 every running request (``speculative_max_batch`` 8), the draft counts written to OUT.json.metrics.json.
+``--kv-host-bytes`` / ``--kv-disk-dir`` (with ``--kv-blocks``, ``--repeat``): KV tiers on every rank, the tier counts
+written to OUT.json.tiers.json.
 """
 
 from __future__ import annotations
@@ -19,8 +21,15 @@ from typing import Any
 
 from moeforge.compile.sharded_compile import rank_dir
 from moeforge.core.errors import MoeforgeError
-from moeforge.parallel.launch import open_rank_backend, run_worker, sharded_backend, start_world
-from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
+from moeforge.parallel.launch import rank_worker, run_worker, sharded_backend, start_world
+from moeforge.runtime.engine import (
+    BackendOptions,
+    CacheOptions,
+    EngineConfig,
+    LLMEngine,
+    SchedulingOptions,
+    SpeculativeOptions,
+)
 from moeforge.runtime.sampler import SamplingParams
 
 PROMPTS = [[1 + (7 * i + 3 * j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
@@ -52,24 +61,37 @@ def main() -> int:
     parser.add_argument("--prompts", default=None, help="a JSON list of token lists (default: PROMPTS)")
     parser.add_argument("--expert-load", default=None,
                         help="write the expert load of the run (logical, per rank, per slot) to this JSON file")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-host-bytes", type=int, default=0)
+    parser.add_argument("--kv-disk-dir", default=None)
+    parser.add_argument("--repeat", type=int, default=1, help="run the prompts this many times, one after the other")
     args = parser.parse_args()
     config = EngineConfig(
-        scheduling=SchedulingOptions(max_num_seqs=8),
+        scheduling=SchedulingOptions(max_num_seqs=args.max_num_seqs),
+        cache=CacheOptions(kv_blocks=args.kv_blocks, host_bytes=args.kv_host_bytes, disk_dir=args.kv_disk_dir),
         backend=BackendOptions(threads=1, track_expert_load=args.expert_load is not None),
         speculative=SpeculativeOptions(tokens=args.speculative_tokens,
                                        max_batch=8 if args.speculative_tokens else None))
     prompts = json.loads(args.prompts) if args.prompts else PROMPTS
     world = start_world(args.artifact, timeout_s=30)
     if world.rank != 0:
-        local, _ = open_rank_backend(args.artifact, world, config)
+        local, kv_tiers = rank_worker(args.artifact, world, config)
         if args.die_after is not None and world.rank == 1:
             local = DyingBackend(local, args.die_after)
-        return run_worker(local, world)
+        return run_worker(local, world, kv_tiers)
     backend, _ = sharded_backend(args.artifact, world, config)
     try:
         engine = LLMEngine.from_artifact(Path(args.artifact) / rank_dir(0), config, backend=backend)
-        outputs = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+        for _ in range(args.repeat):
+            outputs = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+        engine.shutdown()  # with --kv-disk-dir: every rank writes its shard of the cached blocks
         Path(args.out).write_text(json.dumps([list(o.token_ids) for o in outputs]))
+        tiers = engine.stats().kv_tiers
+        if tiers is not None:
+            Path(args.out + ".tiers.json").write_text(json.dumps(
+                {"host_hits": tiers.host_hits, "disk_hits": tiers.disk_hits, "promotions": tiers.promotions,
+                 "prefill_tokens": engine.metrics.prefill_tokens}))
         metrics = engine.metrics
         Path(args.out + ".metrics.json").write_text(json.dumps(
             {"draft_tokens": metrics.draft_tokens, "accepted_draft_tokens": metrics.accepted_draft_tokens}))

@@ -128,6 +128,34 @@ def test_sharded_speculative_decoding_gives_the_plain_tokens(case: tuple[str, in
     assert metrics["draft_tokens"] > 0 and metrics["accepted_draft_tokens"] > 0, metrics
 
 
+def test_sharded_kv_tiers_each_rank_tiers_its_shard(sharded_artifacts: dict[str, tuple[Path, Path]],
+                                                     tmp_path: Path) -> None:
+    # tp 2 on block pools, a pool too small for the prompts run twice: the second pass promotes blocks every rank
+    # demoted to its own host tier; a restart then serves them from every rank's own disk namespace. Tokens equal the
+    # unsharded artifact's without tiers.
+    sharded, single = sharded_artifacts["tiny-deepseek-v2-tp2-ep1-paged"]
+    prompts = [[1 + (11 * i + j) % 250 for j in range(40)] for i in range(6)]
+    tiers = ["--max-num-seqs", "2", "--kv-blocks", "8", "--max-tokens", "8", "--prompts", json.dumps(prompts)]
+    disk = ["--kv-disk-dir", str(tmp_path / "kv")]
+    out = tmp_path / "tokens.json"
+    results = _launch(sharded, out, *tiers, *disk, "--kv-host-bytes", str(1 << 20), "--repeat", "2")
+    assert [code for code, _ in results] == [0, 0], [err[-2000:] for _, err in results]
+    engine = LLMEngine.from_artifact(single, EngineConfig(scheduling=SchedulingOptions(max_num_seqs=2),
+                                                          backend=BackendOptions(threads=1)))
+    plain = [list(o.token_ids) for o in engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+    assert json.loads(out.read_text()) == plain
+    assert json.loads(Path(f"{out}.tiers.json").read_text())["host_hits"] > 0
+    namespaces = sorted(p.name for p in (tmp_path / "kv").iterdir())
+    assert len(namespaces) == 2  # one per rank: each rank's own manifest digest
+    assert all(list((tmp_path / "kv" / n).rglob("*.kvblock")) for n in namespaces)
+    results = _launch(sharded, out, *tiers, *disk)  # a restart: empty pools and host tiers
+    assert [code for code, _ in results] == [0, 0], [err[-2000:] for _, err in results]
+    assert json.loads(out.read_text()) == plain
+    counts = json.loads(Path(f"{out}.tiers.json").read_text())
+    # Each 40-token prompt's two full blocks came from disk on every rank: only 8 tokens a prompt were computed.
+    assert counts["disk_hits"] > 0 and counts["prefill_tokens"] == 6 * 8, counts
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_sharded_parity_cli_within_1e4(case: tuple[str, int, int, str],
                                        sharded_artifacts: dict[str, tuple[Path, Path]]) -> None:

@@ -12,7 +12,9 @@ Control messages are int64 tensors broadcast from rank 0 on the same gloo group 
     RELEASE: slot.   FORWARD: B, S, T, input_ids [B*S], position_ids [B*S], attention_mask [B*T] (a whole
     sequence session's ``forward``, for parity).   HEARTBEAT: nothing (sent while idle, so an idle rank's wait
     never times out).   EXPERT_LOAD: nothing; then every rank all-gathers its expert counts [L_moe, S] (its own
-    experts' or placement slots' routed tokens), so rank 0 sees every rank's load.   STOP.
+    experts' or placement slots' routed tokens), so rank 0 sees every rank's load.   KV_TIERS: an operation on every
+    rank's own KV tiers (runtime/kv_tiers/sharded_tiers.py encodes it), then an all-reduce of one int64 when it
+    answers.   STOP.
 
 Failures are fatal to the whole world, never a hang: a rank that dies or hangs makes the next collective fail
 on the others (the group's timeout bounds the wait); rank 0 raises ``RankFailure`` (the engine does not swallow
@@ -24,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +40,9 @@ from moeforge.runtime.backends.base import Backend, FatalBackendError, PoolInfo,
 
 log = logging.getLogger(__name__)
 
-EXECUTE, RELEASE, HEARTBEAT, STOP, FORWARD, EXPERT_LOAD = 1, 2, 3, 4, 5, 6
+EXECUTE, RELEASE, HEARTBEAT, STOP, FORWARD, EXPERT_LOAD, KV_TIERS = 1, 2, 3, 4, 5, 6, 7
 _OPS = {EXECUTE: "execute", RELEASE: "release", HEARTBEAT: "heartbeat", STOP: "stop", FORWARD: "forward",
-        EXPERT_LOAD: "expert_load"}
+        EXPERT_LOAD: "expert_load", KV_TIERS: "kv_tiers"}
 
 
 class RankFailure(FatalBackendError):
@@ -230,6 +232,29 @@ class ShardedBackend:
             self._last_sent = time.monotonic()
             return logits
 
+    def block_io(self) -> Any:
+        """Rank 0's pools as a ``BlockIO`` (its own shard; the other ranks' tiers copy theirs, ``call_ranks``)."""
+        block_io = getattr(self.local, "block_io", None)
+        return block_io() if block_io is not None else None
+
+    def call_ranks(self, payload: np.ndarray, local: Callable[[], int], reduce: str | None) -> int:
+        """Send a KV_TIERS message, run ``local`` (rank 0's part), then -- with ``reduce`` "min" or "sum" -- all-reduce
+        its int answer with every rank's (each rank's ``serve_rank`` handler does the same); returns the result."""
+        with self._lock:
+            self._check_alive()
+            try:
+                self._channel.send(KV_TIERS, payload)
+                value = local()
+                if reduce is not None:
+                    tensor = torch.tensor([value], dtype=torch.int64)
+                    dist.all_reduce(tensor, op=dist.ReduceOp.MIN if reduce == "min" else dist.ReduceOp.SUM)
+                    value = int(tensor[0])
+            except Exception as exc:
+                raise self._fail(f"a KV-tier operation failed on rank 0 or a peer ({type(exc).__name__}: {exc})"
+                                 ) from exc
+            self._last_sent = time.monotonic()
+            return value
+
     def release(self, slot: int) -> None:
         with self._lock:
             self._check_alive()
@@ -319,9 +344,10 @@ class ShardedSession:
         self._channel.send(STOP)
 
 
-def serve_rank(local: Any) -> None:
+def serve_rank(local: Any, kv_tiers: Callable[[np.ndarray], None] | None = None) -> None:
     """A rank other than 0: run every step rank 0 broadcasts on ``local`` (a ``Backend``, or a session for
-    FORWARD) until STOP. Raises ``RankFailure`` when a peer dies, a step fails, or messages arrive out of order."""
+    FORWARD) until STOP; ``kv_tiers`` handles KV_TIERS messages on this rank's own tiers. Raises ``RankFailure`` when
+    a peer dies, a step fails, or messages arrive out of order."""
     channel = Channel()
     while True:
         try:
@@ -346,6 +372,11 @@ def serve_rank(local: Any) -> None:
                 gather_counts(mine)
             elif message.op == FORWARD:
                 local.forward(*decode_forward(message.payload))
+            elif message.op == KV_TIERS:
+                if kv_tiers is None:
+                    raise RankFailure(f"rank {dist.get_rank()} has no KV tiers (rank 0 has): start every rank with "
+                                      "the same --kv-host-bytes / --kv-disk-dir")
+                kv_tiers(message.payload)
             else:
                 local.execute(decode_step(message.payload))
             raise_collective_failure()
