@@ -128,3 +128,19 @@ def test_tiers_need_a_paged_artifact(tmp_path):
         LLMEngine.from_artifact(out, EngineConfig(cache=CacheOptions(host_bytes=1 << 20)))
     with pytest.raises(EngineConfigError, match="offload_dtype"):
         CacheOptions(offload_dtype="fp4")
+
+
+def test_a_full_disk_loses_blocks_not_requests(artifact, pool_only, tmp_path, monkeypatch):
+    import errno
+
+    from moeforge.runtime.kv_tiers import disk_tier
+
+    def full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_tier.os, "replace", full)
+    run, engine = _run(artifact, CacheOptions(kv_blocks=POOL, disk_dir=tmp_path / "kv"))
+    _same_outputs(run, pool_only)
+    stats = engine.stats().kv_tiers
+    assert stats.disk.write_errors > 0 and stats.disk_hits == 0
+    assert not list((tmp_path / "kv").rglob("*.kvblock")) and not list((tmp_path / "kv").rglob("*.tmp"))

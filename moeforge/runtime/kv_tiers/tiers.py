@@ -255,8 +255,9 @@ class KVTiers:
         return self.disk is not None and self.disk.usable
 
     def _queue_disk(self, key: bytes, payload: bytes) -> None:
-        """Hand a block to the disk writer (caller holds the lock); dropped when there is no room to wait."""
-        if not self._disk_usable or self._pending_bytes + len(payload) > WRITER_PENDING_BYTES:
+        """Hand a block to the disk writer (caller holds the lock); dropped when there is no room to wait or the writer
+        has stopped (``close``)."""
+        if not self._disk_usable or self._closed or self._pending_bytes + len(payload) > WRITER_PENDING_BYTES:
             self._counts["dropped"] += 1
             return
         if key in self._pending:
