@@ -101,6 +101,10 @@ class BlockPool:
         """Free block ids in the order ``allocate`` would hand them out."""
         return [*self._free, *self._cached_free]
 
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Whether a block with this key is in the pool (in use or free)."""
+        return block_hash in self._cached
+
     def cached_blocks(self) -> dict[bytes, int]:
         """A copy of the prefix cache: key -> block id."""
         return dict(self._cached)

@@ -84,6 +84,8 @@ class KVCacheManager:
         self.block_size = config.block_size
         self.tiers = tiers
         self.pool = BlockPool(config.num_blocks, on_evict=self._demote if tiers is not None else None)
+        if tiers is not None:
+            tiers.in_pool = self.pool.is_cached
         self._allocations: dict[int, _Allocation] = {}
         self._pending: list[tuple[int, bytes]] = []  # (block id, key) registered since the last commit_step
 

@@ -224,3 +224,20 @@ def test_int8_offload_round_trips_within_its_step():
         for got, want in zip(pools.read([manager.block_table(2)[index]])[0], pools.content(key), strict=True):
             assert not np.array_equal(got, want)  # lossy...
             np.testing.assert_allclose(got, want, atol=np.abs(want).max() / 127)  # ...within a step
+
+
+def test_prefetch_skips_blocks_the_pool_already_holds(tmp_path):
+    # A request admitted before its prefetch ran promotes its blocks itself; the stale prefetch must not read them
+    # again into host memory (they would push useful blocks out of a small host tier).
+    leave_on_disk(tmp_path, prompt(0, 3))
+    leave_on_disk(tmp_path, prompt(100, 2))
+    fresh, fresh_pools, fresh_tiers = make(tmp_path, num_blocks=8, host=0, prefetch=True)
+    assert run_prompt(fresh, fresh_pools, 0, prompt(0, 3)) == 3 * B  # read from disk synchronously, now in L1
+    fresh_tiers.prefetch(full_block_hashes(prompt(0, 3), B))  # the stale queue entry
+    fresh_tiers.prefetch(full_block_hashes(prompt(100, 2), B))  # then a request whose blocks are only on disk
+    deadline = time.monotonic() + 10
+    while fresh_tiers.stats().prefetched < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert fresh_tiers.stats().prefetched == 2  # only the second request's blocks
+    fresh_tiers.close()

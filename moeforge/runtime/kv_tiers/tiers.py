@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +119,9 @@ class KVTiers:
         self._writer: threading.Thread | None = None
         self._prefetcher: threading.Thread | None = None
         self._prefetch_queue: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        # Whether L1 holds a key now (``KVCacheManager`` sets it to its pool's lookup): the prefetcher skips those,
+        # since a request admitted before its prefetch ran promotes its blocks itself.
+        self.in_pool: Callable[[bytes], bool] = lambda key: False
         if self.disk is not None and self.disk.usable:
             self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
             self._writer.start()
@@ -291,6 +294,8 @@ class KVTiers:
             if keys is None:
                 return
             for key in keys:
+                if self.in_pool(key):  # a dict lookup: safe beside the engine thread's writes
+                    continue
                 with self._lock:
                     if key in self.host or key in self.staging or key in self._pending:
                         continue
