@@ -538,8 +538,8 @@ def _open_tiers(backend: Backend, cache: CacheOptions, artifact_id: str | None) 
     if cache.disk_dir is not None and not artifact_id:
         raise EngineConfigError("CacheOptions(disk_dir=...) needs the artifact's identity to key its files: open the "
                                 "engine with LLMEngine.from_artifact, or pass artifact_id")
-    if hasattr(backend, "call_ranks"):  # a sharded artifact: every rank tiers its own shard, rank 0 decides
-        from moeforge.runtime.kv_tiers.sharded_tiers import ShardedTiers  # torch.distributed: only for sharded
-
-        return ShardedTiers(cache.tier_settings(), io, artifact_id, backend)  # type: ignore[arg-type]
+    opener = getattr(backend, "open_kv_tiers", None)  # a sharded artifact: every rank tiers its own shard
+    if opener is not None:
+        tiers: KVTiers = opener(cache.tier_settings(), artifact_id)
+        return tiers
     return KVTiers(cache.tier_settings(), io, artifact_id)
