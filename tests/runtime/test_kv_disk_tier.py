@@ -9,9 +9,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
-import multiprocessing
 import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -256,41 +257,47 @@ def _expected(i: int) -> bytes:
     return payload(i, 10_000 + (i * 7919) % 30_000)
 
 
-def _writer(directory: str, worker: int, barrier: Any) -> None:
-    """Spawned: store the shared keys (the same content as the other writer) and keys of its own."""
-    tier = DiskTier(directory, 1 << 30, NS)
-    barrier.wait()  # start together so both write the shared keys at the same time
-    for i in range(SHARED):
-        assert tier.put(key(i), _expected(i))
-    for i in range(OWN):
-        own = 1000 * (worker + 1) + i
-        assert tier.put(key(own), _expected(own))
-    stats = tier.stats()
-    assert stats.write_errors == stats.rejected == 0
+# A writer process: runs from moeforge alone (the tests folder is not importable in a child: pytest's importlib mode).
+# It stores the shared keys (the same content as the other writer's) and keys of its own, starting when GO exists.
+_WRITER = """
+import hashlib, os, random, sys, time
+from moeforge.runtime.kv_tiers.disk_tier import DiskTier
+directory, namespace, worker, shared, own, go = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6]), sys.argv[6]
+def key(i): return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()  # as key() and _expected()
+def expected(i): return random.Random(i).randbytes(10_000 + (i * 7919) % 30_000)
+tier = DiskTier(directory, 1 << 30, namespace)
+while not os.path.exists(go):
+    time.sleep(0.001)
+ids = list(range(shared)) + [1000 * (worker + 1) + i for i in range(own)]
+assert all(tier.put(key(i), expected(i)) for i in ids)
+stats = tier.stats()
+assert stats.write_errors == stats.rejected == 0, stats
+"""
 
 
 def test_two_processes_share_a_directory(tmp_path: Path) -> None:
     ids = list(range(SHARED)) + [1000 * (w + 1) + i for w in range(2) for i in range(OWN)]
-    reader = DiskTier(tmp_path, 1 << 30, NS)
-    ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(2)
-    workers = [ctx.Process(target=_writer, args=(str(tmp_path), w, barrier)) for w in range(2)]
-    for process in workers:
-        process.start()
+    directory = tmp_path / "kv"
+    reader = DiskTier(directory, 1 << 30, NS)
+    go = tmp_path / "go"
+    workers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(directory), NS, str(w), str(SHARED), str(OWN),
+                                 str(go)], stderr=subprocess.PIPE, text=True) for w in range(2)]
+    go.write_text("")  # start together, so both write the shared keys at the same time
     try:
-        while any(process.is_alive() for process in workers):
+        while any(process.poll() is None for process in workers):
             for i in ids:
                 got = reader.get(key(i))
                 if got is not None:
                     assert got == _expected(i)  # never a wrong or torn payload
     finally:
         for process in workers:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.terminate()
-    assert [process.exitcode for process in workers] == [0, 0]
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    assert [process.returncode for process in workers] == [0, 0], [p.stderr.read() for p in workers if p.stderr]
     for i in ids:
         assert reader.get(key(i)) == _expected(i)
     assert reader.stats().rejected == 0
-    assert list(tmp_path.rglob("*.tmp")) == []
-    assert len(files_under(tmp_path)) == len(ids)
+    assert list(directory.rglob("*.tmp")) == []
+    assert len(files_under(directory)) == len(ids)
