@@ -184,7 +184,8 @@ def check_host_memory(config: EngineConfig, kv: KVCacheSpec, vocab_size: int, nu
     """Refuse, before anything is allocated, an ``EngineConfig`` whose buffers cannot fit in the host memory
     ``available_memory()`` reports. Counted (``core/host_memory.host_bytes``, a lower bound): the KV cache --
     ``num_blocks`` pool blocks of a paged artifact, else ``max_num_seqs`` contiguous rows of ``max_seq_len`` tokens
-    -- and the float32 logits of one full step. Only what certainly cannot fit is refused."""
+    -- the float32 logits of one full step, and the host KV tier's bound (``host_bytes``). Only what certainly cannot
+    fit is refused."""
     limit = available_memory()
     if limit is None:
         return
@@ -193,6 +194,11 @@ def check_host_memory(config: EngineConfig, kv: KVCacheSpec, vocab_size: int, nu
     need = host_bytes(kv, vocab_size, num_seqs=sched.max_num_seqs, step_tokens=step_tokens, num_blocks=num_blocks)
     fix = "lower kv_blocks (or max_num_seqs, which sets the default)" if num_blocks is not None else \
         "lower max_num_seqs"
+    tier = config.cache.host_bytes  # the host KV tier fills up to its bound
+    if need.total + tier > limit and need.total <= limit:
+        raise EngineConfigError(
+            f"CacheOptions(host_bytes={tier:,}) (--kv-host-bytes) with the engine's own buffers ({gib(need.total)}) "
+            f"needs {gib(need.total + tier)} of host memory and {gib(limit)} is available: lower --kv-host-bytes")
     if need.total > limit:
         raise EngineConfigError(
             f"EngineConfig(max_num_seqs={sched.max_num_seqs}, kv_blocks={config.cache.kv_blocks}, "

@@ -106,6 +106,12 @@ class KVCacheManager:
         """
         lookup_hashes, hits, found_below, num_allocated = self._plan(request_id, token_ids, token_budget)
         needed = self._blocks_to_take(hits, num_allocated)
+        # Another process may have stored more of this chain on disk since ``can_allocate`` looked: with a token
+        # budget each block found below costs a pool block, so promote fewer rather than fail what it allowed.
+        while found_below and not self.pool.can_allocate(needed):
+            found_below -= 1
+            num_allocated = self._room(len(token_ids), (len(hits) + found_below) * self.block_size, token_budget)
+            needed = self._blocks_to_take(hits, num_allocated)
         if not self.pool.can_allocate(needed):
             raise CacheFullError(f"request {request_id}: need {needed} free KV-cache blocks, "
                                  f"{self.pool.num_free_blocks} free")
@@ -115,7 +121,7 @@ class KVCacheManager:
         keys = lookup_hashes[:len(hits)]
         if self.tiers is not None:
             lower = lookup_hashes[len(hits):len(hits) + found_below]
-            promoted = self.tiers.promote(lower, fresh[:len(lower)], len(lookup_hashes) - len(hits))
+            promoted = self._promote(lower, fresh[:len(lower)], len(lookup_hashes) - len(hits))
             for block_id, block_hash in zip(fresh[:promoted], lower[:promoted], strict=True):
                 self.pool.register(block_id, block_hash)  # written already: committed, not pending
             keys = lookup_hashes[:len(hits) + promoted]
@@ -243,6 +249,15 @@ class KVCacheManager:
             self.tiers.demote(block_id, block_hash)
         except Exception:  # a cache below L1 is best effort: losing a block there costs only its recompute
             log.exception("KV block %d could not be demoted; it will be recomputed if needed again", block_id)
+
+    def _promote(self, keys: list[bytes], block_ids: list[int], looked_up: int) -> int:
+        """``tiers.promote``, where a failure promotes nothing: the blocks are then computed, the request goes on."""
+        assert self.tiers is not None
+        try:
+            return self.tiers.promote(keys, block_ids, looked_up)
+        except Exception:  # a cache below L1 is best effort: a failure costs the blocks' recompute
+            log.exception("KV blocks could not be promoted from the tiers below the pool; they will be recomputed")
+            return 0
 
     def prefetch(self, token_ids: Sequence[int]) -> None:
         """A request with these tokens was queued: start reading its prefix blocks that are below L1 into host

@@ -241,3 +241,33 @@ def test_prefetch_skips_blocks_the_pool_already_holds(tmp_path):
     time.sleep(0.05)
     assert fresh_tiers.stats().prefetched == 2  # only the second request's blocks
     fresh_tiers.close()
+
+
+def test_blocks_that_appear_below_between_can_allocate_and_allocate_never_fail_the_admission():
+    # Another process may store more of a chain on disk between the scheduler's can_allocate and allocate; with a
+    # token budget each block found below takes a pool block, so allocate promotes fewer instead of raising.
+    manager, pools, tiers = make(num_blocks=4)
+    manager.allocate(9, prompt(500, 2))  # holds 3 of the 4 blocks
+    tokens = prompt(0, 3)
+    assert manager.can_allocate(0, tokens, token_budget=B)  # nothing below yet: one block for the chunk
+    for key in full_block_hashes(tokens, B)[:2]:  # now two of its blocks appear below L1
+        tiers.host.put(key, tiers.codec.encode(pools.content(key)))
+    assert manager.allocate(0, tokens, token_budget=B) == 0  # no room to promote them: computed as planned
+    assert manager.num_allocated_tokens(0) == B and manager.num_free_blocks == 0
+
+
+def test_a_promotion_that_raises_costs_a_recompute_not_the_request(monkeypatch):
+    manager, pools, tiers = make(num_blocks=4)
+    run_prompt(manager, pools, 0, prompt(0, 3))
+    manager.free(0)
+    run_prompt(manager, pools, 1, prompt(100, 3))  # demotes request 0's blocks to host
+    manager.free(1)
+
+    def broken(payload):
+        raise ValueError("a payload of another format")
+
+    monkeypatch.setattr(tiers.codec, "decode", broken)
+    assert manager.allocate(2, prompt(0, 3)) == 0  # computed, not promoted
+    assert manager.num_allocated_tokens(2) == len(prompt(0, 3)) and len(manager.block_table(2)) == 4
+    manager.free(2)
+    assert manager.num_free_blocks == 4  # nothing leaked

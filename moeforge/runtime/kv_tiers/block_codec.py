@@ -24,6 +24,7 @@ import numpy as np
 from moeforge.runtime.backends.base import BlockLayout, PoolShape
 
 OFFLOAD_DTYPES = ("native", "int8")
+FORMAT_VERSION = 1  # raise it when an encoding changes: the disk tier's namespace (the codec tag) changes with it
 
 
 class BlockCodec:
@@ -37,7 +38,8 @@ class BlockCodec:
         # int8 applies to float pools only; any other pool is stored as it is.
         self._quantised = [dtype == "int8" and np.issubdtype(np.dtype(p.dtype), np.floating) for p in layout.pools]
         self.nbytes = sum(_encoded_bytes(p, q) for p, q in zip(layout.pools, self._quantised, strict=True))
-        description = f"{dtype};" + ";".join(f"{p.dtype}{list(p.shape)}" for p in layout.pools)
+        # The format version, dtype and every pool's shape: a file of another encoding is never read as this one.
+        description = f"v{FORMAT_VERSION};{dtype};" + ";".join(f"{p.dtype}{list(p.shape)}" for p in layout.pools)
         self.tag = hashlib.blake2b(description.encode(), digest_size=8).hexdigest()  # what a payload's bytes mean
 
     def encode(self, rows: Sequence[np.ndarray]) -> bytes:

@@ -108,6 +108,9 @@ class KVTiers:
         # Disk blocks read ahead when there is no L2 to put them in.
         self.staging = HostTier(0 if settings.host_bytes else PREFETCH_STAGING_BYTES)
         self._prefetched: set[bytes] = set()  # keys in host memory because the prefetcher read them
+        # Keys promoted into L1 and not demoted since: the prefetcher skips them (with ``in_pool``, which a rank other
+        # than 0 of a sharded artifact lacks). Bounded by the pool's blocks.
+        self._in_l1: set[bytes] = set()
         self._pending: OrderedDict[bytes, bytes] = OrderedDict()  # waiting for the disk writer, oldest first
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -133,6 +136,9 @@ class KVTiers:
 
     def demote(self, block_id: int, key: bytes) -> None:
         """The pool is evicting ``block_id`` (whose content ``key`` names): copy it into L2 (or queue it for L3)."""
+        with self._lock:
+            self._in_l1.discard(key)
+            self._prefetched.discard(key)  # a copy made now comes from the pool, not from a prefetch
         if self.host.capacity_bytes == 0 and not self._disk_usable:
             return
         start = time.perf_counter()
@@ -141,6 +147,7 @@ class KVTiers:
             self._counts["demotions"] += 1
             if self.host.capacity_bytes:
                 for old_key, old_payload in self.host.put(key, payload):
+                    self._prefetched.discard(old_key)
                     self._queue_disk(old_key, old_payload)
             else:
                 self._queue_disk(key, payload)
@@ -190,6 +197,7 @@ class KVTiers:
             rows = [self.codec.decode(p) for p in payloads]
             self.io.write(block_ids[:len(payloads)], rows)
         with self._lock:
+            self._in_l1.update(keys[:len(payloads)])
             counts = self._counts
             counts["host_hits"] += host_hits
             counts["host_misses"] += looked_up - host_hits
@@ -204,7 +212,7 @@ class KVTiers:
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Read the blocks of ``keys`` (a queued request's chain after its L1 hits) from disk into host memory in
         the background, in order, stopping at the first one no tier holds."""
-        if self._prefetcher is not None and keys:
+        if self._prefetcher is not None and keys and not self._closed:
             self._prefetch_queue.put(list(keys))
 
     # -- shutdown ------------------------------------------------------------------------------------
@@ -260,10 +268,10 @@ class KVTiers:
     def _queue_disk(self, key: bytes, payload: bytes) -> None:
         """Hand a block to the disk writer (caller holds the lock); dropped when there is no room to wait or the writer
         has stopped (``close``)."""
+        if key in self._pending:
+            return
         if not self._disk_usable or self._closed or self._pending_bytes + len(payload) > WRITER_PENDING_BYTES:
             self._counts["dropped"] += 1
-            return
-        if key in self._pending:
             return
         self._pending[key] = payload
         self._pending_bytes += len(payload)
@@ -297,7 +305,7 @@ class KVTiers:
                 if self.in_pool(key):  # a dict lookup: safe beside the engine thread's writes
                     continue
                 with self._lock:
-                    if key in self.host or key in self.staging or key in self._pending:
+                    if key in self._in_l1 or key in self.host or key in self.staging or key in self._pending:
                         continue
                 payload = self.disk.get(key)
                 if payload is None:
