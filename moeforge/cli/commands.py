@@ -17,7 +17,7 @@ from tqdm import tqdm
 from moeforge import __version__
 from moeforge.cli.bench import bench_engine, run_bench, write_result
 from moeforge.cli.inspect import summarize, summarize_sharded
-from moeforge.cli.kv_tier_flags import add_tier_flags, cache_options
+from moeforge.cli.kv_tier_flags import add_tier_flags, cache_options, size_argument
 from moeforge.cli.multi_turn import bench_multi_turn
 from moeforge.compile.driver import CompileOptions, ParityCheckFailed, compile_model
 from moeforge.compile.plan import plan_compile
@@ -25,7 +25,6 @@ from moeforge.compile.sharded_compile import is_sharded, load_rank, rank_dir, re
 from moeforge.compile.targets import TARGETS
 from moeforge.core.artifact import load_artifact, restore_interrupted
 from moeforge.core.errors import GroupArtifactError, MoeforgeError
-from moeforge.core.host_memory import parse_size
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
 from moeforge.core.ort_session import UNPACKED_WEIGHTS
@@ -214,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--plan", action="store_true",
                       help="print what the compile would write and need (per-rank parameters and bytes, the streamed "
                            "compile's peak memory, a time estimate) from the config alone, and exit: no weights read")
-    comp.add_argument("--max-memory", type=_size, metavar="SIZE",
+    comp.add_argument("--max-memory", type=size_argument, metavar="SIZE",
                       help="memory the compile may use (3GiB, 3G, 3000MB; default: the container's limit, else the "
                            "physical memory): a compile whose plan exceeds it is refused before any weight is read")
     comp.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
@@ -564,13 +563,6 @@ def _run_torch(args: argparse.Namespace) -> int:
         printer.progress(generated)
     printer.done(generated)
     return EXIT_OK
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # `moeforge compile` flags that are not CompileOptions fields (every other flag's dest is its field name).

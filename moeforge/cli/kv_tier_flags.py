@@ -10,7 +10,8 @@ from moeforge.runtime.engine_config import DEFAULT_DISK_BYTES, CacheOptions
 from moeforge.runtime.kv_tiers.block_codec import OFFLOAD_DTYPES
 
 
-def _size(text: str) -> int:
+def size_argument(text: str) -> int:
+    """An argparse type for sizes such as 512M or 2G (``core/host_memory.parse_size``)."""
     try:
         return parse_size(text)
     except ValueError as exc:
@@ -21,12 +22,12 @@ def add_tier_flags(parser: argparse.ArgumentParser) -> None:
     """``--kv-host-bytes``, ``--kv-disk-dir``, ``--kv-disk-bytes``, ``--kv-offload-dtype`` (paged artifacts)."""
     group = parser.add_argument_group("KV-cache tiers (paged artifacts: prefix blocks evicted from the pool are "
                                       "kept below it and promoted back instead of recomputed)")
-    group.add_argument("--kv-host-bytes", type=_size, default=0, metavar="SIZE",
+    group.add_argument("--kv-host-bytes", type=size_argument, default=0, metavar="SIZE",
                        help="L2: host memory for evicted KV blocks, e.g. 2G (default 0: none)")
     group.add_argument("--kv-disk-dir", type=Path, default=None, metavar="DIR",
                        help="L3: a directory for KV blocks, kept across restarts and shared by servers of the same "
                             "artifact; a clean shutdown writes every cached block there")
-    group.add_argument("--kv-disk-bytes", type=_size, default=DEFAULT_DISK_BYTES, metavar="SIZE",
+    group.add_argument("--kv-disk-bytes", type=size_argument, default=DEFAULT_DISK_BYTES, metavar="SIZE",
                        help="most bytes the L3 directory holds for this artifact (least recently used out first; "
                             "default %(default)s bytes)")
     group.add_argument("--kv-offload-dtype", choices=OFFLOAD_DTYPES, default="native",

@@ -33,7 +33,7 @@ from moeforge.core.artifact import Artifact, artifact_digest
 from moeforge.core.errors import ArtifactError, GroupArtifactError, MoeforgeError
 from moeforge.ops.collectives.ort import DEFAULT_TIMEOUT_S, CollectiveError, init_process_group
 from moeforge.parallel.net import free_port
-from moeforge.runtime.backends.base import Backend
+from moeforge.runtime.backends.base import Backend, block_io_of
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession
 from moeforge.runtime.backends.registry import backend_for
@@ -162,8 +162,7 @@ def rank_worker(path: str | Path, world: World,
     backend, artifact = open_rank_backend(path, world, config)
     if not config.cache.tiered:
         return backend, None
-    block_io = getattr(backend, "block_io", None)
-    io = block_io() if block_io is not None else None
+    io = block_io_of(backend)
     if io is None:
         raise ArtifactError(f"rank {world.rank}: its backend cannot copy KV blocks, so it cannot have KV tiers; "
                             "compile with --kv-cache paged or drop --kv-host-bytes / --kv-disk-dir")

@@ -43,6 +43,7 @@ from moeforge.runtime.backends.base import (
     FatalBackendError,
     RowInput,
     StepInput,
+    block_io_of,
 )
 from moeforge.runtime.backends.registry import backend_for, open_backend
 from moeforge.runtime.engine_config import (
@@ -530,8 +531,7 @@ def _open_tiers(backend: Backend, cache: CacheOptions, artifact_id: str | None) 
     if backend.kv_pool is None:
         raise EngineConfigError("KV host/disk tiers (--kv-host-bytes, --kv-disk-dir) keep prefix-cache blocks, which "
                                 "only paged artifacts have: compile with --kv-cache paged, or drop the tier options")
-    block_io = getattr(backend, "block_io", None)
-    io = block_io() if block_io is not None else None
+    io = block_io_of(backend)
     if io is None:
         raise EngineConfigError(f"the {type(backend).__name__} cannot copy KV blocks out of its pools, so it cannot "
                                 "have host/disk tiers: drop --kv-host-bytes / --kv-disk-dir")
@@ -540,6 +540,6 @@ def _open_tiers(backend: Backend, cache: CacheOptions, artifact_id: str | None) 
                                 "engine with LLMEngine.from_artifact, or pass artifact_id")
     opener = getattr(backend, "open_kv_tiers", None)  # a sharded artifact: every rank tiers its own shard
     if opener is not None:
-        tiers: KVTiers = opener(cache.tier_settings(), artifact_id)
+        tiers: KVTiers = opener(cache.tier_settings(), io, artifact_id)
         return tiers
     return KVTiers(cache.tier_settings(), io, artifact_id)

@@ -150,13 +150,17 @@ class KVCacheManager:
         lookup_hashes: list[bytes] = []
         hits: list[int] = []
         if self.config.enable_prefix_caching:
-            # Only blocks that end before the last token may hit (see ``allocate``).
-            lookable = token_ids[:(len(token_ids) - 1) // self.block_size * self.block_size]
-            lookup_hashes = full_block_hashes(lookable, self.block_size)
+            lookup_hashes = self._lookup_hashes(token_ids)
             hits = self.pool.lookup(lookup_hashes)
         lower = self.tiers.find(lookup_hashes[len(hits):]) if self.tiers is not None else 0
         num_allocated = self._room(len(token_ids), (len(hits) + lower) * self.block_size, token_budget)
         return lookup_hashes, hits, lower, num_allocated
+
+    def _lookup_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Keys of the full blocks a request may find cached: only blocks that end before its last token (whose
+        logits must be computed to sample, see ``allocate``)."""
+        lookable = token_ids[:(len(token_ids) - 1) // self.block_size * self.block_size]
+        return full_block_hashes(lookable, self.block_size)
 
     @staticmethod
     def _room(num_tokens: int, num_cached: int, token_budget: int | None) -> int:
@@ -264,8 +268,7 @@ class KVCacheManager:
         memory (in the background), so its admission does not wait for the disk."""
         if self.tiers is None or len(token_ids) <= self.block_size:
             return
-        lookable = token_ids[:(len(token_ids) - 1) // self.block_size * self.block_size]
-        hashes = full_block_hashes(lookable, self.block_size)
+        hashes = self._lookup_hashes(token_ids)
         self.tiers.prefetch(hashes[len(self.pool.lookup(hashes)):])
 
     def flush_tiers(self) -> int:

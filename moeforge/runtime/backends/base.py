@@ -172,6 +172,13 @@ class Backend(Protocol):
     # BlockIO | None``, a paged backend's pools as whole blocks to copy out and in (the KV tiers, runtime/kv_tiers).
 
 
+def block_io_of(backend: object) -> BlockIO | None:
+    """The backend's pools as a ``BlockIO`` (its optional ``block_io()``), or None when it has none."""
+    block_io = getattr(backend, "block_io", None)
+    io: BlockIO | None = block_io() if block_io is not None else None
+    return io
+
+
 class BlockIO(Protocol):
     """Copy whole KV-cache blocks out of and into a paged backend's pools (every layer's row ``block_id``), for the
     tiers below the pool (runtime/kv_tiers). Called only between steps, on the engine's thread."""

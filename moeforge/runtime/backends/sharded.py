@@ -36,7 +36,15 @@ import torch.distributed as dist
 
 from moeforge.model.expert_slots import ExpertSlots
 from moeforge.ops.collectives.ort import raise_collective_failure
-from moeforge.runtime.backends.base import Backend, FatalBackendError, PoolInfo, RowInput, StepInput
+from moeforge.runtime.backends.base import (
+    Backend,
+    BlockIO,
+    FatalBackendError,
+    PoolInfo,
+    RowInput,
+    StepInput,
+    block_io_of,
+)
 from moeforge.runtime.kv_tiers.sharded_tiers import ShardedTiers
 from moeforge.runtime.kv_tiers.tiers import TierSettings
 
@@ -234,15 +242,14 @@ class ShardedBackend:
             self._last_sent = time.monotonic()
             return logits
 
-    def block_io(self) -> Any:
+    def block_io(self) -> BlockIO | None:
         """Rank 0's pools as a ``BlockIO`` (its own shard; the other ranks' tiers copy theirs, ``call_ranks``)."""
-        block_io = getattr(self.local, "block_io", None)
-        return block_io() if block_io is not None else None
+        return block_io_of(self.local)
 
-    def open_kv_tiers(self, settings: TierSettings, namespace: str | None) -> ShardedTiers:
-        """KV tiers for rank 0's engine: rank 0's own shard's, each operation mirrored on the other ranks (whose
-        ``serve_rank`` runs them on their own tiers, ``parallel/launch.rank_worker``)."""
-        return ShardedTiers(settings, self.block_io(), namespace, self)
+    def open_kv_tiers(self, settings: TierSettings, io: BlockIO, namespace: str | None) -> ShardedTiers:
+        """KV tiers for rank 0's engine over ``io`` (rank 0's own shard), each operation mirrored on the other ranks
+        (whose ``serve_rank`` runs them on their own tiers, ``parallel/launch.rank_worker``)."""
+        return ShardedTiers(settings, io, namespace, self)
 
     def call_ranks(self, payload: np.ndarray, local: Callable[[], int], reduce: str | None) -> int:
         """Send a KV_TIERS message, run ``local`` (rank 0's part), then -- with ``reduce`` "min" or "sum" -- all-reduce
