@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--max-batch", type=int, default=8, help="trt: largest decode batch of the engine's profile")
     comp.add_argument("--max-seq-len", type=int, default=None,
                       help="longest sequence the artifact serves (default: min(2048, the model's limit))")
-    comp.add_argument("--kv-cache", choices=KV_CACHE_KINDS, default="contiguous",
-                      help="KV-cache layout: per-sequence buffers, or block pools (paged attention)")
+    comp.add_argument("--kv-cache", choices=KV_CACHE_KINDS, default=None,
+                      help="KV-cache layout: per-sequence buffers, or block pools (paged attention); default "
+                           "contiguous, paged with --pp")
     comp.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                       help="tokens per KV block (--kv-cache paged)")
     comp.add_argument("--tp", type=int, default=1,
@@ -165,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--ep", type=int, default=1,
                       help="expert-parallel ranks with --tp: 1 (each expert split over the ranks) or equal to --tp "
                            "(whole experts per rank)")
+    comp.add_argument("--pp", type=int, default=1,
+                      help="pipeline stages: each stage holds a contiguous range of layers (stage 0 the embedding, "
+                           "the last the head); with --tp N, pp x N ranks (DIR/rank0 ..); run with moeforge run/serve/"
+                           "parity/bench as --tp")
+    comp.add_argument("--pp-layers", default=None, metavar="RANGES",
+                      help="with --pp P: each stage's layers, e.g. 0-13,14-27 (default: balanced by weight and KV "
+                           "bytes)")
     comp.add_argument("--placement", type=Path, default=None, metavar="PLAN",
                       help="with --tp N --ep N: an expert placement written by moeforge eplb (each rank holds its "
                            "slots' experts, replicas of the heaviest included; outputs equal the unsharded model's)")
@@ -572,6 +580,8 @@ _NOT_OPTIONS = ("command", "verbose", "model", "output", "quiet", "plan")
 def compile_options(args: argparse.Namespace) -> CompileOptions:
     """The CompileOptions a parsed ``moeforge compile`` command line asks for (also used by gpu_check's dry run)."""
     flags = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
+    if flags.get("kv_cache") is None:  # pipeline stages run on the paged cache only
+        flags["kv_cache"] = "paged" if flags.get("pp", 1) > 1 else "contiguous"
     return CompileOptions.from_flags(model=args.model, output_dir=args.output, progress=not args.quiet, **flags)
 
 

@@ -50,7 +50,7 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
     _check_options(options)
     validate(options.quant, target=options.target, kv_cache=options.kv.layout)
     target.check()
-    if options.tp > 1 or options.ep > 1:
+    if options.tp > 1 or options.ep > 1 or options.pp > 1:
         check_memory(options)
         return compile_sharded(options)
     check_output_dir(options.output_dir, force=options.force)  # before the expensive stages
@@ -91,12 +91,16 @@ def _check_options(options: CompileOptions) -> None:
         raise MoeforgeError(f"--kv-cache {options.kv.layout!r} is not one of {', '.join(KV_CACHE_KINDS)}")
     if options.kv.block_size < 1:
         raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv.block_size}")
-    paged, sharded = options.kv.layout == "paged", options.tp > 1 or options.ep > 1
+    paged, sharded = options.kv.layout == "paged", options.tp > 1 or options.ep > 1 or options.pp > 1
+    if options.pp < 1:
+        raise MoeforgeError(f"--pp must be >= 1, got {options.pp}")
+    if options.pp_layers is not None and options.pp == 1:
+        raise MoeforgeError("--pp-layers splits the layers into pipeline stages: it needs --pp P with P > 1")
     if options.workers < 1:
         raise MoeforgeError(f"--workers must be >= 1, got {options.workers}")
     if options.workers > 1 and not (sharded and options.stream):
         raise MoeforgeError("--workers builds the ranks of a streamed sharded compile in parallel processes: it "
-                            "needs --tp (or --ep) and --stream (without --stream each worker would load the whole "
+                            "needs --tp, --ep or --pp, and --stream (without --stream each worker would load the whole "
                             "model)")
     if options.placement is not None and not (options.ep > 1 and options.ep == options.tp):
         raise MoeforgeError(f"--placement places whole experts on expert-parallel ranks: it needs --tp N --ep N "
@@ -104,7 +108,7 @@ def _check_options(options: CompileOptions) -> None:
                             "for to both")
     why = refusal(options.target, paged=paged, sharded=sharded)
     if why and not options.build_only:
-        shape = (" with --kv-cache paged" if paged else " with --tp/--ep" if sharded else "") \
+        shape = (" with --kv-cache paged" if paged else " with --tp/--ep/--pp" if sharded else "") \
             if options.target in BACKENDS else ""
         raise MoeforgeError(f"--target {options.target}{shape} builds an artifact no moeforge backend runs: {why}. "
                             "Compile for --target ort to run it here, or pass --build-only to build it for a runtime "
@@ -121,7 +125,7 @@ def check_memory(options: CompileOptions) -> None:
     config = load_config(options.model)
     plan = plan_compile(options.model, config, options.quant.weights, block_size=options.quant.block_size)
     where = "--max-memory" if options.max_memory is not None else "this machine's memory (its container's limit)"
-    workers = min(options.workers, options.tp)
+    workers = min(options.workers, options.tp * options.pp)
     if options.stream and plan.peak_bytes * workers > limit:
         largest = max(r.largest_layer_fp32_bytes for r in plan.ranks)
         each = f" x {workers} workers" if workers > 1 else ""

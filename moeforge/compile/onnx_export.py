@@ -28,6 +28,7 @@ from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.mla import MLAttention
 from moeforge.model.model import CausalLM, ModelOutput
 from moeforge.model.moe import MoEBlock
+from moeforge.model.pipeline_stages import HIDDEN_INPUT, HIDDEN_OUTPUT, StageLM
 from moeforge.model.routing import router_attributes
 from moeforge.ops.collectives import torch_op as collectives
 from moeforge.ops.expert_stack import ExpertStack
@@ -172,8 +173,14 @@ def export_stateless(model: CausalLM, mark_layers: bool = False, weights: LazyWe
     # Example sizes must not be 0 or 1: torch.export specialises such dims to constants. A meta model (the streamed
     # compile) is traced with meta inputs.
     device = torch.device("meta") if weights is not None else torch.device("cpu")
-    example = (torch.zeros(2, 3, dtype=torch.int64, device=device),
-               torch.arange(3, dtype=torch.int64, device=device).expand(2, 3).contiguous())
+    positions = torch.arange(3, dtype=torch.int64, device=device).expand(2, 3).contiguous()
+    # A later pipeline stage starts from the hidden state [B, S, H]; every other graph from token ids [B, S].
+    takes_hidden = isinstance(model, StageLM) and not model.spec.has_embedding
+    first_input = HIDDEN_INPUT if takes_hidden else INPUT_NAMES[0]
+    tokens = (torch.zeros(2, 3, model.config.hidden_size, dtype=torch.float32, device=device) if takes_hidden
+              else torch.zeros(2, 3, dtype=torch.int64, device=device))
+    example = (tokens, positions)
+    output = HIDDEN_OUTPUT if isinstance(model, StageLM) and not model.spec.has_head else "logits"
     with (_moe_boundaries(model), _sparse_mla_nodes(model), _quiet_torchvision_skips(), _without_slices_split(),
           warnings.catch_warnings(),
           torch.no_grad()):
@@ -181,10 +188,10 @@ def export_stateless(model: CausalLM, mark_layers: bool = False, weights: LazyWe
         wrapper = _StatelessLM(model, mark_layers)
         program = torch.onnx.export(
             wrapper, example, dynamo=True, opset_version=OPSET, verbose=False,
-            input_names=list(INPUT_NAMES),
-            output_names=["logits"] + [LAYER_OUTPUT.format(i) for i in range(model.config.num_hidden_layers)
+            input_names=[first_input, INPUT_NAMES[1]],
+            output_names=[output] + [LAYER_OUTPUT.format(i) for i in range(model.config.num_hidden_layers)
                                        if mark_layers],
-            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}},
+            dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}),
             custom_translation_table={torch.ops.moeforge.moe_experts.default: moe_op.moe_experts_to_onnx,
                                       torch.ops.moeforge.moe_router.default: router_op.onnx_translation,
                                       torch.ops.moeforge.sparse_mla.default: sparse_mla_op.onnx_translation,

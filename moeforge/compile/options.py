@@ -52,6 +52,8 @@ class CompileOptions:
     check_weights: bool = True  # refuse NaN/Inf weights at load (--no-weight-check skips the scan)
     tp: int = 1  # tensor-parallel ranks: > 1 writes one artifact per rank (moeforge/compile/sharded_compile.py)
     ep: int = 1  # expert-parallel ranks: 1 (each expert split tp ways) or tp (whole experts per rank)
+    pp: int = 1  # pipeline stages: > 1 writes pp x tp rank artifacts, each a stage's layers (model/pipeline_stages.py)
+    pp_layers: str | None = None  # "0-13,14-27": each stage's layers (None: balanced by bytes)
     # An EPLB plan (``moeforge eplb -o``) with --ep N: each rank holds the logical experts of its slots, replicas
     # included (``moeforge/model/expert_slots.py``); None: contiguous experts.
     placement: Path | None = None

@@ -81,7 +81,7 @@ def open_partial(out: Path, options: CompileOptions, tp: int) -> Iterator[Partia
     error the directory is removed; on an interruption (Ctrl-C, SIGTERM turned into SystemExit) it is kept, and a
     kill leaves it as it is, for the next run to continue."""
     root = partial_dir(out)
-    root.mkdir(exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)  # the output's parent may not exist yet
     fd = os.open(root, os.O_RDONLY)
     try:
         try:
@@ -134,4 +134,4 @@ def _verified(rank_root: Path, rank: int, tp: int) -> bool:
     except (ArtifactError, OSError) as exc:
         log.warning("%s is damaged (%s): rebuilding it", rank_root, exc)
         return False
-    return sharding.get("rank") == rank and sharding.get("tp") == tp
+    return sharding.get("rank") == rank and sharding.get("world_size", sharding.get("tp")) == tp

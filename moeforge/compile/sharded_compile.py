@@ -29,7 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from moeforge.compile.options import CompileOptions
+from moeforge.compile.options import DEFAULT_MAX_SEQ_LEN, CompileOptions
 from moeforge.compile.partial_compile import RESUME_FILE, open_partial
 from moeforge.compile.stages import ARTIFACT_STAGES, build_artifact, make_job, open_source, stage_bar
 from moeforge.compile.targets import TARGETS, Target
@@ -44,11 +44,14 @@ from moeforge.core.artifact import (
     load_artifact,
     restore_interrupted,
 )
+from moeforge.core.config import ModelConfig
 from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
 from moeforge.model.expert_slots import ExpertSlots, load_plan
 from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.loader import LoadedModel, release_weights, source_argument
+from moeforge.model.model import CausalLM
+from moeforge.model.pipeline_stages import StageSpec, plan_stages, stage_model, stage_sources
 from moeforge.model.rank_model import moe_layer_index, rank_sources, shard_model
 from moeforge.model.sharding import check_degrees, plan_sharding
 
@@ -85,6 +88,20 @@ class ShardedManifest:
     format_version: int = SHARDED_FORMAT
     # ``ExpertSlots.to_dict()`` of a ``--placement`` compile (slot -> logical expert per MoE layer), else None.
     placement: dict[str, Any] | None = None
+    # Pipeline stages (``--pp``): world rank r is stage r // tp, tensor-parallel rank r % tp; per stage its layers
+    # and, per rank of it, weight and KV bytes (``stages[s]``: StageSpec.to_dict() + "ranks", "weight_bytes", ...).
+    pp: int = 1
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+    def stage_specs(self) -> list[StageSpec]:
+        """The pipeline stages (one spanning every layer without --pp)."""
+        if not self.stages:
+            layers = int(self.model_config["num_hidden_layers"])
+            return [StageSpec(0, 1, 0, layers)]
+        return [StageSpec.from_dict(stage) for stage in self.stages]
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.tp
 
     def expert_slots(self) -> ExpertSlots | None:
         """The placement the ranks were compiled with (None: contiguous experts, or no expert parallelism)."""
@@ -94,14 +111,14 @@ class ShardedManifest:
 
     @property
     def world_size(self) -> int:
-        return self.tp
+        return self.tp * self.pp
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": SHARDED_FORMAT_NAME, "format_version": self.format_version, "world_size": self.world_size,
                 "tp": self.tp, "ep": self.ep, "compile_id": self.compile_id, "source": self.source,
                 "created_utc": self.created_utc, "model_config": self.model_config, "ranks": self.ranks,
                 "collectives": self.collectives, "replicated": self.replicated, "kv_cache_note": self.kv_cache_note,
-                "placement": self.placement}
+                "placement": self.placement, "pp": self.pp, "stages": self.stages}
 
     @classmethod
     def from_dict(cls, data: Any, where: Path) -> ShardedManifest:
@@ -113,8 +130,16 @@ class ShardedManifest:
                                 f"{SHARDED_FORMAT}; {fix}")
         try:
             tp, ep, ranks = int(data["tp"]), int(data["ep"]), list(data["ranks"])
-            if not 1 <= tp <= 1024 or ep not in (1, tp) or len(ranks) != tp or data.get("world_size") != tp:
-                raise ValueError(f"tp {tp}, ep {ep}, world_size {data.get('world_size')}, {len(ranks)} ranks")
+            pp, stages = int(data.get("pp", 1)), list(data.get("stages", []))
+            world = tp * pp
+            if (not 1 <= tp <= 1024 or not 1 <= pp <= 1024 or ep not in (1, tp) or len(ranks) != world
+                    or data.get("world_size") != world or (pp > 1 and len(stages) != pp)):
+                raise ValueError(f"tp {tp}, ep {ep}, pp {pp}, world_size {data.get('world_size')}, {len(ranks)} ranks, "
+                                 f"{len(stages)} stages")
+            for index, stage in enumerate(stages):
+                spec = StageSpec.from_dict(stage)
+                if spec.stage != index or spec.pp != pp or spec.num_layers < 1:
+                    raise ValueError(f"stages[{index}] is {stage!r}")
             for index, entry in enumerate(ranks):
                 if entry.get("rank") != index or entry.get("dir") != rank_dir(index):
                     raise ValueError(f"ranks[{index}] is {entry.get('rank')!r} in {entry.get('dir')!r}")
@@ -127,7 +152,7 @@ class ShardedManifest:
                        compile_id=str(data["compile_id"]), collectives=list(data.get("collectives", [])),
                        replicated=list(data.get("replicated", [])), kv_cache_note=str(data.get("kv_cache_note", "")),
                        source=str(data.get("source", "")), created_utc=str(data.get("created_utc", "")),
-                       placement=None if placement is None else dict(placement))
+                       placement=None if placement is None else dict(placement), pp=pp, stages=stages)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ArtifactError(f"{where} is malformed ({exc}); {fix}") from None
 
@@ -167,7 +192,7 @@ def load_rank(path: str | Path, rank: int, world_size: int, verify: bool = True)
     root = Path(path).expanduser().absolute()
     sharded = read_sharded(root)
     if world_size != sharded.world_size:
-        raise ArtifactError(f"{root} is sharded over {sharded.world_size} ranks (tp {sharded.tp}) but "
+        raise ArtifactError(f"{root} is sharded over {sharded.world_size} ranks (tp {sharded.tp}, pp {sharded.pp}) but "
                             f"{world_size} processes were started: launch it with --nproc-per-node "
                             f"{sharded.world_size} (or WORLD_SIZE={sharded.world_size})")
     if not 0 <= rank < world_size:
@@ -179,7 +204,8 @@ def load_rank(path: str | Path, rank: int, world_size: int, verify: bool = True)
     if digest != expected:
         raise ArtifactError(f"{rank_root} is not the rank {rank} that {SHARDED_FILE} (compile {sharded.compile_id}) "
                             f"records: its manifest.json has sha256 {digest[:12]}, expected {expected[:12]} -- a rank "
-                            f"directory from another compile; recompile {root} with --tp {sharded.tp} --force")
+                            f"directory from another compile; recompile {root} with --tp {sharded.tp} "
+                            f"--pp {sharded.pp} --force")
     info = artifact.manifest.sharding or {}
     if info.get("rank") != rank or info.get("tp") != sharded.tp:
         raise ArtifactError(f"{rank_root}'s manifest describes rank {info.get('rank')!r} of tp {info.get('tp')!r}, "
@@ -218,6 +244,11 @@ class ShardedCompileResult:
 
 def _check(options: CompileOptions) -> None:
     check_degrees(options.tp, options.ep)
+    if options.pp > 1 and not options.kv.paged:
+        raise MoeforgeError("--pp: pipeline stages run on the paged KV cache (each stage's pools hold its own layers); "
+                            "add --kv-cache paged")
+    if options.pp > 1 and options.placement is not None:
+        raise MoeforgeError("--placement is not supported with --pp yet: place experts with --tp N --ep N alone")
     if options.check:
         raise MoeforgeError("--check runs one process; a sharded artifact is checked with all its ranks: compile "
                             "without --check, then run moeforge parity DIR")
@@ -234,16 +265,19 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
     _check(options)
     out = Path(options.output_dir).expanduser().absolute()
     check_output_dir(out, force=options.force)  # a sharded or unsharded artifact may be replaced
-    tp, ep = options.tp, options.ep
-    bar = stage_bar(1 + ARTIFACT_STAGES * tp + 1, f"compile tp{tp}", options.progress)  # load, ranks, sharded.json
+    tp, ep, pp = options.tp, options.ep, options.pp
+    world = tp * pp
+    title = f"compile tp{tp}" + (f" pp{pp}" if pp > 1 else "")
+    bar = stage_bar(1 + ARTIFACT_STAGES * world + 1, title, options.progress)  # load, ranks, sharded.json
     try:
         bar.set_postfix_str("load checkpoint")
         loaded, weights = open_source(options)
         plan = plan_sharding(loaded.config, tp, ep)  # a bad split fails before anything is written
+        stages = compile_stages(options, loaded.config)
         slots = placement_slots(options, loaded)
         bar.update()
-        with open_partial(out, options, tp) as partial:
-            todo = [rank for rank in range(tp) if rank not in partial.done]
+        with open_partial(out, options, world) as partial:
+            todo = [rank for rank in range(world) if rank not in partial.done]
             bar.update(ARTIFACT_STAGES * len(partial.done))
             if partial.done:
                 log.warning("continuing a killed compile: ranks %s are already written in %s",
@@ -256,12 +290,13 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
                     bar.set_postfix_str(f"rank {rank}")
                     build_rank(options, loaded, weights, rank, partial.root, bar)
             release_weights(loaded.model)
-            ranks = [_rank_entry(partial.root, rank) for rank in range(tp)]
+            ranks = [_rank_entry(partial.root, rank) for rank in range(world)]
             sharded = ShardedManifest(
                 tp=tp, ep=ep, model_config=loaded.config.to_dict(), ranks=ranks, replicated=plan.replicated(),
                 kv_cache_note=_kv_note(loaded.config.mla is not None, tp, loaded.config.num_key_value_heads),
                 source=source_argument(options.model, loaded.source),
-                placement=None if slots is None else slots.to_dict())
+                placement=None if slots is None else slots.to_dict(), pp=pp,
+                stages=[] if pp == 1 else _stage_entries(stages, ranks, tp))
             (partial.root / SHARDED_FILE).write_text(json.dumps(sharded.to_dict(), indent=2) + "\n", encoding="utf-8")
             (partial.root / RESUME_FILE).unlink()
             install_directory(partial.root, out)
@@ -274,14 +309,52 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
 
 def build_rank(options: CompileOptions, loaded: LoadedModel, weights: LazyWeights | None, rank: int, root: Path,
                bar: tqdm) -> None:
-    """Write rank ``rank``'s artifact to ``root/rank{rank}`` (atomically) from the unsharded ``loaded`` model."""
-    model, config, layout = shard_model(loaded.model, options.tp, options.ep, rank, placement_slots(options, loaded))
+    """Write world rank ``rank``'s artifact to ``root/rank{rank}`` (atomically) from the unsharded ``loaded`` model:
+    tensor-parallel rank ``rank % tp`` of pipeline stage ``rank // tp``."""
+    tp, pp = options.tp, options.pp
+    tp_rank, stage = rank % tp, rank // tp
+    model: CausalLM
+    if tp > 1 or options.ep > 1:
+        model, config, layout = shard_model(loaded.model, tp, options.ep, tp_rank, placement_slots(options, loaded))
+        sources = None if weights is None else rank_sources(loaded.config, layout, weights.shape)
+        rank_weights = None if weights is None or sources is None else weights.for_rank(model, sources)
+        sharding: dict[str, Any] = {**layout.to_dict()}
+    else:  # pipeline stages of the whole model
+        model, config, rank_weights = loaded.model, loaded.config, weights
+        sharding = {"rank": 0, "tp": 1, "ep": 1}
+    if pp > 1:
+        spec = compile_stages(options, loaded.config)[stage]
+        stage_lm = stage_model(model, spec, group_size=tp)
+        if rank_weights is not None:
+            rank_weights = rank_weights.for_rank(stage_lm, stage_sources(spec, rank_weights.stored,
+                                                                         model.lm_head is None))
+        model, config = stage_lm, stage_lm.config
+        sharding.update(rank=rank, tp_rank=tp_rank, pp=pp, world_size=tp * pp, stage=spec.to_dict())
     rank_loaded = LoadedModel(model, config, loaded.tokenizer, loaded.source)
-    rank_weights = None if weights is None else weights.for_rank(
-        model, rank_sources(loaded.config, layout, weights.shape))
     rank_options = _rank_options(options)
     job = make_job(rank_options, rank_loaded, rank_weights)
-    build_artifact(job, rank_target(rank_options), root / rank_dir(rank), bar, sharding={**layout.to_dict()})
+    build_artifact(job, rank_target(rank_options), root / rank_dir(rank), bar, sharding=sharding)
+
+
+def compile_stages(options: CompileOptions, config: ModelConfig) -> list[StageSpec]:
+    """The compile's pipeline stages (``plan_stages``: balanced by weight and KV bytes at the compile's sequence
+    length and precision, or ``--pp-layers``); one stage without ``--pp``."""
+    scheme = str(options.quant.scheme or "fp32")
+    per_weight = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "fp8": 1.0}.get(scheme, 0.5)
+    kv_tokens = options.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
+    return plan_stages(config, options.pp, layers=options.pp_layers, bytes_per_weight=per_weight,
+                       kv_tokens=kv_tokens)
+
+
+def _stage_entries(stages: list[StageSpec], ranks: list[dict[str, Any]], tp: int) -> list[dict[str, Any]]:
+    """sharded.json's stages: each stage's layers, its ranks, and its bytes (per rank: weights, KV per token)."""
+    out = []
+    for spec in stages:
+        members = ranks[spec.stage * tp: (spec.stage + 1) * tp]
+        out.append({**spec.to_dict(), "ranks": [entry["rank"] for entry in members],
+                    "weight_bytes": sum(entry["weight_bytes"] for entry in members),
+                    "kv_bytes_per_token": sum(entry["kv_bytes_per_token"] for entry in members)})
+    return out
 
 
 def placement_slots(options: CompileOptions, loaded: LoadedModel) -> ExpertSlots | None:

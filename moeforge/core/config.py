@@ -164,42 +164,49 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count computed from shapes alone (for planning memory without weights)."""
-        h, layers = self.hidden_size, self.num_hidden_layers
-        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
-        for i in range(layers):
-            total += 2 * h  # the two norms
-            if self.mla is not None:
-                m, n = self.mla, self.num_attention_heads
-                if m.q_lora_rank is None:
-                    total += h * n * m.qk_head_dim
-                else:
-                    total += h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
-                total += h * m.latent_dim + m.kv_lora_rank
-                total += m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
-                total += n * m.v_head_dim * h
-                if self.dsa is not None:  # indexer: wq_b, wk, k_norm (weight + bias), weights_proj
-                    d = self.dsa
-                    total += (m.q_lora_rank or 0) * d.index_n_heads * d.index_head_dim
-                    total += h * d.index_head_dim + 2 * d.index_head_dim + h * d.index_n_heads
+        return (self.embedding_parameters() * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+                + sum(self.layer_parameters(i) for i in range(self.num_hidden_layers)))
+
+    def embedding_parameters(self) -> int:
+        """Parameters of the embedding table (the untied LM head has as many)."""
+        return self.vocab_size * self.hidden_size
+
+    def layer_parameters(self, i: int) -> int:
+        """Parameters of decoder layer ``i`` (its norms, attention and MLP or MoE), from shapes alone."""
+        h = self.hidden_size
+        total = 2 * h  # the two norms
+        if self.mla is not None:
+            m, n = self.mla, self.num_attention_heads
+            if m.q_lora_rank is None:
+                total += h * n * m.qk_head_dim
             else:
-                q = self.num_attention_heads * self.head_dim
-                kv = self.num_key_value_heads * self.head_dim
-                total += h * (q + 2 * kv) + q * h
-                if self.qkv_bias:
-                    total += q + 2 * kv
-                if self.o_proj_bias:
-                    total += h
-                if self.qk_norm != "none":
-                    total += 2 * self.head_dim if self.qk_norm == "head" else q + kv
-            if self.is_moe_layer(i):
-                moe = self.moe
-                assert moe is not None
-                experts = moe.n_routed_experts + moe.n_shared_experts
-                total += 3 * h * moe.moe_intermediate_size * experts + moe.n_routed_experts * h
-                if moe.has_correction_bias:
-                    total += moe.n_routed_experts
-            else:
-                total += 3 * h * self.intermediate_size
+                total += h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
+            total += h * m.latent_dim + m.kv_lora_rank
+            total += m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+            total += n * m.v_head_dim * h
+            if self.dsa is not None:  # indexer: wq_b, wk, k_norm (weight + bias), weights_proj
+                d = self.dsa
+                total += (m.q_lora_rank or 0) * d.index_n_heads * d.index_head_dim
+                total += h * d.index_head_dim + 2 * d.index_head_dim + h * d.index_n_heads
+        else:
+            q = self.num_attention_heads * self.head_dim
+            kv = self.num_key_value_heads * self.head_dim
+            total += h * (q + 2 * kv) + q * h
+            if self.qkv_bias:
+                total += q + 2 * kv
+            if self.o_proj_bias:
+                total += h
+            if self.qk_norm != "none":
+                total += 2 * self.head_dim if self.qk_norm == "head" else q + kv
+        if self.is_moe_layer(i):
+            moe = self.moe
+            assert moe is not None
+            experts = moe.n_routed_experts + moe.n_shared_experts
+            total += 3 * h * moe.moe_intermediate_size * experts + moe.n_routed_experts * h
+            if moe.has_correction_bias:
+                total += moe.n_routed_experts
+        else:
+            total += 3 * h * self.intermediate_size
         return total
 
     # ------------------------------------------------------------------ validation

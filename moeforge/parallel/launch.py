@@ -31,11 +31,24 @@ import torch.distributed as dist
 from moeforge.compile.sharded_compile import load_rank, read_sharded
 from moeforge.core.artifact import Artifact, artifact_digest
 from moeforge.core.errors import ArtifactError, GroupArtifactError, MoeforgeError
-from moeforge.ops.collectives.ort import DEFAULT_TIMEOUT_S, CollectiveError, init_process_group
+from moeforge.ops.collectives.ort import (
+    DEFAULT_TIMEOUT_S,
+    CollectiveError,
+    init_process_group,
+    set_collective_group,
+)
 from moeforge.parallel.net import free_port
 from moeforge.runtime.backends.base import Backend, block_io_of
 from moeforge.runtime.backends.onnxruntime import OrtSession
 from moeforge.runtime.backends.onnxruntime_paged import PagedSequenceSession
+from moeforge.runtime.backends.pipeline import (
+    PipelineBackend,
+    PipelineSession,
+    Topology,
+    check_backend,
+    serve_stage,
+    stage_groups,
+)
 from moeforge.runtime.backends.registry import backend_for
 from moeforge.runtime.backends.sharded import (
     ExpertLayout,
@@ -59,6 +72,11 @@ class World:
     rank: int
     world_size: int
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    # A pipeline artifact (--pp): this rank's stage and tp position, its stage's process group (tp > 1), and the
+    # width of the hidden state the stages pass on. None: every rank runs the whole model (tp / ep only).
+    topology: Topology | None = None
+    stage_group: dist.ProcessGroup | None = None
+    hidden_size: int = 0
 
     def dead_rank(self) -> str | None:
         """Why the world is broken, when a rank this process started has exited; None while all run. (Under torchrun
@@ -116,7 +134,12 @@ def start_world(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> World
         for child in children:
             child.kill()
         raise
-    return World(rank, world, children)
+    if sharded.pp == 1:
+        return World(rank, world, children)
+    topology = Topology(sharded.pp, sharded.tp, rank)
+    group = stage_groups(topology)  # every rank creates every stage's group, in order
+    set_collective_group(group)  # the graph's tp collectives stay inside the stage
+    return World(rank, world, children, topology, group, int(sharded.model_config["hidden_size"]))
 
 
 def _open_rank(path: str | Path, world: World) -> Artifact:
@@ -143,16 +166,28 @@ def open_rank_backend(path: str | Path, world: World, config: EngineConfig) -> t
     """This rank's backend, sized by rank 0's ``config``: every rank allocates the same slots and blocks, so the
     engine's block tables mean the same on all of them."""
     artifact = _open_rank(path, world)
+    if world.topology is not None:
+        _check_pipeline_config(path, config)
     kv = artifact.manifest.kv_cache
     slots = config.scheduling.max_num_seqs
     blocks = config.cache.num_kv_blocks(slots, kv.max_seq_len, kv.block_size) if kv.paged and kv.block_size else 0
     slots, blocks, track = agree([slots, blocks, int(config.backend.track_expert_load)])
     # Every rank counts its own experts' load when rank 0 asks for it (``ShardedBackend.expert_load`` gathers them);
     # no rank profiles (the sharded backend reports rank 0's kernel shares only).
-    rank_options = dataclasses.replace(config.backend, track_expert_load=bool(track), profile=False)
+    rank_options = dataclasses.replace(config.backend, track_expert_load=bool(track) and world.topology is None,
+                                       profile=False)
     backend = open_engine_backend(artifact, dataclasses.replace(config, backend=rank_options), collectives=True,
                                   num_slots=slots, num_blocks=blocks or None)
     return backend, artifact
+
+
+def _check_pipeline_config(path: str | Path, config: EngineConfig) -> None:
+    """What a pipeline artifact's ranks do not do yet, refused with the reason (on every rank alike)."""
+    if config.cache.tiered:
+        raise MoeforgeError(f"{path} is a pipeline artifact (--pp): KV tiers (--kv-host-bytes / --kv-disk-dir) are not "
+                            "supported across stages yet; drop them, or compile without --pp")
+    if config.backend.micro_batches < 0:
+        raise MoeforgeError(f"--micro-batches must be >= 0 (0: one per stage), got {config.backend.micro_batches}")
 
 
 def rank_worker(path: str | Path, world: World,
@@ -170,10 +205,16 @@ def rank_worker(path: str | Path, world: World,
     return backend, rank_handler(tiers)
 
 
-def sharded_backend(path: str | Path, world: World, config: EngineConfig) -> tuple[ShardedBackend, Artifact]:
-    """Rank 0's backend for the engine (``LLMEngine(backend, ...)``)."""
+def sharded_backend(path: str | Path, world: World,
+                    config: EngineConfig) -> tuple[ShardedBackend | PipelineBackend, Artifact]:
+    """Rank 0's backend for the engine (``LLMEngine(backend, ...)``): a ``PipelineBackend`` for a pipeline artifact."""
     local, artifact = open_rank_backend(path, world, config)
     sharded = read_sharded(path)
+    if world.topology is not None:
+        check_backend(local)
+        return PipelineBackend(local, world.topology, vocab_size=int(sharded.model_config["vocab_size"]),
+                               micro_batches=config.backend.micro_batches, heartbeat_s=DEFAULT_TIMEOUT_S / 4,
+                               group=world.stage_group), artifact
     moe = sharded.model_config.get("moe")
     experts = None if not moe else ExpertLayout(sharded.ep, int(moe["n_routed_experts"]), sharded.expert_slots())
     return ShardedBackend(local, world.world_size, heartbeat_s=DEFAULT_TIMEOUT_S / 4, experts=experts), artifact
@@ -185,6 +226,16 @@ def open_rank_session(path: str | Path, world: World, max_len: int) -> tuple[Any
     kv = artifact.manifest.kv_cache
     (max_len,) = agree([max_len])
     session: Any
+    if world.topology is not None:  # the pipeline runs the sequence as one step through its stages
+        assert kv.block_size is not None  # pipeline artifacts are paged
+        num_blocks = -(-max_len // kv.block_size)
+        backend = open_engine_backend(artifact, EngineConfig(), collectives=True, num_slots=1, num_blocks=num_blocks)
+        check_backend(backend)
+        if world.rank != 0:
+            return backend, artifact
+        pipeline = PipelineBackend(backend, world.topology, vocab_size=artifact.manifest.config().vocab_size,
+                                   micro_batches=1, heartbeat_s=DEFAULT_TIMEOUT_S / 4, group=world.stage_group)
+        return PipelineSession(pipeline, num_blocks), artifact
     if kv.paged:
         session = PagedSequenceSession(artifact.model_path, max_len, kv_cache=kv, collectives=True)
     else:
@@ -202,7 +253,10 @@ def run_worker(local: Any, world: World, kv_tiers: Callable[[np.ndarray], None] 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        serve_rank(local, kv_tiers)
+        if world.topology is not None:
+            serve_stage(local, world.topology, world.hidden_size, world.stage_group)
+        else:
+            serve_rank(local, kv_tiers)
     except MoeforgeError as exc:
         print(f"moeforge rank {world.rank}: error: {exc}", file=sys.stderr)
         sys.stderr.flush()

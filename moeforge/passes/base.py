@@ -91,3 +91,13 @@ def rewrite_rule(rule_class: type[pattern.RewriteRuleClassBase], *args: object) 
     """``rule_class.rule(*args)``, typed: onnxscript leaves ``RewriteRuleClassBase.rule`` unannotated."""
     build: Callable[..., pattern.RewriteRule] = rule_class.rule
     return build(*args)
+
+
+def token_input(graph: ir.Graph) -> ir.Value:
+    """The graph input that carries the tokens: ``input_ids`` [B, S], or on a later pipeline stage the hidden state
+    ``hidden_states_in`` [B, S, H] (``moeforge/model/pipeline_stages.py``); its first two axes are batch and tokens."""
+    for value in graph.inputs:
+        if value.name in ("input_ids", "hidden_states_in"):
+            return value
+    raise ValueError("the graph has neither an input_ids nor a hidden_states_in input")
+

@@ -22,7 +22,7 @@ from moeforge.core.kv_layout import MAX_SEQ_AXIS, POOL_AXIS, cache_names, pool_n
 from moeforge.ops.paged_attention.schema import INPUTS as PAGED_ATTENTION_INPUTS
 from moeforge.ops.sparse_mla import function as sparse_mla_function
 from moeforge.ops.sparse_mla.schema import CACHED_OP_TYPE, DOMAIN, OP_TYPE, PAGED_OP_TYPE
-from moeforge.passes.base import PassContext, required
+from moeforge.passes.base import PassContext, required, token_input
 
 ATTENTION_MASK = "attention_mask"  # as kv_cache.py: [B, T], T = cached + new tokens of the longest row
 # PagedAttention's step inputs, shared by SparseMLAPaged (the engine feeds them the same way).
@@ -48,8 +48,8 @@ def insert_dsa_caches(model: ir.Model, ctx: PassContext, static_len: int | None 
     if not nodes:
         return 0
     graph = model.graph
-    ids = next(v for v in graph.inputs if v.name == "input_ids")
-    batch = required(ids.shape, "input_ids: shape")[0]
+    ids = token_input(graph)
+    batch = required(ids.shape, f"{ids.name}: shape")[0]
     if static_len is None:
         mask = ir.Value(name=ATTENTION_MASK, shape=ir.Shape([batch, "total_sequence_length"]),
                         type=ir.TensorType(ir.DataType.INT64))

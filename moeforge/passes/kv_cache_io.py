@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.core.kv_layout import MAX_SEQ_AXIS, cache_names
-from moeforge.passes.base import MS_DOMAIN, PassContext, ensure_opset, required
+from moeforge.passes.base import MS_DOMAIN, PassContext, ensure_opset, required, token_input
 from moeforge.passes.dsa_cache import insert_dsa_caches
 
 ATTENTION_MASK = "attention_mask"
@@ -160,8 +160,8 @@ def _foldable_rotary(q3: ir.Value, k3: ir.Value, head_dim: int) -> _FoldableRota
 
 
 def _batch_dim(graph: ir.Graph) -> int | ir.SymbolicDim:
-    ids = next(v for v in graph.inputs if v.name == "input_ids")
-    return required(ids.shape, "input_ids: shape")[0]
+    ids = token_input(graph)
+    return required(ids.shape, f"{ids.name}: shape")[0]
 
 
 def attention_qkv(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value]:

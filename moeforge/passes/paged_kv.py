@@ -24,6 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, POOL_AXIS, pool_names
+from moeforge.model.pipeline_stages import HIDDEN_INPUT, HIDDEN_OUTPUT
 from moeforge.ops.paged_attention.function import OPSET, build_function
 from moeforge.ops.paged_attention.schema import DOMAIN, INPUTS, OP_TYPE, PagedAttentionAttrs
 from moeforge.passes.base import PassContext, required
@@ -76,13 +77,15 @@ class PagedKVInsertion:
     def pack_token_inputs(self, graph: ir.Graph) -> None:
         """input_ids / position_ids [batch, seq] -> [T], unsqueezed to [T, 1] for the per-token graph."""
         for index, value in enumerate(list(graph.inputs)):
-            if value.name not in ("input_ids", "position_ids"):
+            if value.name not in ("input_ids", "position_ids", HIDDEN_INPUT):
                 continue
-            packed = ir.Value(name=value.name, shape=ir.Shape([TOKENS_AXIS]), type=value.type)
+            # A later pipeline stage's hidden state: [batch, seq, H] -> [T, H], unsqueezed to [T, 1, H].
+            trailing = list(required(value.shape, f"{value.name}: shape"))[2:]
+            packed = ir.Value(name=value.name, shape=ir.Shape([TOKENS_AXIS, *trailing]), type=value.type)
             value.name = value.name + "_2d"
             axes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([1], np.int64))})
             unsqueeze = ir.node("Unsqueeze", [packed, axes.outputs[0]])
-            unsqueeze.outputs[0].shape, unsqueeze.outputs[0].type = ir.Shape([TOKENS_AXIS, 1]), value.type
+            unsqueeze.outputs[0].shape, unsqueeze.outputs[0].type = ir.Shape([TOKENS_AXIS, 1, *trailing]), value.type
             graph.insert_before(graph.node(0), [axes, unsqueeze])
             ir.convenience.replace_all_uses_with(value, unsqueeze.outputs[0])
             graph.inputs[index] = packed
@@ -123,8 +126,12 @@ class PagedKVInsertion:
         graph.remove(node, safe=True)  # the old causal mask becomes dead code (cleanup drops it)
 
     def select_logits(self, graph: ir.Graph) -> None:
-        """logits = lm_head(hidden[logits_indices]) [K, V] instead of [T, 1, V]."""
-        logits = next(v for v in graph.outputs if v.name == "logits")
+        """logits = lm_head(hidden[logits_indices]) [K, V] instead of [T, 1, V]. A pipeline stage without the head
+        returns every token's hidden state instead: [T, 1, H] -> [T, H] (the next stage computes all their KV)."""
+        logits = next((v for v in graph.outputs if v.name == "logits"), None)
+        if logits is None:
+            self._pack_hidden_output(graph)
+            return
         head = logits.producer()
         matmul = head
         if head is not None and (head.domain, head.op_type) == ("com.microsoft", "AllGather") and head.inputs[0]:
@@ -144,6 +151,19 @@ class PagedKVInsertion:
         squeeze.outputs[0].name = "logits"
         squeeze.outputs[0].shape, squeeze.outputs[0].type = ir.Shape(["num_logits", vocab]), logits.type
         graph.outputs[list(graph.outputs).index(logits)] = squeeze.outputs[0]
+
+
+    def _pack_hidden_output(self, graph: ir.Graph) -> None:
+        hidden = next(v for v in graph.outputs if v.name == HIDDEN_OUTPUT)
+        producer = required(hidden.producer(), f"{HIDDEN_OUTPUT}: its producer")
+        hidden.name = f"{HIDDEN_OUTPUT}_3d"
+        axes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([1], np.int64))})
+        squeeze = ir.node("Squeeze", [hidden, axes.outputs[0]])
+        graph.insert_after(producer, [axes, squeeze])
+        squeeze.outputs[0].name = HIDDEN_OUTPUT
+        width = hidden.shape[-1] if hidden.shape is not None else "hidden_size"
+        squeeze.outputs[0].shape, squeeze.outputs[0].type = ir.Shape([TOKENS_AXIS, width]), hidden.type
+        graph.outputs[list(graph.outputs).index(hidden)] = squeeze.outputs[0]
 
 
 def _to_thd(tape: ir.tape.Tape, value4: ir.Value, heads: int, dim: int) -> ir.Value:

@@ -59,6 +59,21 @@ def init_process_group(rank: int, world_size: int, *, timeout_s: float = DEFAULT
 
 
 _REGISTERED: list[str] = []
+# The process group the graph's collectives run on: None = the default (every rank). A pipeline artifact's stage
+# runs its tensor-parallel collectives on its own stage's group (``set_collective_group``). A process runs one rank,
+# so one group per process; ONNX Runtime's custom ops take no such argument, hence this module-level setting.
+_GROUP: list[dist.ProcessGroup] = []
+
+
+def set_collective_group(group: dist.ProcessGroup | None) -> None:
+    """Run this process's graph collectives on ``group`` (a ``torch.distributed`` group; None: the default)."""
+    _GROUP.clear()
+    if group is not None:
+        _GROUP.append(group)
+
+
+def _group() -> dist.ProcessGroup | None:
+    return _GROUP[0] if _GROUP else None
 
 
 def _library() -> str:
@@ -71,7 +86,7 @@ def _library() -> str:
                  outputs=[PyCustomOpDef.dt_float])
         def _all_reduce(x: np.ndarray) -> np.ndarray:
             tensor = torch.from_numpy(np.array(x, dtype=np.float32, copy=True))
-            _collective("AllReduce", lambda: dist.all_reduce(tensor))
+            _collective("AllReduce", lambda: dist.all_reduce(tensor, group=_group()))
             return tensor.numpy()
 
         @onnx_op(op_type="AllGather", inputs=[PyCustomOpDef.dt_float],  # type: ignore[untyped-decorator]
@@ -79,8 +94,8 @@ def _library() -> str:
                  attrs={"axis": PyCustomOpDef.dt_int64, "group_size": PyCustomOpDef.dt_int64})
         def _all_gather(x: np.ndarray, axis: int = 0, group_size: int = 1) -> np.ndarray:
             tensor = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-            _collective("AllGather", lambda: dist.all_gather(parts, tensor))
+            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group=_group()))]
+            _collective("AllGather", lambda: dist.all_gather(parts, tensor, group=_group()))
             return torch.cat(parts, dim=int(axis)).numpy()
 
         _REGISTERED.append(get_library_path())

@@ -34,7 +34,8 @@ class BackendOptions:
     ``track_expert_load``: MoE artifacts count routed tokens per layer and expert (a small output fetch per step).
     ``profile``: time kernels so ``op_time_shares`` can answer. ``huge_pages``: put the memory the session allocates
     (its prepacked weights) on transparent huge pages (``core/huge_pages.py``): a decode step streams every weight,
-    and 4 KiB pages cost a TLB miss every 4 KiB. The TensorRT backend reads none of the ONNX Runtime fields."""
+    and 4 KiB pages cost a TLB miss every 4 KiB. ``micro_batches``: see the field. The TensorRT backend reads none of
+    the ONNX Runtime fields."""
 
     threads: int | None = None
     providers: tuple[str, ...] = ()
@@ -42,6 +43,9 @@ class BackendOptions:
     track_expert_load: bool = False
     profile: bool = False
     huge_pages: bool = True
+    # A pipeline artifact (``--pp``): how many micro-batches each step is split into, so that the stages overlap
+    # (``runtime/backends/pipeline.py``); 0: as many as the stages.
+    micro_batches: int = 0
 
 
 DEFAULT_BACKEND_OPTIONS = BackendOptions()

@@ -31,6 +31,7 @@ import onnxruntime as ort
 from moeforge.core.errors import ArtifactError
 from moeforge.core.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, KVCacheSpec
 from moeforge.core.ort_session import make_session
+from moeforge.model.pipeline_stages import HIDDEN_INPUT, HIDDEN_OUTPUT
 from moeforge.ops.paged_attention.ort_lowering import lower_for_ort
 from moeforge.ops.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
 from moeforge.runtime.backends.base import (
@@ -186,6 +187,12 @@ class PagedRunner:
         self.experts = experts  # count the routing of every packed token (all are real)
         logits = next((o for o in session.get_outputs() if o.name == "logits"), None)
         vocab = logits.shape[-1] if logits is not None else None
+        # A pipeline stage (model/pipeline_stages.py): a later stage takes the hidden state instead of input_ids,
+        # and a stage before the last returns every token's hidden state instead of logits.
+        inputs = {i.name: i for i in session.get_inputs()}
+        self.input_names = set(inputs)
+        self.hidden_dtype = pool_dtype(inputs[HIDDEN_INPUT].type, HIDDEN_INPUT) if HIDDEN_INPUT in inputs else None
+        self.returns_hidden = logits is None and any(o.name == HIDDEN_OUTPUT for o in session.get_outputs())
         self._vocab = vocab if isinstance(vocab, int) else None
         self._logits = np.empty((0, self._vocab or 0), np.float32)
         # The certified argmax head (moeforge/passes/argmax_head.py): see ``OrtSession.decode``. The flag is bound once
@@ -203,9 +210,17 @@ class PagedRunner:
         """One run on ``feeds`` (``packed_feeds``); logits [rows, V], valid until the next ``run``. ``argmax_only``
         (graphs with the argmax head): only each row's argmax is exact (``StepInput.argmax_only``)."""
         for name, array in feeds.items():
-            self.io.bind_cpu_input(name, np.ascontiguousarray(array))
+            if name in self.input_names:  # a stage before the last has no logits_indices
+                self.io.bind_cpu_input(name, np.ascontiguousarray(array))
         if self.experts is not None:
             self.io.bind_output(EXPERT_HITS, "cpu")
+        if self.returns_hidden:  # [T, H] of every token, for the next stage
+            self.io.bind_output(HIDDEN_OUTPUT, "cpu")
+            self.session.run_with_iobinding(self.io)
+            outputs = self.io.get_outputs()
+            self._count(outputs[-2] if self.experts is not None else None)
+            hidden: np.ndarray = outputs[-1].numpy()
+            return hidden
         if self._vocab is None:  # no static vocabulary to preallocate for: ONNX Runtime allocates
             self.io.bind_output("logits", "cpu")
             self.session.run_with_iobinding(self.io)
@@ -319,6 +334,26 @@ class PagedOrtBackend:
             self._check(row)
         self._pools.zero_blocks(self._first_written_blocks(step.rows))
         return self._runner.run(packed_feeds(step.rows), step.argmax_only)
+
+    def execute_stage(self, step: StepInput, hidden: np.ndarray | None) -> np.ndarray:
+        """One pipeline stage's part of a step (``runtime/backends/pipeline.py``): ``hidden`` [T, H] is the previous
+        stage's output for the step's packed tokens (None on stage 0, which reads the token ids). Returns this
+        stage's output: every token's hidden state [T, H] on a stage before the last, else ``execute``'s logits."""
+        for row in step.rows:
+            self._check(row)
+        feeds = packed_feeds(step.rows)
+        runner = self._runner
+        if (hidden is None) != (runner.hidden_dtype is None):
+            raise ValueError("a pipeline stage after the first takes the previous stage's hidden state; stage 0 takes "
+                             "token ids")
+        if hidden is not None:
+            assert runner.hidden_dtype is not None
+            if hidden.shape[0] != len(feeds["input_ids"]):
+                raise ValueError(f"the hidden state has {hidden.shape[0]} rows for {len(feeds['input_ids'])} tokens")
+            del feeds["input_ids"]
+            feeds[HIDDEN_INPUT] = hidden.astype(runner.hidden_dtype, copy=False)
+        self._pools.zero_blocks(self._first_written_blocks(step.rows))
+        return runner.run(feeds, step.argmax_only)
 
     def _first_written_blocks(self, rows: Sequence[RowInput]) -> list[int]:
         """Blocks whose slot 0 a row writes this step: new to their sequence, so their old content is stale."""
