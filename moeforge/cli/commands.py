@@ -713,9 +713,11 @@ def _sharded_parity(args: argparse.Namespace) -> int:
         reference, _ = _parity_reference(args, args.model or sharded.source)
         report = compare_with_reference(Path(args.artifact) / rank_dir(0) / "model.onnx", manifest.kv_cache,
                                         reference, precision=manifest.precision, session=session)
-        result = {**report.to_dict(), "tp": sharded.tp, "ep": sharded.ep, "reference": args.reference}
+        result = {**report.to_dict(), "tp": sharded.tp, "ep": sharded.ep, "pp": sharded.pp,
+                  "reference": args.reference}
         print(json.dumps(result, indent=2) if args.json else
-              f"sharded tp {sharded.tp} ep {sharded.ep}, reference: {args.reference}\n" + report.table())
+              f"sharded tp {sharded.tp} ep {sharded.ep} pp {sharded.pp}, reference: {args.reference}\n"
+              + report.table())
         return EXIT_OK if report.passed else EXIT_CHECK_FAILED
 
     return _sharded(args.artifact, lambda world: (open_rank_session(args.artifact, world, max_len)[0], None), main,

@@ -158,7 +158,8 @@ def summarize_sharded(root: Path, sharded: ShardedManifest) -> str:
     each rank's share, the expert placement and its replicas; each ``DIR/rank{i}`` is inspected on its own."""
     lines = [f"sharded    {root}  (format {sharded.format_version}, compile {sharded.compile_id[:12]})",
              f"model      {_model_line(sharded.model_config)}",
-             f"split      tp {sharded.tp}, ep {sharded.ep}: {sharded.world_size} ranks, one process each"]
+             f"split      tp {sharded.tp}, ep {sharded.ep}" + (f", pp {sharded.pp}" if sharded.pp > 1 else "")
+             + f": {sharded.world_size} ranks, one process each"]
     if sharded.source:
         lines.append(f"source     {sharded.source}")
     lines.append(f"created    {sharded.created_utc or '?'}")
@@ -170,6 +171,15 @@ def summarize_sharded(root: Path, sharded: ShardedManifest) -> str:
               format_bytes(float(r.get("kv_bytes_per_token", 0))), str(r.get("manifest_sha256", ""))[:12]]
              for r in sharded.ranks]
     lines += _table(rows)
+    if sharded.pp > 1:
+        lines.append("")
+        stage_rows = [["stage", "layers", "holds", "ranks", "weights", "KV / token"]]
+        stage_rows += [[str(s["stage"]), _span(s.get("layers")),
+                        "+".join(part for part, held in (("embedding", s.get("embedding")), ("head", s.get("head")))
+                                 if held) or "-",
+                        ",".join(str(r) for r in s.get("ranks", [])), format_bytes(float(s.get("weight_bytes", 0))),
+                        format_bytes(float(s.get("kv_bytes_per_token", 0)))] for s in sharded.stages]
+        lines += _table(stage_rows)
     slots = sharded.expert_slots()
     lines.append("")
     if slots is None:

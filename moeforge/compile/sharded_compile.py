@@ -51,7 +51,7 @@ from moeforge.model.expert_slots import ExpertSlots, load_plan
 from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.loader import LoadedModel, release_weights, source_argument
 from moeforge.model.model import CausalLM
-from moeforge.model.pipeline_stages import StageSpec, plan_stages, stage_model, stage_sources
+from moeforge.model.pipeline_stages import StageSpec, plan_stages, stage_costs, stage_model, stage_sources
 from moeforge.model.rank_model import moe_layer_index, rank_sources, shard_model
 from moeforge.model.sharding import check_degrees, plan_sharding
 
@@ -65,6 +65,9 @@ COLLECTIVE_POINTS = (
     "each layer's MLP or MoE: one AllReduce of the routed + shared experts' partial sums [B, S, H]",
     "lm_head: AllGather of the vocab-parallel logits along the vocabulary axis -> [B, S, V] on every rank",
 )
+PIPELINE_POINT = ("between stages (--pp): the hidden state [T, H] sent point to point from tp rank t of stage s to tp "
+                  "rank t of stage s + 1, per micro-batch; the last stage's tp rank 0 sends the logits to rank 0; the "
+                  "collectives above run within each stage's group of tp ranks")
 
 
 def rank_dir(rank: int) -> str:
@@ -291,12 +294,13 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
                     build_rank(options, loaded, weights, rank, partial.root, bar)
             release_weights(loaded.model)
             ranks = [_rank_entry(partial.root, rank) for rank in range(world)]
+            points = list(COLLECTIVE_POINTS) + ([PIPELINE_POINT] if pp > 1 else [])
             sharded = ShardedManifest(
                 tp=tp, ep=ep, model_config=loaded.config.to_dict(), ranks=ranks, replicated=plan.replicated(),
                 kv_cache_note=_kv_note(loaded.config.mla is not None, tp, loaded.config.num_key_value_heads),
                 source=source_argument(options.model, loaded.source),
-                placement=None if slots is None else slots.to_dict(), pp=pp,
-                stages=[] if pp == 1 else _stage_entries(stages, ranks, tp))
+                placement=None if slots is None else slots.to_dict(), pp=pp, collectives=points,
+                stages=[] if pp == 1 else _stage_entries(options, loaded.config, stages, ranks))
             (partial.root / SHARDED_FILE).write_text(json.dumps(sharded.to_dict(), indent=2) + "\n", encoding="utf-8")
             (partial.root / RESUME_FILE).unlink()
             install_directory(partial.root, out)
@@ -339,21 +343,32 @@ def build_rank(options: CompileOptions, loaded: LoadedModel, weights: LazyWeight
 def compile_stages(options: CompileOptions, config: ModelConfig) -> list[StageSpec]:
     """The compile's pipeline stages (``plan_stages``: balanced by weight and KV bytes at the compile's sequence
     length and precision, or ``--pp-layers``); one stage without ``--pp``."""
-    scheme = str(options.quant.scheme or "fp32")
-    per_weight = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "fp8": 1.0}.get(scheme, 0.5)
     kv_tokens = options.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
-    return plan_stages(config, options.pp, layers=options.pp_layers, bytes_per_weight=per_weight,
+    return plan_stages(config, options.pp, layers=options.pp_layers, bytes_per_weight=_bytes_per_weight(options),
                        kv_tokens=kv_tokens)
 
 
-def _stage_entries(stages: list[StageSpec], ranks: list[dict[str, Any]], tp: int) -> list[dict[str, Any]]:
-    """sharded.json's stages: each stage's layers, its ranks, and its bytes (per rank: weights, KV per token)."""
+def _bytes_per_weight(options: CompileOptions) -> float:
+    """The planner's bytes per parameter at the compile's weight scheme (quantised: the packed weights alone)."""
+    scheme = str(options.quant.scheme or "fp32")
+    return {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "fp8": 1.0}.get(scheme, 0.5)
+
+
+def _stage_entries(options: CompileOptions, config: ModelConfig, stages: list[StageSpec],
+                   ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """sharded.json's stages: each stage's layers, its ranks, its bytes over its ranks (weight files, KV per token)
+    and the planner's estimate of them (``stage_costs``: parameters at the scheme's bytes, derived tables such as the
+    rotary caches and the argmax head not counted)."""
+    tp = options.tp
+    plan = stage_costs(config, stages, _bytes_per_weight(options), 4, tp, options.ep)
     out = []
-    for spec in stages:
+    for spec, cost in zip(stages, plan, strict=True):
         members = ranks[spec.stage * tp: (spec.stage + 1) * tp]
         out.append({**spec.to_dict(), "ranks": [entry["rank"] for entry in members],
                     "weight_bytes": sum(entry["weight_bytes"] for entry in members),
-                    "kv_bytes_per_token": sum(entry["kv_bytes_per_token"] for entry in members)})
+                    "kv_bytes_per_token": sum(entry["kv_bytes_per_token"] for entry in members),
+                    "planned_weight_bytes": cost.weight_bytes * tp,
+                    "planned_kv_bytes_per_token": cost.kv_bytes_per_token * tp})
     return out
 
 

@@ -31,6 +31,7 @@ from moeforge.core.errors import MoeforgeError
 from moeforge.model.attention import LayerCache, causal_mask
 from moeforge.model.model import CausalLM, KVCache, ModelOutput, cache_length
 from moeforge.model.rank_model import TensorSlice
+from moeforge.model.sharding import plan_sharding
 from moeforge.ops.collectives import torch_op as collectives  # noqa: F401  (registers torch.ops.moeforge.all_gather)
 
 HIDDEN_INPUT = "hidden_states_in"  # a later stage's graph input [B, S, H] (paged: [T, H])
@@ -70,27 +71,40 @@ class StageSpec:
 
 @dataclass(frozen=True)
 class StageCost:
-    """What one stage holds, in bytes (``plan_stages``'s cost model; the compile records the real ones)."""
+    """What each rank of one stage holds, in bytes (from the config; the compile records the real ones)."""
 
     weight_bytes: int
     kv_bytes_per_token: int
 
 
 def stage_costs(config: ModelConfig, specs: list[StageSpec], bytes_per_weight: float, kv_bytes_per_value: int,
-                tp: int = 1) -> list[StageCost]:
-    """Per stage: its weight bytes (``bytes_per_weight`` per parameter, divided over ``tp`` ranks) and KV bytes per
-    token (cached values per token and layer x ``kv_bytes_per_value``; MLA's latent is not split by tp)."""
-    per_layer_kv = config.kv_cache_values_per_token() * kv_bytes_per_value
-    if config.mla is None:
-        per_layer_kv = per_layer_kv // min(tp, config.num_key_value_heads) if tp > 1 else per_layer_kv
+                tp: int = 1, ep: int = 1) -> list[StageCost]:
+    """Per stage, what each of its ``tp`` ranks holds: weight bytes (``bytes_per_weight`` per parameter; each tensor
+    split by ``model/sharding.py``'s rules, replicated ones whole) and KV bytes per token (its layers' cached values x
+    ``kv_bytes_per_value``; MLA's latent is not split by tp, GQA's kv heads are). From the config alone."""
+    plan = plan_sharding(config, tp, ep)
+    per_layer: dict[int, int] = {}
+    embedding = head = norm = 0
+    for tensor in plan.tensors:
+        parts = tensor.name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            per_layer[int(parts[2])] = per_layer.get(int(parts[2]), 0) + tensor.per_rank_numel
+        elif tensor.name == "model.embed_tokens.weight":
+            embedding = tensor.per_rank_numel
+        elif tensor.name == "lm_head.weight":
+            head = tensor.per_rank_numel
+        elif tensor.name == "model.norm.weight":
+            norm = tensor.per_rank_numel
+    head = head or embedding  # tied: the last stage holds its own copy of the table
+    if config.mla is not None:
+        kv_layer = config.kv_cache_values_per_token()
+    else:
+        kv_layer = 2 * max(config.num_key_value_heads // tp, 1) * config.head_dim
     out = []
     for spec in specs:
-        params = sum(config.layer_parameters(i) for i in range(spec.first_layer, spec.last_layer))
-        if spec.has_embedding:
-            params += config.embedding_parameters()
-        if spec.has_head:
-            params += config.embedding_parameters() + config.hidden_size  # the head (tied: a copy) and final norm
-        out.append(StageCost(int(params * bytes_per_weight / tp), per_layer_kv * spec.num_layers))
+        params = sum(per_layer.get(i, 0) for i in range(spec.first_layer, spec.last_layer))
+        params += (embedding if spec.has_embedding else 0) + (head + norm if spec.has_head else 0)
+        out.append(StageCost(int(params * bytes_per_weight), kv_layer * kv_bytes_per_value * spec.num_layers))
     return out
 
 

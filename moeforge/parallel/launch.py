@@ -126,8 +126,9 @@ def start_world(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> World
             children.append(subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", *sys.argv[1:]], env=child_env,
                                              stdout=subprocess.DEVNULL))
     if world != size:
-        raise ArtifactError(f"{path} is sharded over {size} ranks but WORLD_SIZE is {world}: start it with "
-                            f"--nproc-per-node {size} (times the nodes: {size} processes in all)")
+        raise ArtifactError(f"{path} is sharded over {size} ranks (tp {sharded.tp}, pp {sharded.pp}) but WORLD_SIZE "
+                            f"is {world}: start it with --nproc-per-node {size} (or nodes x processes per node = "
+                            f"{size} processes in all)")
     try:
         init_process_group(rank, world, timeout_s=timeout_s)
     except CollectiveError:

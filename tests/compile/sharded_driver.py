@@ -7,7 +7,8 @@ OUT.json; every other rank serves the steps. ``--die-after N``: rank 1 exits abr
 mid-step), which must make rank 0 fail with an error, not hang. ``--speculative-tokens K``: prompt-lookup drafts for
 every running request (``speculative_max_batch`` 8), the draft counts written to OUT.json.metrics.json.
 ``--kv-host-bytes`` / ``--kv-disk-dir`` (with ``--kv-blocks``, ``--repeat``): KV tiers on every rank, the tier counts
-written to OUT.json.tiers.json.
+written to OUT.json.tiers.json. A pipeline artifact (``--pp``) runs the same way (``--micro-batches M``); a dying
+rank then dies in its stage's step.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class DyingBackend:
         self.after -= 1
         return self.inner.execute(step)
 
+    def execute_stage(self, step: Any, hidden: Any) -> Any:  # a pipeline stage's rank
+        if self.after <= 0:
+            os._exit(17)
+        self.after -= 1
+        return self.inner.execute_stage(step, hidden)
+
     def release(self, slot: int) -> None:
         self.inner.release(slot)
 
@@ -66,11 +73,13 @@ def main() -> int:
     parser.add_argument("--kv-host-bytes", type=int, default=0)
     parser.add_argument("--kv-disk-dir", default=None)
     parser.add_argument("--repeat", type=int, default=1, help="run the prompts this many times, one after the other")
+    parser.add_argument("--micro-batches", type=int, default=0, help="a pipeline artifact's micro-batches per step")
     args = parser.parse_args()
     config = EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=args.max_num_seqs),
         cache=CacheOptions(kv_blocks=args.kv_blocks, host_bytes=args.kv_host_bytes, disk_dir=args.kv_disk_dir),
-        backend=BackendOptions(threads=1, track_expert_load=args.expert_load is not None),
+        backend=BackendOptions(threads=1, track_expert_load=args.expert_load is not None,
+                               micro_batches=args.micro_batches),
         speculative=SpeculativeOptions(tokens=args.speculative_tokens,
                                        max_batch=8 if args.speculative_tokens else None))
     prompts = json.loads(args.prompts) if args.prompts else PROMPTS
@@ -94,7 +103,8 @@ def main() -> int:
                  "prefill_tokens": engine.metrics.prefill_tokens}))
         metrics = engine.metrics
         Path(args.out + ".metrics.json").write_text(json.dumps(
-            {"draft_tokens": metrics.draft_tokens, "accepted_draft_tokens": metrics.accepted_draft_tokens}))
+            {"draft_tokens": metrics.draft_tokens, "accepted_draft_tokens": metrics.accepted_draft_tokens,
+             "preemptions": metrics.preemptions, "steps": metrics.steps}))
         if args.expert_load:
             load, ranks, slots = backend.expert_load(), backend.rank_expert_load(), backend.slot_expert_load()
             Path(args.expert_load).write_text(json.dumps({
