@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="default: the artifact's target decides (onnxruntime for --target ort; tensorrt, on a CUDA "
                           "GPU, for --target trt); torch (the PyTorch reference) for checkpoints")
     run.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    run.add_argument("--micro-batches", type=int, default=0, metavar="M",
+                      help="pipeline artifacts (--pp): split each step into M micro-batches so the stages overlap "
+                           "(default 0: one per stage)")
     run.add_argument("--no-huge-pages", action="store_true",
                      help=NO_HUGE_PAGES_HELP)
     prompt = run.add_mutually_exclusive_group(required=True)
@@ -274,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     bench.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request")
     bench.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    bench.add_argument("--micro-batches", type=int, default=0, metavar="M",
+                        help="pipeline artifacts (--pp): split each step into M micro-batches so the stages overlap "
+                             "(default 0: one per stage)")
     bench.add_argument("--no-compare", action="store_true", help="measure only moeforge")
     bench.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                        help=SPECULATIVE_HELP)
@@ -323,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV-cache blocks (default: every running request can reach max_seq_len)")
     add_tier_flags(srv)
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    srv.add_argument("--micro-batches", type=int, default=0, metavar="M",
+                      help="pipeline artifacts (--pp): split each step into M micro-batches so the stages overlap "
+                           "(default 0: one per stage)")
     srv.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help=SPECULATIVE_HELP)
     srv.add_argument("--no-huge-pages", action="store_true",
                      help=NO_HUGE_PAGES_HELP)
@@ -490,7 +499,8 @@ def _run_artifact(args: argparse.Namespace) -> int:
     config = EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=1), cache=cache_options(args),
         backend=BackendOptions(threads=args.threads, huge_pages=not args.no_huge_pages,
-                               track_expert_load=args.expert_load_out is not None),
+                               track_expert_load=args.expert_load_out is not None,
+                               micro_batches=args.micro_batches),
         speculative=SpeculativeOptions(tokens=args.speculative_tokens))
     if is_sharded(args.model):
         return _sharded(args.model, lambda world: rank_worker(args.model, world, config),
@@ -588,7 +598,8 @@ def compile_options(args: argparse.Namespace) -> CompileOptions:
 def _cmd_compile(args: argparse.Namespace) -> int:
     if args.plan:
         check_degrees(args.tp, args.ep)
-        print(plan_compile(args.model, load_config(args.model), args.quant, args.tp, args.ep, args.block_size).table())
+        print(plan_compile(args.model, load_config(args.model), args.quant, args.tp, args.ep, args.block_size,
+                           args.pp, args.pp_layers).table())
         return EXIT_OK
     if args.output is None:
         raise MoeforgeError("-o/--output DIR is required: the artifact directory to create (--plan needs none)")
@@ -788,7 +799,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _sharded_bench(args: argparse.Namespace) -> dict[str, Any] | None:
     """``moeforge bench`` on a sharded artifact: rank 0 runs the engine over all ranks (no peers compared)."""
-    config = EngineConfig(backend=BackendOptions(threads=args.threads, track_expert_load=True))
+    config = EngineConfig(backend=BackendOptions(threads=args.threads, track_expert_load=True,
+                                                 micro_batches=args.micro_batches))
     results: list[dict[str, Any]] = []
 
     def main(backend: Any) -> int:
@@ -840,7 +852,7 @@ def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_blocks=args.kv_blocks, threads=args.threads, huge_pages=not args.no_huge_pages,
         kv_host_bytes=args.kv_host_bytes, kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
-        kv_offload_dtype=args.kv_offload_dtype,
+        kv_offload_dtype=args.kv_offload_dtype, micro_batches=args.micro_batches,
         speculative_tokens=args.speculative_tokens,
         chat_template=args.chat_template, max_body_bytes=args.max_body_bytes, stall_timeout=args.stall_timeout,
         header_timeout=args.header_timeout, max_connections=args.max_connections,

@@ -58,6 +58,10 @@ class _StatelessLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         out: ModelOutput = self.model(input_ids, position_ids, output_hidden_states=self.mark_layers)
         if out.hidden_states is not None:
+            if isinstance(self.model, StageLM) and not self.model.spec.has_head:
+                # A stage's output IS its last layer's output: one tensor named twice confuses the exporter's
+                # output names, so that layer's marker is added after the export (``_mark_stage_output``).
+                return (out.logits, *out.hidden_states[:-1])
             return (out.logits, *out.hidden_states)
         return out.logits
 
@@ -190,7 +194,8 @@ def export_stateless(model: CausalLM, mark_layers: bool = False, weights: LazyWe
             wrapper, example, dynamo=True, opset_version=OPSET, verbose=False,
             input_names=[first_input, INPUT_NAMES[1]],
             output_names=[output] + [LAYER_OUTPUT.format(i) for i in range(model.config.num_hidden_layers)
-                                       if mark_layers],
+                                     if mark_layers and not (output == HIDDEN_OUTPUT
+                                                             and i == model.config.num_hidden_layers - 1)],
             dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}),
             custom_translation_table={torch.ops.moeforge.moe_experts.default: moe_op.moe_experts_to_onnx,
                                       torch.ops.moeforge.moe_router.default: router_op.onnx_translation,
@@ -217,6 +222,8 @@ def export_stateless(model: CausalLM, mark_layers: bool = False, weights: LazyWe
                                config.mla.kv_lora_rank)
         sparse_mla_function.attach_function(onnx_model, attrs, "stateless")
     if mark_layers:
+        if output == HIDDEN_OUTPUT:
+            _mark_stage_output(onnx_model, model.config.num_hidden_layers - 1)
         _add_layer_markers(onnx_model)
     _name_dims(onnx_model)
     _forget_former_inputs(onnx_model.graph)
@@ -315,6 +322,18 @@ def _forget_former_inputs(graph: ir.Graph) -> None:
             del counter[value]
 
 
+def _mark_stage_output(model: ir.Model, last: int) -> None:
+    """A pipeline stage without the head: its last layer's output is the ``hidden_states`` output; list it as
+    ``layer_output.{last}`` too (through an Identity, which ``_add_layer_markers`` turns into the usual marker)."""
+    graph = model.graph
+    hidden = next(value for value in graph.outputs if value.name == HIDDEN_OUTPUT)
+    alias = ir.node("Identity", [hidden])
+    alias.outputs[0].name = LAYER_OUTPUT.format(last)
+    alias.outputs[0].shape, alias.outputs[0].type = hidden.shape, hidden.type
+    graph.append(alias)
+    graph.outputs.append(alias.outputs[0])
+
+
 def _add_layer_markers(model: ir.Model) -> None:
     graph = model.graph
     zero = None
@@ -348,6 +367,10 @@ def unmark_layers(model: ir.Model) -> list[str]:
         source = marker.inputs[0]
         assert source is not None
         graph.remove(marker, safe=True)
+        alias = source.producer()
+        if alias is not None and alias.op_type == "Identity" and not source.uses() and alias.inputs[0] is not None:
+            source = alias.inputs[0]  # a pipeline stage's last layer (``_mark_stage_output``): the output itself
+            graph.remove(alias, safe=True)
         names.append(source.name or "")
     if "layer_output.zero" in graph.initializers and not graph.initializers["layer_output.zero"].uses():
         graph.initializers.pop("layer_output.zero")

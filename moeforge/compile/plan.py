@@ -24,6 +24,7 @@ import torch
 from moeforge.core.config import ModelConfig
 from moeforge.model.lazy_weights import is_expert_stack_name
 from moeforge.model.model import CausalLM
+from moeforge.model.pipeline_stages import plan_stages, stage_model
 from moeforge.model.rank_model import shard_model
 from moeforge.quant.schemes import SCHEMES
 
@@ -61,7 +62,9 @@ class CompilePlan:
     ep: int
     total_parameters: int
     ranks: list[RankPlan]
-    layers: int = 0  # decoder layers (graph bookkeeping grows with them: PER_LAYER_BYTES)
+    layers: int = 0  # decoder layers of the largest rank graph (graph bookkeeping grows with them: PER_LAYER_BYTES)
+    pp: int = 1
+    stages: list[list[int]] | None = None  # each pipeline stage's layers [first, last) (pp > 1)
 
     @property
     def peak_bytes(self) -> int:
@@ -77,11 +80,16 @@ class CompilePlan:
     def table(self) -> str:
         """The plan as a text table, one line per rank."""
         lines = [f"plan: {self.model}, {self.total_parameters / 1e9:.1f} B parameters, {self.scheme} weights, "
-                 f"tp {self.tp} x ep {self.ep}",
-                 f"{'rank':>4}  {'parameters':>12}  {'artifact':>12}  {'largest layer (fp32)':>20}"]
+                 f"tp {self.tp} x ep {self.ep}" + (f", pp {self.pp}" if self.pp > 1 else ""),
+                 f"{'rank':>4}  {'parameters':>12}  {'artifact':>12}  {'largest layer (fp32)':>20}"
+                 + ("  stage (layers)" if self.stages else "")]
         for r in self.ranks:
+            stage = ""
+            if self.stages:
+                first, last = self.stages[r.rank // self.tp]
+                stage = f"  {r.rank // self.tp} ({first}-{last - 1})"
             lines.append(f"{r.rank:>4}  {r.parameters / 1e9:>10.2f} B  {r.artifact_bytes / GIB:>8.1f} GiB  "
-                         f"{r.largest_layer_fp32_bytes / GIB:>16.2f} GiB")
+                         f"{r.largest_layer_fp32_bytes / GIB:>16.2f} GiB{stage}")
         total = sum(r.artifact_bytes for r in self.ranks)
         lines.append(f"artifact: {total / GIB:.1f} GiB in all")
         lines.append(f"streamed compile (--stream) peak memory: ~{size_text(self.peak_bytes)} "
@@ -93,14 +101,18 @@ class CompilePlan:
 
 
 def plan_compile(model: str, config: ModelConfig, scheme: str | None = None, tp: int = 1, ep: int = 1,
-                 block_size: int | None = None) -> CompilePlan:
-    """The plan of compiling ``config`` with ``scheme`` (None: float32) into ``tp`` ranks (``ep`` expert-parallel)."""
+                 block_size: int | None = None, pp: int = 1, pp_layers: str | None = None) -> CompilePlan:
+    """The plan of compiling ``config`` with ``scheme`` (None: float32) into ``pp`` stages of ``tp`` ranks each
+    (``ep`` expert-parallel; stages as the compile splits them, ``plan_stages``)."""
     with torch.device("meta"):
         full = CausalLM(config, "absorb")
     bytes_per_param = _bytes_per_parameter(scheme, block_size)
+    stages = plan_stages(config, pp, layers=pp_layers, bytes_per_weight=bytes_per_param) if pp > 1 else []
     ranks = []
-    for rank in range(tp):
-        part = shard_model(full, tp, ep, rank)[0] if tp > 1 else full
+    for rank in range(tp * pp):
+        part: CausalLM = shard_model(full, tp, ep, rank % tp)[0] if tp > 1 else full
+        if stages:
+            part = stage_model(part, stages[rank // tp], tp)
         tensors = dict(part.state_dict())
         layers: dict[str, int] = {}
         artifact = 0
@@ -113,7 +125,9 @@ def plan_compile(model: str, config: ModelConfig, scheme: str | None = None, tp:
             layers[layer] = layers.get(layer, 0) + 4 * resident
         ranks.append(RankPlan(rank, sum(t.numel() for t in tensors.values()), artifact, max(layers.values())))
     total = sum(t.numel() for t in full.state_dict().values())
-    return CompilePlan(model, scheme or "fp32", tp, ep, total, ranks, config.num_hidden_layers)
+    layers = max((s.num_layers for s in stages), default=config.num_hidden_layers)  # a rank's graph: its stage's
+    return CompilePlan(model, scheme or "fp32", tp, ep, total, ranks, layers, pp,
+                       [[s.first_layer, s.last_layer] for s in stages])
 
 
 def _bytes_per_parameter(scheme: str | None, block_size: int | None) -> float:

@@ -67,6 +67,7 @@ class ServeOptions:
     kv_disk_bytes: int = DEFAULT_DISK_BYTES
     kv_offload_dtype: str = "native"
     threads: int | None = None
+    micro_batches: int = 0  # a pipeline artifact's micro-batches per step (0: one per stage)
     huge_pages: bool = True  # BackendOptions.huge_pages
     speculative_tokens: int = 0  # SpeculativeOptions.tokens
     chat_template: Path | None = None
@@ -128,7 +129,8 @@ def engine_config(options: ServeOptions) -> EngineConfig:
         cache=CacheOptions(kv_blocks=options.kv_blocks, host_bytes=options.kv_host_bytes, disk_dir=options.kv_disk_dir,
                            disk_bytes=options.kv_disk_bytes, offload_dtype=options.kv_offload_dtype),
         backend=BackendOptions(threads=options.threads, profile=options.profile_steps > 0,
-                               track_expert_load=True, huge_pages=options.huge_pages),
+                               track_expert_load=True, huge_pages=options.huge_pages,
+                               micro_batches=options.micro_batches),
         speculative=SpeculativeOptions(tokens=options.speculative_tokens))
 
 

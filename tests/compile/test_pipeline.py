@@ -26,10 +26,12 @@ from moeforge.core.config import ModelConfig
 from moeforge.core.errors import MoeforgeError
 from moeforge.model.loader import load_model
 from moeforge.model.pipeline_stages import stage_costs
+from moeforge.parallel.net import free_port
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.verify.parity import torch_reference
 from tests.compile.test_sharded import DRIVER, LAUNCH_TIMEOUT_S, MAX_TOKENS, _launch
+from tests.conftest import wait_healthy
 
 pytestmark = pytest.mark.heavy
 
@@ -235,3 +237,53 @@ def test_pipeline_compile_refusals_leave_nothing(tmp_path: Path) -> None:
                                                 kv_cache="paged", progress=False))
     assert not out.exists()
     assert not list(tmp_path.glob(".out*"))
+
+
+def test_pipeline_serve_answers_like_the_engine_and_stops_cleanly(pipeline_artifacts: dict[str, tuple[Path, Path]]
+                                                                  ) -> None:
+    """``moeforge serve DIR`` on a pp 2 x tp 2 artifact starts its 4 ranks, answers concurrent requests over HTTP with
+    the unsharded engine's tokens, and on SIGTERM drains, stops every rank and exits 0."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    staged, single = pipeline_artifacts[_case_id(CASES[3])]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "moeforge.cli", "serve", str(staged), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    prompts = [[5, 17, 3, 99, 42], [7, 7, 1], list(range(1, 40))]
+    try:
+        wait_healthy(proc, url)
+
+        def complete(prompt: list[int]) -> list[int]:
+            body = {"model": staged.name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}
+            answer = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+            return list(answer["choices"][0]["token_ids"])
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(complete, prompts))
+        assert answers == _unsharded_tokens(single, prompts)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "rank process exited" not in err
+
+
+def test_quantised_stages_give_the_unsharded_quantised_tokens(tmp_path: Path) -> None:
+    """int8 weights (and the int8 head) quantised per stage are the unsharded int8 artifact's: the same greedy tokens
+    through 2 stages, and only the last stage carries the head."""
+    sys.path.insert(0, str(DRIVER.parent))
+    from sharded_driver import PROMPTS
+
+    flags = {"model": "tiny-deepseek-v3", "kv_cache": "paged", "max_seq_len": 128, "quant": "int8", "progress": False}
+    staged = compile_model(CompileOptions.from_flags(output_dir=tmp_path / "pp", pp=2, **flags)).output_dir
+    single = compile_model(CompileOptions.from_flags(output_dir=tmp_path / "single", **flags)).output_dir
+    results = _launch(staged, tmp_path / "tokens.json", world=2)
+    assert [code for code, _ in results] == [0, 0], [err[-2000:] for _, err in results]
+    assert json.loads((tmp_path / "tokens.json").read_text()) == _unsharded_tokens(single, PROMPTS)
+    first = json.loads((staged / "rank0" / "manifest.json").read_text())
+    assert first["quantization"] is not None and "logits" not in [t["name"] for t in first["outputs"]]

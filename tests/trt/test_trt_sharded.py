@@ -39,3 +39,23 @@ def test_each_rank_gets_a_plan_with_distributed_collectives(preset: str, ep: int
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 2
     assert "holds TensorRT plans" in run.stderr and "--target ort" in run.stderr
+
+
+def test_each_pipeline_stage_gets_a_plan(tmp_path: Path) -> None:
+    """``--pp 2 --tp 2``: four plans; stage 0's engine takes token ids and returns the hidden state, stage 1's takes
+    the hidden state and returns logits; its collectives stay within the stage (2 ranks)."""
+    out = compile_model(CompileOptions.from_flags(model="tiny-deepseek-v3", output_dir=tmp_path / "trt", target="trt",
+                                                  pp=2, tp=2, kv_cache="paged", build_only=True, max_seq_len=64,
+                                                  trt_impl="tensorrt-rtx", sm=89, max_prefill_tokens=32,
+                                                  progress=False)).output_dir
+    for rank in range(4):
+        manifest = json.loads((out / f"rank{rank}" / "manifest.json").read_text())
+        engine = manifest["engine"]
+        assert (out / f"rank{rank}" / engine["plan_file"]).stat().st_size == engine["plan_bytes"] > 0
+        assert any("DistCollective layers over 2 ranks" in note for note in engine["notes"])
+        inputs = [t["name"] for t in manifest["inputs"]]
+        outputs = [t["name"] for t in manifest["outputs"]]
+        if rank < 2:
+            assert "input_ids" in inputs and "hidden_states" in outputs and "logits" not in outputs
+        else:
+            assert "hidden_states_in" in inputs and "logits" in outputs

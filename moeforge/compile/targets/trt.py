@@ -87,7 +87,8 @@ class TrtTarget:
         assert trt is not None, "check() runs first"
         opts, kv = self.options.trt, self.options.kv
         model_path = folder / MODEL_FILE
-        if self.options.tp == 1:  # a rank of a sharded artifact runs only beside its peers: no golden of its own
+        # A rank of a sharded or pipeline artifact runs only beside its peers: no golden of its own.
+        if self.options.tp == 1 and self.options.pp == 1:
             write_golden(folder, model_path, manifest.kv_cache,
                          default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN, seed=GOLDEN_PROMPT_SEED),
                          for_engine=True)
