@@ -110,6 +110,7 @@ def _rank_main(artifact: str, out: str, micro_batches: int, workload: str) -> in
         Path(f"{out}.rank{world.rank}").write_text(json.dumps({"intervals": local.intervals}))
         return code
     backend, _ = sharded_backend(artifact, world, config)
+    backend.min_micro_batch_tokens = 1  # type: ignore[union-attr]  (split decode steps too: raw GPipe)
     recording = _Recording(backend.local)
     backend.local = recording  # type: ignore[union-attr]
     steps: list[tuple[float, float]] = []

@@ -125,8 +125,8 @@ def plan_compile(model: str, config: ModelConfig, scheme: str | None = None, tp:
             layers[layer] = layers.get(layer, 0) + 4 * resident
         ranks.append(RankPlan(rank, sum(t.numel() for t in tensors.values()), artifact, max(layers.values())))
     total = sum(t.numel() for t in full.state_dict().values())
-    layers = max((s.num_layers for s in stages), default=config.num_hidden_layers)  # a rank's graph: its stage's
-    return CompilePlan(model, scheme or "fp32", tp, ep, total, ranks, layers, pp,
+    graph_layers = max((s.num_layers for s in stages), default=config.num_hidden_layers)  # a rank's: its stage's
+    return CompilePlan(model, scheme or "fp32", tp, ep, total, ranks, graph_layers, pp,
                        [[s.first_layer, s.last_layer] for s in stages])
 
 

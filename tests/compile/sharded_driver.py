@@ -69,14 +69,18 @@ def main() -> int:
     parser.add_argument("--expert-load", default=None,
                         help="write the expert load of the run (logical, per rank, per slot) to this JSON file")
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="chunked prefill: the step's budget")
     parser.add_argument("--kv-blocks", type=int, default=None)
     parser.add_argument("--kv-host-bytes", type=int, default=0)
     parser.add_argument("--kv-disk-dir", default=None)
     parser.add_argument("--repeat", type=int, default=1, help="run the prompts this many times, one after the other")
     parser.add_argument("--micro-batches", type=int, default=0, help="a pipeline artifact's micro-batches per step")
+    parser.add_argument("--min-micro-batch-tokens", type=int, default=None,
+                        help="a pipeline artifact's smallest piece (default: the backend's)")
     args = parser.parse_args()
     config = EngineConfig(
-        scheduling=SchedulingOptions(max_num_seqs=args.max_num_seqs),
+        scheduling=SchedulingOptions(max_num_seqs=args.max_num_seqs,
+                                     max_num_batched_tokens=args.max_num_batched_tokens),
         cache=CacheOptions(kv_blocks=args.kv_blocks, host_bytes=args.kv_host_bytes, disk_dir=args.kv_disk_dir),
         backend=BackendOptions(threads=1, track_expert_load=args.expert_load is not None,
                                micro_batches=args.micro_batches),
@@ -90,6 +94,8 @@ def main() -> int:
             local = DyingBackend(local, args.die_after)
         return run_worker(local, world, kv_tiers)
     backend, _ = sharded_backend(args.artifact, world, config)
+    if args.min_micro_batch_tokens is not None:
+        backend.min_micro_batch_tokens = args.min_micro_batch_tokens  # type: ignore[union-attr]
     try:
         engine = LLMEngine.from_artifact(Path(args.artifact) / rank_dir(0), config, backend=backend)
         for _ in range(args.repeat):

@@ -90,17 +90,19 @@ def test_pipeline_engine_matches_unsharded_and_pytorch(case: tuple[str, int, int
     assert metrics["steps"] > 0
 
 
-@pytest.mark.parametrize("micro_batches", [1, 4])
-def test_pipeline_tokens_do_not_depend_on_the_micro_batches(micro_batches: int,
+@pytest.mark.parametrize(("micro_batches", "step_tokens"), [(1, 512), (4, 512), (3, 16)])
+def test_pipeline_tokens_do_not_depend_on_the_micro_batches(micro_batches: int, step_tokens: int,
                                                              pipeline_artifacts: dict[str, tuple[Path, Path]],
                                                              tmp_path: Path) -> None:
-    """One micro-batch (no overlap) and more micro-batches than stages (prefill rows cut into token ranges) give the
-    unsharded tokens."""
+    """One micro-batch (no overlap), more micro-batches than stages (prefill rows cut into token ranges, decode steps
+    into rows: no minimum piece here), and chunked prefill (16-token steps: prompts span several steps, each cut in 3
+    pieces) give the unsharded tokens."""
     sys.path.insert(0, str(DRIVER.parent))
     from sharded_driver import PROMPTS
 
     staged, single = pipeline_artifacts[_case_id(CASES[1])]
-    results = _launch(staged, tmp_path / "tokens.json", "--micro-batches", str(micro_batches), world=2)
+    results = _launch(staged, tmp_path / "tokens.json", "--micro-batches", str(micro_batches),
+                      "--max-num-batched-tokens", str(step_tokens), "--min-micro-batch-tokens", "1", world=2)
     assert [code for code, _ in results] == [0, 0], [err[-2000:] for _, err in results]
     assert json.loads((tmp_path / "tokens.json").read_text()) == _unsharded_tokens(single, PROMPTS)
 

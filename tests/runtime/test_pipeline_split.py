@@ -87,3 +87,11 @@ def test_topology_maps_ranks_to_stages() -> None:
     assert topology.peer(2) == 5 and topology.peer(0) == 1
     assert topology.stage_ranks(2) == [4, 5]
     assert not topology.is_first and not topology.is_last
+
+
+def test_small_steps_are_not_cut_below_the_minimum() -> None:
+    """8 decode rows with a 32-token minimum stay one piece; a 100-token prefill is cut in 3 (not 4) pieces."""
+    assert len(split_micro_batches(_step([1] * 8), 4, min_tokens=32)) == 1
+    pieces = split_micro_batches(_step([100]), 4, min_tokens=32)
+    assert [piece.num_tokens for piece in pieces] == [34, 34, 32]
+    _check(_step([100]), 3)

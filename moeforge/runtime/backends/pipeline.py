@@ -112,12 +112,20 @@ class MicroBatch:
         return sum(row.num_logits for row in self.step.rows)
 
 
-def split_micro_batches(step: StepInput, count: int) -> list[MicroBatch]:
-    """``step`` cut into at most about ``count`` micro-batches of ~equal tokens, in row and token order: decode rows
-    are spread whole, a prefill row may be cut at any token (its pieces keep their order on every stage). A row that
-    asks for several logits (speculative verification) stays whole."""
+# Fewer tokens than this per micro-batch are not worth a piece: a decode piece of a few rows still reads all of its
+# stage's weights, so on a memory-bound step it costs nearly what the whole step does (benchmarks/pipeline.py: at
+# 8 decode rows, 2 pieces of 4 took 3.1 ms each where one of 8 took 4.4 ms, and tokens/s fell by 30%).
+MIN_MICRO_BATCH_TOKENS = 32
+
+
+def split_micro_batches(step: StepInput, count: int, min_tokens: int = 1) -> list[MicroBatch]:
+    """``step`` cut into at most about ``count`` micro-batches of ~equal tokens, and none of fewer than ``min_tokens``
+    unless the step is smaller, in row and token order: decode rows are spread whole, a prefill row may be cut at any
+    token (its pieces keep their order on every stage). A row that asks for several logits (speculative
+    verification) stays whole."""
     total = sum(len(row.token_ids) for row in step.rows)
-    target = max(math.ceil(total / max(count, 1)), 1)
+    count = max(min(count, total // max(min_tokens, 1)), 1)
+    target = max(math.ceil(total / count), 1)
     pieces: list[MicroBatch] = []
     rows: list[RowInput] = []
     keep: list[int] = []
@@ -268,6 +276,7 @@ class PipelineBackend:
         self.local = local  # stage 0's paged backend (its execute_stage)
         self.topology = topology
         self.micro_batches = micro_batches or topology.pp
+        self.min_micro_batch_tokens = MIN_MICRO_BATCH_TOKENS  # benchmarks/pipeline.py sets 1 to measure raw GPipe
         self._vocab = vocab_size
         self._last = topology.stage_ranks(topology.pp - 1)[0]  # returns the logits
         self._channel = _StageChannel(group)
@@ -318,7 +327,7 @@ class PipelineBackend:
 
     def execute(self, step: StepInput) -> np.ndarray:
         """Run ``step`` through every stage in micro-batches; logits [sum of num_logits, V] in row order."""
-        pieces = split_micro_batches(step, self.micro_batches)
+        pieces = split_micro_batches(step, self.micro_batches, self.min_micro_batch_tokens)
         with self._lock:
             self._check_alive()
             began = time.perf_counter()
