@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moeforge.compile.options import DEFAULT_MAX_SEQ_LEN
 from moeforge.core.config import ModelConfig
 from moeforge.model.lazy_weights import is_expert_stack_name
 from moeforge.model.model import CausalLM
-from moeforge.model.pipeline_stages import plan_stages, stage_model
+from moeforge.model.pipeline_stages import StageSpec, plan_stages, stage_model
 from moeforge.model.rank_model import shard_model
 from moeforge.quant.schemes import SCHEMES
 
@@ -106,8 +107,8 @@ def plan_compile(model: str, config: ModelConfig, scheme: str | None = None, tp:
     (``ep`` expert-parallel; stages as the compile splits them, ``plan_stages``)."""
     with torch.device("meta"):
         full = CausalLM(config, "absorb")
-    bytes_per_param = _bytes_per_parameter(scheme, block_size)
-    stages = plan_stages(config, pp, layers=pp_layers, bytes_per_weight=bytes_per_param) if pp > 1 else []
+    bytes_per_param = bytes_per_parameter(scheme, block_size)
+    stages = pipeline_stages(config, pp, pp_layers, scheme, block_size) if pp > 1 else []
     ranks = []
     for rank in range(tp * pp):
         part: CausalLM = shard_model(full, tp, ep, rank % tp)[0] if tp > 1 else full
@@ -130,7 +131,7 @@ def plan_compile(model: str, config: ModelConfig, scheme: str | None = None, tp:
                        [[s.first_layer, s.last_layer] for s in stages])
 
 
-def _bytes_per_parameter(scheme: str | None, block_size: int | None) -> float:
+def bytes_per_parameter(scheme: str | None, block_size: int | None) -> float:
     """Storage per weight of a matrix: codes + a float32 scale (and offset) per block."""
     if scheme is None or scheme == "fp32":
         return 4.0
@@ -152,3 +153,15 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def pipeline_stages(config: ModelConfig, pp: int, pp_layers: str | None, scheme: str | None,
+                    block_size: int | None, max_seq_len: int | None = None, kv_bytes_per_value: int = 4
+                    ) -> list[StageSpec]:
+    """The stages a ``--pp`` compile writes (and ``--plan`` shows): ``plan_stages`` balanced by the scheme's weight
+    bytes and the KV of one sequence of ``max_seq_len`` (default: min(DEFAULT_MAX_SEQ_LEN, the model's limit)), or
+    ``pp_layers``."""
+    kv_tokens = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
+    return plan_stages(config, pp, layers=pp_layers, bytes_per_weight=bytes_per_parameter(scheme, block_size),
+                       kv_bytes_per_value=kv_bytes_per_value, kv_tokens=kv_tokens)
+

@@ -29,8 +29,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from moeforge.compile.options import DEFAULT_MAX_SEQ_LEN, CompileOptions
+from moeforge.compile.options import CompileOptions
 from moeforge.compile.partial_compile import RESUME_FILE, open_partial
+from moeforge.compile.plan import bytes_per_parameter, pipeline_stages
 from moeforge.compile.stages import ARTIFACT_STAGES, build_artifact, make_job, open_source, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.compile.targets.ort import OrtTarget
@@ -51,7 +52,7 @@ from moeforge.model.expert_slots import ExpertSlots, load_plan
 from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.loader import LoadedModel, release_weights, source_argument
 from moeforge.model.model import CausalLM
-from moeforge.model.pipeline_stages import StageSpec, plan_stages, stage_costs, stage_model, stage_sources
+from moeforge.model.pipeline_stages import StageSpec, stage_costs, stage_model, stage_sources
 from moeforge.model.rank_model import moe_layer_index, rank_sources, shard_model
 from moeforge.model.sharding import check_degrees, plan_sharding
 
@@ -341,17 +342,16 @@ def build_rank(options: CompileOptions, loaded: LoadedModel, weights: LazyWeight
 
 
 def compile_stages(options: CompileOptions, config: ModelConfig) -> list[StageSpec]:
-    """The compile's pipeline stages (``plan_stages``: balanced by weight and KV bytes at the compile's sequence
-    length and precision, or ``--pp-layers``); one stage without ``--pp``."""
-    kv_tokens = options.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
-    return plan_stages(config, options.pp, layers=options.pp_layers, bytes_per_weight=_bytes_per_weight(options),
-                       kv_tokens=kv_tokens)
+    """The compile's pipeline stages (``plan.pipeline_stages``: balanced by weight and KV bytes at the compile's
+    sequence length and scheme, or ``--pp-layers``); one stage without ``--pp``."""
+    quant = options.quant
+    return pipeline_stages(config, options.pp, options.pp_layers, quant.weights, quant.block_size,
+                           options.max_seq_len, _kv_bytes_per_value(options))
 
 
-def _bytes_per_weight(options: CompileOptions) -> float:
-    """The planner's bytes per parameter at the compile's weight scheme (quantised: the packed weights alone)."""
-    scheme = str(options.quant.scheme or "fp32")
-    return {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "fp8": 1.0}.get(scheme, 0.5)
+def _kv_bytes_per_value(options: CompileOptions) -> int:
+    """Bytes of one cached value: 1 with ``--kv-quant int8``, else float32's 4."""
+    return 1 if options.quant.kv_cache == "int8" else 4
 
 
 def _stage_entries(options: CompileOptions, config: ModelConfig, stages: list[StageSpec],
@@ -360,7 +360,8 @@ def _stage_entries(options: CompileOptions, config: ModelConfig, stages: list[St
     and the planner's estimate of them (``stage_costs``: parameters at the scheme's bytes, derived tables such as the
     rotary caches and the argmax head not counted)."""
     tp = options.tp
-    plan = stage_costs(config, stages, _bytes_per_weight(options), 4, tp, options.ep)
+    plan = stage_costs(config, stages, bytes_per_parameter(options.quant.weights, options.quant.block_size),
+                       _kv_bytes_per_value(options), tp, options.ep)
     out = []
     for spec, cost in zip(stages, plan, strict=True):
         members = ranks[spec.stage * tp: (spec.stage + 1) * tp]

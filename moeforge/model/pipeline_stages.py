@@ -239,7 +239,11 @@ def stage_model(source: CausalLM, spec: StageSpec, group_size: int = 1) -> Stage
     full = source.model
     stage.model.layers = nn.ModuleList(list(full.layers[spec.first_layer: spec.last_layer]))
     stage.model.rotary = copy.deepcopy(full.rotary)  # every stage has one: each is released with its own stage
-    stage.model.embed_tokens = full.embed_tokens if spec.has_embedding else None  # type: ignore[assignment]
+    # A tied table is also the last stage's head: stage 0 takes its own copy, so that releasing stage 0's weights
+    # once its graph is written (compile/stages.py) leaves the source's table for the last stage to copy.
+    tied = source.lm_head is None and spec.pp > 1
+    embedding = copy.deepcopy(full.embed_tokens) if tied else full.embed_tokens
+    stage.model.embed_tokens = embedding if spec.has_embedding else None  # type: ignore[assignment]
     stage.model.norm = full.norm if spec.has_head else None  # type: ignore[assignment]
     if not spec.has_head:
         stage.lm_head = None

@@ -138,7 +138,7 @@ def start_world(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> World
     if sharded.pp == 1:
         return World(rank, world, children)
     topology = Topology(sharded.pp, sharded.tp, rank)
-    group = stage_groups(topology)  # every rank creates every stage's group, in order
+    group = stage_groups(topology, timeout_s)  # every rank creates every stage's group, in order
     set_collective_group(group)  # the graph's tp collectives stay inside the stage
     return World(rank, world, children, topology, group, int(sharded.model_config["hidden_size"]))
 

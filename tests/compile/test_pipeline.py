@@ -289,3 +289,22 @@ def test_quantised_stages_give_the_unsharded_quantised_tokens(tmp_path: Path) ->
     assert json.loads((tmp_path / "tokens.json").read_text()) == _unsharded_tokens(single, PROMPTS)
     first = json.loads((staged / "rank0" / "manifest.json").read_text())
     assert first["quantization"] is not None and "logits" not in [t["name"] for t in first["outputs"]]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+def test_tied_embeddings_split_into_stages(stream: bool, tmp_path: Path) -> None:
+    """A Hub-style tied Llama: stage 0 holds the table, the last stage a copy as its head, whether the compile holds
+    the model (the stages share its modules: releasing stage 0's weights must not take the head's) or streams each
+    stage's tensors from the checkpoint; the tokens are the unsharded artifact's."""
+    from tests.compile.test_stream_compile import _llama_folder
+
+    sys.path.insert(0, str(DRIVER.parent))
+    from sharded_driver import PROMPTS
+
+    folder = _llama_folder(tmp_path / "llama")
+    flags = {"model": str(folder), "kv_cache": "paged", "max_seq_len": 64, "stream": stream, "progress": False}
+    staged = compile_model(CompileOptions.from_flags(output_dir=tmp_path / "pp", pp=2, **flags)).output_dir
+    single = compile_model(CompileOptions.from_flags(output_dir=tmp_path / "single", **flags)).output_dir
+    results = _launch(staged, tmp_path / "tokens.json", world=2)
+    assert [code for code, _ in results] == [0, 0], [err[-2000:] for _, err in results]
+    assert json.loads((tmp_path / "tokens.json").read_text()) == _unsharded_tokens(single, PROMPTS)

@@ -25,6 +25,7 @@ fails and it raises ``RankFailure``. While idle, rank 0 sends a HEARTBEAT down t
 from __future__ import annotations
 
 import collections
+import datetime
 import logging
 import math
 import threading
@@ -81,14 +82,15 @@ class Topology:
         return list(range(stage * self.tp, (stage + 1) * self.tp))
 
 
-def stage_groups(topology: Topology) -> dist.ProcessGroup | None:
-    """One process group per stage (created by every rank, in the same order, as ``new_group`` requires); this rank's
-    own stage's group, or None with tp 1 (nothing to reduce within a stage)."""
+def stage_groups(topology: Topology, timeout_s: float) -> dist.ProcessGroup | None:
+    """One process group per stage (created by every rank, in the same order, as ``new_group`` requires) with the
+    world's timeout (``new_group``'s default is 30 minutes); this rank's own stage's group, or None with tp 1 (nothing
+    to reduce within a stage)."""
     if topology.tp == 1:
         return None
     mine = None
     for stage in range(topology.pp):
-        group = dist.new_group(topology.stage_ranks(stage))
+        group = dist.new_group(topology.stage_ranks(stage), timeout=datetime.timedelta(seconds=timeout_s))
         if stage == topology.stage:
             mine = group
     return mine
@@ -172,7 +174,8 @@ class _Sends:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         while self.pending and self.pending[0][0].is_completed():
-            self.pending.popleft()
+            work, _ = self.pending.popleft()
+            work.wait()  # returns at once, or raises the send's error
         if len(self.pending) >= _MAX_PENDING:
             work, _ = self.pending.popleft()
             work.wait()
@@ -327,6 +330,8 @@ class PipelineBackend:
 
     def execute(self, step: StepInput) -> np.ndarray:
         """Run ``step`` through every stage in micro-batches; logits [sum of num_logits, V] in row order."""
+        if not step.rows:
+            return np.zeros((0, self._vocab), np.float32)
         pieces = split_micro_batches(step, self.micro_batches, self.min_micro_batch_tokens)
         with self._lock:
             self._check_alive()
@@ -345,9 +350,12 @@ class PipelineBackend:
                     _forward(self._sends, self.topology.peer(1), EXECUTE, self._seq, piece.step, hidden)
                 for work in receives:
                     work.wait()
-            except Exception as exc:
-                raise self._fail(f"a pipeline step failed on rank 0 or a later stage ({type(exc).__name__}: {exc})"
-                                 ) from exc
+            except BaseException as exc:  # an interrupt too: pieces may be in flight, the stages are out of step
+                failure = self._fail(f"a pipeline step failed on rank 0 or a later stage ({type(exc).__name__}: "
+                                     f"{exc})")
+                if not isinstance(exc, Exception):
+                    raise
+                raise failure from exc
             self.step_seconds += time.perf_counter() - began
             self._last_sent = time.monotonic()
         kept = [buffer.numpy()[list(piece.keep)] for piece, buffer in zip(pieces, buffers, strict=True)]
@@ -446,8 +454,8 @@ def serve_stage(local: Any, topology: Topology, hidden_size: int, group: dist.Pr
                 on_step(time.perf_counter() - start)
             if not topology.is_last:
                 _forward(sends, topology.peer(topology.stage + 1), EXECUTE, seq, message.step, out)
-            elif topology.tp_rank == 0:
-                sends.send(torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)), 0, LOGITS)
+            elif topology.tp_rank == 0:  # a copy: the runner's logits buffer is rewritten by the next piece
+                sends.send(torch.from_numpy(np.array(out, dtype=np.float32, copy=True)), 0, LOGITS)
         except Exception as exc:
             raise RankFailure(f"rank {rank} (stage {topology.stage}): message {seq} ({_OPS[message.op]}) failed "
                               f"({type(exc).__name__}: {exc})") from exc
