@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     run.add_argument("--micro-batches", type=int, default=0, metavar="M",
                       help="pipeline artifacts (--pp): split each step into M micro-batches so the stages overlap "
-                           "(default 0: one per stage)")
+                           "(default 0: one per stage, none below 32 tokens)")
     run.add_argument("--no-huge-pages", action="store_true",
                      help=NO_HUGE_PAGES_HELP)
     prompt = run.add_mutually_exclusive_group(required=True)
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     bench.add_argument("--micro-batches", type=int, default=0, metavar="M",
                         help="pipeline artifacts (--pp): split each step into M micro-batches so the stages overlap "
-                             "(default 0: one per stage)")
+                             "(default 0: one per stage, none below 32 tokens)")
     bench.add_argument("--no-compare", action="store_true", help="measure only moeforge")
     bench.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                        help=SPECULATIVE_HELP)
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     srv.add_argument("--micro-batches", type=int, default=0, metavar="M",
                       help="pipeline artifacts (--pp): split each step into M micro-batches so the stages overlap "
-                           "(default 0: one per stage)")
+                           "(default 0: one per stage, none below 32 tokens)")
     srv.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help=SPECULATIVE_HELP)
     srv.add_argument("--no-huge-pages", action="store_true",
                      help=NO_HUGE_PAGES_HELP)

@@ -279,7 +279,9 @@ class PipelineBackend:
         self.local = local  # stage 0's paged backend (its execute_stage)
         self.topology = topology
         self.micro_batches = micro_batches or topology.pp
-        self.min_micro_batch_tokens = MIN_MICRO_BATCH_TOKENS  # benchmarks/pipeline.py sets 1 to measure raw GPipe
+        # The default (one piece per stage) keeps pieces of at least MIN_MICRO_BATCH_TOKENS; a count the user asked
+        # for is taken as it is (up to one row or token per piece), decode steps included.
+        self.min_micro_batch_tokens = 1 if micro_batches else MIN_MICRO_BATCH_TOKENS
         self._vocab = vocab_size
         self._last = topology.stage_ranks(topology.pp - 1)[0]  # returns the logits
         self._channel = _StageChannel(group)
