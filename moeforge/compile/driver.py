@@ -100,8 +100,8 @@ def _check_options(options: CompileOptions) -> None:
         raise MoeforgeError(f"--workers must be >= 1, got {options.workers}")
     if options.workers > 1 and not (sharded and options.stream):
         raise MoeforgeError("--workers builds the ranks of a streamed sharded compile in parallel processes: it "
-                            "needs --tp (or --ep or --pp) and --stream (without --stream each worker would load the whole "
-                            "model)")
+                            "needs --tp (or --ep or --pp) and --stream (without --stream each worker would load the "
+                            "whole model)")
     if options.placement is not None and not (options.ep > 1 and options.ep == options.tp):
         raise MoeforgeError(f"--placement places whole experts on expert-parallel ranks: it needs --tp N --ep N "
                             f"with N > 1 (got --tp {options.tp} --ep {options.ep}); pass the --ep the plan was made "
