@@ -94,10 +94,17 @@ class CausalLM(nn.Module):
     ) -> ModelOutput:
         """input_ids, position_ids: [B, S] int64; past_key_values: one tuple per layer (see attention
         modules for layouts) or None. Returns logits [B, S, V] float32 and the grown cache."""
-        x = self.model.embed_tokens(input_ids)  # [B, S, H]
+        x, present, hidden = self.run_layers(self.model.embed_tokens(input_ids), position_ids, past_key_values,
+                                             output_hidden_states)
+        return ModelOutput(self.lm_logits(self.model.norm(x)), present, hidden)
+
+    def run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, past_key_values: KVCache | None,
+                   output_hidden_states: bool) -> tuple[torch.Tensor, KVCache, tuple[torch.Tensor, ...] | None]:
+        """The decoder layers on x [B, S, H]: the last layer's output, the grown cache, and (with
+        ``output_hidden_states``) every layer's output (a pipeline stage runs its own layers through this too)."""
         cos, sin = self.model.rotary(position_ids)
         past_len = 0 if past_key_values is None else cache_length(past_key_values, self.mla_impl, self.config)
-        mask = causal_mask(past_len, input_ids.shape[1], self.config.sliding_window, input_ids.device)
+        mask = causal_mask(past_len, position_ids.shape[1], self.config.sliding_window, position_ids.device)
         present: list[LayerCache] = []
         hidden: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
@@ -106,8 +113,7 @@ class CausalLM(nn.Module):
             present.append(layer_cache)
             if output_hidden_states:
                 hidden.append(x)
-        logits = self.lm_logits(self.model.norm(x))
-        return ModelOutput(logits, tuple(present), tuple(hidden) if output_hidden_states else None)
+        return x, tuple(present), tuple(hidden) if output_hidden_states else None
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head: x [B, S, H] -> logits [B, S, V] float32 (a tensor-parallel rank overrides it)."""

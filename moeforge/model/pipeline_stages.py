@@ -28,8 +28,7 @@ from torch import nn
 
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import MoeforgeError
-from moeforge.model.attention import LayerCache, causal_mask
-from moeforge.model.model import CausalLM, KVCache, ModelOutput, cache_length
+from moeforge.model.model import CausalLM, KVCache, ModelOutput
 from moeforge.model.rank_model import TensorSlice
 from moeforge.model.sharding import plan_sharding
 from moeforge.ops.collectives import torch_op as collectives  # noqa: F401  (registers torch.ops.moeforge.all_gather)
@@ -204,19 +203,8 @@ class StageLM(CausalLM):
         output_hidden_states: bool = False,
     ) -> ModelOutput:
         x = self.model.embed_tokens(inputs) if self.spec.has_embedding else inputs  # [B, S, H]
-        cos, sin = self.model.rotary(position_ids)
-        past_len = 0 if past_key_values is None else cache_length(past_key_values, self.mla_impl, self.config)
-        mask = causal_mask(past_len, position_ids.shape[1], self.config.sliding_window, position_ids.device)
-        present: list[LayerCache] = []
-        hidden: list[torch.Tensor] = []
-        for i, layer in enumerate(self.model.layers):
-            x, layer_cache = layer(x, cos, sin, mask, None if past_key_values is None else past_key_values[i],
-                                   position_ids)
-            present.append(layer_cache)
-            if output_hidden_states:
-                hidden.append(x)
-        out = self.lm_logits(self.model.norm(x)) if self.spec.has_head else x
-        return ModelOutput(out, tuple(present), tuple(hidden) if output_hidden_states else None)
+        x, present, hidden = self.run_layers(x, position_ids, past_key_values, output_hidden_states)
+        return ModelOutput(self.lm_logits(self.model.norm(x)) if self.spec.has_head else x, present, hidden)
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.output_embedding).to(torch.float32)  # [B, S, V / N]

@@ -28,7 +28,6 @@ import collections
 import datetime
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ import torch.distributed as dist
 
 from moeforge.ops.collectives.ort import raise_collective_failure
 from moeforge.runtime.backends.base import Backend, PoolInfo, RowInput, StepInput
-from moeforge.runtime.backends.sharded import RankFailure, decode_step, encode_step
+from moeforge.runtime.backends.sharded import RankCoordinator, RankFailure, decode_step, encode_step
 
 log = logging.getLogger(__name__)
 
@@ -269,8 +268,10 @@ def _posted(work: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- rank 0
-class PipelineBackend:
+class PipelineBackend(RankCoordinator):
     """Rank 0's ``Backend`` for a pipeline artifact: each step in micro-batches through the stages (module doc)."""
+
+    title = "pipeline backend"
 
     def __init__(self, local: Any, topology: Topology, *, vocab_size: int, micro_batches: int, heartbeat_s: float,
                  group: dist.ProcessGroup | None = None) -> None:
@@ -287,16 +288,11 @@ class PipelineBackend:
         self._channel = _StageChannel(group)
         self._sends = _Sends()
         self._seq = 0
-        self._lock = threading.Lock()
-        self._failure: str | None = None
-        self._stopped = False
-        self._last_sent = time.monotonic()
-        self._heartbeat_s = heartbeat_s
         # Idle time of stage 0 (rank 0's own) and of the whole step, for benchmarks/pipeline.py's bubble.
         self.stage_busy_seconds = 0.0
         self.step_seconds = 0.0
-        self._beat = threading.Thread(target=self._heartbeats, name="moeforge-pipeline-heartbeat", daemon=True)
-        self._beat.start()
+        super().__init__(heartbeat_s)
+        self._start_heartbeats()
 
     @property
     def num_slots(self) -> int:
@@ -380,41 +376,13 @@ class PipelineBackend:
             except Exception as exc:
                 self._failure = f"a peer did not take the stop ({type(exc).__name__}: {exc})"
 
-    @property
-    def failure(self) -> str | None:
-        return self._failure
-
     def _send_control(self, op: int) -> None:
         self._seq += 1
         self._channel.send(op, self._seq, None)
         _forward(self._sends, self.topology.peer(1), op, self._seq, None, None)
 
-    def _check_alive(self) -> None:
-        if self._failure is not None:
-            raise RankFailure(f"the pipeline backend stopped after a failure: {self._failure}")
-        if self._stopped:
-            raise RankFailure("the pipeline backend is closed")
-
-    def _fail(self, why: str) -> RankFailure:
-        self._failure = why
-        log.error("pipeline backend: %s", why)
-        return RankFailure(f"{why}; every rank stops (a rank died, hung past the timeout, or runs another artifact)")
-
-    def _heartbeats(self) -> None:
-        while True:
-            time.sleep(self._heartbeat_s / 4)
-            if self._stopped or self._failure is not None:
-                return
-            if time.monotonic() - self._last_sent < self._heartbeat_s or not self._lock.acquire(blocking=False):
-                continue
-            try:
-                if not self._stopped and self._failure is None:
-                    self._send_control(HEARTBEAT)
-                    self._last_sent = time.monotonic()
-            except Exception as exc:
-                self._fail(f"a peer did not take a heartbeat ({type(exc).__name__}: {exc})")
-            finally:
-                self._lock.release()
+    def _send_heartbeat(self) -> None:
+        self._send_control(HEARTBEAT)
 
 
 # ---------------------------------------------------------------------------------------------- other ranks

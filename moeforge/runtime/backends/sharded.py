@@ -148,7 +148,60 @@ class ExpertLayout:
         return np.asarray(gathered.sum(axis=2).T)
 
 
-class ShardedBackend:
+class RankCoordinator:
+    """Rank 0's side of a world of ranks, shared by ``ShardedBackend`` and the pipeline's ``PipelineBackend``: one
+    control sequence at a time (``_lock``), the first failure (fatal: every later call raises), and a heartbeat sent
+    while idle so the other ranks' waits never time out. A subclass sends its heartbeat in ``_send_heartbeat`` and
+    calls ``_start_heartbeats`` once it can."""
+
+    title = "sharded backend"
+
+    def __init__(self, heartbeat_s: float) -> None:
+        self._lock = threading.Lock()  # one collective sequence at a time: steps, releases and heartbeats
+        self._failure: str | None = None
+        self._stopped = False
+        self._last_sent = time.monotonic()
+        self._heartbeat_s = heartbeat_s
+
+    def _start_heartbeats(self) -> None:
+        threading.Thread(target=self._heartbeats, name="moeforge-heartbeat", daemon=True).start()
+
+    def _send_heartbeat(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise RankFailure(f"the {self.title} stopped after a failure: {self._failure}")
+        if self._stopped:
+            raise RankFailure(f"the {self.title} is closed")
+
+    def _fail(self, why: str) -> RankFailure:
+        self._failure = why
+        log.error("%s: %s", self.title, why)
+        return RankFailure(f"{why}; every rank stops (a rank died, hung past the timeout, or runs another artifact)")
+
+    def _heartbeats(self) -> None:
+        while True:
+            time.sleep(self._heartbeat_s / 4)
+            if self._stopped or self._failure is not None:
+                return
+            if time.monotonic() - self._last_sent < self._heartbeat_s or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if not self._stopped and self._failure is None:
+                    self._send_heartbeat()
+                    self._last_sent = time.monotonic()
+            except Exception as exc:
+                self._fail(f"a peer did not take a heartbeat ({type(exc).__name__}: {exc})")
+            finally:
+                self._lock.release()
+
+
+class ShardedBackend(RankCoordinator):
     """Rank 0's ``Backend``: broadcasts each step and release, then runs its own rank's backend (``local``)."""
 
     def __init__(self, local: Backend, world_size: int, heartbeat_s: float,
@@ -159,13 +212,8 @@ class ShardedBackend:
         self._steps = 0  # steps executed: the expert counts gathered after step n stay valid until step n + 1
         self._gathered: tuple[int, np.ndarray] | None = None
         self._channel = Channel()
-        self._lock = threading.Lock()  # one collective sequence at a time: steps, releases and heartbeats
-        self._failure: str | None = None
-        self._stopped = False
-        self._last_sent = time.monotonic()
-        self._heartbeat_s = heartbeat_s
-        self._beat = threading.Thread(target=self._heartbeats, name="moeforge-heartbeat", daemon=True)
-        self._beat.start()
+        super().__init__(heartbeat_s)
+        self._start_heartbeats()
 
     # Backend protocol: sizes from rank 0's backend (every rank allocated the same, see open_rank_backend).
     @property
@@ -291,36 +339,8 @@ class ShardedBackend:
             except Exception as exc:
                 self._failure = f"a peer did not take the stop ({type(exc).__name__}: {exc})"
 
-    @property
-    def failure(self) -> str | None:
-        return self._failure
-
-    def _check_alive(self) -> None:
-        if self._failure is not None:
-            raise RankFailure(f"the sharded backend stopped after a failure: {self._failure}")
-        if self._stopped:
-            raise RankFailure("the sharded backend is closed")
-
-    def _fail(self, why: str) -> RankFailure:
-        self._failure = why
-        log.error("sharded backend: %s", why)
-        return RankFailure(f"{why}; every rank stops (a rank died, hung past the timeout, or runs another artifact)")
-
-    def _heartbeats(self) -> None:
-        while True:
-            time.sleep(self._heartbeat_s / 4)
-            if self._stopped or self._failure is not None:
-                return
-            if time.monotonic() - self._last_sent < self._heartbeat_s or not self._lock.acquire(blocking=False):
-                continue
-            try:
-                if not self._stopped and self._failure is None:
-                    self._channel.send(HEARTBEAT)
-                    self._last_sent = time.monotonic()
-            except Exception as exc:
-                self._fail(f"a peer did not take a heartbeat ({type(exc).__name__}: {exc})")
-            finally:
-                self._lock.release()
+    def _send_heartbeat(self) -> None:
+        self._channel.send(HEARTBEAT)
 
 
 def encode_forward(input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
