@@ -18,7 +18,8 @@ import torch
 
 from moeforge.cli.inspect import format_bytes
 from moeforge.compile.genai_config import genai_greedy
-from moeforge.core.artifact import KVCacheSpec, load_artifact
+from moeforge.core.artifact import MODEL_FILE, KVCacheSpec, load_artifact
+from moeforge.core.bandwidth import Bandwidth
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import available_memory, host_bytes
 from moeforge.core.manifest import tool_versions
@@ -34,6 +35,7 @@ from moeforge.runtime.engine import (
     SpeculativeOptions,
 )
 from moeforge.runtime.expert_stats import run_record, write_expert_load
+from moeforge.runtime.roofline import decode_roofline, weight_traffic
 from moeforge.runtime.sampler import SamplingParams
 
 
@@ -95,12 +97,14 @@ def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[in
 def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
                  threads: int | None = None, speculative_tokens: int = 0, backend: Backend | None = None,
                  expert_load_out: Path | None = None, stats_artifact: str | Path | None = None,
-                 model_name: str = "") -> dict[str, Any]:
+                 model_name: str = "", roofline: Bandwidth | None = None) -> dict[str, Any]:
     """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT (and with
     ``speculative_tokens`` the draft tokens fed and accepted). ``backend``: opened already (a sharded artifact's
     ``ShardedBackend``; ``artifact_dir`` is its rank 0). MoE artifacts also report the measured expert-load
     imbalance of the timed run (``expert_load``), written to ``expert_load_out`` as ``moeforge eplb`` reads it, named
-    by ``stats_artifact`` (the sharded artifact's top directory; default ``artifact_dir``)."""
+    by ``stats_artifact`` (the sharded artifact's top directory; default ``artifact_dir``). With ``roofline`` (this
+    machine's read bandwidth) the decode phase is measured against the memory roofline (``roofline`` in the result:
+    bytes a step reads, by kind, and the achieved fraction; moeforge/runtime/roofline.py)."""
     engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
         backend=BackendOptions(threads=threads, track_expert_load=True),
@@ -113,6 +117,7 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     for prompt in _prompts(vocab, batch, prompt_len):
         engine.add_request(prompt, params)
     first_tokens_at = None
+    decode_activity = None  # the experts computed so far, when the decode phase starts
     started: set[int] = set()  # requests that produced their first token
     outputs = []
     while engine.has_unfinished():
@@ -123,27 +128,42 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
                 outputs.append(out)
         if first_tokens_at is None and len(started) == batch:
             first_tokens_at = time.perf_counter()
+            decode_activity = engine.expert_activity()
     end = time.perf_counter()
+    end_activity = engine.expert_activity()
     assert first_tokens_at is not None
     ttfts = [o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None]
     rss = peak_rss_mib()  # before the profiled engine below is loaded
     drafts = {"speculative_tokens": speculative_tokens, "draft_tokens": engine.metrics.draft_tokens,
               "accepted_draft_tokens": engine.metrics.accepted_draft_tokens} if speculative_tokens else {}
     experts = _expert_load(engine, warm_load, warm_ranks, expert_load_out, stats_artifact or artifact_dir, model_name)
+    decode_rate = batch * (new_tokens - 1) / (end - first_tokens_at)
+    report = None
+    if roofline is not None:
+        active = (end_activity.since(decode_activity).per_run()
+                  if end_activity is not None and decode_activity is not None else None)
+        report = decode_roofline(
+            weight_traffic(Path(artifact_dir) / MODEL_FILE), batch=batch, mean_context=prompt_len + new_tokens / 2,
+            kv_bytes_per_token=load_artifact(artifact_dir, verify=False).manifest.kv_cache.bytes_per_token,
+            active_experts=active, bandwidth=roofline, decode_tokens_per_s=decode_rate).to_dict()
     del engine  # free its caches first: one engine's memory at a time (what check_bench_memory assumes)
     gc.collect()
-    share = None
-    if backend is None:  # attention's share of kernel time, from a separate profiled run (it perturbs the timings)
+    shares = None
+    if backend is None:  # kernel time by op type, from a separate profiled run (it perturbs the timings)
         profiled = LLMEngine.from_artifact(artifact_dir, EngineConfig(
             scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
             backend=BackendOptions(threads=threads, profile=True)))
         profiled.generate(_prompts(vocab, batch, prompt_len), params)
-        share = profiled.attention_time_share()
+        shares = profiled.backend.op_time_shares()
+    share = sum(v for op, v in shares.items() if "Attention" in op) if shares else None
+    if report is not None and shares:  # where a step's time goes, next to where its bytes are
+        report["kernel_time_shares"] = {op: round(v, 4) for op, v in list(shares.items())[:12]}
     return {
         **({"expert_load": experts} if experts else {}),
         "attention_time_share": round(share or 0.0, 3),
         "prefill_tokens_per_s": batch * prompt_len / (first_tokens_at - start),
-        "decode_tokens_per_s": batch * (new_tokens - 1) / (end - first_tokens_at),
+        "decode_tokens_per_s": decode_rate,
+        **({"roofline": report} if report is not None else {}),
         "ttft_ms_median": 1e3 * sorted(ttfts)[len(ttfts) // 2],
         "peak_rss_mib": round(rss, 1),
         **drafts,
@@ -277,7 +297,7 @@ def check_bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int,
 
 def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
               threads: int | None = None, compare: bool = True, speculative_tokens: int = 0,
-              expert_load_out: Path | None = None) -> dict[str, Any]:
+              expert_load_out: Path | None = None, roofline: Bandwidth | None = None) -> dict[str, Any]:
     """All measurements of ``moeforge bench`` in one run, with ratios to our engine. A batch whose cache and
     logits do not fit in the available memory is refused before anything is allocated."""
     artifact = load_artifact(artifact_dir)
@@ -290,7 +310,8 @@ def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens:
                               "moeforge_onnxruntime": bench_engine(artifact_dir, batch, prompt_len, new_tokens,
                                                                    threads, speculative_tokens,
                                                                    expert_load_out=expert_load_out,
-                                                                   model_name=str(model_name))}
+                                                                   model_name=str(model_name),
+                                                                   roofline=roofline)}
     if compare:
         source = artifact.manifest.source
         result["pytorch_eager"] = bench_torch(load_model(source).model, batch, prompt_len, new_tokens, vocab)

@@ -24,6 +24,7 @@ from moeforge.compile.plan import plan_compile
 from moeforge.compile.sharded_compile import is_sharded, load_rank, rank_dir, read_sharded
 from moeforge.compile.targets import TARGETS
 from moeforge.core.artifact import load_artifact, restore_interrupted
+from moeforge.core.bandwidth import read_bandwidth
 from moeforge.core.errors import GroupArtifactError, MoeforgeError
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
@@ -46,6 +47,7 @@ from moeforge.runtime.backends.registry import BACKENDS, BackendSpec, backend_fo
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
 from moeforge.runtime.expert_stats import check_writable, save_expert_load
 from moeforge.runtime.request import check_room
+from moeforge.runtime.roofline import format_roofline
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve import ServeOptions, serve
 from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES
@@ -287,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
                      help="write the expert-load statistics of this run (routed tokens per MoE layer and expert, per "
                           "rank when sharded, with the artifact's sha256) as JSON at exit, for moeforge eplb")
+    bench.add_argument("--roofline", action="store_true",
+                       help="measure decode against the memory roofline: the bytes a step reads (weights, the "
+                            "experts its routing computed, the head, the KV cache) over this machine's read bandwidth "
+                            "(a short probe, cached in ~/.cache/moeforge), and the fraction achieved")
+    bench.add_argument("--remeasure-bandwidth", action="store_true",
+                       help="--roofline: probe the read bandwidth again instead of using the cached number")
     bench.add_argument("--save", action="store_true", help="also write benchmarks/results/bench_<model>_b<B>.json")
     bench.add_argument("--multi-turn", action="store_true",
                        help="paged artifacts: a multi-turn chat workload (conversations sharing system prompts, each "
@@ -760,15 +768,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.kv_host_bytes or args.kv_disk_dir is not None or args.kv_blocks is not None:
         raise MoeforgeError("--kv-blocks and the KV tier flags shape the --multi-turn workload's cache: add "
                             "--multi-turn, or leave them out")
+    if args.remeasure_bandwidth and not args.roofline:
+        raise MoeforgeError("--remeasure-bandwidth goes with --roofline: add it, or leave the flag out")
     if is_sharded(args.artifact):
         if not args.no_compare or args.speculative_tokens:
             raise MoeforgeError(f"{args.artifact} is sharded: bench measures its engine only; pass --no-compare "
                                 "(and no --speculative-tokens)")
+        if args.roofline:
+            raise MoeforgeError(f"{args.artifact} is sharded: --roofline measures one process's decode step against "
+                                "this machine's bandwidth; run it on an unsharded artifact (compile without --tp, "
+                                "--ep and --pp)")
         result = _sharded_bench(args)
     else:
+        bandwidth = (read_bandwidth(args.threads, remeasure=args.remeasure_bandwidth) if args.roofline else None)
         result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
                            compare=not args.no_compare, speculative_tokens=args.speculative_tokens,
-                           expert_load_out=args.expert_load_out)
+                           expert_load_out=args.expert_load_out, roofline=bandwidth)
     if result is None:  # a rank other than 0: it served rank 0's run
         return EXIT_OK
     if args.save:
@@ -788,6 +803,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
           f"attention {100 * ours['attention_time_share']:.0f}% of kernel time")
     for name, ratio in result.get("decode_speedup_vs", {}).items():
         print(f"decode speed vs {name}: {ratio:.2f}x")
+    if "roofline" in ours:
+        print(format_roofline(ours["roofline"]))
     experts = ours.get("expert_load")
     if experts:
         print(f"expert load imbalance (max / mean over experts, mean of layers): {experts['expert_imbalance_mean']:.3f}"

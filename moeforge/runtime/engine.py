@@ -40,6 +40,7 @@ from moeforge.runtime.backends.base import (
     ArgmaxHeadStats,
     Backend,
     BackendOptions,
+    ExpertActivity,
     FatalBackendError,
     RowInput,
     StepInput,
@@ -224,6 +225,13 @@ class LLMEngine:
         the model ran, recomputed ones again), when the backend tracks them (``BackendOptions(track_expert_load=True)``
         on a MoE artifact); None otherwise."""
         counter = getattr(self.backend, "expert_load", None)
+        return counter() if counter is not None else None
+
+    def expert_activity(self) -> ExpertActivity | None:
+        """Distinct experts computed per MoE layer, summed over the model runs so far, and the run count
+        (``ExpertActivity``), when the backend tracks expert load; None otherwise. What a step's sparse MoE kernels
+        read: the memory roofline's active-expert bytes (``moeforge bench --roofline``)."""
+        counter = getattr(self.backend, "expert_activity", None)
         return counter() if counter is not None else None
 
     def rank_expert_load(self) -> np.ndarray | None:

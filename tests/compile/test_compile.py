@@ -280,3 +280,24 @@ def test_bench_reports_speeds_and_ratios(capsys, artifacts):
     assert result["pytorch_eager"]["decode_tokens_per_s"] > 0
     assert "pytorch_eager" in result["decode_speedup_vs"]
     assert result["transformers_eager"] is None  # a preset has no transformers checkpoint to compare with
+
+
+def test_bench_roofline_reports_the_active_experts_bytes(capsys, artifacts, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path))
+    artifact = artifacts["tiny-deepseek-v3"]
+    code, stdout, stderr = _cli(capsys, "bench", str(artifact), "--batch", "1", "--prompt-len", "8",
+                                "--new-tokens", "6", "--no-compare", "--roofline", "--json")
+    assert code == 0, stderr
+    roof = json.loads(stdout)["moeforge_onnxruntime"]["roofline"]
+    moe = load_artifact(artifact).config().moe
+    # batch 1: each decode step computes exactly top_k experts in every MoE layer
+    assert roof["active_experts_per_layer"] == [moe.num_experts_per_tok] * len(roof["experts_per_layer"])
+    assert roof["experts_per_layer"] == [moe.n_routed_experts] * len(roof["experts_per_layer"])
+    assert 0 < roof["active_expert_bytes"] < roof["weight_bytes"] <= roof["step_bytes"]
+    assert roof["kv_bytes"] > 0 and 0 < roof["fraction"] and roof["bandwidth_gb_s"] > 0
+    assert (tmp_path / "bandwidth.json").is_file()  # the probe is cached for the next bench
+    code, stdout, _ = _cli(capsys, "bench", str(artifact), "--batch", "2", "--prompt-len", "8", "--new-tokens", "6",
+                           "--no-compare", "--roofline")
+    assert code == 0 and "of the roofline" in stdout and "experts computed per MoE layer" in stdout
+    code, _, stderr = _cli(capsys, "bench", str(artifact), "--no-compare", "--remeasure-bandwidth")
+    assert code == 2 and "--roofline" in stderr

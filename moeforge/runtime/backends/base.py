@@ -198,3 +198,19 @@ class BlockIO(Protocol):
     def write(self, block_ids: Sequence[int], rows: Sequence[Sequence[np.ndarray]]) -> None:
         """Overwrite each block's row in every pool with ``rows`` (as ``read`` returns them)."""
         ...
+
+
+@dataclass(frozen=True)
+class ExpertActivity:
+    """``active`` [L_moe]: distinct experts computed per MoE layer, summed over ``runs`` model runs. Two snapshots'
+    difference over the decode steps of a benchmark gives the experts a step reads (``(a1 - a0) / (r1 - r0)``)."""
+
+    active: np.ndarray
+    runs: int
+
+    def since(self, earlier: ExpertActivity) -> ExpertActivity:
+        return ExpertActivity(self.active - earlier.active, self.runs - earlier.runs)
+
+    def per_run(self) -> np.ndarray:
+        """Mean distinct experts per run and layer, [L_moe] float (zeros when nothing ran)."""
+        return self.active / max(self.runs, 1)

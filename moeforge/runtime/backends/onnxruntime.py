@@ -27,7 +27,13 @@ from moeforge.core.errors import ArtifactError
 from moeforge.core.kv_layout import ARGMAX_ONLY, EXPERT_HITS, LOGITS_CERTIFIED, LOGITS_TO_KEEP, KVCacheSpec
 from moeforge.core.ort_session import PrepareSession, make_session
 from moeforge.ops.sparse_mla.ort_lowering import lower_for_ort as lower_sparse_mla
-from moeforge.runtime.backends.base import DEFAULT_BACKEND_OPTIONS, ArgmaxHeadStats, BackendOptions, RowInput
+from moeforge.runtime.backends.base import (
+    DEFAULT_BACKEND_OPTIONS,
+    ArgmaxHeadStats,
+    BackendOptions,
+    ExpertActivity,
+    RowInput,
+)
 from moeforge.runtime.backends.contiguous import ContiguousBackend, SlotBatch
 from moeforge.runtime.backends.kv_bindings import (
     CacheBinding,
@@ -319,6 +325,10 @@ class OrtBackend(ContiguousBackend):
     def expert_load(self) -> np.ndarray | None:
         return None if self._experts is None else self._experts.counts.copy()
 
+    def expert_activity(self) -> ExpertActivity | None:
+        """Distinct experts computed per run and MoE layer so far (with ``track_expert_load``), else None."""
+        return None if self._experts is None else self._experts.activity()
+
     def argmax_head_stats(self) -> ArgmaxHeadStats | None:
         """The certified argmax head's runs and reruns so far; None when the graph has no such head."""
         session = self._session
@@ -357,6 +367,10 @@ class ExpertCounter:
 
     def __init__(self, layers: int, experts: int) -> None:
         self.counts = np.zeros((layers, experts), np.int64)
+        # Distinct experts each run computed, summed over runs, [L_moe] (the union over the run's tokens: what a
+        # sparse MoE kernel reads), and the runs counted: the memory roofline's active-expert bytes.
+        self.active = np.zeros(layers, np.int64)
+        self.runs = 0
 
     @classmethod
     def for_session(cls, session: ort.InferenceSession) -> ExpertCounter | None:
@@ -371,7 +385,14 @@ class ExpertCounter:
 
     def add(self, hits: np.ndarray, real: np.ndarray) -> None:
         """hits [L, T, E] bool; real [T] bool, the tokens to count."""
-        self.counts += hits[:, real].sum(axis=1, dtype=np.int64)
+        counted = hits[:, real]  # [L, T_real, E]
+        self.counts += counted.sum(axis=1, dtype=np.int64)
+        self.active += counted.any(axis=1).sum(axis=-1, dtype=np.int64)
+        self.runs += 1
+
+    def activity(self) -> ExpertActivity:
+        """The distinct experts computed per layer, summed over the runs so far, and how many runs."""
+        return ExpertActivity(self.active.copy(), self.runs)
 
 
 def has_argmax_head(session: ort.InferenceSession) -> bool:

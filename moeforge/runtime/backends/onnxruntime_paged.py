@@ -39,6 +39,7 @@ from moeforge.runtime.backends.base import (
     ArgmaxHeadStats,
     BackendOptions,
     BlockLayout,
+    ExpertActivity,
     PoolInfo,
     PoolShape,
     RowInput,
@@ -311,6 +312,10 @@ class PagedOrtBackend:
     def expert_load(self) -> np.ndarray | None:
         """Routed tokens per MoE layer and expert so far, [L_moe, E] (with ``track_expert_load``), else None."""
         return None if self._experts is None else self._experts.counts.copy()
+
+    def expert_activity(self) -> ExpertActivity | None:
+        """Distinct experts computed per run and MoE layer so far (with ``track_expert_load``), else None."""
+        return None if self._experts is None else self._experts.activity()
 
     def argmax_head_stats(self) -> ArgmaxHeadStats | None:
         """The certified argmax head's runs and reruns so far; None when the graph has no such head."""
