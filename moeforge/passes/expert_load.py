@@ -11,9 +11,10 @@ so per layer
 Three cheap nodes per MoE layer, read from the router the graph already runs (no second routing computation).
 The backend counts only the rows of real tokens (a contiguous decode batch has idle rows).
 
-An expert-parallel rank's ``moeforge.MoEExperts`` nodes stay unlowered (their ids are the rank's local ones:
-``0 .. S - 1`` its experts or placement slots, ``S`` another rank's); there the hits are read from those ids, so
-each rank counts the tokens its own experts (slots) computed, ``expert_hits`` [L_moe, T, S]:
+An expert-parallel rank's ``moeforge.MoEExperts`` nodes are lowered too (over its own S experts or placement slots;
+moe_lowering's ``_lower_local``): the same rule reads the tokens its experts (slots) computed, [L_moe, T, S]. A node
+left unlowered (the TensorRT target; ids of no static K) has its hits read from its local ids (``0 .. S - 1`` its
+experts, ``S`` another rank's):
 
     hits = Cast(ReduceMax(Cast(Equal(Unsqueeze(ids, 2), Range(S)), int32), axes=[1]), bool)      [T, S]
 

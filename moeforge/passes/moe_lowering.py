@@ -18,8 +18,13 @@ interleaved layout the CPU kernel requires with swiglu_fusion=1) and ``fc2 = dow
 routed_scaling_factor`` (exact: the op is linear after the activation and has no fc2 bias). They
 replace the stacked ``gate_proj`` / ``up_proj`` / ``down_proj`` initializers, which are removed when
 nothing else reads them, so the artifact holds one copy of the expert weights. The router node is
-removed once nothing else reads its outputs. A MoEExperts node whose ids/weights do not come from a
-MoERouter node is left as it is (its function still runs it).
+removed once nothing else reads its outputs.
+
+A MoEExperts node whose ids/weights do not come from a MoERouter node -- an expert-parallel rank's, fed by its local
+routing (ids 0 .. S - 1 its experts, S another rank's with weight 0) -- becomes a com.microsoft.MoE over the rank's S
+experts whose router_probs is Log of the dense [T, S] weights, times their row sum (``_lower_local``): the rank
+computes only the experts routed to it, where the node's dense local function computes all S on every token. One
+whose ids have no static K is left to its function.
 
 Glossary of dimension letters:
     T  tokens (batch * sequence, flattened by the exporter before the MoE nodes)
@@ -67,13 +72,13 @@ class MoELowering:
         # nodes that disagree with the function (the artifact would route differently before and after).
         check_nodes(model, require_function=False)
         graph = model.graph
-        pairs = []
+        pairs: list[tuple[ir.Node | None, ir.Node]] = []
         for node in graph:
             if (node.domain, node.op_type) != (moe_op.DOMAIN, moe_op.OP_TYPE):
                 continue
             router = _router_of(node)
-            if router is None:
-                log.info("%s: ids/weights do not come from one MoERouter node; left to its local function", node.name)
+            if router is None and not _lowerable_local(node):
+                log.info("%s: ids/weights of no static shape; left to its local function", node.name)
                 continue
             pairs.append((router, node))
         # ReduceSum with axes as an input and TopK with k as an input need opset >= 13 (exporter: 23).
@@ -86,7 +91,10 @@ class MoELowering:
             while prefix in prefixes:
                 prefix = f"{prefix}_{i}"
             prefixes.add(prefix)
-            _lower(graph, router, node, prefix)
+            if router is None:
+                _lower_local(graph, node, prefix)
+            else:
+                _lower(graph, router, node, prefix)
         if pairs:
             ensure_opset(model, MS_DOMAIN, 1)
         _drop_unused_moe_functions(model)
@@ -129,9 +137,19 @@ def _lower(graph: ir.Graph, router: ir.Node, node: ir.Node, prefix: str) -> None
     y = moe_out
     if routing.output_scale is not None:
         y = b.op("Mul", [moe_out, routing.output_scale], None, "routed_unnormalised")
-    if x_dtype != f32 and x_dtype is not None:
-        y = b.op("Cast", [y], {"to": x_dtype}, "routed_cast")
+    _replace_experts_node(graph, b, node, y)
+    if not any(out.uses() or out.is_graph_output() for out in router.outputs):
+        graph.remove(router, safe=True)
 
+
+def _replace_experts_node(graph: ir.Graph, b: NodeBuilder, node: ir.Node, y: ir.Value) -> None:
+    """Put ``b``'s nodes before the experts ``node``, cast ``y`` (float32) back to the node's output type, make it
+    the node's output (same name) and drop the node and the stacked weights nothing else reads."""
+    x = node.inputs[_X]
+    x_dtype = x.dtype if x is not None else None
+    if x_dtype != ir.DataType.FLOAT and x_dtype is not None:
+        y = b.op("Cast", [y], {"to": x_dtype}, "routed_cast")
+    stacked = [node.inputs[i] for i in (_GATE, _UP, _DOWN)]  # read before the node is removed (it lets go of them)
     old_out = node.outputs[0]
     y.dtype = required(old_out.dtype, f"{old_out.name}: dtype")
     y.shape = old_out.shape
@@ -141,10 +159,58 @@ def _lower(graph: ir.Graph, router: ir.Node, node: ir.Node, prefix: str) -> None
     old_out.name = None
     graph.remove(node, safe=True)
     y.name = out_name  # keep the value name stable for whoever reads the graph next
-    if not any(out.uses() or out.is_graph_output() for out in router.outputs):
-        graph.remove(router, safe=True)
-    for value in (gate, up, down):
-        _drop_if_unused_initializer(graph, value)
+    for value in stacked:
+        if value is not None:
+            _drop_if_unused_initializer(graph, value)
+
+
+def _lowerable_local(node: ir.Node) -> bool:
+    """An experts node fed by ids/weights of some other producer (an expert-parallel rank's local routing) can be
+    lowered when its ids' K and its stacked experts' count are static."""
+    ids, gate = node.inputs[_IDS], node.inputs[_GATE]
+    return (ids is not None and ids.shape is not None and len(ids.shape) == 2 and isinstance(ids.shape[1], int)
+            and gate is not None and gate.shape is not None and isinstance(gate.shape[0], int))
+
+
+def _lower_local(graph: ir.Graph, node: ir.Node, prefix: str) -> None:
+    """An expert-parallel rank's ``MoEExperts`` (ids local to the rank, ``S`` = another rank's expert, weight 0 there;
+    ``moeforge/model/moe.py`` ``hold_local_experts``) -> com.microsoft.MoE over the rank's S experts, so the rank
+    computes only the experts its tokens were routed to (the local function computes all S on every token):
+
+        dense_w [T, S] = sum_k w[:, k] * (ids[:, k] == s)          (another rank's id matches no s: adds nothing)
+        router_probs   = Log(dense_w)                              (-inf where the token has no expert here)
+        y = MoE(x, router_probs, fc1, , fc2, k=K, normalize_routing_weights=1) * ReduceSum(dense_w, -1)
+
+    The kernel's softmax over a row's finite entries is dense_w / its sum; the sum puts the router's weights back
+    (routed_scaling_factor is already in them). A pick at -inf has weight 0 and the kernel skips it (checked: an
+    expert filled with NaN that no token chose leaves the output finite), and a token with no expert on this rank
+    gets 0 (its row of the kernel output is 0, times a sum of 0)."""
+    x, ids, weights, gate, up, down = (node.inputs[i] for i in (_X, _IDS, _WEIGHTS, _GATE, _UP, _DOWN))
+    if x is None or ids is None or weights is None or gate is None or up is None or down is None:
+        raise ValueError(f"{node.name}: moeforge.MoEExperts needs all six inputs")
+    slots, top_k = required(gate.shape, f"{gate.name}: shape")[0], required(ids.shape, f"{ids.name}: shape")[1]
+    if not isinstance(slots, int) or not isinstance(top_k, int):  # _lowerable_local checked both
+        raise ValueError(f"{node.name}: the experts count and top-k must be static")
+
+    b = NodeBuilder(graph, prefix)
+    f32 = ir.DataType.FLOAT
+    x_dtype = x.dtype
+    xf = x if x_dtype == f32 else b.op("Cast", [x], {"to": f32}, "x_f32")
+    ids64 = b.op("Cast", [ids], {"to": ir.DataType.INT64}, "ids_i64")
+    column = b.op("Unsqueeze", [ids64, b.const_i64([2])], None, "ids_tk1")  # [T, K, 1]
+    match = b.op("Equal", [column, b.initializer(np.arange(slots, dtype=np.int64), "slots")], None, "held_tks")
+    onehot = b.op("Cast", [match], {"to": f32}, "held_tks_f32")  # [T, K, S]
+    dense_w = b.op("Einsum", [onehot, b.as_f32(weights, "weights_f32")], {"equation": "tks,tk->ts"}, "dense_w")
+    router_probs = b.op("Log", [dense_w], None, "router_probs")  # [T, S], -inf off the rank's chosen experts
+    weight_sum = b.op("ReduceSum", [dense_w, b.const_i64([-1])], {"keepdims": 1}, "weight_sum")  # [T, 1]
+    fc1, fc2 = _expert_weights(b, gate, up, down, 1.0)
+    moe_out = b.op(
+        "MoE", [xf, router_probs, fc1, None, fc2],
+        {"k": min(top_k, slots), "activation_type": "swiglu", "swiglu_fusion": 1, "normalize_routing_weights": 1},
+        "routed", domain=MS_DOMAIN,
+    )
+    y = b.op("Mul", [moe_out, weight_sum], None, "routed_weighted")
+    _replace_experts_node(graph, b, node, y)
 
 
 def _num_experts(node: ir.Node, router: ir.Node, gate: ir.Value) -> int:

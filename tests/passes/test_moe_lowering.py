@@ -273,25 +273,75 @@ def test_correction_bias_applies_with_a_single_group() -> None:
                                rtol=0)
 
 
-def test_experts_without_a_router_node_are_left_to_their_function() -> None:
-    """Ids/weights from elsewhere (graph inputs here): no kernel routing to build, the node keeps its function."""
-    weights = _weights(VARIANTS["v2_softmax_greedy_norm"], hidden=8, inter=4, seed=10)
+def _rank_experts_model(weights: dict[str, np.ndarray], k: str | int = 2) -> ir.Model:
+    """One expert-parallel rank's experts node: ids/weights from elsewhere (graph inputs here; the rank's local routing
+    in an artifact), ``S`` stacked experts, id ``S`` = another rank's expert with weight 0."""
     names = ("gate_proj", "up_proj", "down_proj")
     node = helper.make_node(moe_op.OP_TYPE, ["x", "ids", "w", *names], ["y"], domain=moe_op.DOMAIN, name="moe")
     graph = helper.make_graph(
         [node], "experts", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 8]),
-                            helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", 2]),
-                            helper.make_tensor_value_info("w", TensorProto.FLOAT, ["T", 2])],
+                            helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", k]),
+                            helper.make_tensor_value_info("w", TensorProto.FLOAT, ["T", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 8])],
-        [numpy_helper.from_array(weights[k], k) for k in names])
-    model = ir.serde.deserialize_model(helper.make_model(
+        [numpy_helper.from_array(weights[n], n) for n in names])
+    return ir.serde.deserialize_model(helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(moe_op.DOMAIN, 1)],
         functions=[moe_op.experts_local_function(OPSET)], ir_version=10))
+
+
+def _rank_case() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """8 experts on this rank; 6 tokens of top-2 that use experts 0, 1, 3 and 6 here (8: another rank's expert)."""
+    weights = _weights(VARIANTS["v2_softmax_greedy_norm"], hidden=8, inter=4, seed=10)
+    x = np.random.default_rng(11).standard_normal((6, 8)).astype(np.float32)
+    ids = np.array([[0, 3], [1, 8], [8, 0], [8, 8], [6, 1], [3, 3]], np.int32)
+    w = np.random.default_rng(12).random((6, 2)).astype(np.float32)
+    w[ids == 8] = 0.0  # hold_local_experts: another rank's choice weighs 0 here
+    t = [torch.from_numpy(weights[k]) for k in ("gate_proj", "up_proj", "down_proj")]
+    ref = apply_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), *t).numpy()
+    return weights, x, ids, w, ref
+
+
+def _computed_experts(model: ir.Model, weights: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> list[int]:
+    """The experts a run computes: those whose weights, filled with NaN, make the output NaN (an expert that runs
+    on no token, or runs with weight 0 and is skipped, leaves it finite)."""
+    proto = ir.serde.serialize_model(model)
+    computed = []
+    for expert in range(weights["gate_proj"].shape[0]):
+        poisoned = onnx.ModelProto()
+        poisoned.CopyFrom(proto)
+        for tensor in poisoned.graph.initializer:
+            array = numpy_helper.to_array(tensor).copy()
+            if array.ndim == 3 and array.shape[0] == weights["gate_proj"].shape[0]:
+                array[expert] = np.nan
+                tensor.CopyFrom(numpy_helper.from_array(array, tensor.name))
+        if np.isnan(run_ort(ir.serde.deserialize_model(poisoned), feeds)[0]).any():
+            computed.append(expert)
+    return computed
+
+
+def test_an_expert_parallel_ranks_experts_compute_only_the_routed_ones() -> None:
+    """Lowered to com.microsoft.MoE, a rank's experts node matches the eager op and computes exactly the experts its
+    tokens chose on this rank (counted by poisoning each expert in turn); the dense local function computes all."""
+    weights, x, ids, w, ref = _rank_case()
+    feeds = {"x": x, "ids": ids, "w": w}
+    dense = _rank_experts_model(weights)
+    assert _computed_experts(dense, weights, feeds) == list(range(8))  # the function: every expert, every token
+    model = _rank_experts_model(weights)
+    assert MoELowering().apply(model, _ctx()) == 1
+    assert not model.functions and len(_moe_nodes(model, MS_DOMAIN)) == 1
+    np.testing.assert_allclose(run_ort(model, feeds)[0], ref, atol=1e-5, rtol=0)
+    assert not run_ort(model, feeds)[0][3].any()  # a token with no expert on this rank adds 0
+    assert _computed_experts(model, weights, feeds) == [0, 1, 3, 6]
+    one_token = {"x": x[4:5], "ids": ids[4:5], "w": w[4:5]}  # a decode step: its two experts only
+    assert _computed_experts(model, weights, one_token) == [1, 6]
+    nothing_here = {"x": x[3:4], "ids": ids[3:4], "w": w[3:4]}
+    assert _computed_experts(model, weights, nothing_here) == []
+
+
+def test_experts_of_no_static_top_k_are_left_to_their_function() -> None:
+    """Ids of unknown K: the kernel's k cannot be set, the node keeps its function (and still computes right)."""
+    weights, x, ids, w, ref = _rank_case()
+    model = _rank_experts_model(weights, k="K")
     assert MoELowering().apply(model, _ctx()) == 0
     assert len(model.functions) == 1 and moe_op.DOMAIN in model.opset_imports
-    x = np.random.default_rng(11).standard_normal((5, 8)).astype(np.float32)
-    ids = np.array([[0, 3], [1, 2], [7, 0], [4, 5], [6, 1]], np.int32)
-    w = np.random.default_rng(12).random((5, 2)).astype(np.float32)
-    t = {k: torch.from_numpy(weights[k]) for k in names}
-    ref = apply_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), *t.values()).numpy()
     np.testing.assert_allclose(run_ort(model, {"x": x, "ids": ids, "w": w})[0], ref, atol=1e-5, rtol=0)
