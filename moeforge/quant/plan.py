@@ -34,6 +34,7 @@ from moeforge.passes.quant_lowering import QuantLowering
 from moeforge.passes.quant_math import awq_search
 from moeforge.passes.quant_weights import QuantConfig, QuantTarget, WeightQuantization, quant_targets
 from moeforge.passes.shared_embedding import SharedEmbedding
+from moeforge.passes.sparse_experts import SparseExperts
 from moeforge.quant.act_calibration import ActivationPlan, activation_name, fetch_groups, weight_array
 from moeforge.quant.calibration import GraphRunner, runner_options
 from moeforge.quant.kv_calibration import CalibratedKVQuantization
@@ -373,6 +374,7 @@ def quant_passes(spec: QuantSpec, prompts: list[list[int]], *,
             if scheme.activations == "int8":  # exact re-encoding for ORT's non-saturating U8U8 kernel
                 passes.append(OrtActivationLowering())
         passes.append(QuantLowering(spec.level, asym_offsets=spec.asym_offsets or "exact"))
+        passes.append(SparseExperts())
         passes.append(PlannedSharedEmbedding(plan))
     kv = CalibratedKVQuantization(prompts) if spec.kv_cache is not None else None
     if kv is not None:

@@ -27,6 +27,7 @@ import onnx
 from onnx import helper
 
 from moeforge.core.bandwidth import Bandwidth
+from moeforge.passes.sparse_experts import IF_PREFIX as SPARSE_IF_PREFIX
 
 MS_DOMAIN = "com.microsoft"
 _MOE_EXPERT_INPUTS = {(MS_DOMAIN, "MoE"): 2, (MS_DOMAIN, "QMoE"): 2, ("moeforge", "MoEExperts"): 3}
@@ -70,9 +71,12 @@ def tensor_bytes(tensor: onnx.TensorProto) -> int:
 
 def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     """The nodes a greedy decode step runs: the main graph's and, inside subgraphs, all of them except the float head
-    branch of the certified argmax head (greedy steps take its certified branch)."""
+    branch of the certified argmax head (greedy steps take its certified branch) and the experts of sparse_experts'
+    ``If`` nodes (counted as routed experts, by ``_sparse_experts``)."""
     for node in graph.node:
         yield node
+        if _sparse_expert(node) is not None:
+            continue
         for attribute in node.attribute:
             if attribute.type != onnx.AttributeProto.GRAPH:
                 continue
@@ -81,18 +85,37 @@ def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
             yield from _nodes(attribute.g)
 
 
+def _sparse_expert(node: onnx.NodeProto) -> str | None:
+    """The layer key of one expert's ``If`` made by moeforge/passes/sparse_experts.py, else None."""
+    if node.op_type != "If" or not node.name.startswith(SPARSE_IF_PREFIX) or not node.name.endswith("/If"):
+        return None
+    return node.name.split("/")[1]
+
+
+def _branch_inputs(node: onnx.NodeProto) -> set[str]:
+    """Outer-scope names an ``If``'s then-branch reads."""
+    branch = next(a.g for a in node.attribute if a.name == "then_branch")
+    return {name for inner in branch.node for name in inner.input}
+
+
 def weight_traffic(model_path: str | Path) -> WeightTraffic:
     """Classify an artifact graph's initializers by how a decode step reads them (external data is not loaded)."""
     model = onnx.load(str(model_path), load_external_data=False)
     sizes = {t.name: tensor_bytes(t) for t in model.graph.initializer}
     dense: set[str] = set()
     gathered: dict[str, int] = {}  # name -> bytes read per token
-    experts: list[tuple[int, int]] = []  # per MoE layer: (bytes of one expert, experts)
+    layers: dict[str, list[int]] = {}  # per MoE layer, in graph order: the bytes of each of its experts
     expert_names: set[str] = set()
     by_dims = {t.name: list(t.dims) for t in model.graph.initializer}
     head_node = _head_node(model.graph)
     head: set[str] = set()
     for node in _nodes(model.graph):
+        layer = _sparse_expert(node)
+        if layer is not None:
+            names = sorted(n for n in _branch_inputs(node) & sizes.keys() if sizes[n] > 64)  # not its index
+            layers.setdefault(f"sparse {layer}", []).append(sum(sizes[n] for n in names))
+            expert_names.update(names)
+            continue
         first_expert_input = _MOE_EXPERT_INPUTS.get((node.domain, node.op_type))
         in_head = head_node is not None and (node.output[:1] == head_node.output[:1] or (
             head_node.op_type == "If" and node.name.startswith("argmax_head/")))
@@ -100,7 +123,7 @@ def weight_traffic(model_path: str | Path) -> WeightTraffic:
             names = [n for n in node.input[first_expert_input:] if n in sizes]
             if names:
                 count = by_dims[names[0]][0]
-                experts.append((sum(sizes[n] for n in names) // count, count))
+                layers[f"node {len(layers)}"] = [sum(sizes[n] for n in names) // count] * count
                 expert_names.update(names)
             continue
         for position, name in enumerate(node.input):
@@ -115,6 +138,7 @@ def weight_traffic(model_path: str | Path) -> WeightTraffic:
                 dense.add(name)
                 if in_head:
                     head.add(name)
+    experts = [(sum(b) // len(b), len(b)) for b in layers.values()]  # one expert's bytes (all alike), the count
     # a table some node reads whole (a tied head that is also the embedding) is counted once, as dense
     row_bytes = sum(b for name, b in gathered.items() if name not in dense and name not in expert_names)
     small = {name for name in dense if sizes[name] <= 64}  # shapes and axes: not weights, and not worth a line

@@ -108,6 +108,10 @@ def test_quantised_family_passes_moeforge_parity(tmp_path: Path, quant: str,
     manifest = load_artifact(out).manifest
     assert manifest.precision == quant and "router" in manifest.quantization["always_fp32"]
     nodes = onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
-    assert [n.op_type for n in nodes if n.op_type in ("MoE", "QMoE")] == ["QMoE"]  # the experts are quantised
+    # the experts are quantised, one If + MatMulNBits per expert (sparse_experts), no float MoE left
+    assert not [n for n in nodes if n.op_type in ("MoE", "QMoE")]
+    experts = [n for n in nodes if n.op_type == "If" and n.name.startswith("sparse_experts/")]
+    assert len(experts) == load_model("tiny-glm4-moe").config.moe.n_routed_experts * len({n.name.split("/")[1]
+                                                                                         for n in experts})
     code = main(["parity", str(out), "--json"])
     assert code == 0, capsys.readouterr().out  # within the scheme's thresholds (top-1 agreement, KL)

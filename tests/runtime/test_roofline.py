@@ -34,9 +34,10 @@ def test_expert_bytes_are_one_experts_weights_scales_included(int8_artifact):
     traffic = weight_traffic(int8_artifact / "model.onnx")
     moe_layers = config.num_hidden_layers - moe.first_k_dense_replace
     assert traffic.experts == [moe.n_routed_experts] * moe_layers
-    # int8 per output channel: gate+up [2I, H] and down [H, I] bytes, one float32 scale per output row
+    # int8 codes of gate+up [2I, H] and down [H, I]; sparse_experts' MatMulNBits repeat the per-row scale over
+    # blocks of 32 of K (float32)
     inter = moe.moe_intermediate_size
-    one_expert = 3 * inter * hidden + 4 * (2 * inter + hidden)
+    one_expert = 3 * inter * hidden + 4 * (2 * inter * hidden // 32 + hidden * inter // 32)
     assert traffic.expert_bytes == [one_expert] * moe_layers
     model = onnx.load(str(int8_artifact / "model.onnx"), load_external_data=False)
     everything = sum(tensor_bytes(t) for t in model.graph.initializer)
