@@ -12,6 +12,8 @@ Why this order (ONNX Runtime target):
 6. packing        sibling projections (q/k/v, q_a/kv_a, gate/up) -> one MatMul + Split.
 7. moe_lowering   moeforge.MoERouter -> MoEExperts -> routing in standard ops + com.microsoft.MoE.
 8. cleanup        drops what the rewrites left dead (old masks, cos/sin math, transposes).
+   absorbed_einsum  MLA's absorbed per-head Einsums over a view of kv_b_proj -> MatMul over the view, made once
+                  when written (after cleanup, which leaves the view's Reshape/Slice on the initializer).
 9. gqa_packed_qkv needs (5), (6) and (8) (no dead readers left on the Split): GroupQueryAttention reads the
                   packed q/k/v, its Split dropped.
 10. expert_load   MoE graphs: an ``expert_hits`` output (which experts each token chose per layer, read from the
@@ -31,6 +33,7 @@ from collections.abc import Callable, Sequence
 import onnx_ir as ir
 
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE
+from moeforge.passes.absorbed_einsum import AbsorbedEinsum
 from moeforge.passes.base import GraphPass, PassContext, PassReport
 from moeforge.passes.cleanup import Cleanup
 from moeforge.passes.expert_load import ExpertLoadOutput
@@ -56,6 +59,7 @@ def ort_pipeline(kv_cache: str = "contiguous", block_size: int = DEFAULT_BLOCK_S
         ProjectionPacking(),
         MoELowering(),
         Cleanup(),
+        AbsorbedEinsum(),
         GqaPackedQkv(),
         ExpertLoadOutput(),
         LastTokenLogits(),
