@@ -77,7 +77,7 @@ class AbsorbedEinsum:
             for item in new:
                 item.outputs[0].name = item.name
             result, old = new[-1].outputs[0], node.outputs[0]
-            result.dtype, result.shape = old.dtype, old.shape
+            result.dtype, result.shape = old.dtype or ir.DataType.FLOAT, old.shape
             graph.insert_before(node, new)
             old.replace_all_uses_with(result, replace_graph_outputs=True)
             name, old.name = old.name, None
