@@ -2,6 +2,7 @@
 
 `python benchmarks/speed_table.py` reads benchmarks/results/genai_compare.json (moeforge vs onnxruntime-genai's
 builder models and llama.cpp, one alternating run; ``genai_compare_*.json``: the same script on other machines),
+moe_speed.json (a DeepSeek-shaped MoE model against llama.cpp, with the memory roofline),
 heldout_accuracy.json (top-1 / KL on a text the project did not write), step_overhead.json (host time per decode
 step), decode_breakdown*.json (the step's parts inside ONNX Runtime, per batch), matmul_scaling.json (matmul
 kernels against rows) and compile_time.json, and rewrites the part of
@@ -59,12 +60,74 @@ def _compare_section(compare: dict[str, Any], intro: str) -> list[str]:
     return lines
 
 
+def _goal(met: bool | None) -> str:
+    return "-" if met is None else ("met" if met else "missed")
+
+
+def _moe_section(moe: dict[str, Any]) -> list[str]:
+    """benchmarks/moe_speed.py: the DeepSeek-shaped MoE model against llama.cpp, its accuracy, the roofline, ep."""
+    r = moe["results"]
+    shape = r["shape"]
+    lines = [f"DeepSeek-V3-shaped MoE, {r['parameters'] / 1e9:.2f} B parameters ({shape['layers']} layers, hidden "
+             f"{shape['hidden']}, {shape['experts']} routed experts top-{shape['top_k']} + {shape['shared_experts']} "
+             f"shared, MLA, vocabulary {shape['vocab']}; `benchmarks/moe_speed.py`, {_machine(moe)}, {r['rounds']} "
+             f"alternating rounds, medians): greedy decode of {r['new_tokens']} tokens from {r['prompt_len']}-token "
+             f"prompts, prefill of {r['prefill_len']} tokens. The same weights as GGUF (llama.cpp) and as an HF "
+             "folder of their dequantised values (moeforge's streamed compile): int8 from the Q8_0 file, int4-asym "
+             "from the Q4_1 file (Q4_1 projections and experts, Q8_0 embedding and head).", "", r["markdown"], ""]
+    accuracy = r.get("accuracy") or {}
+    if accuracy:
+        lines += ["Teacher-forced accuracy against moeforge's PyTorch model of the dequantised weights "
+                  f"({next(iter(accuracy.values()))['tokens']} random tokens):", "",
+                  "| format | system | top-1 agreement | mean KL |", "|---|---|---|---|"]
+        for fmt, by_system in accuracy.items():
+            for system, row in by_system.items():
+                if isinstance(row, dict) and "top1_agreement" in row:
+                    lines.append(f"| {fmt} | {system} | {row['top1_agreement']:.3f} | {row['mean_kl']:.2g} |")
+        lines.append("")
+    roof = r.get("roofline") or {}
+    band = roof.get("bandwidth")
+    if band:
+        lines += [f"Decode against the memory roofline (`moeforge bench --roofline`; read bandwidth {band['best_gb_s']}"
+                  f" GB/s best, {band['median_gb_s']} median, {band['threads']} threads): the bytes a step reads "
+                  "(weights no routing skips + the union of the routed experts + the KV cache) over that bandwidth, "
+                  "against the measured step; kernel time from a profiled run.", "",
+                  "| artifact | step MiB | routed experts MiB | LM head MiB | experts / layer | measured ms | "
+                  "roofline ms | fraction | kernel time |", "|---|---|---|---|---|---|---|---|---|"]
+        mib = 2**20
+        for key, row in roof.items():
+            if key == "bandwidth":
+                continue
+            active = row["active_experts_per_layer"]
+            shares = ", ".join(f"{op} {100 * v:.0f}%" for op, v in list(row.get("kernel_time_shares", {}).items())[:4])
+            lines.append(f"| {key} | {row['step_bytes'] / mib:.0f} | {row['active_expert_bytes'] / mib:.0f} | "
+                         f"{row['head_bytes'] / mib:.0f} | {sum(active) / max(len(active), 1):.1f} of "
+                         f"{max(row['experts_per_layer'] or [0])} | {row['measured_step_ms']:.1f} | "
+                         f"{row['roofline_step_ms']:.1f} | {row['fraction']:.2f} | {shares} |")
+        lines.append("")
+    ep = r.get("expert_parallel")
+    if ep and "ep2_step_over_ep1" in ep:
+        lines += [f"Expert parallelism at batch 1 (`--tp 2 --ep 2`, two rank processes of one thread, against "
+                  f"unsharded with two threads): {ep['ep1']['step_ms']:.1f} ms vs {ep['ep2']['step_ms']:.1f} ms per "
+                  f"step ({ep['ep2_step_over_ep1']:.2f}x).", ""]
+    goals = r.get("goals")
+    if goals:
+        lines += ["| issue 38 goal | measured | |", "|---|---|---|"]
+        lines += [f"| {name} | {g['value'] if g['value'] is not None else '-'} | {_goal(g['met'])} |"
+                  for name, g in goals.items()]
+        lines.append("")
+    return lines
+
+
 def speed_section() -> str:
     """The markdown of the section."""
     lines: list[str] = []
     compare = _load("genai_compare.json")
     if compare is not None:
         lines += _compare_section(compare, "")
+    moe = _load("moe_speed.json")
+    if moe is not None:
+        lines += _moe_section(moe)
     for path in sorted(RESULTS.glob("genai_compare_*.json")):  # the same script on other machines
         other = json.loads(path.read_text())
         lines += _compare_section(other, f"The same script on another machine (`{path.name}`"

@@ -1,0 +1,72 @@
+"""benchmarks/synthetic_gguf.py: the benchmark model's GGUF and HF folder are one model. moeforge's own deepseek2 GGUF
+reader (checked against transformers in tests/model/test_gguf_deepseek.py) and its HF reader give the same logits, the
+GGUF holds each weight in the format's type, and the HF folder holds the GGUF's dequantised values."""
+
+import json
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import synthetic_deepseek as sd
+import synthetic_gguf as sg
+
+from moeforge.model.loader import load_model
+
+SHAPE = sg.benchmark_shape(sd.deepseek_v3_shape(3, 256, 8, 2, vocab=512))
+
+
+@pytest.fixture(scope="module", params=sg.FORMATS)
+def written(request, tmp_path_factory) -> tuple[str, dict]:
+    folder = tmp_path_factory.mktemp("moe_speed_model")
+    return request.param, sg.write_model(folder, SHAPE, request.param, seed=4)
+
+
+def test_gguf_and_hf_folder_are_one_model(written):
+    _, info = written
+    from_gguf, from_hf = load_model(info["gguf"]), load_model(info["hf"])
+    assert from_gguf.config.moe.n_routed_experts == SHAPE.experts and from_gguf.config.num_hidden_layers == 3
+    ids = torch.randint(0, SHAPE.vocab, (2, 17), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(17).expand(2, -1)
+    with torch.inference_mode():
+        a = from_gguf.model(ids, positions).logits
+        b = from_hf.model(ids, positions).logits
+    assert a.std() > 0.1  # spread logits: not a degenerate model
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+
+
+def test_each_weight_is_stored_in_its_formats_type(written):
+    fmt, info = written
+    reader = gguf.GGUFReader(info["gguf"])
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    expert = gguf.GGMLQuantizationType.Q8_0 if fmt == "q8_0" else gguf.GGMLQuantizationType.Q4_1
+    assert types["blk.1.ffn_gate_exps.weight"] == expert and types["blk.2.attn_q_b.weight"] == expert
+    assert types["output.weight"] == types["token_embd.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["blk.1.ffn_gate_inp.weight"] == types["output_norm.weight"] == gguf.GGMLQuantizationType.F32
+    assert "blk.1.attn_k_b.weight" in types and "blk.1.attn_kv_b.weight" not in types  # llama.cpp's MLA layout
+    # The HF folder holds the dequantised codes: a Q4_1 block of 32 takes at most 16 values, Q8_0 at most 255.
+    index = json.loads((Path(info["hf"]) / sd.INDEX_FILE).read_text())["weight_map"]
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    gate = load_file(Path(info["hf"]) / index[name])[name].reshape(-1, 32)
+    distinct = max(len(np.unique(block)) for block in gate[:64])
+    assert distinct <= (16 if fmt == "q4_1" else 255)
+    assert info["parameters"] == sd.parameter_count(SHAPE)
+
+
+def test_moe_speed_goals_read_the_same_runs_ratios():
+    import moe_speed
+
+    summary = {"ratios": {"decode b1: moeforge int8 / llama.cpp Q8_0": 1.3, "decode b8 / b1: moeforge int8": 2.5}}
+    accuracy = {"q8_0": {"moeforge int8": {"top1_agreement": 0.98}, "llama.cpp Q8_0": {"top1_agreement": 0.97}}}
+    roof = {"moeforge int8 b1": {"fraction": 0.6}}
+    goals = moe_speed.goals(summary, accuracy, roof, [1, 8])
+    assert goals["decode b1: moeforge int8 / llama.cpp Q8_0 >= 1.2"]["met"] is True
+    assert goals["top-1: moeforge int8 - llama.cpp Q8_0 >= 0"]["value"] == pytest.approx(0.01)
+    assert goals["roofline fraction b1: moeforge int8 >= 0.85"]["met"] is False
+    assert goals["decode b8 / b1: moeforge int8 >= 3"]["met"] is False
+    assert goals["decode b1: moeforge int4-asym / llama.cpp Q4_1 >= 1.2"]["met"] is None  # not measured
