@@ -123,6 +123,20 @@ def expert_parallel(hf_dir: Path, folder: Path, quant: str, prompt_len: int, new
     return out
 
 
+def genai_builder_support() -> str:
+    """Whether onnxruntime-genai's builder takes this architecture (it names the ones it builds in its source)."""
+    try:
+        import onnxruntime_genai  # optional (dev) dependency
+    except ImportError:
+        return "onnxruntime-genai not installed"
+    builder = Path(onnxruntime_genai.__file__).parent / "models" / "builder.py"
+    source = builder.read_text() if builder.is_file() else ""
+    if "DeepseekV3ForCausalLM" in source or "DeepseekV2ForCausalLM" in source:
+        return "supported: not yet wired into this benchmark"
+    return (f"onnxruntime-genai {getattr(onnxruntime_genai, '__version__', '?')}: its builder has no DeepseekV2/V3 "
+            "architecture (models/builder.py), so it is not compared")
+
+
 def goals(summary: dict[str, Any], accuracy_by_format: dict[str, Any], roof: dict[str, Any],
           batches: list[int]) -> dict[str, dict[str, Any]]:
     """Issue 38's bars, each with its measured value and whether it is met (None: not measured)."""
@@ -212,7 +226,8 @@ def main() -> None:
         print(f"expert parallel: {json.dumps(ep)}", flush=True)
     table = markdown(summary, args.batches, args.prefill_len)
     print(table)
-    results = {"shape": shape.to_dict(), "parameters": parameter_count(shape), "models": models,
+    results = {"genai_builder": genai_builder_support(),
+               "shape": shape.to_dict(), "parameters": parameter_count(shape), "models": models,
                "compiles": compiles, "threads": threads, "rounds": args.rounds, "batches": args.batches,
                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "prefill_len": args.prefill_len,
                "systems": systems, **summary, "accuracy": accuracy_by_format, "roofline": roof,
