@@ -83,8 +83,27 @@ class AbsorbedEinsum:
             name, old.name = old.name, None
             graph.remove(node, safe=True)
             result.name = name
+            _drop_dead(graph, weight)
             count += 1
         return count
+
+
+def _drop_dead(graph: ir.Graph, value: ir.Value) -> None:
+    """Remove the view chain that computed ``value`` and the initializer under it once nothing reads them (the
+    view's source, kv_b_proj, would otherwise stay in the artifact beside the constants made from it)."""
+    if value.uses() or value.is_graph_output():
+        return
+    node = value.producer()
+    if node is None:
+        if value.name is not None and value.name in graph.initializers and value.const_value is not None:
+            graph.initializers.pop(value.name)
+        return
+    if any(out.uses() or out.is_graph_output() for out in node.outputs):
+        return
+    inputs = [i for i in node.inputs if i is not None]
+    graph.remove(node, safe=True)
+    for item in inputs:
+        _drop_dead(graph, item)
 
 
 def _ints(value: ir.Value | None) -> list[int] | None:
