@@ -5,8 +5,8 @@ Steps (each reused when its output is already there):
 1. the benchmark model (benchmarks/synthetic_gguf.py): a GGUF ``deepseek2`` file per format and an HF folder of its
    dequantised values -- ``q8_0`` (Q8_0 everywhere) and ``q4_1`` (Q4_1 projections and experts, Q8_0 embedding and
    head);
-2. moeforge artifacts compiled from the HF folders with the streamed compile: ``int8`` from q8_0, ``int4-asym``
-   from q4_1 (contiguous KV cache);
+2. moeforge artifacts compiled from the HF folders with the streamed compile: ``int8`` (blocks of 32: Q8_0's grid)
+   from q8_0, ``int4-asym`` from q4_1 (contiguous KV cache);
 3. accuracy: teacher-forced logits of ``--accuracy-tokens`` seeded random tokens, each system against moeforge's
    own PyTorch model of the dequantised weights: top-1 agreement and mean KL;
 4. speed in alternating rounds in one process (benchmarks/peers.py): greedy decode at each ``--batches`` size
@@ -45,6 +45,9 @@ from moeforge.core.bandwidth import read_bandwidth
 from moeforge.model.loader import load_model
 
 QUANT_OF = {"q8_0": "int8", "q4_1": "int4-asym"}
+# Compile flags per scheme: int8 in blocks of 32 along K reproduces a Q8_0 weight exactly (scale = block max / 127, as
+# Q8_0's; per-channel int8 would re-round every block of it); int4-asym's layers are Q4_1's min-max blocks of 32.
+QUANT_FLAGS = {"int8": ("--quant", "int8", "--block-size", "32"), "int4-asym": ("--quant", "int4-asym")}
 CLI = [sys.executable, "-m", "moeforge.cli"]
 
 
@@ -106,8 +109,8 @@ def expert_parallel(hf_dir: Path, folder: Path, quant: str, prompt_len: int, new
     unsharded (one process, 2 threads), both through ``moeforge bench``."""
     out: dict[str, Any] = {}
     for label, flags, threads in (("ep1", (), 2), ("ep2", ("--tp", "2", "--ep", "2"), 1)):
-        artifact = folder / f"art-{quant}-{label}"
-        out[label] = {"compile": ensure_artifact(hf_dir, artifact, "--quant", quant, *flags)}
+        artifact = folder / (f"art-{quant}" if label == "ep1" else f"art-{quant}-{label}")  # ep1: the main artifact
+        out[label] = {"compile": ensure_artifact(hf_dir, artifact, *QUANT_FLAGS[quant], *flags)}
         done = subprocess.run([*CLI, "bench", str(artifact), "--no-compare", "--json", "--batch", "1",
                                "--prompt-len", str(prompt_len), "--new-tokens", str(new_tokens),
                                "--threads", str(threads)], capture_output=True, text=True, check=False)
@@ -190,7 +193,7 @@ def main() -> None:
     for fmt, info in models.items():
         quant = QUANT_OF[fmt]
         out = args.folder / f"art-{quant}"
-        compiles[quant] = ensure_artifact(Path(info["hf"]), out, "--quant", quant)
+        compiles[quant] = ensure_artifact(Path(info["hf"]), out, *QUANT_FLAGS[quant])
         artifacts[f"moeforge {quant}"] = out
         print(f"artifact {out}: {compiles[quant]}", flush=True)
     ggufs = {} if args.no_llama else {f"llama.cpp {fmt.upper()}": Path(info["gguf"]) for fmt, info in models.items()}
