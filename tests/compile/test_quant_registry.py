@@ -48,11 +48,11 @@ def test_every_scheme_has_its_limits_and_is_refused_where_it_is_not_built(name):
 
 def test_the_pass_list_follows_the_scheme_flags():
     names = [p.name for p in quant_passes(QuantSpec("int4-awq", calib=CALIB, keep_fp=0.1, kv_cache="int8"), [])[0]]
-    assert names == ["quant_sensitivity", "quant_awq", "quant_weights", "quant_lowering", "shared_embedding",
-                     "kv_quant"]
+    assert names == ["quant_sensitivity", "quant_awq", "quant_weights", "quant_lowering", "sparse_experts",
+                     "shared_embedding", "kv_quant"]
     names = [p.name for p in quant_passes(QuantSpec("w8a8", calib=CALIB), [])[0]]
     assert names == ["quant_act_calibration", "quant_weights", "quant_activations", "quant_act_lowering",
-                     "quant_lowering", "shared_embedding"]
+                     "quant_lowering", "sparse_experts", "shared_embedding"]
     passes, plan, kv = quant_passes(QuantSpec(kv_cache="int8", calib=CALIB), [])
     assert [p.name for p in passes] == ["kv_quant"] and plan is None and kv is not None
     assert quant_passes(QuantSpec(), [])[0] == []
