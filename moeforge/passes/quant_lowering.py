@@ -60,7 +60,7 @@ class QuantLowering:
                 count += self._moe(model, node)
         if count:
             ensure_opset(model, MS_DOMAIN, 1)
-            _drop_dead(model.graph)
+            drop_dead_dequantize(model.graph)
         return count
 
     def _matmul(self, model: ir.Model, node: ir.Node) -> int:
@@ -319,10 +319,10 @@ def _rank(value: ir.Value | None, depth: int = 8) -> int:
     return 0
 
 
-def _asym_dq(value: ir.Value | None
-             ) -> tuple[ir.TensorProtocol, ir.TensorProtocol, ir.TensorProtocol, int, int] | None:
-    """(codes [K, N], scale [K/bs, N], offset [K/bs, 1, N], bs, bits) of the asymmetric chain DQ(uint4|uint8) ->
-    Reshape -> Add(offset) -> Reshape (see quant_weights), else None. The tensors are not read."""
+def _asym_chain(value: ir.Value | None, axis: int
+                ) -> tuple[ir.TensorProtocol, ir.TensorProtocol, ir.TensorProtocol, int, int] | None:
+    """(codes, scale, offset, bs, bits) of an asymmetric chain DQ(uint4|uint8, axis=``axis``) -> Reshape ->
+    Add(offset) -> Reshape ending in ``value``, else None. The tensors are not read."""
     chain = []
     for op in ("Reshape", "Add", "Reshape", "DequantizeLinear"):
         node = value.producer() if value is not None else None
@@ -339,14 +339,39 @@ def _asym_dq(value: ir.Value | None
     if codes_v.const_value is None or scale_v.const_value is None or (len(dq.inputs) > 2 and dq.inputs[2] is not None):
         return None
     block_attr, axis_attr = dq.attributes.get("block_size"), dq.attributes.get("axis")
-    if block_attr is None or axis_attr is None or axis_attr.as_int() != 0:
+    if block_attr is None or axis_attr is None or axis_attr.as_int() != axis:
         return None
-    codes, scale = codes_v.const_value, scale_v.const_value
+    return codes_v.const_value, scale_v.const_value, offset, block_attr.as_int(), bits
+
+
+def _asym_dq(value: ir.Value | None
+             ) -> tuple[ir.TensorProtocol, ir.TensorProtocol, ir.TensorProtocol, int, int] | None:
+    """(codes [K, N], scale [K/bs, N], offset [K/bs, 1, N], bs, bits) of the asymmetric chain DQ(uint4|uint8) ->
+    Reshape -> Add(offset) -> Reshape (see quant_weights), else None. The tensors are not read."""
+    found = _asym_chain(value, axis=0)
+    if found is None:
+        return None
+    codes, scale, offset = found[:3]
     scale_shape = tuple(scale.shape.numpy())
     if len(codes.shape) != 2 or len(scale_shape) != 2 or tuple(offset.shape.numpy()) != (scale_shape[0], 1,
                                                                                          scale_shape[1]):
         return None
-    return codes, scale, offset, block_attr.as_int(), bits
+    return found
+
+
+def asym_expert_dq(value: ir.Value | None
+                   ) -> tuple[ir.TensorProtocol, ir.TensorProtocol, ir.TensorProtocol, int, int] | None:
+    """(codes [E, N, K], scale [E, N, K/bs], offset [E, N, K/bs, 1], bs, bits) of an MoE expert weight's asymmetric
+    chain (quant_weights' ``_quantize_asym_experts``: DQ along axis 2), else None. The tensors are not read."""
+    found = _asym_chain(value, axis=2)
+    if found is None:
+        return None
+    codes, scale, offset, block, _ = found
+    e, n, k = (int(d) for d in codes.shape.numpy()) if len(codes.shape) == 3 else (0, 0, 0)
+    if not e or block <= 0 or k % block or tuple(scale.shape.numpy()) != (e, n, k // block) \
+            or tuple(offset.shape.numpy()) != (e, n, k // block, 1):
+        return None
+    return found
 
 
 def _swap(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
@@ -359,7 +384,7 @@ def _swap(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
     graph.remove(old, safe=True)
 
 
-def _drop_dead(graph: ir.Graph) -> None:
+def drop_dead_dequantize(graph: ir.Graph) -> None:
     """Remove DequantizeLinear nodes (and int4-asym offset chains) and initializers nothing reads any more."""
     for node in reversed(list(graph)):  # consumers first: Reshape -> Add -> Reshape -> DequantizeLinear
         dead = not any(o.uses() or o in graph.outputs for o in node.outputs)

@@ -10,14 +10,15 @@ the op that used the weight:
 | com.microsoft.MoE fc1/fc2/fc3 [E, N, K] | same kinds, [E, N, K] | [E, N, K/bs] (per channel: bs=K) | axis=2 |
 
 All zero points are 0 (symmetric), except with ``QuantConfig.asymmetric`` (``--quant int4-asym`` /
-``int8-asym``, ONNX Runtime only): each MatMul weight of the scheme's kind (not MoE experts; the LM head only
-with ``head_asymmetric``) becomes min-max blocks with a float offset, which ``DequantizeLinear``'s integer
-zero point cannot carry, so the portable form is
+``int8-asym``, ONNX Runtime only): each MatMul weight of the scheme's kind (the LM head only with
+``head_asymmetric``) and each MoE expert becomes min-max blocks with a float offset, which
+``DequantizeLinear``'s integer zero point cannot carry, so the portable form is
 
     DequantizeLinear(uint4|uint8 codes [K, N], scale [K/bs, N], axis=0, block_size=bs) -> Reshape [K/bs, bs, N]
     -> Add(offset [K/bs, 1, N]) -> Reshape [K, N] -> MatMul
 
-(standard ONNX; ``quant_lowering`` turns it into MatMulNBits with float zero points).
+(standard ONNX; ``quant_lowering`` turns it into MatMulNBits plus the block sums' share of the offsets). Experts
+[E, N, K] take the same chain along K (axis 2, offsets [E, N, K/bs, 1]); ``sparse_experts`` runs it per expert.
 Not quantised: the embedding Gather (a table lookup), the MoE
 router (its MatMul picks experts: kept fp32 like norms and softmax, which have no weights here), DSA's indexer
 projections (they pick the tokens sparse attention reads; ``indexer_matmuls``), and
@@ -27,6 +28,7 @@ weight rows before quantising; a ``Mul(x, 1/s)`` on the activation keeps the pro
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -196,6 +198,9 @@ class WeightQuantization:
             # [E, N, K]: quantise each expert as a [K, N] matrix, store codes back as [E, N, K].
             experts, n, k = shape
             block = cfg.block_size
+            if cfg.asymmetric and block is not None and kind in ("int4", "int8"):
+                self._quantize_asym_experts(model, target, tensor, block, 4 if kind == "int4" else 8)
+                return
             scale_shape: tuple[int, ...] = (experts, n, 1) if block is None else (experts, n, k // block)
             kind = cfg.kind
 
@@ -288,7 +293,6 @@ class WeightQuantization:
                        awq: np.ndarray | None, bits: int) -> None:
         graph, bs = model.graph, self.config.block_size
         assert bs is not None
-        weight = required(target.node.inputs[target.index], f"{target.name}: weight input")
         k, n = tensor.shape.numpy()
 
         def compute() -> dict[str, np.ndarray]:
@@ -304,20 +308,68 @@ class WeightQuantization:
         scale = add_initializer(graph, f"{stem}.scale", parts.tensor("scale", ir.DataType.FLOAT, (k // bs, n)))
         offset = add_initializer(graph, f"{stem}.offset",  # [K/bs, 1, N]
                                  parts.tensor("offset", ir.DataType.FLOAT, (k // bs, 1, n)))
-        blocked = add_initializer(graph, f"{stem}.blocked_shape", ir.tensor(np.array([k // bs, bs, n], np.int64)))
-        flat = add_initializer(graph, f"{stem}.shape", ir.tensor(np.array([k, n], np.int64)))
-        dq = ir.node("DequantizeLinear", [codes, scale], attributes={"axis": 0, "block_size": bs})
-        split = ir.node("Reshape", [dq.outputs[0], blocked])
-        add = ir.node("Add", [split.outputs[0], offset])
-        merge = ir.node("Reshape", [add.outputs[0], flat])
-        for node, suffix, shape in ((dq, "dq", (k, n)), (split, "blocks", (k // bs, bs, n)),
-                                    (add, "blocks_offset", (k // bs, bs, n)), (merge, "dq_asym", (k, n))):
-            node.outputs[0].name = f"{stem}.{suffix}"
-            node.outputs[0].shape, node.outputs[0].type = ir.Shape(shape), ir.TensorType(ir.DataType.FLOAT)
-            graph.insert_before(target.node, node)
-        target.node.replace_input_with(target.index, merge.outputs[0])
-        if not weight.uses() and weight.name is not None and weight.name in graph.initializers:
-            graph.initializers.pop(weight.name)
+        _insert_asym_chain(graph, target, codes, scale, offset, axis=0, block=bs, whole=(k, n),
+                           blocked=(k // bs, bs, n))
+
+    def _quantize_asym_experts(self, model: ir.Model, target: QuantTarget, tensor: ir.TensorProtocol, bs: int,
+                               bits: int) -> None:
+        """Experts [E, N, K] as min-max blocks of ``bs`` along K (llama.cpp's Q4_1 at 4 bits), in the portable form
+
+            DequantizeLinear(uint codes [E, N, K], scale [E, N, K/bs], axis=2, block_size=bs) -> Reshape
+            [E, N, K/bs, bs] -> Add(offset [E, N, K/bs, 1]) -> Reshape [E, N, K]
+
+        (``sparse_experts`` runs it as MatMulNBits + the block sums' share of the offsets). Codes, scales and offsets
+        are ``ExpertStack``s: each expert is quantised when its codes are written, its scales and offsets kept until
+        they are (up to PENDING_SCALE_BYTES, past which they are recomputed), one expert in memory at a time."""
+        graph = model.graph
+        experts, n, k = (int(d) for d in tensor.shape.numpy())
+        if k % bs:
+            raise ValueError(f"{target.label}: block size {bs} does not divide the experts' K={k}; "
+                             "pick a --block-size that divides it")
+        source_of = experts_of(tensor)
+        if source_of is None:  # in memory: slice the whole array (read once)
+            whole = functools.cache(tensor.numpy)
+
+            def source_of(e: int) -> np.ndarray:
+                return np.asarray(whole()[e])
+        pending: dict[int, dict[str, np.ndarray]] = {}
+        kept = [0]
+
+        def parts_of(e: int) -> dict[str, np.ndarray]:  # codes [N, K], scale [N, K/bs], offset [N, K/bs, 1]
+            q = quantize_asym(np.asarray(source_of(e), np.float32).T, bs, bits)
+            return {"codes": np.ascontiguousarray(q.codes.T), "scale": np.ascontiguousarray(q.scale.T),
+                    "offset": np.ascontiguousarray(q.offset.T[:, :, None])}
+
+        def codes_of(e: int) -> np.ndarray:
+            parts = parts_of(e)
+            rest = {name: parts[name] for name in ("scale", "offset")}
+            size = sum(a.nbytes for a in rest.values())
+            if kept[0] + size <= PENDING_SCALE_BYTES:
+                pending[e], kept[0] = rest, kept[0] + size
+            codes = parts["codes"]
+            return codes.astype(ml_dtypes.uint4) if bits == 4 else codes
+
+        def part_of(name: str) -> Callable[[int], np.ndarray]:
+            def get(e: int) -> np.ndarray:
+                kept_parts = pending.get(e)
+                if kept_parts is None or name not in kept_parts:
+                    return parts_of(e)[name].astype(np.float32)
+                array = kept_parts.pop(name)
+                kept[0] -= array.nbytes
+                if not kept_parts:
+                    del pending[e]
+                return array.astype(np.float32)
+            return get
+
+        stem = target.name
+        code_dtype = ir.DataType.UINT4 if bits == 4 else ir.DataType.UINT8
+        codes = add_initializer(graph, f"{stem}.q", ExpertStack(codes_of, code_dtype, (experts, n, k)))
+        scale = add_initializer(graph, f"{stem}.scale",
+                                ExpertStack(part_of("scale"), ir.DataType.FLOAT, (experts, n, k // bs)))
+        offset = add_initializer(graph, f"{stem}.offset",
+                                 ExpertStack(part_of("offset"), ir.DataType.FLOAT, (experts, n, k // bs, 1)))
+        _insert_asym_chain(graph, target, codes, scale, offset, axis=2, block=bs, whole=(experts, n, k),
+                           blocked=(experts, n, k // bs, bs))
 
     def _q(self, weight: np.ndarray, kind: str) -> QuantizedWeight:
         if self.config.exact_fp8 and kind == "fp8":
@@ -334,6 +386,28 @@ class WeightQuantization:
         mul.outputs[0].shape, mul.outputs[0].type = x.shape, x.type
         graph.insert_before(target.node, mul)
         target.node.replace_input_with(0, mul.outputs[0])
+
+
+def _insert_asym_chain(graph: ir.Graph, target: QuantTarget, codes: ir.Value, scale: ir.Value, offset: ir.Value, *,
+                       axis: int, block: int, whole: tuple[int, ...], blocked: tuple[int, ...]) -> None:
+    """``DequantizeLinear(codes, scale, axis, block) -> Reshape(blocked) -> Add(offset) -> Reshape(whole)`` in place
+    of ``target``'s weight (dropped if nothing else reads it): the asymmetric schemes' portable form."""
+    weight = required(target.node.inputs[target.index], f"{target.name}: weight input")
+    stem = target.name
+    blocked_shape = add_initializer(graph, f"{stem}.blocked_shape", ir.tensor(np.array(blocked, np.int64)))
+    flat = add_initializer(graph, f"{stem}.shape", ir.tensor(np.array(whole, np.int64)))
+    dq = ir.node("DequantizeLinear", [codes, scale], attributes={"axis": axis, "block_size": block})
+    split = ir.node("Reshape", [dq.outputs[0], blocked_shape])
+    add = ir.node("Add", [split.outputs[0], offset])
+    merge = ir.node("Reshape", [add.outputs[0], flat])
+    for node, suffix, dims in ((dq, "dq", whole), (split, "blocks", blocked), (add, "blocks_offset", blocked),
+                               (merge, "dq_asym", whole)):
+        node.outputs[0].name = f"{stem}.{suffix}"
+        node.outputs[0].shape, node.outputs[0].type = ir.Shape(dims), ir.TensorType(ir.DataType.FLOAT)
+        graph.insert_before(target.node, node)
+    target.node.replace_input_with(target.index, merge.outputs[0])
+    if not weight.uses() and weight.name is not None and weight.name in graph.initializers:
+        graph.initializers.pop(weight.name)
 
 
 PENDING_SCALE_BYTES = 64 * 2**20  # per stacked experts weight: see _quantize_experts

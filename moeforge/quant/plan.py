@@ -374,7 +374,7 @@ def quant_passes(spec: QuantSpec, prompts: list[list[int]], *,
             if scheme.activations == "int8":  # exact re-encoding for ORT's non-saturating U8U8 kernel
                 passes.append(OrtActivationLowering())
         passes.append(QuantLowering(spec.level, asym_offsets=spec.asym_offsets or "exact"))
-        passes.append(SparseExperts())
+        passes.append(SparseExperts(spec.level))
         passes.append(PlannedSharedEmbedding(plan))
     kv = CalibratedKVQuantization(prompts) if spec.kv_cache is not None else None
     if kv is not None:

@@ -81,7 +81,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("int4", "int4", 32, _judged_by_agreement(0.4, 0.15), "int4 blocks, symmetric round-to-nearest",
            targets=("ort", "trt")),
     Scheme("int4-asym", "int4", 32, _judged_by_agreement(0.4, 0.15),
-           "int4 min-max blocks with float offsets (ONNX Runtime; MoE experts stay symmetric)", asymmetric=True),
+           "int4 min-max blocks with float offsets (ONNX Runtime; llama.cpp's Q4_1)", asymmetric=True),
     Scheme("int4-awq", "int4", 32, _judged_by_agreement(0.4, 0.15), "int4 blocks with AWQ scales from --calib",
            awq=True),
     Scheme("fp8", "fp8", 128, _judged_by_agreement(0.8, 0.02), "fp8 e4m3 blocks", targets=("ort", "trt")),

@@ -17,6 +17,7 @@ from moeforge.passes.pipeline import ort_pipeline, run_passes
 from moeforge.passes.quant_lowering import QuantLowering
 from moeforge.passes.quant_math import awq_search, fake_quantize, quantize, quantize_asym, quantize_fp8_exact
 from moeforge.passes.quant_weights import QuantConfig, WeightQuantization, quant_targets
+from moeforge.passes.sparse_experts import SparseExperts
 from moeforge.quant.sensitivity import choose_kept, measure
 
 from .conftest import run_ort
@@ -122,16 +123,17 @@ def test_awq_beats_rtn_on_activation_outliers():
 
 
 # ---------------------------------------------------------------------------------------- graph passes
-def _fake_quantised_logits(base, feeds, kind, block, dense=None):
+def _fake_quantised_logits(base, feeds, kind, block, dense=None, experts=None):
     """Reference: logits of the fp32 graph with every weight replaced by dequantise(quantise(W)) in numpy
-    (MoE experts symmetric ``kind``/``block`` per expert; 2D weights by ``dense``, default the same);
+    (2D weights by ``dense``, MoE experts [K, N] each by ``experts``; default symmetric ``kind``/``block``);
     returns (logits, quant targets)."""
     reference = _copy(base)
     targets = quant_targets(reference)
     for target in targets:
         w = target.node.inputs[target.index].const_value.numpy()
         if target.is_moe:
-            fq = np.stack([fake_quantize(w[e].T, kind, block).T for e in range(w.shape[0])])
+            per_expert = experts or (lambda m: fake_quantize(m, kind, block))
+            fq = np.stack([per_expert(w[e].T).T for e in range(w.shape[0])])
         else:
             fq = dense(w) if dense is not None else fake_quantize(w, kind, block)
         target.node.inputs[target.index].const_value = ir.tensor(fq.astype(np.float32), name=target.name)
@@ -173,25 +175,28 @@ def test_qdq_graph_equals_fake_quantised_weights(ort_graphs, name, kind, block):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
 def test_asym_graph_and_exact_fast_lowering(ort_graphs, name, bits):
-    # int4-asym / int8-asym (head included here): every 2D MatMul weight is min-max blocks with a float offset
-    # (numpy quantize_asym); MoE experts stay symmetric (QMoE's zero points are not wired for float offsets).
+    # int4-asym / int8-asym (head included here): every 2D MatMul weight and every MoE expert is min-max blocks
+    # with a float offset (numpy quantize_asym).
     kind = f"int{bits}"
     loaded, base = ort_graphs[name]
     feeds = _feeds(base, loaded.config.vocab_size)
-    expected, targets = _fake_quantised_logits(base, feeds, kind, 32,
-                                               dense=lambda w: quantize_asym(w, 32, bits).dequantize())
+
+    def asym(w):
+        return quantize_asym(w, 32, bits).dequantize()
+    expected, targets = _fake_quantised_logits(base, feeds, kind, 32, dense=asym, experts=asym)
     portable = _copy(base)
     count = WeightQuantization(QuantConfig(kind, 32, asymmetric=True, head_asymmetric=True)).apply(portable, None)
     dense = sum(not t.is_moe for t in targets)
     assert count == len(targets) and dense > 0
     offsets = [n for n in portable.graph if n.op_type == "Add" and (n.outputs[0].name or "").endswith(".blocks_offset")]
-    assert len(offsets) == dense
+    assert len(offsets) == len(targets)
     dqs = [n for n in portable.graph if n.op_type == "DequantizeLinear"]
-    assert sum(n.inputs[0].dtype == (ir.DataType.UINT4 if bits == 4 else ir.DataType.UINT8) for n in dqs) == dense
+    assert sum(n.inputs[0].dtype == (ir.DataType.UINT4 if bits == 4 else ir.DataType.UINT8) for n in dqs) == count
     # Standard ONNX ops only (DequantizeLinear, Reshape, Add), run by ONNX Runtime with optimisations off.
     np.testing.assert_allclose(_logits(portable, feeds), expected, atol=2e-5, rtol=1e-5)
     lowered = _copy(portable)
     QuantLowering(accuracy_level=0).apply(lowered, None)
+    SparseExperts(accuracy_level=0).apply(lowered, None)
     nbits = [n for n in lowered.graph if n.op_type == "MatMulNBits"]
     # Fast exact form: MatMulNBits on its default zero point (no zero_points input) + the block offsets'
     # share as (block sums of x) @ offsets, the sums a ReduceSum over a Reshape (no [K, K/32] indicator MatMul).
@@ -207,11 +212,10 @@ def test_asym_graph_and_exact_fast_lowering(ort_graphs, name, bits):
     ops = [n.op_type for n in lowered.graph]
     assert "DequantizeLinear" not in ops and not any(n.op_type == "Add" and (n.outputs[0].name or "").endswith(
         ".blocks_offset") for n in lowered.graph)
-    if name == "tiny-deepseek-v3":
-        assert ops.count("QMoE") == 2 and "MoE" not in ops
-    # Block-wise 8-bit QMoE (the symmetric experts) always quantises activations to int8: looser, as above.
-    atol = 0.1 if (name == "tiny-deepseek-v3" and bits == 8) else 2e-4
-    np.testing.assert_allclose(_logits(lowered, feeds, optimize=True), expected, atol=atol)
+    if name == "tiny-deepseek-v3":  # the experts: one If per expert over MatMulNBits + offsets (sparse_experts)
+        experts = loaded.config.moe.n_routed_experts
+        assert "QMoE" not in ops and "MoE" not in ops and ops.count("If") == 2 * experts
+    np.testing.assert_allclose(_logits(lowered, feeds, optimize=True), expected, atol=2e-4)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -1,6 +1,7 @@
 """sparse_experts (moeforge/passes/sparse_experts.py): a QMoE node rewritten into one If per expert over MatMulNBits
 computes what QMoE computes (8-bit per channel, 4-bit blocks; tokens routed to several, one or no experts) and runs
-only the experts the step's tokens were routed to (counted by filling each expert's codes' scales with NaN)."""
+only the experts the step's tokens were routed to (counted by filling each expert's codes' scales with NaN); a float
+MoE with asymmetric (int4-asym / int8-asym) experts reproduces min-max-gridded (GGUF Q4_1) experts exactly."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from moeforge.core.config import ModelConfig
 from moeforge.model.presets import get_preset
 from moeforge.passes.base import PassContext
 from moeforge.passes.quant_math import pack_rows
+from moeforge.passes.quant_weights import QuantConfig, WeightQuantization
 from moeforge.passes.sparse_experts import SparseExperts
 from tests.passes.conftest import run_ort
 
@@ -151,3 +153,68 @@ def test_biased_or_unfused_qmoe_is_left_alone() -> None:
     node = next(n for n in model.graph if n.op_type == "QMoE")
     node.attributes["swiglu_fusion"] = ir.AttrInt64("swiglu_fusion", 0)
     assert SparseExperts().apply(model, _ctx()) == 0
+
+
+def _gridded(shape: tuple[int, ...], block: int, bits: int, rng: np.random.Generator) -> np.ndarray:
+    """Float experts [E, N, K] already on min-max grids of ``block`` along K (GGUF Q4_1 values at 4 bits): each
+    block is min + scale * code with codes spanning 0..2^bits-1, so min-max quantisation reproduces it."""
+    top = (1 << bits) - 1
+    codes = rng.integers(0, top + 1, shape)
+    codes[..., 0::block] = 0  # each block holds its min and its max
+    codes[..., 1::block] = top
+    blocks = shape[-1] // block
+    low = np.repeat(rng.standard_normal((*shape[:-1], blocks)) * 0.05, block, axis=-1)
+    step = np.repeat(rng.random((*shape[:-1], blocks)) * 0.01 + 0.002, block, axis=-1)
+    return (low + step * codes).astype(np.float32)
+
+
+def _float_moe_model(fc1: np.ndarray, fc2: np.ndarray) -> ir.Model:
+    """x [T, H], router_probs [T, E] -> float com.microsoft.MoE (SwiGLU, interleaved gate/up rows)."""
+    node = helper.make_node("MoE", ["x", "probs", "fc1", "", "fc2"], ["y"], domain="com.microsoft", name="moe", k=K,
+                            activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=1)
+    graph = helper.make_graph(
+        [node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", H]),
+                        helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["T", E])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])],
+        [numpy_helper.from_array(fc1, "fc1"), numpy_helper.from_array(fc2, "fc2")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft",
+                                                                                                     1)], ir_version=10)
+    return ir.serde.deserialize_model(proto)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_asymmetric_experts_reproduce_gridded_weights_exactly(bits: int, tokens: int) -> None:
+    """int4-asym / int8-asym experts: a float MoE whose experts are on min-max grids of 32 (what a GGUF Q4_1
+    checkpoint dequantises to) goes through quant_weights (asymmetric experts: DQ -> Add(offset) chains) and this
+    pass (MatMulNBits + block sums @ offsets), and computes what the float MoE computes, to float rounding."""
+    rng = np.random.default_rng(7)
+    fc1, fc2 = _gridded((E, 2 * I, H), 32, bits, rng), _gridded((E, H, I), 32, bits, rng)
+    feeds = {k: v[:tokens] for k, v in _feeds(3).items()} if tokens < 3 else _feeds(tokens)
+    expected = run_ort(_float_moe_model(fc1, fc2), feeds)[0]
+    model = _float_moe_model(fc1, fc2)
+    kind = "int4" if bits == 4 else "int8"
+    assert WeightQuantization(QuantConfig(kind, 32, asymmetric=True)).apply(model, _ctx()) == 2
+    assert [n.op_type for n in model.graph].count("DequantizeLinear") == 2  # the portable form: one chain each
+    assert SparseExperts(accuracy_level=0).apply(model, _ctx()) == 1
+    ops = [n.op_type for n in model.graph]
+    assert "MoE" not in ops and "DequantizeLinear" not in ops and ops.count("If") == E
+    assert not [name for name in model.graph.initializers if name in ("fc1", "fc2", "fc1.q", "fc2.q")]
+    after = run_ort(model, feeds)[0]
+    np.testing.assert_allclose(after, expected, atol=1e-5 * float(np.abs(expected).max()), rtol=0)
+    # the offsets matter: the same codes and scales without them (symmetric around z) are far off
+    for name, value in model.graph.initializers.items():
+        if name.endswith(".offsets"):
+            value.const_value = ir.tensor(np.zeros(value.shape.numpy(), np.float32), name=name)
+    assert np.abs(run_ort(model, feeds)[0] - expected).max() > 0.05 * float(np.abs(expected).max())
+
+
+def test_asymmetric_experts_run_only_the_routed_ones() -> None:
+    rng = np.random.default_rng(3)
+    model = _float_moe_model(_gridded((E, 2 * I, H), 32, 4, rng), _gridded((E, H, I), 32, 4, rng))
+    WeightQuantization(QuantConfig("int4", 32, asymmetric=True)).apply(model, _ctx())
+    assert SparseExperts().apply(model, _ctx()) == 1
+    feeds = _feeds(4)
+    routed = sorted({int(e) for e in np.nonzero(np.isfinite(feeds["probs"]))[1]})
+    assert len(routed) < E
+    assert _computed(model, feeds) == routed
