@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from heldout_accuracy import compare, llama_cpp_logits, moeforge_logits
+from kernel_ceiling import kernel_ceiling
 from peers import make_runners, markdown, public_records, run_rounds, summarize, usable_cores
 from synthetic_deepseek import DEFAULTS, add_shape_arguments, parameter_count, shape_from_args
 from synthetic_gguf import FORMATS, benchmark_shape, reuse_or_write
@@ -91,16 +92,22 @@ def accuracy(hf_dir: Path, artifacts: dict[str, Path], ggufs: dict[str, Path], t
 
 
 def rooflines(artifacts: dict[str, Path], batches: list[int], prompt_len: int, new_tokens: int,
-              threads: int) -> dict[str, Any]:
-    """Each artifact's decode against the memory roofline at each batch size (``moeforge bench --roofline``)."""
+              threads: int, top_k: int) -> dict[str, Any]:
+    """Each artifact's decode against the memory roofline at each batch size (``moeforge bench --roofline``), and
+    against the floor of ONNX Runtime's own kernels on its shapes (benchmarks/kernel_ceiling.py)."""
     bandwidth = read_bandwidth(threads)
     out: dict[str, Any] = {"bandwidth": {"best_gb_s": bandwidth.best_gb_s, "median_gb_s": bandwidth.median_gb_s,
                                          "threads": bandwidth.threads, "cached": bandwidth.cached}}
     for label, artifact in artifacts.items():
         for batch in batches:
             measured = bench_engine(artifact, batch, prompt_len, new_tokens, threads, roofline=bandwidth)
+            roof = measured["roofline"]
+            active = roof["active_experts_per_layer"]
+            union = sum(active) / max(len(active), 1)  # experts a step computes per layer; each gets ~B*k/union rows
+            expert_rows = max(1, round(batch * top_k / union)) if union else 1
+            ceiling = kernel_ceiling(artifact, batch, threads, expert_rows, roof["active_expert_bytes"])
             out[f"{label} b{batch}"] = {"decode_tokens_per_s": round(measured["decode_tokens_per_s"], 2),
-                                        **measured["roofline"]}
+                                        **roof, "kernel_ceiling": ceiling}
     return out
 
 
@@ -218,7 +225,7 @@ def main() -> None:
     records = run_rounds(runners, args.rounds, args.prompt_len, args.new_tokens, args.prefill_len, vocab)
     summary = summarize(records, systems)
     del runners
-    roof = rooflines(artifacts, args.batches, args.prompt_len, args.new_tokens, threads)
+    roof = rooflines(artifacts, args.batches, args.prompt_len, args.new_tokens, threads, shape.top_k)
     for key, value in roof.items():
         print(f"roofline {key}: {value}", flush=True)
     ep = None

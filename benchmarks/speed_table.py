@@ -64,6 +64,16 @@ def _goal(met: bool | None) -> str:
     return "-" if met is None else ("met" if met else "missed")
 
 
+def _floor(row: dict[str, Any]) -> str:
+    """Kernel floor ms | the kernels' read rates (benchmarks/kernel_ceiling.py), or dashes when not measured."""
+    ceiling = row.get("kernel_ceiling") or {}
+    if "floor_step_ms" not in ceiling:
+        return "- | -"
+    rates = " / ".join(str(ceiling.get(k, {}).get("gb_s", "-"))
+                       for k in ("routed expert", "lm head", "other MatMulNBits", "float MatMul"))
+    return f"{ceiling['floor_step_ms']:.1f} | {rates}"
+
+
 def _moe_section(moe: dict[str, Any]) -> list[str]:
     """benchmarks/moe_speed.py: the DeepSeek-shaped MoE model against llama.cpp, its accuracy, the roofline, ep."""
     r = moe["results"]
@@ -92,8 +102,13 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
                   f" GB/s best, {band['median_gb_s']} median, {band['threads']} threads): the bytes a step reads "
                   "(weights no routing skips + the union of the routed experts + the KV cache) over that bandwidth, "
                   "against the measured step; kernel time from a profiled run.", "",
+                  "The kernel floor (`benchmarks/kernel_ceiling.py`) is the same step made of ONNX Runtime's kernels "
+                  "alone, on the artifact's shapes with fresh weights: the routed experts' bytes at their MatMulNBits "
+                  "rate plus the LM head, the other MatMulNBits and the float MatMuls, each timed by itself. Kernel "
+                  "rates are GB/s.", "",
                   "| artifact | step MiB | routed experts MiB | LM head MiB | experts / layer | measured ms | "
-                  "roofline ms | fraction | kernel time |", "|---|---|---|---|---|---|---|---|---|"]
+                  "roofline ms | fraction | kernel floor ms | kernel GB/s: experts / head / other / float | "
+                  "kernel time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         mib = 2**20
         for key, row in roof.items():
             if key == "bandwidth":
@@ -103,7 +118,7 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
             lines.append(f"| {key} | {row['step_bytes'] / mib:.0f} | {row['active_expert_bytes'] / mib:.0f} | "
                          f"{row['head_bytes'] / mib:.0f} | {sum(active) / max(len(active), 1):.1f} of "
                          f"{max(row['experts_per_layer'] or [0])} | {row['measured_step_ms']:.1f} | "
-                         f"{row['roofline_step_ms']:.1f} | {row['fraction']:.2f} | {shares} |")
+                         f"{row['roofline_step_ms']:.1f} | {row['fraction']:.2f} | {_floor(row)} | {shares} |")
         lines.append("")
     ep = r.get("expert_parallel")
     if ep and "ep2_step_over_ep1" in ep:

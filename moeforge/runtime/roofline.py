@@ -107,7 +107,7 @@ def weight_traffic(model_path: str | Path) -> WeightTraffic:
     layers: dict[str, list[int]] = {}  # per MoE layer, in graph order: the bytes of each of its experts
     expert_names: set[str] = set()
     by_dims = {t.name: list(t.dims) for t in model.graph.initializer}
-    head_node = _head_node(model.graph)
+    head_node = lm_head_node(model.graph)
     head: set[str] = set()
     for node in _nodes(model.graph):
         layer = _sparse_expert(node)
@@ -158,7 +158,7 @@ def _rows_per_token(node: onnx.NodeProto, graph: onnx.GraphProto) -> int:
     return 1
 
 
-def _head_node(graph: onnx.GraphProto) -> Any:
+def lm_head_node(graph: onnx.GraphProto) -> Any:
     """The node (onnx.NodeProto) computing the LM head, or None: the nearest weight-reading MatMul (or the argmax
     head's If) upstream of the ``logits`` output, walking back through reshapes, slices and gathers."""
     producers = {out: node for node in graph.node for out in node.output}

@@ -70,3 +70,41 @@ def test_moe_speed_goals_read_the_same_runs_ratios():
     assert goals["roofline fraction b1: moeforge int8 >= 0.85"]["met"] is False
     assert goals["decode b8 / b1: moeforge int8 >= 3"]["met"] is False
     assert goals["decode b1: moeforge int4-asym / llama.cpp Q4_1 >= 1.2"]["met"] is None  # not measured
+
+
+@pytest.mark.heavy
+def test_q4_1_experts_compile_exactly_and_the_kernel_ceiling_reads_their_shapes(tmp_path):
+    """The Q4_1 model's HF folder (GGUF Q4_1 experts and projections, dequantised) compiled --quant int4-asym with
+    fp32 activations (--accuracy-level 0) computes what PyTorch computes on those values: min-max blocks of 32
+    reproduce Q4_1's, experts included (sparse_experts' MatMulNBits + block offsets). benchmarks/kernel_ceiling.py
+    then finds the step's kernels by kind on the artifact."""
+    import kernel_ceiling
+
+    from moeforge.compile.driver import CompileOptions, compile_model
+    from moeforge.core.artifact import load_artifact
+    from moeforge.runtime.backends.onnxruntime import OrtSession
+
+    shape = sg.benchmark_shape(sd.deepseek_v3_shape(2, 256, 8, 2, vocab=512))
+    info = sg.write_model(tmp_path / "model", shape, "q4_1", seed=5)
+    out = tmp_path / "art"
+    compile_model(CompileOptions.from_flags(model=info["hf"], output_dir=out, max_seq_len=64, progress=False,
+                                            quant="int4-asym", accuracy_level=0))
+    ids = np.random.default_rng(0).integers(0, shape.vocab, 24)
+    artifact = load_artifact(out)
+    session = OrtSession(artifact.model_path, kv_cache=artifact.manifest.kv_cache)
+    session.allocate(batch=1, max_len=32)
+    ours = session.forward(ids[None], np.arange(24)[None], np.ones((1, 24), np.int64))[0]
+    loaded = load_model(info["hf"])
+    with torch.inference_mode():
+        reference = loaded.model(torch.tensor(ids[None]), torch.arange(24)[None]).logits[0].float().numpy()
+    scale = float(np.abs(reference).max())
+    np.testing.assert_allclose(ours, reference, atol=1e-3 * scale, rtol=0)
+
+    kinds = kernel_ceiling.kernel_shapes(out)
+    expert = {(a["K"], a["N"], a["bits"]) for a in kinds["routed expert"]}
+    inter = shape.moe_intermediate
+    assert expert == {(256, 2 * inter, 4), (inter, 256, 4)}
+    assert [a["N"] for a in kinds["lm head"]] == [512] and kinds["lm head"][0]["bits"] == 8  # the Q8_0 head
+    assert kinds["other MatMulNBits"] and all(a["bits"] == 4 for a in kinds["other MatMulNBits"])  # Q4_1 layers
+    timed = kernel_ceiling.time_kernels(kinds["routed expert"], rows=1, threads=1, repeats=2)
+    assert timed["kernels"] == 2 and timed["gb_s"] > 0
