@@ -190,7 +190,9 @@ def _asym_moe_weights(node: ir.Node, accuracy_level: int) -> _Experts | None:
                    fc1_rows: bool) -> _Projection:
         codes_t, scale_t, offset_t = entry[:3]
         _, n, k = (int(d) for d in codes_t.shape.numpy())
-        codes, scales, offsets = _experts(codes_t), _experts(scale_t), _experts(offset_t)
+        # scales(e) is read twice per expert, for its scales and its folded offsets, written one after the other
+        codes, scales, offsets = _experts(codes_t), functools.lru_cache(maxsize=1)(_experts(scale_t)), _experts(
+            offset_t)
         rows = _deinterleave if fc1_rows else (lambda a: a)
 
         def b(e: int) -> np.ndarray:  # unsigned codes [N, K] -> signed for pack_nbits, which adds z back
