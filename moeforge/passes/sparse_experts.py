@@ -47,6 +47,7 @@ import numpy as np
 import onnx_ir as ir
 
 from moeforge.ops.expert_stack import experts_of
+from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import MS_DOMAIN, PassContext, add_initializer, ensure_opset
 from moeforge.passes.quant_lowering import asym_expert_dq, drop_dead_dequantize
 from moeforge.passes.quant_math import pack_nbits
@@ -243,28 +244,27 @@ def _rewrite(graph: ir.Graph, node: ir.Node, weights: _Experts, prefix: str) -> 
             made_consts[stem] = add_initializer(graph, f"{prefix}.{stem}", array)
         return made_consts[stem]
 
-    def lazy(fn: Callable[[], np.ndarray], dtype: ir.DataType, shape: tuple[int, ...]) -> ir.TensorProtocol:
-        return ir.LazyTensor(lambda: ir.tensor(fn()), dtype, ir.Shape(shape))
+    def block_sums(value: ir.Value, k: int, tag: str) -> list[ir.Node]:
+        """value [n, K] -> its sums over blocks [n, K/bs] (the last node's output): a Reshape view + ReduceSum."""
+        view = node_("Reshape", [value, const(f"blocks{k}", np.array([-1, k // block, block], np.int64))],
+                     f"{tag}/blocks")
+        return [view, node_("ReduceSum", [view.outputs[0], last], f"{tag}/block_sums", keepdims=0)]
 
     def matmul(proj: _Projection, e: int, tag: str, xe: ir.Value, sums: ir.Value | None) -> list[ir.Node]:
         """Expert e's projection of xe [n, K] -> [n, N]; asymmetric blocks add sums [n, K/bs] @ offsets."""
         blocks = proj.k // block
-        b = add_initializer(graph, f"{proj.stem}.expert{e}.B", lazy(
+        b = add_initializer(graph, f"{proj.stem}.expert{e}.B", lazy_tensor(
             functools.partial(proj.b, e), ir.DataType.UINT8, (proj.n, blocks, block * bits // 8)))
-        s = add_initializer(graph, f"{proj.stem}.expert{e}.scales", lazy(
+        s = add_initializer(graph, f"{proj.stem}.expert{e}.scales", lazy_tensor(
             functools.partial(proj.scales, e), ir.DataType.FLOAT, (proj.n, blocks)))
         mm = node_("MatMulNBits", [xe, b, s], tag, domain=MS_DOMAIN, K=proj.k, N=proj.n, bits=bits,
                    block_size=block, accuracy_level=weights.accuracy)
         if proj.offsets is None:
             return [mm]
-        made: list[ir.Node] = []
-        if sums is None:  # the block sums of xe itself
-            view = node_("Reshape", [xe, const(f"blocks{proj.k}", np.array([-1, blocks, block], np.int64))],
-                         f"{tag}/blocks")
-            summed = node_("ReduceSum", [view.outputs[0], last], f"{tag}/block_sums", keepdims=0)
-            made += [view, summed]
-            sums = summed.outputs[0]
-        offsets = add_initializer(graph, f"{proj.stem}.expert{e}.offsets", lazy(
+        made = block_sums(xe, proj.k, tag) if sums is None else []  # the block sums of xe itself
+        if sums is None:
+            sums = made[-1].outputs[0]
+        offsets = add_initializer(graph, f"{proj.stem}.expert{e}.offsets", lazy_tensor(
             functools.partial(proj.offsets, e), ir.DataType.FLOAT, (blocks, proj.n)))
         share = node_("MatMul", [sums, offsets], f"{tag}/offset_share")
         total = node_("Add", [mm.outputs[0], share.outputs[0]], f"{tag}/exact")
@@ -282,11 +282,9 @@ def _rewrite(graph: ir.Graph, node: ir.Node, weights: _Experts, prefix: str) -> 
     new += [softmax, nan, w, column_max, hit, zeros]
     x_sums = None  # [T, H/bs]: x's block sums, shared by every expert's fc1 offsets (asymmetric blocks)
     if weights.fc1.offsets is not None:
-        hidden = weights.fc1.k
-        view = node_("Reshape", [x, const("x_blocks", np.array([-1, hidden // block, block], np.int64))], "x_blocks")
-        summed = node_("ReduceSum", [view.outputs[0], last], "x_block_sums", keepdims=0)
-        new += [view, summed]
-        x_sums = summed.outputs[0]
+        summed = block_sums(x, weights.fc1.k, "x")
+        new += summed
+        x_sums = summed[-1].outputs[0]
     # each expert's If condition [1]: one Split per layer (a Gather per expert would cost E nodes, and ONNX Runtime
     # rewrites a scalar-index Gather into Slice + Squeeze: 2E dispatches a step)
     conds = node_("Split", [hit.outputs[0]], "conds", outputs=experts, num_outputs=experts, axis=0)
