@@ -266,28 +266,15 @@ class WeightQuantization:
         """The MoE branch of ``_quantize`` for an ``ExpertStack`` weight [E, N, K]: codes and scales are
         ``ExpertStack``s too, each expert quantised when its codes are written (its scales kept until they are)."""
         kind = self.config.kind
-        # expert -> scales made with its codes, not written yet. The writer writes every expert's codes before the
-        # scales; keeping the scales saves quantising each expert twice, up to PENDING_SCALE_BYTES (DeepSeek-V3 int4
-        # fc1 at tp 1 would keep ~0.9 GiB), past which the rest are recomputed when their scales are written.
-        pending: dict[int, np.ndarray] = {}
-        kept = [0]
+        kept = _KeptParts(lambda e: {"scale": expert_scale(self._q(source_of(e).T, kind))})
 
         def codes_of(e: int) -> np.ndarray:
             q = self._q(source_of(e).T, kind)
-            scale = expert_scale(q)
-            if kept[0] + scale.nbytes <= PENDING_SCALE_BYTES:
-                pending[e] = scale
-                kept[0] += scale.nbytes
+            kept.keep(e, {"scale": expert_scale(q)})
             return _typed_array(q.values.T, kind)
 
-        def scale_of(e: int) -> np.ndarray:
-            if e in pending:
-                kept[0] -= pending[e].nbytes
-                return pending.pop(e)
-            return expert_scale(self._q(source_of(e).T, kind))
-
         self._replace_with_dq(model, target, ExpertStack(codes_of, CODE_DTYPES[kind], shape),
-                              ExpertStack(scale_of, ir.DataType.FLOAT, scale_shape), attributes)
+                              ExpertStack(kept.reader("scale"), ir.DataType.FLOAT, scale_shape), attributes)
 
     def _quantize_asym(self, model: ir.Model, target: QuantTarget, tensor: ir.TensorProtocol,
                        awq: np.ndarray | None, bits: int) -> None:
@@ -332,42 +319,27 @@ class WeightQuantization:
 
             def source_of(e: int) -> np.ndarray:
                 return np.asarray(whole()[e])
-        pending: dict[int, dict[str, np.ndarray]] = {}
-        kept = [0]
-
         def parts_of(e: int) -> dict[str, np.ndarray]:  # codes [N, K], scale [N, K/bs], offset [N, K/bs, 1]
             q = quantize_asym(np.asarray(source_of(e), np.float32).T, bs, bits)
-            return {"codes": np.ascontiguousarray(q.codes.T), "scale": np.ascontiguousarray(q.scale.T),
-                    "offset": np.ascontiguousarray(q.offset.T[:, :, None])}
+            return {"codes": np.ascontiguousarray(q.codes.T),
+                    "scale": np.ascontiguousarray(q.scale.T, np.float32),
+                    "offset": np.ascontiguousarray(q.offset.T[:, :, None], np.float32)}
+
+        kept = _KeptParts(parts_of)
 
         def codes_of(e: int) -> np.ndarray:
             parts = parts_of(e)
-            rest = {name: parts[name] for name in ("scale", "offset")}
-            size = sum(a.nbytes for a in rest.values())
-            if kept[0] + size <= PENDING_SCALE_BYTES:
-                pending[e], kept[0] = rest, kept[0] + size
+            kept.keep(e, {name: parts[name] for name in ("scale", "offset")})
             codes = parts["codes"]
             return codes.astype(ml_dtypes.uint4) if bits == 4 else codes
-
-        def part_of(name: str) -> Callable[[int], np.ndarray]:
-            def get(e: int) -> np.ndarray:
-                kept_parts = pending.get(e)
-                if kept_parts is None or name not in kept_parts:
-                    return parts_of(e)[name].astype(np.float32)
-                array = kept_parts.pop(name)
-                kept[0] -= array.nbytes
-                if not kept_parts:
-                    del pending[e]
-                return array.astype(np.float32)
-            return get
 
         stem = target.name
         code_dtype = ir.DataType.UINT4 if bits == 4 else ir.DataType.UINT8
         codes = add_initializer(graph, f"{stem}.q", ExpertStack(codes_of, code_dtype, (experts, n, k)))
         scale = add_initializer(graph, f"{stem}.scale",
-                                ExpertStack(part_of("scale"), ir.DataType.FLOAT, (experts, n, k // bs)))
+                                ExpertStack(kept.reader("scale"), ir.DataType.FLOAT, (experts, n, k // bs)))
         offset = add_initializer(graph, f"{stem}.offset",
-                                 ExpertStack(part_of("offset"), ir.DataType.FLOAT, (experts, n, k // bs, 1)))
+                                 ExpertStack(kept.reader("offset"), ir.DataType.FLOAT, (experts, n, k // bs, 1)))
         _insert_asym_chain(graph, target, codes, scale, offset, axis=2, block=bs, whole=(experts, n, k),
                            blocked=(experts, n, k // bs, bs))
 
@@ -411,6 +383,36 @@ def _insert_asym_chain(graph: ir.Graph, target: QuantTarget, codes: ir.Value, sc
 
 
 PENDING_SCALE_BYTES = 64 * 2**20  # per stacked experts weight: see _quantize_experts
+
+
+class _KeptParts:
+    """Per expert, the parts its quantisation made beside the codes (scales, offsets), kept from when its codes are
+    written until each part is. The writer writes every expert's codes before the scales; keeping them saves
+    quantising each expert again, up to PENDING_SCALE_BYTES per stacked weight (DeepSeek-V3 int4 fc1 at tp 1 would
+    keep ~0.9 GiB), past which the rest are recomputed (``recompute(e)`` gives every part) when read."""
+
+    def __init__(self, recompute: Callable[[int], dict[str, np.ndarray]]) -> None:
+        self._recompute = recompute
+        self._pending: dict[int, dict[str, np.ndarray]] = {}
+        self._bytes = 0
+
+    def keep(self, e: int, parts: dict[str, np.ndarray]) -> None:
+        size = sum(a.nbytes for a in parts.values())
+        if self._bytes + size <= PENDING_SCALE_BYTES:
+            self._pending[e], self._bytes = dict(parts), self._bytes + size
+
+    def reader(self, name: str) -> Callable[[int], np.ndarray]:
+        """Expert e's part ``name``: the kept one (then forgotten), else recomputed."""
+        def read(e: int) -> np.ndarray:
+            parts = self._pending.get(e)
+            if parts is None or name not in parts:
+                return self._recompute(e)[name]
+            array = parts.pop(name)
+            self._bytes -= array.nbytes
+            if not parts:
+                del self._pending[e]
+            return array
+        return read
 CODE_DTYPES = {"int4": ir.DataType.INT4, "fp8": ir.DataType.FLOAT8E4M3FN, "int8": ir.DataType.INT8}
 
 

@@ -305,3 +305,26 @@ def test_mixed_precision_keeps_the_planted_outlier_layer(ort_graphs):
     kept = choose_kept(rows_kl, 1 / len(targets))
     assert [r.name for r in kept] == [planted.name], [(r.label, r.kl) for r in rows_kl]
     assert rows_kl[0].kl > 1.5 * rows_kl[1].kl
+
+
+def test_kept_parts_are_served_once_and_recomputed_past_the_cap(monkeypatch):
+    # The experts' scales/offsets made with their codes are kept until written (_KeptParts); past the byte cap, or
+    # read a second time, they are recomputed rather than lost.
+    import moeforge.passes.quant_weights as qw
+
+    recomputed = []
+
+    def recompute(e):
+        recomputed.append(e)
+        return {"scale": np.full(4, -e, np.float32), "offset": np.full(4, -10 * e, np.float32)}
+
+    monkeypatch.setattr(qw, "PENDING_SCALE_BYTES", 40)  # room for one expert's two parts (32 bytes)
+    kept = qw._KeptParts(recompute)
+    kept.keep(1, {"scale": np.full(4, 1, np.float32), "offset": np.full(4, 10, np.float32)})
+    kept.keep(2, {"scale": np.full(4, 2, np.float32), "offset": np.full(4, 20, np.float32)})  # over the cap
+    scale, offset = kept.reader("scale"), kept.reader("offset")
+    assert scale(1)[0] == 1 and offset(1)[0] == 10 and recomputed == []
+    assert scale(2)[0] == -2 and recomputed == [2]  # not kept: recomputed
+    assert scale(1)[0] == -1 and recomputed == [2, 1]  # served once, then recomputed
+    kept.keep(3, {"scale": np.full(4, 3, np.float32), "offset": np.full(4, 30, np.float32)})  # room again
+    assert offset(3)[0] == 30 and scale(3)[0] == 3 and recomputed == [2, 1]
