@@ -35,7 +35,7 @@ from onnx import TensorProto, helper
 
 from moeforge.core.artifact import MODEL_FILE
 from moeforge.passes.sparse_experts import IF_PREFIX
-from moeforge.runtime.roofline import lm_head_node, tensor_bytes
+from moeforge.runtime.roofline import lm_head_node
 
 MIN_EXPERT_BYTES = 64 * 2**20
 
@@ -81,10 +81,18 @@ def kernel_shapes(artifact: str | Path) -> dict[str, list[dict[str, Any]]]:
             "float MatMul": [w for name, w in floats if name not in head]}
 
 
+def _weight_bytes(shape: dict[str, Any]) -> int:
+    """Bytes of one matmul's weight as ``_graph`` makes it: float32 B, or MatMulNBits codes + float32 scales."""
+    if "weight" in shape:
+        return 4 * int(np.prod(shape["weight"]))
+    blocks = shape["N"] * (shape["K"] // shape["block_size"])
+    return blocks * (shape["block_size"] * shape["bits"] // 8) + 4 * blocks
+
+
 def _graph(shapes: list[dict[str, Any]], rows: int, copies: int, seed: int = 0) -> tuple[onnx.ModelProto, int]:
     """Independent matmuls of ``shapes`` x ``copies``, each with its own random weight and input; their bytes."""
     rng = np.random.default_rng(seed)
-    nodes, inits, inputs, outputs, total = [], [], {}, [], 0
+    nodes, inits, inputs, outputs = [], [], {}, []
     for copy in range(copies):
         for i, shape in enumerate(shapes):
             tag = f"{copy}_{i}"
@@ -106,7 +114,7 @@ def _graph(shapes: list[dict[str, Any]], rows: int, copies: int, seed: int = 0) 
             inputs[node.input[0]] = a_shape
             nodes.append(node)
             outputs.append(f"y{tag}")
-    total = sum(tensor_bytes(t) for t in inits)
+    total = copies * sum(_weight_bytes(shape) for shape in shapes)
     graph = helper.make_graph(
         nodes, "kernels", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits)
@@ -146,7 +154,7 @@ def kernel_ceiling(artifact: str | Path, rows: int, threads: int, expert_rows: i
         if not shapes:
             continue
         if kind == "routed expert":
-            _, one = _graph(shapes, 1, 1)
+            one = sum(_weight_bytes(shape) for shape in shapes)  # one routed expert's fc1 + fc2
             out[kind] = time_kernels(shapes, expert_rows, threads, copies=max(1, -(-MIN_EXPERT_BYTES // one)))
         else:
             out[kind] = time_kernels(shapes, rows, threads)
