@@ -9,6 +9,7 @@ import platform
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from moeforge.runtime.engine import (
     SpeculativeOptions,
 )
 from moeforge.runtime.expert_stats import run_record, write_expert_load
-from moeforge.runtime.roofline import decode_roofline, weight_traffic
+from moeforge.runtime.roofline import decode_roofline, ranks_roofline, weight_traffic
 from moeforge.runtime.sampler import SamplingParams
 
 
@@ -97,14 +98,17 @@ def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[in
 def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
                  threads: int | None = None, speculative_tokens: int = 0, backend: Backend | None = None,
                  expert_load_out: Path | None = None, stats_artifact: str | Path | None = None,
-                 model_name: str = "", roofline: Bandwidth | None = None) -> dict[str, Any]:
+                 model_name: str = "", roofline: Bandwidth | None = None,
+                 rank_dirs: Sequence[Path] = ()) -> dict[str, Any]:
     """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT (and with
     ``speculative_tokens`` the draft tokens fed and accepted). ``backend``: opened already (a sharded artifact's
     ``ShardedBackend``; ``artifact_dir`` is its rank 0). MoE artifacts also report the measured expert-load
     imbalance of the timed run (``expert_load``), written to ``expert_load_out`` as ``moeforge eplb`` reads it, named
     by ``stats_artifact`` (the sharded artifact's top directory; default ``artifact_dir``). With ``roofline`` (this
     machine's read bandwidth) the decode phase is measured against the memory roofline (``roofline`` in the result:
-    bytes a step reads, by kind, and the achieved fraction; moeforge/runtime/roofline.py)."""
+    bytes a step reads, by kind, and the achieved fraction; moeforge/runtime/roofline.py); for a sharded artifact
+    ``rank_dirs`` names every rank's artifact, in rank order, and the step's bytes are the ranks' sum
+    (``ranks_roofline``)."""
     engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
         backend=BackendOptions(threads=threads, track_expert_load=True),
@@ -118,6 +122,7 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
         engine.add_request(prompt, params)
     first_tokens_at = None
     decode_activity = None  # the experts computed so far, when the decode phase starts
+    decode_ranks = None  # the same per rank (a sharded artifact's, with --roofline)
     started: set[int] = set()  # requests that produced their first token
     outputs = []
     while engine.has_unfinished():
@@ -129,8 +134,10 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
         if first_tokens_at is None and len(started) == batch:
             first_tokens_at = time.perf_counter()
             decode_activity = engine.expert_activity()
+            decode_ranks = engine.rank_expert_activity() if roofline is not None else None
     end = time.perf_counter()
     end_activity = engine.expert_activity()
+    end_ranks = engine.rank_expert_activity() if roofline is not None else None
     assert first_tokens_at is not None
     ttfts = [o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None]
     rss = peak_rss_mib()  # before the profiled engine below is loaded
@@ -139,7 +146,17 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     experts = _expert_load(engine, warm_load, warm_ranks, expert_load_out, stats_artifact or artifact_dir, model_name)
     decode_rate = batch * (new_tokens - 1) / (end - first_tokens_at)
     report = None
-    if roofline is not None:
+    if roofline is not None and rank_dirs:  # a sharded artifact's ranks, each reading its own graph
+        if decode_ranks is None or end_ranks is None:
+            raise MoeforgeError("--roofline on a sharded artifact needs every rank's expert activity: its backend "
+                                "does not gather it (a pipeline artifact's stages)")
+        report = ranks_roofline(
+            [weight_traffic(Path(d) / MODEL_FILE) for d in rank_dirs], batch=batch,
+            mean_context=prompt_len + new_tokens / 2,
+            kv_bytes_per_token=[load_artifact(d, verify=False).manifest.kv_cache.bytes_per_token for d in rank_dirs],
+            active_experts=[e.since(d).per_run() for e, d in zip(end_ranks, decode_ranks, strict=True)],
+            bandwidth=roofline, decode_tokens_per_s=decode_rate).to_dict()
+    elif roofline is not None:
         active = (end_activity.since(decode_activity).per_run()
                   if end_activity is not None and decode_activity is not None else None)
         report = decode_roofline(

@@ -24,7 +24,7 @@ from moeforge.compile.plan import plan_compile
 from moeforge.compile.sharded_compile import is_sharded, load_rank, rank_dir, read_sharded
 from moeforge.compile.targets import TARGETS
 from moeforge.core.artifact import load_artifact, restore_interrupted
-from moeforge.core.bandwidth import read_bandwidth
+from moeforge.core.bandwidth import read_bandwidth, usable_cores
 from moeforge.core.errors import GroupArtifactError, MoeforgeError
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
@@ -774,10 +774,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if not args.no_compare or args.speculative_tokens:
             raise MoeforgeError(f"{args.artifact} is sharded: bench measures its engine only; pass --no-compare "
                                 "(and no --speculative-tokens)")
-        if args.roofline:
-            raise MoeforgeError(f"{args.artifact} is sharded: --roofline measures one process's decode step against "
-                                "this machine's bandwidth; run it on an unsharded artifact (compile without --tp, "
-                                "--ep and --pp)")
+        if args.roofline and read_sharded(args.artifact).pp > 1:
+            raise MoeforgeError(f"{args.artifact} is a pipeline (--pp): --roofline sums what tp / ep ranks read at "
+                                "once, and a pipeline's stages run one after another; measure a tp / ep or an "
+                                "unsharded artifact, or leave --roofline out")
         result = _sharded_bench(args)
     else:
         bandwidth = (read_bandwidth(args.threads, remeasure=args.remeasure_bandwidth) if args.roofline else None)
@@ -822,9 +822,21 @@ def _sharded_bench(args: argparse.Namespace) -> dict[str, Any] | None:
 
     def main(backend: Any) -> int:
         top = Path(args.artifact)
+        bandwidth, rank_dirs = None, []
+        if args.roofline:  # on rank 0 only, while the other ranks wait for its first step
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", backend.world_size))
+            if local_ranks != backend.world_size:
+                raise MoeforgeError(f"--roofline sums the ranks' bytes over this machine's bandwidth, but only "
+                                    f"{local_ranks} of the {backend.world_size} ranks run here: run the ranks on one "
+                                    "machine (moeforge bench starts them itself), or leave --roofline out")
+            # the ranks read together: the probe runs all their threads (the machine's cores when not given)
+            threads = None if args.threads is None else min(args.threads * backend.world_size, usable_cores())
+            bandwidth = read_bandwidth(threads, remeasure=args.remeasure_bandwidth)
+            rank_dirs = [top / rank_dir(rank) for rank in range(backend.world_size)]
         measured = bench_engine(top / rank_dir(0), args.batch, args.prompt_len, args.new_tokens, args.threads,
                                 backend=backend, expert_load_out=args.expert_load_out,
-                                stats_artifact=top, model_name=model_name(top))
+                                stats_artifact=top, model_name=model_name(top), roofline=bandwidth,
+                                rank_dirs=rank_dirs)
         results.append({"artifact": str(top), "model": model_name(top), "batch": args.batch,
                         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "ranks": backend.world_size,
                         "moeforge_onnxruntime": measured})

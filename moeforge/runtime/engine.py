@@ -240,6 +240,12 @@ class LLMEngine:
         counter = getattr(self.backend, "rank_expert_load", None)
         return counter() if counter is not None else None
 
+    def rank_expert_activity(self) -> list[ExpertActivity] | None:
+        """Each rank's ``ExpertActivity`` so far (a sharded artifact's ranks, in rank order: the distinct experts of
+        its own each computed), when the backend gathers them; None otherwise (one rank, a pipeline)."""
+        counter = getattr(self.backend, "rank_expert_activity", None)
+        return counter() if counter is not None else None
+
     def argmax_head_stats(self) -> ArgmaxHeadStats | None:
         """Runs of the certified argmax head so far (greedy steps fed ``argmax_only``, and those repeated on the
         float head), when the backend's artifact has one (moeforge/passes/argmax_head.py); None otherwise."""

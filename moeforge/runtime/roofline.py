@@ -13,11 +13,16 @@ A decode step of B sequences reads, at least:
 
 The roofline step time is those bytes over the measured read bandwidth (moeforge/core/bandwidth.py); the achieved
 fraction is roofline time / measured step time. Compute, dispatch and activations are what the rest of the step is.
+
+A sharded artifact's ranks (tp / ep) run a step at once on one machine (``ranks_roofline``): each reads its own
+graph's weights (a replicated weight once per rank, a tp-split one in halves), the union of its own experts the
+step's tokens were routed to, and its share of the KV cache. The step's bytes are the ranks' sum, read through one
+machine's memory: the sum over the bandwidth probed with all the ranks' threads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,6 +199,7 @@ class Roofline:
     experts_per_layer: list[int]
     bandwidth: Bandwidth
     measured_step_s: float
+    rank_step_bytes: list[float] = field(default_factory=list)  # sharded: what each rank read (sum: step_bytes)
 
     @property
     def step_bytes(self) -> float:
@@ -229,6 +235,8 @@ class Roofline:
             "roofline_step_ms": round(1e3 * self.roofline_step_s, 3),
             "achieved_gb_s": round(self.achieved_gb_s, 2),
             "fraction": round(self.fraction, 3),
+            **({"ranks": len(self.rank_step_bytes), "rank_step_bytes": [round(b) for b in self.rank_step_bytes]}
+               if self.rank_step_bytes else {}),
         }
 
 
@@ -248,6 +256,32 @@ def decode_roofline(traffic: WeightTraffic, *, batch: int, mean_context: float, 
                     bandwidth=bandwidth, measured_step_s=batch / decode_tokens_per_s)
 
 
+def ranks_roofline(traffics: Sequence[WeightTraffic], *, batch: int, mean_context: float,
+                   kv_bytes_per_token: Sequence[int], active_experts: Sequence[np.ndarray | None], bandwidth: Bandwidth,
+                   decode_tokens_per_s: float) -> Roofline:
+    """The roofline of a step of a sharded artifact whose ranks run at once on this machine: rank ``r`` reads
+    ``traffics[r]``'s weights with its own ``active_experts[r]`` [L_moe] and ``kv_bytes_per_token[r]``; the step reads
+    their sum through one memory (``bandwidth``: probed with all the ranks' threads). Per layer, the experts computed
+    and held are the ranks' sums (an ep rank's own experts; with tp every rank computes its slice of each)."""
+    if not traffics or not len(traffics) == len(kv_bytes_per_token) == len(active_experts):
+        raise ValueError(f"need one traffic, KV size and activity per rank (got {len(traffics)}, "
+                         f"{len(kv_bytes_per_token)}, {len(active_experts)})")
+    parts = [decode_roofline(traffic, batch=batch, mean_context=mean_context, kv_bytes_per_token=kv,
+                             active_experts=active, bandwidth=bandwidth, decode_tokens_per_s=decode_tokens_per_s)
+             for traffic, kv, active in zip(traffics, kv_bytes_per_token, active_experts, strict=True)]
+    layers = {len(p.active_experts_per_layer) for p in parts} | {len(p.experts_per_layer) for p in parts}
+    if len(layers) > 1:
+        raise ValueError(f"the ranks' graphs disagree on their MoE layers ({sorted(layers)}): not one artifact's ranks")
+    active = np.sum([p.active_experts_per_layer for p in parts], axis=0) if parts[0].active_experts_per_layer else []
+    held = np.sum([p.experts_per_layer for p in parts], axis=0) if parts[0].experts_per_layer else []
+    return Roofline(batch=batch, weight_bytes=sum(p.weight_bytes for p in parts),
+                    active_expert_bytes=sum(p.active_expert_bytes for p in parts),
+                    head_bytes=sum(p.head_bytes for p in parts), kv_bytes=sum(p.kv_bytes for p in parts),
+                    active_experts_per_layer=[float(a) for a in active], experts_per_layer=[int(e) for e in held],
+                    bandwidth=bandwidth, measured_step_s=parts[0].measured_step_s,
+                    rank_step_bytes=[p.step_bytes for p in parts])
+
+
 def format_roofline(report: dict[str, Any]) -> str:
     """Human lines from ``Roofline.to_dict()``: where a step's bytes are, and how close it comes to reading them at
     the probe's bandwidth."""
@@ -261,7 +295,12 @@ def format_roofline(report: dict[str, Any]) -> str:
         active = report["active_experts_per_layer"]
         mean_active = float(np.mean(active)) if active else 0.0
         lines.append(f"  experts computed per MoE layer and step: {mean_active:.2f} of {max(experts)} "
-                     "(the union over the batch's tokens)")
+                     + ("(each rank's union over the batch's tokens of the experts, or the expert slices, it holds; "
+                        "summed over the ranks)" if report.get("ranks") else "(the union over the batch's tokens)"))
+    if report.get("ranks"):
+        lines.append(f"  {report['ranks']} ranks on this machine read "
+                     + " + ".join(f"{b / mib:.1f}" for b in report["rank_step_bytes"])
+                     + " MiB a step: their sum through one memory")
     lines.append(f"  read bandwidth {report['bandwidth_gb_s']:.1f} GB/s ({report['bandwidth_threads']} threads): "
                  f"roofline step {report['roofline_step_ms']:.2f} ms, measured {report['measured_step_ms']:.2f} ms "
                  f"-> {report['fraction']:.2f} of the roofline ({report['achieved_gb_s']:.1f} GB/s)")

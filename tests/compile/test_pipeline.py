@@ -226,6 +226,16 @@ def test_a_wrong_world_size_is_refused(pipeline_artifacts: dict[str, tuple[Path,
         assert "4 ranks" in err and "pp 2" in err, err[-2000:]
 
 
+def test_bench_roofline_refuses_a_pipeline_before_starting_its_ranks(
+        pipeline_artifacts: dict[str, tuple[Path, Path]], capsys: pytest.CaptureFixture[str]) -> None:
+    """The roofline sums what tp / ep ranks read at once; a pipeline's stages run one after another."""
+    from moeforge.cli import main
+
+    staged = pipeline_artifacts[_case_id(CASES[0])][0]
+    assert main(["bench", str(staged), "--no-compare", "--roofline"]) == 2
+    assert "is a pipeline (--pp): --roofline" in capsys.readouterr().err
+
+
 def test_pipeline_compile_refusals_leave_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with pytest.raises(MoeforgeError, match="paged"):

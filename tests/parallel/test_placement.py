@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -212,6 +213,33 @@ def test_the_users_workflow_from_measured_load_to_a_balanced_run(placed: dict[st
     experts = json.loads(bench.stdout)["moeforge_onnxruntime"]["expert_load"]
     assert len(experts["rank_imbalance"]) == len(record["layers"])
     assert all(1.0 <= x <= 2.0 for x in experts["rank_imbalance"])
+
+
+def test_the_sharded_roofline_sums_each_ranks_bytes_and_reads_only_its_routed_experts(placed: dict[str, Any],
+                                                                                       tmp_path: Path) -> None:
+    """``bench --roofline`` of the placed tp 2 / ep 2 artifact: each rank's step bytes from its own graph, summed.
+    At batch 1 a token's top-k experts are each computed by exactly one rank (one replica), so the ranks together
+    compute top-k experts per layer and read the same routed-expert bytes as the unsharded artifact; the experts
+    held are every physical slot."""
+    case = placed["tiny-deepseek-v3"]
+    env = {**os.environ, "MOEFORGE_CACHE_DIR": str(tmp_path)}
+
+    def roofline(artifact: Path) -> dict[str, Any]:
+        done = subprocess.run([*CLI, "bench", str(artifact), "--no-compare", "--json", "--batch", "1",
+                               "--prompt-len", "8", "--new-tokens", "6", "--roofline"], capture_output=True,
+                              text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return dict(json.loads(done.stdout)["moeforge_onnxruntime"]["roofline"])
+
+    sharded, single = roofline(case["sharded"]), roofline(case["single"])
+    top_k = load_model("tiny-deepseek-v3").config.moe.num_experts_per_tok  # type: ignore[union-attr]
+    layers = len(single["experts_per_layer"])
+    assert sharded["ranks"] == 2 and len(sharded["rank_step_bytes"]) == 2
+    assert sum(sharded["rank_step_bytes"]) == pytest.approx(sharded["step_bytes"], abs=2)
+    assert sharded["active_experts_per_layer"] == [top_k] * layers == single["active_experts_per_layer"]
+    assert sharded["experts_per_layer"] == [case["plan"].physical_to_logical.shape[1]] * layers
+    assert sharded["active_expert_bytes"] == pytest.approx(single["active_expert_bytes"], rel=1e-6)
+    assert all(0 < b < single["step_bytes"] for b in sharded["rank_step_bytes"])  # tp halves what ranks split
 
 
 def test_served_placement_reports_per_rank_load_and_writes_statistics_at_exit(placed: dict[str, Any],

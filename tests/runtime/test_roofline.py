@@ -71,6 +71,34 @@ def test_a_step_reads_its_active_experts_only():
     assert "of the roofline" in text and "3.50 of 8" in text
 
 
+def test_ranks_read_their_own_bytes_through_one_memory():
+    """Two ep ranks, each holding 4 of 8 experts and half of the KV: the step reads both ranks' bytes, each rank's
+    routed experts from its own activity; the report names each rank's share."""
+    from moeforge.runtime.roofline import WeightTraffic, ranks_roofline
+
+    ranks = [WeightTraffic(dense_bytes=600, head_bytes=60, gathered_row_bytes=10, expert_bytes=[50, 70],
+                           experts=[4, 4], total_bytes=0) for _ in range(2)]
+    bandwidth = Bandwidth(best_gb_s=10.0, median_gb_s=9.0, threads=2, probe_bytes=1, rounds=1, cpu="", measured_utc="")
+    roof = ranks_roofline(ranks, batch=1, mean_context=100, kv_bytes_per_token=[2, 2],
+                          active_experts=[np.array([3, 1]), np.array([1, 3])], bandwidth=bandwidth,
+                          decode_tokens_per_s=1e6)
+    rank0 = 600 + 10 + 3 * 50 + 1 * 70 + 100 * 2
+    rank1 = 600 + 10 + 1 * 50 + 3 * 70 + 100 * 2
+    assert roof.rank_step_bytes == [rank0, rank1] and roof.step_bytes == rank0 + rank1
+    assert roof.active_experts_per_layer == [4, 4] and roof.experts_per_layer == [8, 8]
+    assert roof.active_expert_bytes == 4 * 50 + 4 * 70 and roof.head_bytes == 120
+    assert roof.fraction == pytest.approx((rank0 + rank1) / 1e10 / 1e-6)
+    report = roof.to_dict()
+    assert report["ranks"] == 2 and report["rank_step_bytes"] == [rank0, rank1]
+    assert "2 ranks on this machine" in format_roofline(report)
+    assert "ranks" not in decode_roofline(ranks[0], batch=1, mean_context=1, kv_bytes_per_token=1,
+                                          active_experts=np.array([1, 1]), bandwidth=bandwidth,
+                                          decode_tokens_per_s=1.0).to_dict()
+    with pytest.raises(ValueError, match="one traffic, KV size and activity per rank"):
+        ranks_roofline(ranks, batch=1, mean_context=1, kv_bytes_per_token=[2], active_experts=[None, None],
+                       bandwidth=bandwidth, decode_tokens_per_s=1.0)
+
+
 def test_the_experts_a_run_computes_are_the_union_over_its_tokens():
     counter = ExpertCounter(layers=2, experts=4)
     hits = np.zeros((2, 3, 4), bool)

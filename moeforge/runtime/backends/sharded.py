@@ -14,7 +14,8 @@ Control messages are int64 tensors broadcast from rank 0 on the same gloo group 
     never times out).   EXPERT_LOAD: nothing; then every rank all-gathers its expert counts [L_moe, S] (its own
     experts' or placement slots' routed tokens), so rank 0 sees every rank's load.   KV_TIERS: an operation on every
     rank's own KV tiers (runtime/kv_tiers/sharded_tiers.py encodes it), then an all-reduce of one int64 when it
-    answers.   STOP.
+    answers.   EXPERT_ACTIVITY: nothing; then every rank all-gathers [runs, distinct experts computed per MoE layer
+    summed over the runs...] (its ``ExpertActivity``: what its sparse experts read, for the memory roofline).   STOP.
 
 Failures are fatal to the whole world, never a hang: a rank that dies or hangs makes the next collective fail
 on the others (the group's timeout bounds the wait); rank 0 raises ``RankFailure`` (the engine does not swallow
@@ -39,6 +40,7 @@ from moeforge.ops.collectives.ort import raise_collective_failure
 from moeforge.runtime.backends.base import (
     Backend,
     BlockIO,
+    ExpertActivity,
     FatalBackendError,
     PoolInfo,
     RowInput,
@@ -50,9 +52,9 @@ from moeforge.runtime.kv_tiers.tiers import TierSettings
 
 log = logging.getLogger(__name__)
 
-EXECUTE, RELEASE, HEARTBEAT, STOP, FORWARD, EXPERT_LOAD, KV_TIERS = 1, 2, 3, 4, 5, 6, 7
+EXECUTE, RELEASE, HEARTBEAT, STOP, FORWARD, EXPERT_LOAD, KV_TIERS, EXPERT_ACTIVITY = 1, 2, 3, 4, 5, 6, 7, 8
 _OPS = {EXECUTE: "execute", RELEASE: "release", HEARTBEAT: "heartbeat", STOP: "stop", FORWARD: "forward",
-        EXPERT_LOAD: "expert_load", KV_TIERS: "kv_tiers"}
+        EXPERT_LOAD: "expert_load", KV_TIERS: "kv_tiers", EXPERT_ACTIVITY: "expert_activity"}
 
 
 class RankFailure(FatalBackendError):
@@ -266,16 +268,32 @@ class ShardedBackend(RankCoordinator):
         local = counts() if counts is not None else None
         if local is None:
             return None
+        gathered = self._all_gather(EXPERT_LOAD, local, "expert load")
+        self._gathered = (self._steps, gathered)
+        return gathered
+
+    def _all_gather(self, op: int, local: np.ndarray, what: str) -> np.ndarray:
+        """Send ``op``, then all-gather every rank's int64 ``local`` array ([N, ...] in rank order)."""
         with self._lock:
             self._check_alive()
             try:
-                self._channel.send(EXPERT_LOAD)
+                self._channel.send(op)
                 gathered = gather_counts(local)
             except Exception as exc:
-                raise self._fail(f"a peer did not send its expert load ({type(exc).__name__}: {exc})") from exc
+                raise self._fail(f"a peer did not send its {what} ({type(exc).__name__}: {exc})") from exc
             self._last_sent = time.monotonic()
-        self._gathered = (self._steps, gathered)
         return gathered
+
+    def rank_expert_activity(self) -> list[ExpertActivity] | None:
+        """Each rank's ``ExpertActivity`` so far, in rank order: the distinct experts of its own that its runs
+        computed per MoE layer (an EXPERT_ACTIVITY message, then an all-gather); None unless every rank tracks
+        expert load (``track_expert_load``) and the artifact routes to experts."""
+        counter = getattr(self.local, "expert_activity", None)
+        local = counter() if counter is not None else None
+        if local is None:
+            return None
+        gathered = self._all_gather(EXPERT_ACTIVITY, pack_activity(local), "expert activity")
+        return [ExpertActivity(row[0, 1:].copy(), int(row[0, 0])) for row in gathered]
 
     def execute(self, step: StepInput) -> np.ndarray:
         with self._lock:
@@ -398,12 +416,9 @@ def serve_rank(local: Any, kv_tiers: Callable[[np.ndarray], None] | None = None)
             if message.op == RELEASE:
                 local.release(int(message.payload[0]))
             elif message.op == EXPERT_LOAD:
-                counts = getattr(local, "expert_load", None)
-                mine = counts() if counts is not None else None
-                if mine is None:
-                    raise RankFailure(f"rank {dist.get_rank()} does not count expert load (rank 0 does): start every "
-                                      "rank with the same options")
-                gather_counts(mine)
+                gather_counts(_tracked(local, "expert_load", "expert load"))
+            elif message.op == EXPERT_ACTIVITY:
+                gather_counts(pack_activity(_tracked(local, "expert_activity", "expert activity")))
             elif message.op == FORWARD:
                 local.forward(*decode_forward(message.payload))
             elif message.op == KV_TIERS:
@@ -417,6 +432,16 @@ def serve_rank(local: Any, kv_tiers: Callable[[np.ndarray], None] | None = None)
         except Exception as exc:
             raise RankFailure(f"rank {dist.get_rank()}: step {message.seq} ({_OPS[message.op]}) failed "
                               f"({type(exc).__name__}: {exc})") from exc
+
+
+def _tracked(local: Any, method: str, what: str) -> Any:
+    """``local.method()``, what a rank tracks of its experts; a ``RankFailure`` when it tracks none (rank 0 does)."""
+    counter = getattr(local, method, None)
+    value = counter() if counter is not None else None
+    if value is None:
+        raise RankFailure(f"rank {dist.get_rank()} does not count {what} (rank 0 does): start every rank with the "
+                          "same options")
+    return value
 
 
 def agree(values: Sequence[int]) -> list[int]:
@@ -439,6 +464,11 @@ def gather_status(message: str, limit: int = 480) -> list[str]:
         size = int(part[0]) * 256 + int(part[1])
         out.append(bytes(part[2: 2 + size].tolist()).decode("utf-8", "replace"))
     return out
+
+
+def pack_activity(activity: ExpertActivity) -> np.ndarray:
+    """An ``ExpertActivity`` as one int64 row [1, 1 + L_moe]: runs, then the per-layer sums (``gather_counts``)."""
+    return np.concatenate([[activity.runs], np.asarray(activity.active, np.int64)])[None]
 
 
 def gather_counts(counts: np.ndarray) -> np.ndarray:
