@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -137,6 +138,30 @@ def compare(reference: np.ndarray, logits: np.ndarray, ids: list[int]) -> dict[s
     return {"top1_agreement": round(float((top1 == reference.argmax(-1)).mean()), 4),
             "mean_kl": float(f"{mean_kl(reference, logits):.4g}"),
             "top1_vs_text": round(float((top1[:-1] == np.array(ids[1:])).mean()), 4)}
+
+
+def paired_top1(reference: np.ndarray, ours: np.ndarray, theirs: np.ndarray) -> dict[str, Any]:
+    """Two systems' top-1 agreement with the reference on the same positions, compared pairwise: how many
+    positions only one of them gets right, the difference (ours - theirs) with its 95% interval, and the exact
+    McNemar p-value (two-sided binomial test on the positions where they disagree).
+
+    Both systems see the same tokens, so the positions they both get right or both miss say nothing about which is
+    better; a gap of a few positions in a few hundred is what chance gives when the reference's logits are near
+    ties (a random-weight model's are), and the p-value says whether the gap is more than that."""
+    target = reference.argmax(-1)
+    ours_right, theirs_right = ours.argmax(-1) == target, theirs.argmax(-1) == target
+    only_ours, only_theirs = int((ours_right & ~theirs_right).sum()), int((~ours_right & theirs_right).sum())
+    n = len(target)
+    diff = (only_ours - only_theirs) / n
+    # paired difference of two proportions: var = (b + c - (b - c)^2 / n) / n^2
+    half = 1.96 * math.sqrt(max(only_ours + only_theirs - (only_ours - only_theirs) ** 2 / n, 0.0)) / n
+    discordant = only_ours + only_theirs
+    low = min(only_ours, only_theirs)
+    tail = sum(math.comb(discordant, i) for i in range(low + 1)) / 2.0 ** discordant if discordant else 1.0
+    return {"positions": n, "both": int((ours_right & theirs_right).sum()), "only_ours": only_ours,
+            "only_theirs": only_theirs, "difference": round(diff, 4),
+            "difference_ci95": [round(diff - half, 4), round(diff + half, 4)],
+            "mcnemar_p": round(min(1.0, 2.0 * tail), 4)}
 
 
 def main() -> None:

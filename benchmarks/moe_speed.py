@@ -7,12 +7,14 @@ Steps (each reused when its output is already there):
    head);
 2. moeforge artifacts compiled from the HF folders with the streamed compile: ``int8`` (blocks of 32: Q8_0's grid)
    from q8_0, ``int4-asym`` from q4_1 (contiguous KV cache);
-3. accuracy: teacher-forced logits of ``--accuracy-tokens`` seeded random tokens, each system against moeforge's
-   own PyTorch model of the dequantised weights: top-1 agreement and mean KL;
+3. accuracy: teacher-forced logits of ``--accuracy-tokens`` (1024) seeded random tokens, each system against
+   moeforge's own PyTorch model of the dequantised weights: top-1 agreement and mean KL; moeforge and llama.cpp of
+   one format also compared position by position (``paired_top1``: the gap's 95% interval, McNemar's p);
 4. speed in alternating rounds in one process (benchmarks/peers.py): greedy decode at each ``--batches`` size
    (llama.cpp at batch 1: llama-cpp-python's API runs one sequence), TTFT, prefill of ``--prefill-len`` tokens;
 5. the memory roofline of each artifact's decode at each batch (``moeforge bench --roofline``'s numbers,
    moeforge/runtime/roofline.py): bytes a step reads, by kind, this machine's read bandwidth, the fraction reached;
+   the floor of ONNX Runtime's kernels on its shapes (kernel_ceiling.py) and the router's share (router_share.py);
 6. expert parallelism (``--ep-compare``): the int8 model compiled ``--tp 2 --ep 2`` against unsharded, decode step
    time at batch 1 (``moeforge bench`` on each, the ranks started by the CLI).
 
@@ -33,9 +35,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from heldout_accuracy import compare, llama_cpp_logits, moeforge_logits
+from heldout_accuracy import compare, llama_cpp_logits, moeforge_logits, paired_top1
 from kernel_ceiling import kernel_ceiling
 from peers import make_runners, markdown, public_records, run_rounds, summarize, usable_cores
+from router_share import router_share
 from synthetic_deepseek import DEFAULTS, add_shape_arguments, parameter_count, shape_from_args
 from synthetic_gguf import FORMATS, benchmark_shape, reuse_or_write
 from timer import Stopwatch
@@ -81,20 +84,27 @@ def accuracy(hf_dir: Path, artifacts: dict[str, Path], ggufs: dict[str, Path], t
         reference = loaded.model(torch.tensor([ids]), torch.arange(tokens)[None]).logits[0].float().numpy()
     del loaded
     out: dict[str, Any] = {"tokens": tokens, "reference": f"moeforge PyTorch fp32 on {hf_dir.name}"}
-    for label, artifact in artifacts.items():
-        out[label] = compare(reference, moeforge_logits(artifact, ids, threads), ids)
+    ours: dict[str, np.ndarray] = {label: moeforge_logits(artifact, ids, threads) for label, artifact in
+                                   artifacts.items()}
+    theirs: dict[str, np.ndarray] = {}
     for label, gguf in ggufs.items():
         try:
-            out[label] = compare(reference, llama_cpp_logits(gguf, ids, threads), ids)
+            theirs[label] = llama_cpp_logits(gguf, ids, threads)
         except ImportError as error:
             out[label] = {"error": f"llama-cpp-python not importable: {error}"}
+    for label, logits in {**ours, **theirs}.items():
+        out[label] = compare(reference, logits, ids)
+    # the same positions for both: which one gets more of them right, and whether the gap is more than chance
+    out["paired"] = {f"{mine} vs {peer}": paired_top1(reference, ours[mine], theirs[peer])
+                     for mine in ours for peer in theirs}
     return out
 
 
 def rooflines(artifacts: dict[str, Path], batches: list[int], prompt_len: int, new_tokens: int,
               threads: int, top_k: int) -> dict[str, Any]:
-    """Each artifact's decode against the memory roofline at each batch size (``moeforge bench --roofline``), and
-    against the floor of ONNX Runtime's own kernels on its shapes (benchmarks/kernel_ceiling.py)."""
+    """Each artifact's decode against the memory roofline at each batch size (``moeforge bench --roofline``), against
+    the floor of ONNX Runtime's own kernels on its shapes (benchmarks/kernel_ceiling.py), and the router's profiled
+    share of the step (benchmarks/router_share.py)."""
     bandwidth = read_bandwidth(threads)
     out: dict[str, Any] = {"bandwidth": {"best_gb_s": bandwidth.best_gb_s, "median_gb_s": bandwidth.median_gb_s,
                                          "threads": bandwidth.threads, "cached": bandwidth.cached}}
@@ -107,7 +117,8 @@ def rooflines(artifacts: dict[str, Path], batches: list[int], prompt_len: int, n
             expert_rows = max(1, round(batch * top_k / union)) if union else 1
             ceiling = kernel_ceiling(artifact, batch, threads, expert_rows, roof["active_expert_bytes"])
             out[f"{label} b{batch}"] = {"decode_tokens_per_s": round(measured["decode_tokens_per_s"], 2),
-                                        **roof, "kernel_ceiling": ceiling}
+                                        **roof, "kernel_ceiling": ceiling,
+                                        "router": router_share(artifact, batch, threads=threads)}
     return out
 
 
@@ -162,7 +173,11 @@ def goals(summary: dict[str, Any], accuracy_by_format: dict[str, Any], roof: dic
         add(f"decode b1: {ours} / {theirs} >= 1.2", ratios.get(f"decode b1: {ours} / {theirs}"), 1.2)
         acc = accuracy_by_format.get(fmt, {})
         if "top1_agreement" in acc.get(ours, {}) and "top1_agreement" in acc.get(theirs, {}):
-            add(f"top-1: {ours} - {theirs} >= 0", acc[ours]["top1_agreement"] - acc[theirs]["top1_agreement"], 0.0)
+            name = f"top-1: {ours} - {theirs} >= 0"
+            add(name, acc[ours]["top1_agreement"] - acc[theirs]["top1_agreement"], 0.0)
+            paired = acc.get("paired", {}).get(f"{ours} vs {theirs}")
+            if paired is not None:  # the gap's 95% interval and McNemar's p: is a miss more than chance?
+                out[name].update(ci95=paired["difference_ci95"], mcnemar_p=paired["mcnemar_p"])
         fraction = roof.get(f"{ours} b1", {}).get("fraction")
         add(f"roofline fraction b1: {ours} >= 0.85", fraction, 0.85)
         if len(batches) > 1:
@@ -182,7 +197,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-len", type=int, default=512)
-    parser.add_argument("--accuracy-tokens", type=int, default=256)
+    parser.add_argument("--accuracy-tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=None, help="every system's threads (default: the cores)")
     parser.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
     parser.add_argument("--ep-compare", action="store_true", help="also time --tp 2 --ep 2 against unsharded")

@@ -74,6 +74,14 @@ def _floor(row: dict[str, Any]) -> str:
     return f"{ceiling['floor_step_ms']:.1f} | {rates}"
 
 
+def _router(row: dict[str, Any]) -> str:
+    """The router's share of the profiled step and its microseconds (benchmarks/router_share.py), or a dash."""
+    router = row.get("router") or {}
+    if router.get("router_share") is None:
+        return "-"
+    return f"{100 * router['router_share']:.1f}% ({router['router_us_per_step'] / 1e3:.2f} ms)"
+
+
 def _moe_section(moe: dict[str, Any]) -> list[str]:
     """benchmarks/moe_speed.py: the DeepSeek-shaped MoE model against llama.cpp, its accuracy, the roofline, ep."""
     r = moe["results"]
@@ -95,6 +103,18 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
                 if isinstance(row, dict) and "top1_agreement" in row:
                     lines.append(f"| {fmt} | {system} | {row['top1_agreement']:.3f} | {row['mean_kl']:.2g} |")
         lines.append("")
+        paired = [(pair, row) for by_system in accuracy.values() for pair, row in by_system.get("paired", {}).items()]
+        if paired:
+            lines += ["The same positions, system against system (`heldout_accuracy.paired_top1`): where only one of "
+                      "the two has the reference's top-1, the gap with its 95% interval, and McNemar's exact p (how "
+                      "likely a gap this large is by chance alone):", "",
+                      "| pair | both right | only the first | only the second | gap (95% interval) | McNemar p |",
+                      "|---|---|---|---|---|---|"]
+            for pair, row in paired:
+                low, high = row["difference_ci95"]
+                lines.append(f"| {pair} | {row['both']} | {row['only_ours']} | {row['only_theirs']} | "
+                             f"{row['difference']:+.3f} ({low:+.3f} .. {high:+.3f}) | {row['mcnemar_p']:.2f} |")
+            lines.append("")
     roof = r.get("roofline") or {}
     band = roof.get("bandwidth")
     if band:
@@ -108,7 +128,7 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
                   "rates are GB/s.", "",
                   "| artifact | step MiB | routed experts MiB | LM head MiB | experts / layer | measured ms | "
                   "roofline ms | fraction | kernel floor ms | kernel GB/s: experts / head / other / float | "
-                  "kernel time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "kernel time | router (profiled) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         mib = 2**20
         for key, row in roof.items():
             if key == "bandwidth":
@@ -118,7 +138,8 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
             lines.append(f"| {key} | {row['step_bytes'] / mib:.0f} | {row['active_expert_bytes'] / mib:.0f} | "
                          f"{row['head_bytes'] / mib:.0f} | {sum(active) / max(len(active), 1):.1f} of "
                          f"{max(row['experts_per_layer'] or [0])} | {row['measured_step_ms']:.1f} | "
-                         f"{row['roofline_step_ms']:.1f} | {row['fraction']:.2f} | {_floor(row)} | {shares} |")
+                         f"{row['roofline_step_ms']:.1f} | {row['fraction']:.2f} | {_floor(row)} | {shares} | "
+                         f"{_router(row)} |")
         lines.append("")
     ep = r.get("expert_parallel")
     if ep and "ep2_step_over_ep1" in ep:
@@ -128,8 +149,9 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
     goals = r.get("goals")
     if goals:
         lines += ["| issue 38 goal | measured | |", "|---|---|---|"]
-        lines += [f"| {name} | {g['value'] if g['value'] is not None else '-'} | {_goal(g['met'])} |"
-                  for name, g in goals.items()]
+        lines += [f"| {name} | {g['value'] if g['value'] is not None else '-'}"
+                  + (f" (95% interval {g['ci95'][0]:+.3f} .. {g['ci95'][1]:+.3f}, McNemar p {g['mcnemar_p']:.2f})"
+                     if "ci95" in g else "") + f" | {_goal(g['met'])} |" for name, g in goals.items()]
         lines.append("")
     return lines
 

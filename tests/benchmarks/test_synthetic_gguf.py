@@ -3,6 +3,7 @@ reader (checked against transformers in tests/model/test_gguf_deepseek.py) and i
 GGUF holds each weight in the format's type, and the HF folder holds the GGUF's dequantised values."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -70,6 +71,40 @@ def test_moe_speed_goals_read_the_same_runs_ratios():
     assert goals["roofline fraction b1: moeforge int8 >= 0.85"]["met"] is False
     assert goals["decode b8 / b1: moeforge int8 >= 3"]["met"] is False
     assert goals["decode b1: moeforge int4-asym / llama.cpp Q4_1 >= 1.2"]["met"] is None  # not measured
+
+
+def _votes(target: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """Logits [n, 3] whose argmax is ``target`` where ``right``, else the next class."""
+    logits = np.zeros((len(target), 3))
+    logits[np.arange(len(target)), np.where(right, target, (target + 1) % 3)] = 1.0
+    return logits
+
+
+def test_paired_top1_counts_the_discordant_positions_and_tests_them_exactly():
+    """Ours alone right at 3 positions, theirs alone at 10, both at 80, neither at 7: the gap is -0.07 and McNemar's
+    exact two-sided p is 2 * P(Binomial(13, 1/2) <= 3) = 0.0923; moe_speed's top-1 goal carries both."""
+    import moe_speed
+    from heldout_accuracy import paired_top1
+
+    target = np.random.default_rng(0).integers(0, 3, 100)
+    reference = _votes(target, np.ones(100, bool))
+    ours_right = np.r_[np.ones(3, bool), np.zeros(10, bool), np.ones(80, bool), np.zeros(7, bool)]
+    theirs_right = np.r_[np.zeros(3, bool), np.ones(10, bool), np.ones(80, bool), np.zeros(7, bool)]
+    paired = paired_top1(reference, _votes(target, ours_right), _votes(target, theirs_right))
+    assert (paired["both"], paired["only_ours"], paired["only_theirs"]) == (80, 3, 10)
+    assert paired["difference"] == pytest.approx(-0.07)
+    exact = 2 * sum(math.comb(13, i) for i in range(4)) / 2 ** 13
+    assert paired["mcnemar_p"] == pytest.approx(exact, abs=1e-4)
+    low, high = paired["difference_ci95"]
+    assert low < -0.07 < high < 0.0  # this gap is significant at 5% on the interval too
+    same = paired_top1(reference, _votes(target, ours_right), _votes(target, ours_right))
+    assert (same["mcnemar_p"], same["difference"]) == (1.0, 0.0)
+
+    accuracy = {"q8_0": {"moeforge int8": {"top1_agreement": 0.83}, "llama.cpp Q8_0": {"top1_agreement": 0.90},
+                         "paired": {"moeforge int8 vs llama.cpp Q8_0": paired}}}
+    goal = moe_speed.goals({"ratios": {}}, accuracy, {}, [1])["top-1: moeforge int8 - llama.cpp Q8_0 >= 0"]
+    assert goal["met"] is False and goal["mcnemar_p"] == paired["mcnemar_p"]
+    assert goal["ci95"] == paired["difference_ci95"]
 
 
 @pytest.mark.heavy

@@ -170,7 +170,8 @@ class Backend(Protocol):
         """Share of compute time per op type, if the backend can tell (else None)."""
         ...
 
-    # Optional (the engine reads them with getattr): ``argmax_head_stats() -> ArgmaxHeadStats | None``, the certified
+    # Optional (the engine reads them with getattr): ``end_profile() -> Path | None``, ONNX Runtime's JSON trace of a
+    # profiled backend's runs (the ORT backends); ``argmax_head_stats() -> ArgmaxHeadStats | None``, the certified
     # argmax head's runs where the artifact has one; ``multi_logit_rows: bool`` (absent: False), whether rows may ask
     # for ``num_logits`` > 1 and start before the cache's end (what speculative decoding needs); ``block_io() ->
     # BlockIO | None``, a paged backend's pools as whole blocks to copy out and in (the KV tiers, runtime/kv_tiers).

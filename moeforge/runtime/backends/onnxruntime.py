@@ -317,10 +317,16 @@ class OrtBackend(ContiguousBackend):
 
     def op_time_shares(self) -> dict[str, float] | None:
         """Share of kernel time per op type so far (needs ``profile=True``; ends profiling)."""
+        trace = self.end_profile()
+        return None if trace is None else kernel_time_shares(trace)
+
+    def end_profile(self) -> Path | None:
+        """End profiling and return ONNX Runtime's JSON trace of the runs so far, for a per-node look (needs
+        ``profile=True``; None otherwise or once ended)."""
         if not self._profiling:
             return None
         self._profiling = False
-        return kernel_time_shares(self._session.session.end_profiling())
+        return Path(self._session.session.end_profiling())
 
     def expert_load(self) -> np.ndarray | None:
         return None if self._experts is None else self._experts.counts.copy()

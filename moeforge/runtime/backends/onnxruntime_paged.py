@@ -325,10 +325,16 @@ class PagedOrtBackend:
     def op_time_shares(self) -> dict[str, float] | None:
         """Share of kernel time per op type so far (needs ``profile=True``; ends profiling). The paged
         attention is lowered, so its index math, ScatterND and Gathers count under their own op types."""
+        trace = self.end_profile()
+        return None if trace is None else kernel_time_shares(trace)
+
+    def end_profile(self) -> Path | None:
+        """End profiling and return ONNX Runtime's JSON trace of the runs so far, for a per-node look (needs
+        ``profile=True``; None otherwise or once ended)."""
         if not self._profiling:
             return None
         self._profiling = False
-        return kernel_time_shares(self.session.end_profiling())
+        return Path(self.session.end_profiling())
 
     multi_logit_rows = True  # rows may ask for num_logits > 1 (speculative verification); see ``Backend``
 
