@@ -18,9 +18,10 @@ blocks under the same keys. What moves, and when:
   blocks it finds in L3 into host memory (L2, or a small staging store when there is no L2), stopping at the
   first block it cannot find. The step reads the disk itself only for a block the prefetcher has not reached.
 
-L3 files are the disk tier's (disk_tier.py: keyed by the artifact's identity and the codec's layout, checked
-on read, written atomically, size-bounded LRU, shared by processes). Anything that goes wrong below L1 (a
-corrupt file, a full or unwritable disk) loses a cached block, never a request: the block is recomputed.
+L3 files are the disk tier's (disk_tier.py: keyed by the artifact's identity and the codec's layout, authenticated
+on read with a key the sharing servers hold (disk_key.py), written atomically, size-bounded LRU, shared by
+processes). Anything that goes wrong below L1 (a corrupt or forged file, a full or unwritable disk) loses a cached
+block, never a request: the block is recomputed.
 
 Thread safety: ``BlockIO`` is touched only on the caller's thread (the engine's). The prefetch and writer
 threads touch the disk and, under ``_lock``, the host stores and the writer's pending map.
