@@ -92,7 +92,7 @@ def measure(checkpoint: Path, work: Path, recorded: np.ndarray, ep: int, name: s
     plan_file = None
     if plan is not None:
         plan_file = work / f"{name}.plan.json"
-        write_plan(plan, plan_file)
+        write_plan(plan, plan_file, force=True)  # a rerun on the same --work replaces its own plans
     artifact = compile_ranks(checkpoint, work / name, ep, plan_file)
     record = bench(artifact, work / f"{name}.load.json")
     measured = np.asarray(record["rank_imbalance"])

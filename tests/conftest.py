@@ -7,6 +7,7 @@ README's first command, so its absence means that install step broke, which must
 
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Per-machine caches (the bandwidth probe, the KV disk tier's key) go to a folder of this run, never the user's home.
+os.environ.setdefault("MOEFORGE_CACHE_DIR", tempfile.mkdtemp(prefix="moeforge-test-cache-"))
 
 
 def require_smollm2() -> Path:

@@ -99,16 +99,16 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
                  threads: int | None = None, speculative_tokens: int = 0, backend: Backend | None = None,
                  expert_load_out: Path | None = None, stats_artifact: str | Path | None = None,
                  model_name: str = "", roofline: Bandwidth | None = None,
-                 rank_dirs: Sequence[Path] = ()) -> dict[str, Any]:
+                 rank_dirs: Sequence[Path] = (), expert_load_force: bool = False) -> dict[str, Any]:
     """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT (and with
     ``speculative_tokens`` the draft tokens fed and accepted). ``backend``: opened already (a sharded artifact's
     ``ShardedBackend``; ``artifact_dir`` is its rank 0). MoE artifacts also report the measured expert-load
-    imbalance of the timed run (``expert_load``), written to ``expert_load_out`` as ``moeforge eplb`` reads it, named
-    by ``stats_artifact`` (the sharded artifact's top directory; default ``artifact_dir``). With ``roofline`` (this
-    machine's read bandwidth) the decode phase is measured against the memory roofline (``roofline`` in the result:
-    bytes a step reads, by kind, and the achieved fraction; moeforge/runtime/roofline.py); for a sharded artifact
-    ``rank_dirs`` names every rank's artifact, in rank order, and the step's bytes are the ranks' sum
-    (``ranks_roofline``)."""
+    imbalance of the timed run (``expert_load``), written to ``expert_load_out`` as ``moeforge eplb`` reads it
+    (an existing file replaced only with ``expert_load_force``), named by ``stats_artifact`` (the sharded artifact's
+    top directory; default ``artifact_dir``). With ``roofline`` (this machine's read bandwidth) the decode phase is
+    measured against the memory roofline (``roofline`` in the result: bytes a step reads, by kind, and the achieved
+    fraction; moeforge/runtime/roofline.py); for a sharded artifact ``rank_dirs`` names every rank's artifact, in
+    rank order, and the step's bytes are the ranks' sum (``ranks_roofline``)."""
     engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
         backend=BackendOptions(threads=threads, track_expert_load=True),
@@ -143,7 +143,8 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
     rss = peak_rss_mib()  # before the profiled engine below is loaded
     drafts = {"speculative_tokens": speculative_tokens, "draft_tokens": engine.metrics.draft_tokens,
               "accepted_draft_tokens": engine.metrics.accepted_draft_tokens} if speculative_tokens else {}
-    experts = _expert_load(engine, warm_load, warm_ranks, expert_load_out, stats_artifact or artifact_dir, model_name)
+    experts = _expert_load(engine, warm_load, warm_ranks, expert_load_out, stats_artifact or artifact_dir, model_name,
+                           expert_load_force)
     decode_rate = batch * (new_tokens - 1) / (end - first_tokens_at)
     report = None
     if roofline is not None and rank_dirs:  # a sharded artifact's ranks, each reading its own graph
@@ -188,9 +189,10 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
 
 
 def _expert_load(engine: LLMEngine, warm_load: np.ndarray | None, warm_ranks: np.ndarray | None,
-                 out: Path | None, artifact: str | Path, model_name: str) -> dict[str, Any] | None:
+                 out: Path | None, artifact: str | Path, model_name: str, force: bool = False) -> dict[str, Any] | None:
     """The timed run's expert load (the warm-up's subtracted): per-layer imbalance over the experts and, sharded,
-    over the ranks; written to ``out`` (the statistics ``moeforge eplb`` reads) when given."""
+    over the ranks; written to ``out`` (the statistics ``moeforge eplb`` reads; replacing a file only with ``force``)
+    when given."""
     load, ranks = engine.expert_load(), engine.rank_expert_load()
     if load is None:
         if out is not None:
@@ -200,7 +202,7 @@ def _expert_load(engine: LLMEngine, warm_load: np.ndarray | None, warm_ranks: np
     ranks = ranks - warm_ranks if ranks is not None and warm_ranks is not None else ranks
     record = run_record(load, ranks, artifact, model_name)
     if out is not None:
-        write_expert_load(out, record)
+        write_expert_load(out, record, force=force)
     summary: dict[str, Any] = {"expert_imbalance": record["imbalance"],
                                "expert_imbalance_mean": round(float(np.mean(record["imbalance"])), 4)}
     if ranks is not None:
@@ -314,7 +316,8 @@ def check_bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int,
 
 def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
               threads: int | None = None, compare: bool = True, speculative_tokens: int = 0,
-              expert_load_out: Path | None = None, roofline: Bandwidth | None = None) -> dict[str, Any]:
+              expert_load_out: Path | None = None, roofline: Bandwidth | None = None,
+              expert_load_force: bool = False) -> dict[str, Any]:
     """All measurements of ``moeforge bench`` in one run, with ratios to our engine. A batch whose cache and
     logits do not fit in the available memory is refused before anything is allocated."""
     artifact = load_artifact(artifact_dir)
@@ -327,6 +330,7 @@ def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens:
                               "moeforge_onnxruntime": bench_engine(artifact_dir, batch, prompt_len, new_tokens,
                                                                    threads, speculative_tokens,
                                                                    expert_load_out=expert_load_out,
+                                                                   expert_load_force=expert_load_force,
                                                                    model_name=str(model_name),
                                                                    roofline=roofline)}
     if compare:

@@ -5,27 +5,66 @@ memory roofline that ``moeforge bench --roofline`` compares a step against. The 
 than any last-level cache with ``threads`` workers at once (numpy reductions release the GIL), each summing its own
 contiguous slice, several times, and keeps the best round (STREAM reports the best too: the others were disturbed).
 
-The result is cached in ``~/.cache/moeforge/bandwidth.json`` (``MOEFORGE_CACHE_DIR`` overrides the folder), keyed by
-the CPU model, the usable cores and the thread count, so a second ``bench`` does not pay the probe again; a stale or
-unreadable cache file is measured over.
+The result is cached in ``~/.cache/moeforge/bandwidth.json`` (``MOEFORGE_CACHE_DIR`` overrides the folder), one
+entry per key of probe version, CPU model name, usable cores and thread count, so a second ``bench`` does not pay
+the probe again. What holds of the cache:
+
+- An entry whose key matches is used as it is: it is never checked against the machine again, so a machine whose
+  memory changed under the same CPU model, cores and threads keeps the old number until ``--remeasure-bandwidth``
+  probes again (a new ``PROBE_VERSION`` changes every key).
+- The file is read strictly (``core.strict_json``): one that is missing is measured over; one that cannot be read,
+  is not a regular file, is over 64 MiB, is not JSON, nests deeper than 32 levels or is not an object is ignored
+  with a warning (its other entries dropped) and measured over, with ``--remeasure-bandwidth`` too.
+- An entry is used only if it is valid (``_entry``): every field of ``Bandwidth`` with its JSON type, the rates
+  finite numbers in ``MIN_GB_S..MAX_GB_S`` with the median at most the best, the thread count the one asked for; an
+  invalid entry is ignored with a warning and measured over.
+- The file is written under ``core.safe_paths``' rule: atomically, never through a link or over a special file at
+  the cache file's path. A cache folder that cannot be created or takes no new file (a read-only home) skips the
+  caching with a warning; the measured number is still used.
 """
 
 from __future__ import annotations
 
-import json
+import logging
+import math
 import os
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from moeforge.core.errors import MoeforgeError
+from moeforge.core.safe_paths import UnsafePathError, write_output_file
+from moeforge.core.strict_json import (
+    JsonFileError,
+    dumps_strict,
+    json_int,
+    json_number,
+    json_object,
+    json_str,
+    read_json_file,
+)
+
+log = logging.getLogger(__name__)
 
 CACHE_FILE = "bandwidth.json"
 PROBE_VERSION = 1  # bump when the probe's method changes: older cached numbers are measured again
 DEFAULT_PROBE_BYTES = 512 * 2**20  # far above any CPU's last-level cache today
 DEFAULT_ROUNDS = 7
+# A cached rate outside these is not a measurement of a machine: 10 MB/s is below any memory since the 1990s, and
+# 10,000 GB/s is above any today (an H200's HBM3e reads 4,800 GB/s, a CPU socket's DDR5 well under 1,000).
+MIN_GB_S = 0.01
+MAX_GB_S = 10_000.0
+MAX_THREADS = 4096  # probe threads: above any machine's cores today (a thread per core is what the probe wants)
+
+
+class BandwidthError(MoeforgeError):
+    """A bandwidth probe that cannot run as asked (its thread count); the message names the flag."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +80,13 @@ class Bandwidth:
     cpu: str
     measured_utc: str
     cached: bool = False
+
+    def __post_init__(self) -> None:
+        # A rate of 0 would divide by zero in the roofline, a negative one print a negative fraction of it.
+        for name in ("best_gb_s", "median_gb_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Bandwidth.{name} must be a finite number > 0, got {value!r}")
 
     @property
     def bytes_per_s(self) -> float:
@@ -99,28 +145,72 @@ def _cache_key(threads: int) -> str:
 
 
 def read_bandwidth(threads: int | None = None, remeasure: bool = False, folder: Path | None = None) -> Bandwidth:
-    """The cached read bandwidth of this machine at ``threads``, probed (and cached) when absent or ``remeasure``."""
-    threads = usable_cores() if threads is None else threads
+    """The cached read bandwidth of this machine at ``threads`` (None or 0: the usable cores, as ``--threads 0``
+    leaves ONNX Runtime its own choice), probed (and cached) when absent, invalid or ``remeasure`` (see the module
+    docstring for what the cache holds)."""
+    threads = min(usable_cores(), MAX_THREADS) if threads is None or threads == 0 else threads
+    if isinstance(threads, bool) or not 1 <= threads <= MAX_THREADS:
+        raise BandwidthError(f"--threads must be in 1..{MAX_THREADS} to probe the read bandwidth, got {threads}")
     path = (folder or cache_dir()) / CACHE_FILE
     key = _cache_key(threads)
-    entries: dict[str, dict[str, object]] = {}
-    try:
-        loaded = json.loads(path.read_text())
-        entries = loaded if isinstance(loaded, dict) else {}
-    except (OSError, ValueError):
-        pass  # absent or unreadable: measured again and rewritten
-    if not remeasure and isinstance(entries.get(key), dict):
-        try:
-            return Bandwidth(**{**entries[key], "cached": True})  # type: ignore[arg-type]
-        except TypeError:
-            pass  # an entry of another shape: measured again
+    entries = _read_cache(path)
+    if not remeasure and key in entries:
+        cached = _entry(entries[key], source=f"bandwidth cache {path}", field=key, threads=threads)
+        if cached is not None:
+            return cached
     measured = probe_read_bandwidth(threads)
     entries[key] = {k: v for k, v in asdict(measured).items() if k != "cached"}
+    _write_cache(path, entries)
+    return measured
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    """The cache file's entries by key; {} when it is missing, and (with a warning) when it is not valid."""
+    if not os.path.lexists(path):
+        return {}
+    fix = "it is ignored and the bandwidth measured again"
+    try:
+        return dict(json_object(read_json_file(path, what="bandwidth cache", fix=fix), source=f"bandwidth cache {path}",
+                                fix=fix))
+    except JsonFileError as exc:
+        log.warning("%s", exc)
+        return {}
+
+
+def _entry(value: Any, *, source: str, field: str, threads: int) -> Bandwidth | None:
+    """The cached measurement ``value`` (the entry ``field`` of ``source``) if it is valid, else None with a
+    warning: every field typed, the rates finite in ``MIN_GB_S..MAX_GB_S`` (median <= best), ``threads`` as asked."""
+    fix = "it is ignored and the bandwidth measured again"
+    try:
+        entry: Mapping[str, Any] = json_object(value, source=source, field=field, fix=fix)
+
+        def where(name: str) -> str:
+            return f"{field}.{name}"
+
+        best, median = (json_number(entry.get(name), source=source, field=where(name), lo=MIN_GB_S, hi=MAX_GB_S,
+                                    fix=fix) for name in ("best_gb_s", "median_gb_s"))
+        if median > best:
+            raise JsonFileError(f"{source}: {field!r} has a median {median} GB/s above its best {best} GB/s; {fix}")
+        return Bandwidth(
+            best_gb_s=best, median_gb_s=median,
+            threads=json_int(entry.get("threads"), source=source, field=where("threads"), lo=threads, hi=threads,
+                             fix=fix),
+            probe_bytes=json_int(entry.get("probe_bytes"), source=source, field=where("probe_bytes"), lo=8,
+                                 hi=2**50, fix=fix),
+            rounds=json_int(entry.get("rounds"), source=source, field=where("rounds"), lo=1, hi=10_000, fix=fix),
+            cpu=json_str(entry.get("cpu"), source=source, field=where("cpu"), max_len=512, fix=fix),
+            measured_utc=json_str(entry.get("measured_utc"), source=source, field=where("measured_utc"), max_len=64,
+                                  fix=fix),
+            cached=True)
+    except JsonFileError as exc:
+        log.warning("%s", exc)
+        return None
+
+
+def _write_cache(path: Path, entries: dict[str, Any]) -> None:
+    """Rewrite the cache under the safe-path rule; a folder that takes no file (or a link at the file) skips it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(entries, indent=2) + "\n")
-        tmp.replace(path)  # atomic: a concurrent bench reads the old file or the new one, never half of one
-    except OSError:
-        pass  # a read-only home: the number is still returned, just not kept
-    return measured
+        write_output_file(path, dumps_strict(entries, indent=2) + "\n", force=True, flag="bandwidth cache")
+    except (OSError, UnsafePathError) as exc:
+        log.warning("bandwidth cache not written (%s): the number is used, and measured again next time", exc)

@@ -52,7 +52,11 @@ def _kind(mode: int) -> str:
 
 
 def _in_pseudo_fs(path: Path) -> bool:
-    resolved = path.resolve(strict=False)
+    try:
+        resolved = path.resolve(strict=False)
+    except (OSError, RuntimeError):  # a symbolic link loop on the way (RuntimeError before Python 3.13)
+        raise UnsafePathError(f"{path}: a symbolic link loop on its way; name a file in an ordinary folder") \
+            from None
     return any(resolved == root or root in resolved.parents for root in _PSEUDO_ROOTS)
 
 

@@ -84,6 +84,14 @@ def read_json_file(path: str | Path, *, what: str, fix: str = "", max_bytes: int
                    max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Read ``path`` (``what`` says which file it is, e.g. "placement plan") as strict JSON: a regular file (not a
     FIFO or device, which could block or never end) of at most ``max_bytes``, parsed by ``parse_json_text``."""
+    data = read_regular_file(path, what=what, fix=fix, max_bytes=max_bytes)
+    return parse_json_text(data, source=f"{what} {Path(path)}", fix=fix, max_depth=max_depth)
+
+
+def read_regular_file(path: str | Path, *, what: str, fix: str = "", max_bytes: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of ``path``, a regular file (not a FIFO or device, which could block or never end) of at most
+    ``max_bytes``; else ``JsonFileError``. For a file that may hold JSON or another text format (a /metrics
+    scrape) before the caller knows which."""
     path = Path(path)
     source = f"{what} {path}"
     hint = f"; {fix}" if fix else ""
@@ -109,7 +117,7 @@ def read_json_file(path: str | Path, *, what: str, fix: str = "", max_bytes: int
         os.close(fd)
     if len(data) > max_bytes:  # grew while read
         raise JsonFileError(f"{source} is over the {max_bytes} bytes a {what} can be{hint}")
-    return parse_json_text(data, source=source, fix=fix, max_depth=max_depth)
+    return data
 
 
 # ------------------------------------------------------------------------------------------- field checks

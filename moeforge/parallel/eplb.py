@@ -16,6 +16,11 @@ A layer whose load is all zero (nothing measured) is planned as if every expert 
 predicted imbalance is 1). The prediction (``rank_load``, ``imbalance`` = max / mean rank load) assumes each replica
 serves ``load / replicas`` of its expert.
 
+Every input is bounded before any work (``check_plan_args``, ``_check_load``): at most ``MAX_SLOTS`` physical slots
+(``E + R``, so also ``N`` ranks) and ``MAX_LAYERS`` MoE layers, loads finite token counts in ``0..MAX_LOAD``. The
+greedy replication costs ``R x E / K`` steps and the packing ``(E + R) x N`` per layer, so a typo such as
+``--redundant 10000000`` is refused at once instead of planning for minutes; at the bounds a plan takes seconds.
+
 A plan compiles into an expert-parallel artifact with ``moeforge compile MODEL --tp N --ep N --placement plan.json``
 (``moeforge.model.expert_slots``: each rank holds its slots' experts; the router's logical choice goes to one replica).
 """
@@ -25,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +37,29 @@ from typing import Any
 import numpy as np
 
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.safe_paths import write_output_file
+from moeforge.core.strict_json import (
+    JsonFileError,
+    json_int,
+    json_list,
+    json_str,
+    parse_json_text,
+    read_regular_file,
+)
 from moeforge.model.expert_slots import EMPTY, PLAN_FORMAT, PLAN_VERSION, ExpertSlots
 
 FORMAT = PLAN_FORMAT
 FORMAT_VERSION = PLAN_VERSION
 MODES = ("hierarchical", "global", "contiguous", "round_robin")
 METRIC = "moeforge:expert_routed_tokens_total"
+# The bounds of a plan (see the module docstring). The largest published deployments have a few hundred slots per
+# layer (DeepSeek-V3: 256 experts + 32 redundant, on 32 to 320 ranks) and under 100 MoE layers (DeepSeek-V3 58,
+# Qwen3-235B 94): these leave ten times that room and keep the worst plan to seconds.
+MAX_SLOTS = 4096  # physical expert slots per layer, E + R (N ranks <= E + R: each rank holds one slot at least)
+MAX_LAYERS = 256  # MoE layers
+MAX_LOAD = 2**53  # routed tokens of one expert: a count above this is not exact in a double, and no run routes it
+STATS_FIX = ("pass the JSON statistics that run/serve/bench --expert-load-out wrote (loads are token counts >= 0: "
+             "finite, no NaN or inf), or a scrape of the server's /metrics")
 # EMPTY (-1): a physical slot holding no expert (baselines with fill_redundant=False)
 
 
@@ -279,12 +300,16 @@ def _effective(load: np.ndarray) -> np.ndarray:
 def _check_load(load: Any) -> np.ndarray:
     try:
         array = np.asarray(load, dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise EplbError("expert load must be a [layers, experts] table of numbers with equal-length rows; "
                         "fix the statistics file") from None
     if array.ndim != 2 or array.shape[0] == 0 or array.shape[1] == 0:
         raise EplbError(f"expert load must be 2-D [layers, experts] and non-empty, got shape {array.shape}; "
                         "give one row of per-expert loads per MoE layer")
+    if array.shape[0] > MAX_LAYERS or array.shape[1] > MAX_SLOTS:
+        raise EplbError(f"expert load has {array.shape[0]} layers x {array.shape[1]} experts, over the "
+                        f"{MAX_LAYERS} MoE layers x {MAX_SLOTS} experts a plan may have (far above any model "
+                        "today); check the statistics")
     bad = np.argwhere(~np.isfinite(array))
     if len(bad):
         layer, expert = (int(i) for i in bad[0])
@@ -295,7 +320,28 @@ def _check_load(load: Any) -> np.ndarray:
         layer, expert = (int(i) for i in bad[0])
         raise EplbError(f"expert load of layer {layer}, expert {expert} is negative ({array[layer, expert]}); "
                         "loads are token counts >= 0: re-record the statistics")
+    bad = np.argwhere(array > MAX_LOAD)
+    if len(bad):
+        layer, expert = (int(i) for i in bad[0])
+        raise EplbError(f"expert load of layer {layer}, expert {expert} is {array[layer, expert]:g}, over the "
+                        f"{MAX_LOAD} (2**53) tokens a count can be; re-record the statistics")
     return array
+
+
+def check_plan_args(ep: int, redundant: int, nodes: int = 1, groups: int | None = 1) -> None:
+    """The ranges of the plan's flags alone (before the statistics are read): ``--ep`` and ``--groups`` in
+    ``1..MAX_SLOTS``, ``--redundant`` in ``0..MAX_SLOTS``, ``--nodes`` in ``1..--ep``. How they fit the experts is
+    ``_check_args``'s, once the statistics are read."""
+    if not 1 <= ep <= MAX_SLOTS:
+        raise EplbError(f"--ep must be in 1..{MAX_SLOTS} (a plan has at most {MAX_SLOTS} slots per layer, one rank "
+                        f"holds one slot at least), got {ep}")
+    if not 0 <= redundant <= MAX_SLOTS:
+        raise EplbError(f"--redundant must be in 0..{MAX_SLOTS} (spare expert slots per layer; the experts and "
+                        f"the spares together at most {MAX_SLOTS}), got {redundant}")
+    if not 1 <= nodes <= ep:
+        raise EplbError(f"--nodes must be in 1..--ep ({ep}), got {nodes}")
+    if groups is not None and not 1 <= groups <= MAX_SLOTS:
+        raise EplbError(f"--groups must be in 1..{MAX_SLOTS} (the model's n_group; 1 if it has none), got {groups}")
 
 
 def _check_args(experts: int, ep: int, redundant: int, nodes: int, groups: int) -> None:
@@ -303,6 +349,10 @@ def _check_args(experts: int, ep: int, redundant: int, nodes: int, groups: int) 
         raise EplbError(f"--ep ({ep}), --nodes ({nodes}) and --groups ({groups}) must be >= 1")
     if redundant < 0:
         raise EplbError(f"--redundant must be >= 0 (spare expert slots), got {redundant}")
+    if experts + redundant > MAX_SLOTS:
+        raise EplbError(f"{experts} experts + --redundant {redundant} are {experts + redundant} slots per layer, "
+                        f"over the {MAX_SLOTS} a plan may have (planning cost grows with them; far above any "
+                        "deployment today); choose a smaller --redundant")
     if experts % groups:
         raise EplbError(f"{experts} experts do not divide into --groups {groups}; pass the model's n_group "
                         "(1 if it has none)")
@@ -317,37 +367,75 @@ _SAMPLE = re.compile(r"^" + re.escape(METRIC) + r"\{([^}]*)\}\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def parse_stats(text: str) -> tuple[np.ndarray, str | None]:
-    """Expert-load statistics -> (load [L, E], artifact sha256 or None). Accepts JSON ``{"artifact_sha256": ...,
-    "layers": [[...], ...]}``, a plain 2-D JSON list, or a Prometheus scrape of ``/metrics`` with
-    ``moeforge:expert_routed_tokens_total{layer="i",expert="j"}`` samples."""
+@dataclass(frozen=True, eq=False)
+class ExpertStats:
+    """Measured expert load as ``moeforge eplb`` reads it: ``load`` [L, E], the sha256 of the artifact that routed
+    it and the model's expert groups (each None where the statistics do not record it: a plain list, a scrape)."""
+
+    load: np.ndarray
+    artifact_sha256: str | None = None
+    groups: int | None = None
+
+
+def read_stats(path: str | os.PathLike[str]) -> ExpertStats:
+    """The statistics file at ``path`` (a regular file of at most 64 MiB, read once): see ``parse_stats``."""
     try:
-        data = json.loads(text)
-    except ValueError:
-        return _parse_scrape(text), None
-    sha = None
+        data = read_regular_file(Path(path), what="file", fix=STATS_FIX)
+    except JsonFileError as exc:
+        raise EplbError(f"cannot read statistics: {exc}") from None
+    return _parse(data, f"statistics {path}")
+
+
+def parse_stats(text: str | bytes, source: str = "statistics") -> tuple[np.ndarray, str | None]:
+    """Expert-load statistics -> (load [L, E], artifact sha256 or None). Accepts JSON ``{"artifact_sha256": ...,
+    "layers": [[...], ...], "groups": G}`` (what ``--expert-load-out`` writes), a plain 2-D JSON list, or a
+    Prometheus scrape of ``/metrics`` with ``moeforge:expert_routed_tokens_total{layer="i",expert="j"}`` samples.
+    JSON is read strictly (``core.strict_json``: no NaN, no nesting bomb, no number out of a double's range) and
+    every load must be a number in ``0..MAX_LOAD`` in a table of at most ``MAX_LAYERS x MAX_SLOTS``; anything else
+    raises ``EplbError`` naming the field (``source`` names the file)."""
+    stats = _parse(text, source)
+    return stats.load, stats.artifact_sha256
+
+
+def _parse(text: str | bytes, source: str) -> ExpertStats:
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise EplbError(f"{source} is not UTF-8 text; {STATS_FIX}") from None
+    if not text.lstrip().startswith(("{", "[")):  # a scrape's lines start with '#' or a metric name
+        return ExpertStats(_parse_scrape(text))
+    try:
+        return _stats_from_json(parse_json_text(text, source=source, fix=STATS_FIX), source)
+    except JsonFileError as exc:  # one error type for the statistics' reader
+        raise EplbError(str(exc)) from None
+
+
+def _stats_from_json(data: Any, source: str) -> ExpertStats:
+    sha, groups = None, None
     if isinstance(data, dict):
         if "layers" not in data:
-            raise EplbError('statistics JSON needs a "layers" list ([layers][experts] loads)')
-        sha = data.get("artifact_sha256")
-        if sha is not None and not isinstance(sha, str):
-            raise EplbError("statistics JSON: artifact_sha256 must be a string")
+            raise EplbError(f'{source}: statistics JSON needs a "layers" list ([layers][experts] loads); {STATS_FIX}')
+        if data.get("artifact_sha256") is not None:
+            sha = json_str(data["artifact_sha256"], source=source, field="artifact_sha256", max_len=128)
+        if data.get("groups") is not None:
+            groups = json_int(data["groups"], source=source, field="groups", lo=1, hi=MAX_SLOTS)
         data = data["layers"]
-    if not isinstance(data, list) or not all(isinstance(row, list) for row in data):
-        raise EplbError("statistics JSON must be a 2-D list of per-expert loads (one row per MoE layer)")
-    if any(isinstance(v, bool) or not isinstance(v, int | float) for row in data for v in row):
-        raise EplbError("statistics JSON: every load must be a number")
-    return _check_load(data), sha
-
-
-def stats_groups(text: str) -> int | None:
-    """The model's expert groups (``n_group``) recorded in JSON statistics (``--expert-load-out``), else None."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    groups = data.get("groups") if isinstance(data, dict) else None
-    return groups if isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1 else None
+    rows = json_list(data, source=source, field="layers", max_len=MAX_LAYERS, fix=STATS_FIX)
+    if not rows or not all(isinstance(row, list) for row in rows):
+        raise EplbError(f"{source}: statistics JSON must be a 2-D list of per-expert loads (one row per MoE "
+                        f"layer); {STATS_FIX}")
+    width = len(rows[0])
+    for layer, row in enumerate(rows):
+        json_list(row, source=source, field=f"layers[{layer}]", max_len=MAX_SLOTS, fix=STATS_FIX)
+        if len(row) != width:
+            raise EplbError(f"{source}: layer {layer} has {len(row)} loads but layer 0 has {width}: every layer needs "
+                            f"one load per expert; {STATS_FIX}")
+        for expert, value in enumerate(row):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise EplbError(f"{source}: load layers[{layer}][{expert}] must be a number (a token count), got "
+                                f"{value!r:.40}; {STATS_FIX}")
+    return ExpertStats(_check_load(rows), sha, groups)
 
 
 def _parse_scrape(text: str) -> np.ndarray:
@@ -365,6 +453,9 @@ def _parse_scrape(text: str) -> np.ndarray:
         if key in samples or min(key) < 0:
             raise EplbError(f"line {number}: layer {key[0]} expert {key[1]} appears twice or is negative; pass the "
                             "scrape of one server")
+        if key[0] >= MAX_LAYERS or key[1] >= MAX_SLOTS:
+            raise EplbError(f"line {number}: layer {key[0]} expert {key[1]} is beyond the {MAX_LAYERS} MoE layers x "
+                            f"{MAX_SLOTS} experts a plan may have; pass an unedited scrape of /metrics")
         samples[key] = value
     if not samples:
         raise EplbError(f"statistics are neither JSON nor a /metrics scrape with {METRIC} samples; pass the JSON "
@@ -379,25 +470,10 @@ def _parse_scrape(text: str) -> np.ndarray:
     return _check_load(load)
 
 
-def write_plan(placement: Placement, path: str | os.PathLike[str]) -> None:
-    """Writes ``placement.to_dict()`` to ``path`` atomically (a temporary file in the same folder, then a rename)."""
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise EplbError(f"cannot write {target}: folder {target.parent} does not exist; create it first")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as exc:
-        raise EplbError(f"cannot write {target}: {exc.strerror}; choose a writable -o") from None
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the plan from other users
-        with os.fdopen(fd, "w") as out:  # one line per key: the tables stay one row per line
-            out.write("{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(value)}"
-                                           for key, value in placement.to_dict().items()) + "\n}\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise EplbError(f"cannot write {target}: {exc.strerror or exc}; choose another -o") from None
-        raise
+def write_plan(placement: Placement, path: str | os.PathLike[str], force: bool = False) -> Path:
+    """Writes ``placement.to_dict()`` to ``path`` under the safe-path rule (``core.safe_paths``: atomic, never
+    through a link or over a special file, an existing file replaced only with ``force``); returns the path."""
+    # One line per key: the tables stay one row per line.
+    text = "{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(value, allow_nan=False)}"
+                              for key, value in placement.to_dict().items()) + "\n}\n"
+    return write_output_file(Path(path), text, force=force, flag="-o")

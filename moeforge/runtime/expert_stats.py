@@ -9,23 +9,28 @@
 
 The counts are the graph's own routing (``expert_hits``), over every token the model ran (prompts and generated
 tokens); ``artifact_sha256`` is ``core.artifact.artifact_digest`` of the artifact that routed them.
+
+The path follows ``core.safe_paths``' rule: ``check_expert_load_out`` refuses it before any model loads (a link,
+directory, device or FIFO at it; an existing file without ``--force``; a folder that takes no new file; an artifact
+without MoE layers), and the file is written atomically at the end, a late failure being a user error (exit 2).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from moeforge.core.artifact import artifact_digest, artifact_model_config
-from moeforge.core.errors import MoeforgeError
+from moeforge.core.errors import ArtifactError, MoeforgeError
+from moeforge.core.safe_paths import check_output_file, write_output_file
+from moeforge.core.strict_json import dumps_strict
 
 FORMAT = "moeforge-expert-load"
 VERSION = 1
+FLAG = "--expert-load-out"
 
 
 def imbalance(load: np.ndarray) -> list[float]:
@@ -44,29 +49,29 @@ def expert_load_record(load: np.ndarray, rank_load: np.ndarray | None, artifact_
             "rank_imbalance": None if rank_load is None else imbalance(rank_load)}
 
 
-def write_expert_load(path: str | os.PathLike[str], record: dict[str, Any]) -> Path:
-    """Write ``record`` to ``path`` atomically (a temporary file beside it, then a rename)."""
-    target = Path(path).expanduser()
-    if not target.parent.is_dir():
-        raise MoeforgeError(f"cannot write --expert-load-out {target}: folder {target.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+def write_expert_load(path: str | os.PathLike[str], record: dict[str, Any], force: bool = False) -> Path:
+    """Write ``record`` to ``path`` under the safe-path rule (``core.safe_paths.write_output_file``: atomic, never
+    through a link or over a special file, an existing file replaced only with ``force``). A failure is an
+    ``UnsafePathError`` that names the flag, never an ``OSError``."""
+    return write_output_file(Path(path), dumps_strict(record) + "\n", force=force, flag=FLAG)
+
+
+def check_expert_load_out(path: str | os.PathLike[str] | None, artifact: str | os.PathLike[str],
+                          force: bool = False) -> Path | None:
+    """Refuse, before any model loads, an ``--expert-load-out`` the run could not write at its end or must not:
+    a link, directory, device or FIFO at the path, an existing file without ``force``, a folder that takes no new
+    file (``core.safe_paths.check_output_file``), or an ``artifact`` without MoE layers (from its manifest, or
+    ``sharded.json``: nothing to count). None when the flag is not given."""
+    if path is None:
+        return None
+    checked = check_output_file(Path(path), force=force, flag=FLAG)
     try:
-        os.chmod(tmp, 0o644)
-        with os.fdopen(fd, "w") as out:
-            json.dump(record, out)
-            out.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
-
-
-def check_writable(path: str | os.PathLike[str] | None) -> None:
-    """Refuse, before a run starts, an ``--expert-load-out`` whose folder does not exist (the run would be lost)."""
-    if path is not None and not Path(path).expanduser().parent.is_dir():
-        raise MoeforgeError(f"--expert-load-out {path}: folder {Path(path).expanduser().parent} does not exist; "
-                            "create it or choose another path")
+        moe = artifact_model_config(Path(artifact)).get("moe")
+    except ArtifactError:
+        return checked  # not a readable artifact: the command's own check says so, in its words
+    if not moe:
+        raise MoeforgeError(f"{FLAG} {path}: {artifact} routes no experts (not a MoE model); leave the flag out")
+    return checked
 
 
 def run_record(load: np.ndarray, rank_load: np.ndarray | None, artifact: str | os.PathLike[str],
@@ -77,10 +82,10 @@ def run_record(load: np.ndarray, rank_load: np.ndarray | None, artifact: str | o
 
 
 def save_expert_load(path: str | os.PathLike[str], load: np.ndarray | None, rank_load: np.ndarray | None,
-                     artifact: str | os.PathLike[str], model: str | None) -> Path:
+                     artifact: str | os.PathLike[str], model: str | None, force: bool = False) -> Path:
     """Write a run's statistics for ``--expert-load-out``: ``load`` [L_moe, E] (None: the artifact routes no
-    experts, refused), ``rank_load`` [L_moe, N] or None, named by the digest of ``artifact`` (its top directory)."""
+    experts, refused), ``rank_load`` [L_moe, N] or None, named by the digest of ``artifact`` (its top directory);
+    an existing file is replaced only with ``force``."""
     if load is None:
-        raise MoeforgeError(f"--expert-load-out {path}: {artifact} routes no experts (not a MoE model); leave the "
-                            "flag out")
-    return write_expert_load(path, run_record(load, rank_load, artifact, model))
+        raise MoeforgeError(f"{FLAG} {path}: {artifact} routes no experts (not a MoE model); leave the flag out")
+    return write_expert_load(path, run_record(load, rank_load, artifact, model), force=force)

@@ -205,7 +205,7 @@ def test_cli_writes_a_plan_that_round_trips(capsys, tmp_path, kind):
     assert plan.artifact_sha256 == ("0" * 64 if kind == "json" else None)
     check_invariants(plan)
     check_groups_on_one_node(plan)
-    code, text, _ = _run(capsys, "eplb", stats, "-o", out, "--ep", 4, "--redundant", 4, "--json")
+    code, text, _ = _run(capsys, "eplb", stats, "-o", out, "--ep", 4, "--redundant", 4, "--json", "--force")
     summary = json.loads(text)
     assert code == 0 and summary["mode"] == "hierarchical" and len(summary["layers"]) == 3
     for row, before, after in zip(summary["layers"], plan.imbalance_before, plan.imbalance, strict=True):
