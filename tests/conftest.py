@@ -9,6 +9,7 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,15 +50,33 @@ def smollm2_gguf() -> Path:
     return require_smollm2()
 
 
+def shared_build(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
+    """``build(folder)`` run once per test run, also across pytest-xdist workers: the first worker to ask builds
+    under a lock in the run's shared temporary folder, the others wait for it and reuse the result (a compiled
+    artifact costs seconds to minutes; every worker building its own would undo what the workers gain).
+    The result must be treated as read-only by its users."""
+    from filelock import FileLock
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    root = tmp_path_factory.getbasetemp() if worker is None else tmp_path_factory.getbasetemp().parent
+    folder = root / f"shared-{name}"
+    done = folder / ".built"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not done.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            result = build(folder)
+            done.write_text(str(result))
+        return Path(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2 compiled once per test session (contiguous fp32, max_seq_len 512): ~75 s, so shared."""
+    """SmolLM2 compiled once per test run (contiguous fp32, max_seq_len 512): ~75 s, so shared."""
     from moeforge.compile.driver import CompileOptions, compile_model
 
     require_smollm2()
-    out = tmp_path_factory.mktemp("smollm2") / "artifact"
-    return compile_model(CompileOptions(model="smollm2-135m", output_dir=out, max_seq_len=512,
-                                        progress=False)).output_dir
+    return shared_build(tmp_path_factory, "smollm2", lambda folder: compile_model(CompileOptions(
+        model="smollm2-135m", output_dir=folder / "artifact", max_seq_len=512, progress=False)).output_dir)
 
 
 def wait_healthy(process: "subprocess.Popen[str]", url: str, timeout_s: float = 120) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
 import platform
 import resource
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from moeforge.cli.inspect import format_bytes
+from moeforge.cli.json_output import to_json
 from moeforge.compile.genai_config import genai_greedy
 from moeforge.core.artifact import MODEL_FILE, KVCacheSpec, load_artifact
 from moeforge.core.bandwidth import Bandwidth
@@ -85,7 +85,8 @@ def write_result(path: str | Path, name: str, results: dict[str, Any]) -> Path:
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "results": results,
     }
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(to_json(payload, indent=2) + "\n")
+    print(f"saved {path.resolve()}", file=sys.stderr)  # --save is relative to the current folder: say where it went
     return path
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -15,12 +14,15 @@ from typing import Any
 from tqdm import tqdm
 
 from moeforge import __version__
+from moeforge.cli import arg_types
 from moeforge.cli.bench import bench_engine, run_bench, write_result
 from moeforge.cli.inspect import summarize, summarize_sharded
+from moeforge.cli.json_output import to_json
 from moeforge.cli.kv_tier_flags import add_tier_flags, cache_options, size_argument
 from moeforge.cli.multi_turn import bench_multi_turn
 from moeforge.compile.driver import CompileOptions, ParityCheckFailed, compile_model
-from moeforge.compile.plan import plan_compile
+from moeforge.compile.options import MAX_RANKS, check_flags
+from moeforge.compile.plan import check_compile, plan_compile
 from moeforge.compile.sharded_compile import is_sharded, load_rank, rank_dir, read_sharded
 from moeforge.compile.targets import TARGETS
 from moeforge.core.artifact import load_artifact, restore_interrupted
@@ -29,11 +31,11 @@ from moeforge.core.errors import GroupArtifactError, MoeforgeError
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
 from moeforge.core.ort_session import UNPACKED_WEIGHTS
+from moeforge.core.safe_paths import check_output_file
 from moeforge.model.lazy_weights import open_lazy_model
 from moeforge.model.loader import LoadedModel, load_config, load_model
-from moeforge.model.sharding import check_degrees
 from moeforge.model.tokenizer import Tokenizer
-from moeforge.parallel.eplb import parse_stats, rebalance, round_robin, stats_groups, write_plan
+from moeforge.parallel.eplb import check_plan_args, read_stats, rebalance, round_robin, write_plan
 from moeforge.parallel.launch import (
     World,
     open_rank_session,
@@ -45,13 +47,14 @@ from moeforge.parallel.launch import (
 from moeforge.quant.schemes import ACCURACY_LEVELS, ASYM_OFFSETS, KV_CHOICES, LM_HEAD_KINDS, SCHEMES
 from moeforge.runtime.backends.registry import BACKENDS, BackendSpec, backend_for, backend_named
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
-from moeforge.runtime.expert_stats import check_writable, save_expert_load
+from moeforge.runtime.expert_stats import check_expert_load_out, save_expert_load
 from moeforge.runtime.request import check_room
 from moeforge.runtime.roofline import format_roofline
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve import ServeOptions, serve
 from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES
 from moeforge.serve.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+from moeforge.serve.listener import bind_listeners
 from moeforge.serve.runner import engine_config, model_name
 from moeforge.serve.streams import DEFAULT_STALL_TIMEOUT_S
 from moeforge.verify.generate import generate_stream
@@ -94,7 +97,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def _subcommand(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
                 text: str) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+    return sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter, allow_abbrev=False)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -105,7 +108,9 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeforge", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    # allow_abbrev=False (here and in every subcommand): --max-new-token must not pass for --max-new-tokens.
+    parser = argparse.ArgumentParser(prog="moeforge", description=DESCRIPTION, formatter_class=_HelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"moeforge {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=["torch", *(spec.name for spec in BACKENDS.values())], default=None,
                      help="default: the artifact's target decides (onnxruntime for --target ort; tensorrt, on a CUDA "
                           "GPU, for --target trt); torch (the PyTorch reference) for checkpoints")
-    run.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    run.add_argument("--micro-batches", type=int, default=0, metavar="M",
+    run.add_argument("--threads", type=arg_types.threads, default=None, help="ONNX Runtime intra-op threads")
+    run.add_argument("--micro-batches", type=arg_types.count_or_zero, default=0, metavar="M",
                       help="pipeline artifacts (--pp): split each step into M micro-batches so the stages overlap "
                            "(default 0: one per stage, none below 32 tokens)")
     run.add_argument("--no-huge-pages", action="store_true",
@@ -125,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (tokenised with the model's tokenizer)")
     prompt.add_argument("--prompt-ids", type=_parse_ids, help="prompt as token ids, e.g. 1,2,3")
     run.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
-    run.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+    run.add_argument("--speculative-tokens", type=arg_types.count_or_zero, default=0, metavar="K",
                      help="onnxruntime artifacts: " + SPECULATIVE_HELP)
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
@@ -139,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
                      help="write the expert-load statistics of this run (routed tokens per MoE layer and expert, per "
                           "rank when sharded, with the artifact's sha256) as JSON at exit, for moeforge eplb")
+    run.add_argument("--force", action="store_true", help="replace an existing --expert-load-out file")
     add_tier_flags(run)
     run.add_argument("--no-weight-check", dest="check_weights", action="store_false",
                      help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
@@ -153,25 +159,26 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--trt-impl", choices=["auto", "tensorrt", "tensorrt-rtx"], default="auto",
                       help="trt: full TensorRT (builds for the local GPU) or TensorRT-RTX (ahead of time, "
                       "no GPU needed); auto: full TensorRT if installed, else TensorRT-RTX")
-    comp.add_argument("--sm", type=int, default=None,
+    comp.add_argument("--sm", type=arg_types.int_in(10, 999), default=None,
                       help="trt: target compute capability, e.g. 89 (default: 89 with TensorRT-RTX; full "
                       "TensorRT builds for the local GPU)")
     comp.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16", help="trt: engine precision (default fp16)")
-    comp.add_argument("--max-batch", type=int, default=8, help="trt: largest decode batch of the engine's profile")
-    comp.add_argument("--max-seq-len", type=int, default=None,
+    comp.add_argument("--max-batch", type=arg_types.count, default=8,
+                      help="trt: largest decode batch of the engine's profile")
+    comp.add_argument("--max-seq-len", type=arg_types.count, default=None,
                       help="longest sequence the artifact serves (default: min(2048, the model's limit))")
     comp.add_argument("--kv-cache", choices=KV_CACHE_KINDS, default=None,
                       help="KV-cache layout: per-sequence buffers, or block pools (paged attention); default "
                            "contiguous, paged with --pp")
     comp.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                       help="tokens per KV block (--kv-cache paged)")
-    comp.add_argument("--tp", type=int, default=1,
+    comp.add_argument("--tp", type=arg_types.int_in(1, MAX_RANKS), default=1,
                       help="tensor-parallel ranks: write one artifact per rank (DIR/rank0 ..) and DIR/sharded.json; "
                            "run it with moeforge run/serve/parity, which start one process per rank")
-    comp.add_argument("--ep", type=int, default=1,
+    comp.add_argument("--ep", type=arg_types.int_in(1, MAX_RANKS), default=1,
                       help="expert-parallel ranks with --tp: 1 (each expert split over the ranks) or equal to --tp "
                            "(whole experts per rank)")
-    comp.add_argument("--pp", type=int, default=1,
+    comp.add_argument("--pp", type=arg_types.int_in(1, MAX_RANKS), default=1,
                       help="pipeline stages: each stage holds a contiguous range of layers (stage 0 the embedding, "
                            "the last the head); with --tp N, pp x N ranks (DIR/rank0 ..); run with moeforge run/serve/"
                            "parity/bench as --tp")
@@ -190,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no progress bar and no pass lines: only the parity verdict and where it wrote")
     comp.add_argument("--quant", choices=list(SCHEMES), default=None,
                       help="quantisation (default fp32): " + "; ".join(f"{s.name}: {s.help}" for s in SCHEMES.values()))
-    comp.add_argument("--block-size", type=int, default=None,
+    comp.add_argument("--block-size", type=arg_types.count, default=None,
                       help="quantisation block along the input dimension, a power of two 16..256 that divides "
                            "it (default: int4 32, fp8 128, int8 per channel)")
     comp.add_argument("--calib", type=Path, default=None,
@@ -235,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "time, so memory stays far below the weights' size; --check runs PyTorch one layer at a "
                            "time; --calib and --target trt map the weights from disk. The default for an HF "
                            "folder; --no-stream loads the model whole")
-    comp.add_argument("--workers", type=int, default=1, metavar="N",
+    comp.add_argument("--workers", type=arg_types.int_in(1, MAX_RANKS), default=1, metavar="N",
                       help="with --stream --tp: build N ranks at once, each in its own process (memory: N x the "
                            "plan's per-rank peak, checked against --max-memory)")
     comp.add_argument("--no-argmax-head", dest="argmax_head", action="store_false",
@@ -253,9 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "or a TensorRT artifact's engine with its golden logits (--backend tensorrt, GPU)")
     par.add_argument("artifact", help="artifact directory")
     par.add_argument("--model", help="the model to compare with (default: the artifact's source)")
-    par.add_argument("--prompt-len", type=int, default=16, help="tokens of the random prompt")
-    par.add_argument("--steps", type=int, default=16, help="decode steps after the prefill")
-    par.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    par.add_argument("--prompt-len", type=arg_types.count, default=16, help="tokens of the random prompt")
+    par.add_argument("--steps", type=arg_types.count_or_zero, default=16, help="decode steps after the prefill")
+    par.add_argument("--seed", type=arg_types.seed, default=0, help="seed of the random prompt")
     par.add_argument("--per-layer", action="store_true",
                      help="also compare every decoder layer's output and name the first that diverges")
     par.add_argument("--backend", choices=[spec.name for spec in BACKENDS.values()], default="onnxruntime",
@@ -275,34 +282,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformers and onnxruntime-genai on the same work (benchmarks/genai_builder.py: "
                         "against GenAI's own builder models and llama.cpp)")
     bench.add_argument("artifact", help="artifact directory")
-    bench.add_argument("--batch", type=int, default=1, help="concurrent requests")
-    bench.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
-    bench.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request")
-    bench.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    bench.add_argument("--micro-batches", type=int, default=0, metavar="M",
+    bench.add_argument("--batch", type=arg_types.count, default=1, help="concurrent requests")
+    bench.add_argument("--prompt-len", type=arg_types.count, default=64, help="prompt tokens per request")
+    bench.add_argument("--new-tokens", type=arg_types.int_in(2, arg_types.INT32_MAX), default=64,
+                       help="generated tokens per request")
+    bench.add_argument("--threads", type=arg_types.threads, default=None, help="ONNX Runtime intra-op threads")
+    bench.add_argument("--micro-batches", type=arg_types.count_or_zero, default=0, metavar="M",
                         help="pipeline artifacts (--pp): split each step into M micro-batches so the stages overlap "
                              "(default 0: one per stage, none below 32 tokens)")
     bench.add_argument("--no-compare", action="store_true", help="measure only moeforge")
-    bench.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+    bench.add_argument("--speculative-tokens", type=arg_types.count_or_zero, default=0, metavar="K",
                        help=SPECULATIVE_HELP)
     bench.add_argument("--json", action="store_true", help="print the whole result as JSON")
     bench.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
                      help="write the expert-load statistics of this run (routed tokens per MoE layer and expert, per "
                           "rank when sharded, with the artifact's sha256) as JSON at exit, for moeforge eplb")
+    bench.add_argument("--force", action="store_true", help="replace an existing --expert-load-out file")
     bench.add_argument("--roofline", action="store_true",
                        help="measure decode against the memory roofline: the bytes a step reads (weights, the "
                             "experts its routing computed, the head, the KV cache) over this machine's read bandwidth "
                             "(a short probe, cached in ~/.cache/moeforge), and the fraction achieved")
     bench.add_argument("--remeasure-bandwidth", action="store_true",
                        help="--roofline: probe the read bandwidth again instead of using the cached number")
-    bench.add_argument("--save", action="store_true", help="also write benchmarks/results/bench_<model>_b<B>.json")
+    bench.add_argument("--save", action="store_true",
+                       help="also write benchmarks/results/bench_<model>_b<B>.json, relative to the current folder "
+                            "(the path written is printed)")
     bench.add_argument("--multi-turn", action="store_true",
                        help="paged artifacts: a multi-turn chat workload (conversations sharing system prompts, each "
                             "turn resending its history) with the KV tiers given, against the pool alone: prefill "
                             "tokens computed, TTFT p50/p99, throughput, identical outputs")
-    bench.add_argument("--conversations", type=int, default=32, help="--multi-turn: conversations")
-    bench.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per conversation")
-    bench.add_argument("--kv-blocks", type=int, default=None,
+    bench.add_argument("--conversations", type=arg_types.count, default=32, help="--multi-turn: conversations")
+    bench.add_argument("--turns", type=arg_types.count, default=4, help="--multi-turn: turns per conversation")
+    bench.add_argument("--kv-blocks", type=arg_types.count, default=None,
                        help="KV-cache blocks of the pool (--multi-turn default: a quarter of the workload's prefixes)")
     add_tier_flags(bench)
 
@@ -314,54 +325,58 @@ def build_parser() -> argparse.ArgumentParser:
                       "/v1/chat/completions, /v1/models, /health, /metrics) until SIGTERM")
     srv.add_argument("artifact", help="artifact directory")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument("--port", type=arg_types.port, default=8000, help="TCP port")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOEFORGE_API_KEY, which keeps "
                           "the key out of the process list; no authentication if neither is set)")
-    srv.add_argument("--max-num-seqs", type=int, default=8, help="requests in the running batch at most")
-    srv.add_argument("--max-queued", type=int, default=256,
+    srv.add_argument("--max-num-seqs", type=arg_types.count, default=8, help="requests in the running batch at most")
+    srv.add_argument("--max-queued", type=arg_types.count_or_zero, default=256,
                      help="requests that may wait beyond the running ones; more get 429 with Retry-After")
-    srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
-    srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    srv.add_argument("--max-num-batched-tokens", type=arg_types.count, default=512,
+                     help="tokens per engine step at most")
+    srv.add_argument("--max-body-bytes", type=size_argument, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
                      help="a request body larger than this gets 413 before it is parsed (default: %(default)s)")
-    srv.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+    srv.add_argument("--header-timeout", type=arg_types.timeout_s, default=DEFAULT_HEADER_TIMEOUT_S,
                      help="seconds a connection has to send its request line and headers, then it is closed "
                           "(default: %(default)s)")
-    srv.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+    srv.add_argument("--max-connections", type=arg_types.count, default=DEFAULT_MAX_CONNECTIONS,
                      help="open connections at most; more are closed unanswered (default: %(default)s, and never "
                           "more than the open-file limit allows)")
-    srv.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+    srv.add_argument("--stall-timeout", type=arg_types.timeout_s, default=DEFAULT_STALL_TIMEOUT_S,
                      help="seconds a client may read nothing of its stream while its requests produce; then they "
                           "are aborted and their KV blocks freed (default: %(default)s)")
-    srv.add_argument("--kv-blocks", type=int, default=None,
+    srv.add_argument("--kv-blocks", type=arg_types.count, default=None,
                      help="KV-cache blocks (default: every running request can reach max_seq_len)")
     add_tier_flags(srv)
-    srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    srv.add_argument("--micro-batches", type=int, default=0, metavar="M",
+    srv.add_argument("--threads", type=arg_types.threads, default=None, help="ONNX Runtime intra-op threads")
+    srv.add_argument("--micro-batches", type=arg_types.count_or_zero, default=0, metavar="M",
                       help="pipeline artifacts (--pp): split each step into M micro-batches so the stages overlap "
                            "(default 0: one per stage, none below 32 tokens)")
-    srv.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help=SPECULATIVE_HELP)
+    srv.add_argument("--speculative-tokens", type=arg_types.count_or_zero, default=0, metavar="K",
+                     help=SPECULATIVE_HELP)
     srv.add_argument("--no-huge-pages", action="store_true",
                      help=NO_HUGE_PAGES_HELP)
     srv.add_argument("--chat-template", type=Path, default=None,
                      help="Jinja chat template file to use instead of the tokenizer's")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients pass (default: the artifact directory's name)")
-    srv.add_argument("--shutdown-timeout", type=int, default=30,
+    srv.add_argument("--shutdown-timeout", type=arg_types.int_in(0, int(arg_types.MAX_TIMEOUT_S)), default=30,
                      help="seconds in-flight requests may run on after SIGTERM before they are aborted")
-    srv.add_argument("--profile-steps", type=int, default=0,
+    srv.add_argument("--profile-steps", type=arg_types.count_or_zero, default=0,
                      help="profile the first N engine steps for moeforge:attention_time_share (0 = off)")
     srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                      help="uvicorn's log level")
     srv.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
                      help="write the expert-load statistics of the requests served (routed tokens per MoE layer and "
                           "expert, per rank when sharded, with the artifact's sha256) as JSON at exit, for eplb")
+    srv.add_argument("--force", action="store_true", help="replace an existing --expert-load-out file")
 
     eplb = _subcommand(sub, "eplb", "plan expert placement with redundant experts from measured expert load (EPLB) "
                        "and report the predicted per-rank imbalance against contiguous and round-robin placement")
     eplb.add_argument("stats", help="expert-load statistics: JSON {\"layers\": [[load per expert], ...]} (or a plain "
                       "2-D list), or a scrape of the server's /metrics (moeforge:expert_routed_tokens_total)")
     eplb.add_argument("-o", "--output", required=True, type=Path, help="plan file to write (JSON)")
+    eplb.add_argument("--force", action="store_true", help="replace an existing plan file")
     eplb.add_argument("--ep", type=int, required=True, help="expert-parallel ranks")
     eplb.add_argument("--redundant", type=int, required=True,
                       help="redundant expert slots per layer (experts + R must divide by --ep)")
@@ -423,7 +438,15 @@ def _sampling_params(args: argparse.Namespace, vocab_size: int, prompt_len: int,
     return params
 
 
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """The sampling flags by SamplingParams' rules (the one set), right after parsing: before a model loads or a rank
+    starts. What needs the model (its vocabulary, its context) is checked once it is known (``_sampling_params``)."""
+    SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed).validate(vocab_size=0, names=RUN_FLAGS)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    _check_sampling_flags(args)
     artifact = _is_artifact(args.model)
     if args.backend == "torch" or (args.backend is None and not artifact):
         if artifact:
@@ -495,7 +518,7 @@ class _Printer:
     def done(self, token_ids: list[int]) -> None:
         text = self._text(token_ids)
         if self.args.json:
-            print(json.dumps({"token_ids": token_ids, "text": text}))
+            print(to_json({"token_ids": token_ids, "text": text}))
         elif self.args.stream and text is not None:
             print()
         else:
@@ -503,7 +526,7 @@ class _Printer:
 
 
 def _run_artifact(args: argparse.Namespace) -> int:
-    check_writable(args.expert_load_out)
+    check_expert_load_out(args.expert_load_out, args.model, force=args.force)  # before the model loads
     config = EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=1), cache=cache_options(args),
         backend=BackendOptions(threads=args.threads, huge_pages=not args.no_huge_pages,
@@ -562,7 +585,7 @@ def _generate(args: argparse.Namespace, engine: LLMEngine) -> int:
     printer.done(final.token_ids)
     if args.expert_load_out is not None:
         save_expert_load(args.expert_load_out, engine.expert_load(), engine.rank_expert_load(), args.model,
-                         model_name(Path(args.model)))
+                         model_name(Path(args.model)), force=args.force)
     return EXIT_OK
 
 
@@ -600,18 +623,20 @@ def compile_options(args: argparse.Namespace) -> CompileOptions:
     flags = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
     if flags.get("kv_cache") is None:  # pipeline stages run on the paged cache only
         flags["kv_cache"] = "paged" if flags.get("pp", 1) > 1 else "contiguous"
-    return CompileOptions.from_flags(model=args.model, output_dir=args.output, progress=not args.quiet, **flags)
+    output = args.output if args.output is not None else "."  # --plan writes nothing
+    return CompileOptions.from_flags(model=args.model, output_dir=output, progress=not args.quiet, **flags)
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
-    if args.plan:
-        check_degrees(args.tp, args.ep)
-        print(plan_compile(args.model, load_config(args.model), args.quant, args.tp, args.ep, args.block_size,
-                           args.pp, args.pp_layers).table())
-        return EXIT_OK
-    if args.output is None:
+    if args.output is None and not args.plan:
         raise MoeforgeError("-o/--output DIR is required: the artifact directory to create (--plan needs none)")
     options = compile_options(args)
+    check_flags(options)  # every count in its bounds before anything loads
+    if args.plan:  # refuses what the compile refuses: the same check_compile
+        config = check_compile(options).config
+        print(plan_compile(args.model, config, args.quant, args.tp, args.ep, args.block_size, args.pp,
+                           args.pp_layers).table())
+        return EXIT_OK
     try:
         result = compile_model(options)
     except ParityCheckFailed as failed:
@@ -639,7 +664,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         sharded = read_sharded(args.artifact)
         for rank in range(sharded.world_size):  # each rank's manifest (and, verified, its files) is the recorded one
             load_rank(args.artifact, rank, sharded.world_size, verify=not args.no_verify)
-        print(json.dumps(sharded.to_dict(), indent=2) if args.json else
+        print(to_json(sharded.to_dict(), indent=2) if args.json else
               summarize_sharded(Path(args.artifact).expanduser().absolute(), sharded))
         return EXIT_OK
     artifact = load_artifact(args.artifact, verify=not args.no_verify)
@@ -698,7 +723,7 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         layer_text = "\n" + layer_table(rows, first)
         passed = passed and first is None
     text = f"reference: {args.reference}\n" + report.table() + layer_text
-    print(json.dumps(result, indent=2) if args.json else text)
+    print(to_json(result, indent=2) if args.json else text)
     return EXIT_OK if passed else EXIT_CHECK_FAILED
 
 
@@ -734,7 +759,7 @@ def _sharded_parity(args: argparse.Namespace) -> int:
                                         reference, precision=manifest.precision, session=session)
         result = {**report.to_dict(), "tp": sharded.tp, "ep": sharded.ep, "pp": sharded.pp,
                   "reference": args.reference}
-        print(json.dumps(result, indent=2) if args.json else
+        print(to_json(result, indent=2) if args.json else
               f"sharded tp {sharded.tp} ep {sharded.ep} pp {sharded.pp}, reference: {args.reference}\n"
               + report.table())
         return EXIT_OK if report.passed else EXIT_CHECK_FAILED
@@ -753,7 +778,7 @@ def _golden_parity(args: argparse.Namespace) -> int:
     passed = check.max_abs_err <= tolerance
     result = {"backend": "tensorrt", "max_abs_err": check.max_abs_err, "tolerance": tolerance,
               "top1_agreement": check.top1_agreement, "passed": passed}
-    print(json.dumps(result, indent=2) if args.json else
+    print(to_json(result, indent=2) if args.json else
           f"engine vs golden (ONNX Runtime CPU): max_abs_err {check.max_abs_err:.3e} (tolerance {tolerance:.3e}), "
           f"top1 {check.top1_agreement:.3f} -> {'PASS' if passed else 'FAIL'}")
     return EXIT_OK if passed else EXIT_CHECK_FAILED
@@ -762,7 +787,10 @@ def _golden_parity(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2 or args.speculative_tokens < 0:
         raise MoeforgeError("--batch and --prompt-len must be >= 1, --new-tokens >= 2, --speculative-tokens >= 0")
-    check_writable(args.expert_load_out)
+    if args.multi_turn and args.expert_load_out is not None:
+        raise MoeforgeError("--expert-load-out records the single-batch bench; --multi-turn does not write it: "
+                            "leave one of them out")
+    check_expert_load_out(args.expert_load_out, args.artifact, force=args.force)  # before the model loads
     if args.multi_turn:
         return bench_multi_turn(args)
     if args.kv_host_bytes or args.kv_disk_dir is not None or args.kv_blocks is not None:
@@ -783,14 +811,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         bandwidth = (read_bandwidth(args.threads, remeasure=args.remeasure_bandwidth) if args.roofline else None)
         result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
                            compare=not args.no_compare, speculative_tokens=args.speculative_tokens,
-                           expert_load_out=args.expert_load_out, roofline=bandwidth)
+                           expert_load_out=args.expert_load_out, expert_load_force=args.force, roofline=bandwidth)
     if result is None:  # a rank other than 0: it served rank 0's run
         return EXIT_OK
     if args.save:
         name = str(result["model"] or "model").lower().replace(" ", "-")
         write_result(f"benchmarks/results/bench_{name}_b{args.batch}.json", "bench", result)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(to_json(result, indent=2))
         return EXIT_OK
     print(f"{result['model']}: batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens")
     print(f"{'runtime':<22} {'prefill tok/s':>14} {'decode tok/s':>13}")
@@ -835,8 +863,8 @@ def _sharded_bench(args: argparse.Namespace) -> dict[str, Any] | None:
             rank_dirs = [top / rank_dir(rank) for rank in range(backend.world_size)]
         measured = bench_engine(top / rank_dir(0), args.batch, args.prompt_len, args.new_tokens, args.threads,
                                 backend=backend, expert_load_out=args.expert_load_out,
-                                stats_artifact=top, model_name=model_name(top), roofline=bandwidth,
-                                rank_dirs=rank_dirs)
+                                expert_load_force=args.force, stats_artifact=top, model_name=model_name(top),
+                                roofline=bandwidth, rank_dirs=rank_dirs)
         results.append({"artifact": str(top), "model": model_name(top), "batch": args.batch,
                         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "ranks": backend.world_size,
                         "moeforge_onnxruntime": measured})
@@ -857,7 +885,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _sharded_serve(args: argparse.Namespace) -> int:
     options = _serve_options(args, check=False)
-    options = dataclasses.replace(options, served_model_name=options.served_model_name or model_name(options.artifact))
+    # Rank 0 (this process, or torchrun's rank 0) binds the address before any rank starts: one it cannot have is
+    # refused at once, not after every rank has loaded its shard.
+    sockets = tuple(bind_listeners(args.host, args.port)) if os.environ.get("RANK", "0") == "0" else ()
+    options = dataclasses.replace(options, served_model_name=options.served_model_name or model_name(options.artifact),
+                                  sockets=sockets)
     config = engine_config(options)
     worlds: list[World] = []
 
@@ -865,16 +897,21 @@ def _sharded_serve(args: argparse.Namespace) -> int:
         worlds.append(world)
         return sharded_backend(args.artifact, world, config)[0]
 
-    return _sharded(args.artifact, lambda world: rank_worker(args.artifact, world, config),
-                    lambda backend: serve(dataclasses.replace(options, artifact=Path(args.artifact) / rank_dir(0),
-                                                              backend=backend, liveness=worlds[0].dead_rank)),
-                    rank0)
+    try:
+        return _sharded(args.artifact, lambda world: rank_worker(args.artifact, world, config),
+                        lambda backend: serve(dataclasses.replace(options, artifact=Path(args.artifact) / rank_dir(0),
+                                                                  backend=backend, liveness=worlds[0].dead_rank)),
+                        rank0)
+    finally:
+        for sock in sockets:  # uvicorn has closed them if it served: closing again does nothing
+            sock.close()
 
 
 def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions:
     if check and not _is_artifact(args.artifact):
         raise MoeforgeError(f"{args.artifact} is not an artifact directory; compile it first (moeforge compile "
                             "MODEL -o DIR)")
+    check_expert_load_out(args.expert_load_out, args.artifact, force=args.force)  # before any rank loads a model
     return ServeOptions(
         artifact=Path(args.artifact), host=args.host, port=args.port, max_queued=args.max_queued,
         api_key=args.api_key if args.api_key is not None else os.environ.get("MOEFORGE_API_KEY") or None,
@@ -886,7 +923,8 @@ def _serve_options(args: argparse.Namespace, check: bool = True) -> ServeOptions
         chat_template=args.chat_template, max_body_bytes=args.max_body_bytes, stall_timeout=args.stall_timeout,
         header_timeout=args.header_timeout, max_connections=args.max_connections,
         served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
-        profile_steps=args.profile_steps, log_level=args.log_level, expert_load_out=args.expert_load_out)
+        profile_steps=args.profile_steps, log_level=args.log_level, expert_load_out=args.expert_load_out,
+        expert_load_force=args.force)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -902,7 +940,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
         } if config.mla else 2 * per_token["naive"] * config.num_hidden_layers,
     }
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(to_json(summary, indent=2))
         return EXIT_OK
     print(f"{config.name} ({config.model_type}, {config.attention_kind}"
           f"{', MoE' if config.moe else ''}): {_count(params)} parameters")
@@ -925,21 +963,19 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_eplb(args: argparse.Namespace) -> int:
-    try:
-        text = Path(args.stats).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MoeforgeError(f"cannot read statistics {args.stats}: {getattr(exc, 'strerror', None) or exc}; pass "
-                            "the JSON statistics or a /metrics scrape") from None
-    load, sha = parse_stats(text)
-    groups = args.groups if args.groups is not None else stats_groups(text) or 1
-    plan = rebalance(load, args.ep, args.redundant, args.nodes, groups, artifact_sha256=sha)
-    write_plan(plan, args.output)
+    check_plan_args(args.ep, args.redundant, args.nodes, args.groups)  # the flags' ranges, before any work
+    check_output_file(args.output, force=args.force, flag="-o")
+    stats = read_stats(args.stats)
+    load = stats.load
+    groups = args.groups if args.groups is not None else stats.groups or 1
+    plan = rebalance(load, args.ep, args.redundant, args.nodes, groups, artifact_sha256=stats.artifact_sha256)
+    write_plan(plan, args.output, force=args.force)
     robin = round_robin(load, args.ep, args.redundant).imbalance.tolist()
     rows = [{"layer": layer, "contiguous": before, "round_robin": robin[layer], "eplb": after}
             for layer, (before, after) in enumerate(zip(plan.imbalance_before.tolist(), plan.imbalance.tolist(),
                                                         strict=True))]
     if args.json:
-        print(json.dumps({"plan": str(args.output), "mode": plan.mode, "ep": plan.ep, "redundant": plan.redundant,
+        print(to_json({"plan": str(args.output), "mode": plan.mode, "ep": plan.ep, "redundant": plan.redundant,
                           "nodes": plan.nodes, "groups": plan.groups, "layers": rows}, indent=2))
         return EXIT_OK
     print(f"{plan.mode} EPLB plan: {load.shape[0]} layers x {load.shape[1]} experts, ep {plan.ep}, "

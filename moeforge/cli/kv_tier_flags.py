@@ -11,7 +11,8 @@ from moeforge.runtime.kv_tiers.block_codec import OFFLOAD_DTYPES
 
 
 def size_argument(text: str) -> int:
-    """An argparse type for sizes such as 512M or 2G (``core/host_memory.parse_size``)."""
+    """An argparse type for sizes such as 512M or 2G: whole bytes, 1 byte to 1 PiB (``core/host_memory.parse_size``;
+    ``1.5G`` is whole bytes, ``0.5`` is refused rather than rounded to 0, which would mean "none")."""
     try:
         return parse_size(text)
     except ValueError as exc:
@@ -26,7 +27,9 @@ def add_tier_flags(parser: argparse.ArgumentParser) -> None:
                        help="L2: host memory for evicted KV blocks, e.g. 2G (default 0: none)")
     group.add_argument("--kv-disk-dir", type=Path, default=None, metavar="DIR",
                        help="L3: a directory for KV blocks, kept across restarts and shared by servers of the same "
-                            "artifact; a clean shutdown writes every cached block there")
+                            "artifact; a clean shutdown writes every cached block there. Blocks are authenticated "
+                            "with the key file $MOEFORGE_KV_DISK_KEY (default: a per-user key in the moeforge cache "
+                            "folder); servers of several users or machines sharing DIR need the same key file")
     group.add_argument("--kv-disk-bytes", type=size_argument, default=DEFAULT_DISK_BYTES, metavar="SIZE",
                        help="most bytes the L3 directory holds for this artifact (least recently used out first; "
                             "default %(default)s bytes)")

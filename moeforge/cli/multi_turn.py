@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shutil
 import tempfile
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from moeforge.cli.bench import write_result
+from moeforge.cli.json_output import to_json
 from moeforge.core.artifact import load_artifact
 from moeforge.core.errors import MoeforgeError
 from moeforge.runtime.engine import BackendOptions, CacheOptions, EngineConfig, LLMEngine, SchedulingOptions
@@ -198,7 +198,7 @@ def bench_multi_turn(args: argparse.Namespace) -> int:
         write_result(f"benchmarks/results/bench_multi_turn_{Path(args.artifact).name}.json", "bench --multi-turn",
                      result)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(to_json(result, indent=2))
         return 0
     print(f"{result['model']}: {workload.conversations} conversations x {workload.turns} turns, "
           f"{workload.system_prompts} shared system prompts of {workload.system_len} tokens; pool {blocks} blocks "

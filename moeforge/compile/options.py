@@ -1,5 +1,6 @@
 """What ``moeforge compile`` is asked for, grouped by concern: the KV-cache layout, quantisation
-(``moeforge.quant.spec.QuantSpec``) and the TensorRT build. Read by ``driver.py`` and the targets."""
+(``moeforge.quant.spec.QuantSpec``) and the TensorRT build. Read by ``driver.py`` and the targets; ``check_flags``
+refuses the flags no compile takes before anything loads."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from moeforge.core.errors import MoeforgeError
+from moeforge.core.host_memory import MAX_SIZE
 from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE
+from moeforge.model.sharding import check_degrees
 from moeforge.quant.spec import ActivationOptions, QuantSpec
 
 DEFAULT_MAX_SEQ_LEN = 2048
+MAX_RANKS = 1024  # ranks of one sharded artifact (tp x pp); the sharded.json reader takes no more
 
 
 @dataclass(frozen=True)
@@ -100,3 +105,51 @@ _FLAG_FIELDS: dict[str, tuple[str, str]] = {
     **{f"trt_{f.name}" if f.name in ("impl", "optimization_level") else f.name: ("trt", f.name)
        for f in fields(TrtOptions)},
 }
+
+
+def _check_count(flag: str, value: object, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+        small = not isinstance(value, int) or abs(value) < 10**24  # str() of a 5000-digit int raises
+        shown = f"{value!r:.24}" if small else "a number over 10^24"
+        raise MoeforgeError(f"{flag} must be in 1..{hi}, got {shown}")
+
+
+def check_ranks(tp: int, ep: int, pp: int = 1) -> None:
+    """Refuse parallel degrees out of bounds (each in 1..MAX_RANKS, at most MAX_RANKS ranks in all) and a tp/ep pair
+    no split takes (``sharding.check_degrees``)."""
+    for flag, value in (("--tp", tp), ("--ep", ep), ("--pp", pp)):
+        _check_count(flag, value, MAX_RANKS)
+    if tp * pp > MAX_RANKS:
+        raise MoeforgeError(f"--tp {tp} x --pp {pp} makes {tp * pp} ranks, over the {MAX_RANKS} a sharded artifact "
+                            "may have; use fewer ranks")
+    check_degrees(tp, ep)
+
+
+def check_flags(options: CompileOptions) -> None:
+    """Refuse, before any model loads, the flags no compile takes: parallel degrees out of bounds (``check_ranks``),
+    ``--workers`` outside 1..MAX_RANKS, ``--max-memory`` outside 1..MAX_SIZE (1 PiB, as ``parse_size``), and the
+    sharded combinations the compile refuses. The model's own limits (its heads, layers, experts) are
+    ``plan.check_compile``'s."""
+    check_ranks(options.tp, options.ep, options.pp)
+    _check_count("--workers", options.workers, MAX_RANKS)
+    if options.max_memory is not None:
+        _check_count("--max-memory", options.max_memory, MAX_SIZE)
+    if options.pp_layers is not None and options.pp == 1:
+        raise MoeforgeError("--pp-layers splits the layers into pipeline stages: it needs --pp P with P > 1")
+    if options.placement is not None and not (options.ep > 1 and options.ep == options.tp):
+        raise MoeforgeError(f"--placement places whole experts on expert-parallel ranks: it needs --tp N --ep N "
+                            f"with N > 1 (got --tp {options.tp} --ep {options.ep}); pass the --ep the plan was made "
+                            "for to both")
+    if options.tp == options.ep == options.pp == 1:
+        return
+    if options.pp > 1 and not options.kv.paged:
+        raise MoeforgeError("--pp: pipeline stages run on the paged KV cache (each stage's pools hold its own layers); "
+                            "add --kv-cache paged")
+    if options.pp > 1 and options.placement is not None:
+        raise MoeforgeError("--placement is not supported with --pp yet: place experts with --tp N --ep N alone")
+    if options.check:
+        raise MoeforgeError("--check runs one process; a sharded artifact is checked with all its ranks: compile "
+                            "without --check, then run moeforge parity DIR")
+    if options.quant.calib is not None:
+        raise MoeforgeError("--calib calibrates on one process's graph; it is not supported with --tp yet: "
+                            "use a scheme without calibration (int8, int4, int4-asym, fp8)")

@@ -14,6 +14,13 @@ The granularity is one rank: an unsharded artifact is one graph and one external
 pass, so an unsharded compile killed half-way starts again from the beginning.
 
 Only one compile may write a partial directory at a time: it is locked (``flock``) while a compile holds it.
+
+The partial directory is moeforge's own (``core/safe_paths.py``): it is created with a marker file
+(``create_owned_dir``), and only a real directory with that marker is ever resumed, emptied or removed. Whatever
+else sits at its name -- a symbolic link (to a user's folder, say), a file, a folder moeforge did not create -- is
+refused before anything is touched, with the advice to move it away. Inside it, links are removed as links, never
+followed, and ``resume.json`` is read by the strict JSON reader: one that does not read as moeforge's is a
+different compile, and the compile starts over.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +41,14 @@ from moeforge import __version__
 from moeforge.compile.options import CompileOptions
 from moeforge.core.artifact import load_artifact
 from moeforge.core.errors import ArtifactError, MoeforgeError
+from moeforge.core.safe_paths import (
+    OWNED_MARKER,
+    create_owned_dir,
+    is_owned_dir,
+    remove_owned_dir,
+    write_output_file,
+)
+from moeforge.core.strict_json import JsonFileError, json_int, json_object, json_str, read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +89,12 @@ class PartialCompile:
     root: Path
     done: set[int]
 
+    def seal(self) -> None:
+        """Drop resume.json and the ownership marker: the directory is complete and becomes the artifact next."""
+        for name in (RESUME_FILE, OWNED_MARKER):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / name)
+
 
 @contextlib.contextmanager
 def open_partial(out: Path, options: CompileOptions, tp: int) -> Iterator[PartialCompile]:
@@ -80,9 +102,12 @@ def open_partial(out: Path, options: CompileOptions, tp: int) -> Iterator[Partia
     wrote (each verified against its manifest's hashes; one that fails is rebuilt), clear anything else. On an
     error the directory is removed; on an interruption (Ctrl-C, SIGTERM turned into SystemExit) it is kept, and a
     kill leaves it as it is, for the next run to continue."""
-    root = partial_dir(out)
-    root.mkdir(parents=True, exist_ok=True)  # the output's parent may not exist yet
-    fd = os.open(root, os.O_RDONLY)
+    root = _claim(partial_dir(out), out)
+    try:  # O_NOFOLLOW: a link put in its place since _claim is not opened (nor locked, nor written through)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise MoeforgeError(f"{root} changed while moeforge opened it ({exc.strerror}); move it away and compile "
+                            "again") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -91,15 +116,18 @@ def open_partial(out: Path, options: CompileOptions, tp: int) -> Iterator[Partia
                                 "write to another directory") from None
         fingerprint = compile_fingerprint(options)
         done = _resumable(root, fingerprint, tp)
-        (root / RESUME_FILE).write_text(json.dumps({"fingerprint": fingerprint, "tp": tp}) + "\n", encoding="utf-8")
+        write_output_file(root / RESUME_FILE, json.dumps({"fingerprint": fingerprint, "tp": tp}) + "\n", force=True,
+                          flag="resume record")
         partial = PartialCompile(root, done)
         try:
             yield partial
         except Exception:
-            shutil.rmtree(root, ignore_errors=True)
+            if not remove_owned_dir(root) and os.path.lexists(root):  # sealed: no longer provably ours
+                log.warning("the compile failed after %s was complete; it is left as it is: remove it yourself",
+                            root)
             raise
         except BaseException:
-            if root.is_dir():
+            if is_owned_dir(root):
                 kept = sorted(int(p.name[4:]) for p in root.glob("rank*") if p.name[4:].isdigit() and p.is_dir())
                 log.warning("compile interrupted: %d of %d ranks are kept in %s; run the same command again to "
                             "continue from them", len(kept), tp, root)
@@ -108,21 +136,68 @@ def open_partial(out: Path, options: CompileOptions, tp: int) -> Iterator[Partia
         os.close(fd)
 
 
+def check_partial(out: Path) -> bool:
+    """Refuse (before any work) a compile of ``out`` whose partial directory's name holds something moeforge did not
+    create there: a symbolic link, a file, a foreign folder; it is left untouched. True if a killed compile's
+    partial directory is there (to resume), False if nothing is."""
+    root = partial_dir(out)
+    if is_owned_dir(root):
+        return True
+    try:
+        info = os.lstat(root)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise MoeforgeError(f"{root} cannot be checked ({exc.strerror}); compile to another directory") from None
+    what = ("a symbolic link" if stat.S_ISLNK(info.st_mode) else
+            "a folder moeforge did not create" if stat.S_ISDIR(info.st_mode) else "a file")
+    raise MoeforgeError(f"{root} is where moeforge writes the ranks of {out.name}, but it is {what}; moeforge leaves "
+                        "it as it is: move it away (or remove it) and compile again, or compile to another directory")
+
+
+def _claim(root: Path, out: Path) -> Path:
+    """``root`` as this compile's partial directory: kept if moeforge made it (a killed compile's, to resume), else
+    created with moeforge's marker (the output's parent too, if missing); anything else is refused."""
+    return root if check_partial(out) else create_owned_dir(root)
+
+
+def _previous(root: Path) -> dict[str, object] | None:
+    """The fingerprint and tp a killed compile recorded in ``root``; None without a record; ``{}`` for a record
+    that does not read as one (a link, bad JSON, wrong fields: another compile's, or not moeforge's)."""
+    path = root / RESUME_FILE
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return {}
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {}
+    try:
+        data = json_object(read_json_file(path, what="resume record", max_bytes=4096), source=str(path))
+        return {"fingerprint": json_str(data.get("fingerprint"), source=str(path), field="fingerprint", max_len=64),
+                "tp": json_int(data.get("tp"), source=str(path), field="tp", lo=1, hi=2**20)}
+    except JsonFileError as exc:
+        log.warning("%s", exc)
+        return {}
+
+
 def _resumable(root: Path, fingerprint: str, tp: int) -> set[int]:
-    """The ranks of ``root`` a rerun may keep; everything else in ``root`` is removed."""
-    previous = None
-    with contextlib.suppress(OSError, ValueError):
-        previous = json.loads((root / RESUME_FILE).read_text(encoding="utf-8"))
-    same = isinstance(previous, dict) and previous.get("fingerprint") == fingerprint and previous.get("tp") == tp
+    """The ranks of ``root`` a rerun may keep; everything else in ``root`` (but moeforge's marker) is removed, links
+    as links."""
+    previous = _previous(root)
+    same = previous == {"fingerprint": fingerprint, "tp": tp}
     if previous is not None and not same:
         log.warning("%s holds ranks of a compile with other options or another source: starting over", root)
     done: set[int] = set()
     for entry in list(root.iterdir()):
+        if entry.name == OWNED_MARKER:
+            continue
+        real_dir = stat.S_ISDIR(os.lstat(entry).st_mode)  # lstat: a link to a folder is a link, not a folder
         rank = int(entry.name[4:]) if entry.name.startswith("rank") and entry.name[4:].isdigit() else None
-        if same and rank is not None and rank < tp and entry.is_dir() and _verified(entry, rank, tp):
+        if same and real_dir and rank is not None and rank < tp and _verified(entry, rank, tp):
             done.add(rank)
-        elif entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
+        elif real_dir:
+            shutil.rmtree(entry)  # fd-based on Linux: links inside are removed, not followed
         else:
             entry.unlink()
     return done

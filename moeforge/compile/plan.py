@@ -1,5 +1,8 @@
 """``moeforge compile MODEL --plan``: what a compile will write and need, from the config alone (no weights read).
 
+What the compile refuses before it reads a weight is one function, ``check_compile``, that the sharded compile and
+``--plan`` both run: a plan is printed only for a compile that would start.
+
 The model is built on the meta device (no memory) and, for ``--tp/--ep``, each rank's model is cut from it by the
 same ``shard_model`` the sharded compile runs: every number per rank is exact in parameters. Artifact bytes are
 float32 for vectors, norms, routers and the embedding, and the scheme's storage for every other matrix (codes plus
@@ -21,13 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from moeforge.compile.options import DEFAULT_MAX_SEQ_LEN
+from moeforge.compile.options import DEFAULT_MAX_SEQ_LEN, CompileOptions, check_flags, check_ranks
 from moeforge.core.config import ModelConfig
+from moeforge.core.errors import MoeforgeError
+from moeforge.model.expert_slots import ExpertSlots, load_plan
 from moeforge.model.lazy_weights import is_expert_stack_name
+from moeforge.model.loader import load_config
 from moeforge.model.model import CausalLM
 from moeforge.model.pipeline_stages import StageSpec, plan_stages, stage_model
-from moeforge.model.rank_model import shard_model
+from moeforge.model.rank_model import moe_layer_index, shard_model
+from moeforge.model.sharding import plan_sharding
 from moeforge.quant.schemes import SCHEMES
+from moeforge.quant.spec import validate
 
 GIB = 2**30
 # Fit to benchmarks/results/compile_memory.json (fp32 --stream rows, 2 cores, synthetic DeepSeek-V3-shaped
@@ -101,10 +109,65 @@ class CompilePlan:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class CheckedCompile:
+    """What ``check_compile`` found the compile takes: the model's config, its pipeline stages (one without
+    ``--pp``) and the ``--placement`` plan's slots (None without one)."""
+
+    config: ModelConfig
+    stages: list[StageSpec]
+    slots: ExpertSlots | None
+
+
+def check_compile(options: CompileOptions) -> CheckedCompile:
+    """Everything a compile refuses before it reads a weight, in one place for the compile and ``--plan``: the flags
+    (``options.check_flags``, before the config is read), the quantisation (``quant.spec.validate``), and on the
+    model's config the tp/ep split (``plan_sharding``), the pipeline stages and the ``--placement`` plan."""
+    check_flags(options)
+    validate(options.quant, target=options.target, kv_cache=options.kv.layout)
+    config = load_config(options.model)
+    check_split(config, options.tp, options.ep, options.pp)
+    return CheckedCompile(config, compile_stages(options, config), placement_slots(options, config))
+
+
+def check_split(config: ModelConfig, tp: int, ep: int, pp: int = 1) -> None:
+    """Refuse a split of ``config`` no compile takes: degrees out of bounds, or a tp/ep split its heads, vocabulary
+    or experts do not divide into (``--pp``'s limits are ``plan_stages``')."""
+    check_ranks(tp, ep, pp)
+    if tp > 1 or ep > 1:
+        plan_sharding(config, tp, ep)
+
+
+def compile_stages(options: CompileOptions, config: ModelConfig) -> list[StageSpec]:
+    """The compile's pipeline stages (``pipeline_stages``: balanced by weight and KV bytes at the compile's sequence
+    length and scheme, or ``--pp-layers``); one stage without ``--pp``."""
+    quant = options.quant
+    return pipeline_stages(config, options.pp, options.pp_layers, quant.weights, quant.block_size,
+                           options.max_seq_len, kv_bytes_per_value(options))
+
+
+def kv_bytes_per_value(options: CompileOptions) -> int:
+    """Bytes of one cached value: 1 with ``--kv-quant int8``, else float32's 4."""
+    return 1 if options.quant.kv_cache == "int8" else 4
+
+
+def placement_slots(options: CompileOptions, config: ModelConfig) -> ExpertSlots | None:
+    """The ``--placement`` plan's slots, checked against the model (its MoE layers and experts) and ``--ep``."""
+    if options.placement is None:
+        return None
+    if config.moe is None:
+        raise MoeforgeError(f"--placement places routed experts; {config.name} has none: drop --placement")
+    slots = load_plan(options.placement)
+    slots.check(len(moe_layer_index(config)), config.moe.n_routed_experts, options.ep, config.name)
+    return slots
+
+
 def plan_compile(model: str, config: ModelConfig, scheme: str | None = None, tp: int = 1, ep: int = 1,
                  block_size: int | None = None, pp: int = 1, pp_layers: str | None = None) -> CompilePlan:
     """The plan of compiling ``config`` with ``scheme`` (None: float32) into ``pp`` stages of ``tp`` ranks each
-    (``ep`` expert-parallel; stages as the compile splits them, ``plan_stages``)."""
+    (``ep`` expert-parallel; stages as the compile splits them, ``plan_stages``). A split the compile refuses is
+    refused here too (``check_split``)."""
+    check_split(config, tp, ep, pp)
     with torch.device("meta"):
         full = CausalLM(config, "absorb")
     bytes_per_param = bytes_per_parameter(scheme, block_size)

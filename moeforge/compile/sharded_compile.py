@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import os
 import uuid
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -29,9 +30,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from moeforge.compile.options import CompileOptions
-from moeforge.compile.partial_compile import RESUME_FILE, open_partial
-from moeforge.compile.plan import bytes_per_parameter, pipeline_stages
+from moeforge.compile.options import MAX_RANKS, CompileOptions
+from moeforge.compile.partial_compile import check_partial, open_partial
+from moeforge.compile.plan import (
+    bytes_per_parameter,
+    check_compile,
+    compile_stages,
+    kv_bytes_per_value,
+    placement_slots,
+)
 from moeforge.compile.stages import ARTIFACT_STAGES, build_artifact, make_job, open_source, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.compile.targets.ort import OrtTarget
@@ -48,13 +55,15 @@ from moeforge.core.artifact import (
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
-from moeforge.model.expert_slots import ExpertSlots, load_plan
+from moeforge.core.safe_paths import write_output_file
+from moeforge.core.strict_json import JsonFileError, json_int, json_list, json_object, read_json_file
+from moeforge.model.expert_slots import ExpertSlots
 from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.loader import LoadedModel, release_weights, source_argument
 from moeforge.model.model import CausalLM
 from moeforge.model.pipeline_stages import StageSpec, stage_costs, stage_model, stage_sources
-from moeforge.model.rank_model import moe_layer_index, rank_sources, shard_model
-from moeforge.model.sharding import check_degrees, plan_sharding
+from moeforge.model.rank_model import rank_sources, shard_model
+from moeforge.model.sharding import plan_sharding
 
 log = logging.getLogger(__name__)
 
@@ -132,32 +141,44 @@ class ShardedManifest:
         if data.get("format_version") != SHARDED_FORMAT:
             raise ArtifactError(f"{where}: sharded format_version {data.get('format_version')!r}, this moeforge reads "
                                 f"{SHARDED_FORMAT}; {fix}")
+        source = SHARDED_FILE
         try:
-            tp, ep, ranks = int(data["tp"]), int(data["ep"]), list(data["ranks"])
-            pp, stages = int(data.get("pp", 1)), list(data.get("stages", []))
+            tp = json_int(data.get("tp"), source=source, field="tp", lo=1, hi=MAX_RANKS)
+            ep = json_int(data.get("ep"), source=source, field="ep", lo=1, hi=MAX_RANKS)
+            pp = json_int(data.get("pp", 1), source=source, field="pp", lo=1, hi=MAX_RANKS)
+            ranks = [dict(json_object(entry, source=source, field="ranks[]"))
+                     for entry in json_list(data.get("ranks"), source=source, field="ranks", max_len=MAX_RANKS)]
+            stages = [dict(json_object(stage, source=source, field="stages[]"))
+                      for stage in json_list(data.get("stages", []), source=source, field="stages", max_len=MAX_RANKS)]
             world = tp * pp
-            if (not 1 <= tp <= 1024 or not 1 <= pp <= 1024 or ep not in (1, tp) or len(ranks) != world
-                    or data.get("world_size") != world or (pp > 1 and len(stages) != pp)):
-                raise ValueError(f"tp {tp}, ep {ep}, pp {pp}, world_size {data.get('world_size')}, {len(ranks)} ranks, "
-                                 f"{len(stages)} stages")
+            if (ep not in (1, tp) or len(ranks) != world or data.get("world_size") != world
+                    or (pp > 1 and len(stages) != pp)):
+                raise ValueError(f"tp {tp}, ep {ep}, pp {pp}, world_size {data.get('world_size')!r}, {len(ranks)} "
+                                 f"ranks, {len(stages)} stages")
             for index, stage in enumerate(stages):
                 spec = StageSpec.from_dict(stage)
                 if spec.stage != index or spec.pp != pp or spec.num_layers < 1:
-                    raise ValueError(f"stages[{index}] is {stage!r}")
+                    raise ValueError(f"stages[{index}] is {stage!r:.200}")
             for index, entry in enumerate(ranks):
-                if entry.get("rank") != index or entry.get("dir") != rank_dir(index):
-                    raise ValueError(f"ranks[{index}] is {entry.get('rank')!r} in {entry.get('dir')!r}")
+                if json_int(entry.get("rank"), source=source, field=f"ranks[{index}].rank", lo=0, hi=world - 1) \
+                        != index or entry.get("dir") != rank_dir(index):
+                    raise ValueError(f"ranks[{index}] is {entry.get('rank')!r} in {entry.get('dir')!r:.80}")
                 if not isinstance(entry.get("manifest_sha256"), str):
                     raise ValueError(f"ranks[{index}] has no manifest_sha256")
             placement = data.get("placement")
             if placement is not None:
-                ExpertSlots.from_array(placement["physical_to_logical"], ep)
-            return cls(tp=tp, ep=ep, model_config=dict(data["model_config"]), ranks=ranks,
-                       compile_id=str(data["compile_id"]), collectives=list(data.get("collectives", [])),
+                placement = dict(json_object(placement, source=source, field="placement"))
+                slots = ExpertSlots.from_array(placement.get("physical_to_logical"), ep)
+                if len(slots.physical_to_logical[0]) % ep:
+                    raise ValueError(f"placement of {len(slots.physical_to_logical[0])} slots over ep {ep}")
+            return cls(tp=tp, ep=ep, model_config=dict(json_object(data.get("model_config"), source=source,
+                                                                   field="model_config")),
+                       ranks=ranks, compile_id=str(data["compile_id"]), collectives=list(data.get("collectives", [])),
                        replicated=list(data.get("replicated", [])), kv_cache_note=str(data.get("kv_cache_note", "")),
                        source=str(data.get("source", "")), created_utc=str(data.get("created_utc", "")),
-                       placement=None if placement is None else dict(placement), pp=pp, stages=stages)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                       placement=placement, pp=pp, stages=stages)
+        except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError, MoeforgeError) as exc:
+            # MoeforgeError: the field checks' JsonFileError, ExpertSlots' PlacementError
             raise ArtifactError(f"{where} is malformed ({exc}); {fix}") from None
 
 
@@ -171,16 +192,12 @@ def read_sharded(path: str | Path) -> ShardedManifest:
     root = Path(path).expanduser().absolute()
     restore_interrupted(root)
     where = root / SHARDED_FILE
-    try:
-        text = where.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ArtifactError(f"{root} has no {SHARDED_FILE}: it is not a sharded artifact") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"cannot read {where}: {exc}") from None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ArtifactError(f"{where} is not valid JSON: {exc}") from None
+    if not os.path.lexists(where):
+        raise ArtifactError(f"{root} has no {SHARDED_FILE}: it is not a sharded artifact")
+    try:  # strict: a nesting bomb, NaN, a 10 GB file or a FIFO end in one message, never a traceback or a hang
+        data = read_json_file(where, what="sharded manifest", fix=f"recompile {root} with moeforge compile ... --tp N")
+    except JsonFileError as exc:
+        raise ArtifactError(str(exc)) from None
     return ShardedManifest.from_dict(data, where)
 
 
@@ -246,29 +263,15 @@ class ShardedCompileResult:
     parity: None = None
 
 
-def _check(options: CompileOptions) -> None:
-    check_degrees(options.tp, options.ep)
-    if options.pp > 1 and not options.kv.paged:
-        raise MoeforgeError("--pp: pipeline stages run on the paged KV cache (each stage's pools hold its own layers); "
-                            "add --kv-cache paged")
-    if options.pp > 1 and options.placement is not None:
-        raise MoeforgeError("--placement is not supported with --pp yet: place experts with --tp N --ep N alone")
-    if options.check:
-        raise MoeforgeError("--check runs one process; a sharded artifact is checked with all its ranks: compile "
-                            "without --check, then run moeforge parity DIR")
-    if options.quant.calib is not None:
-        raise MoeforgeError("--calib calibrates on one process's graph; it is not supported with --tp yet: "
-                            "use a scheme without calibration (int8, int4, int4-asym, fp8)")
-
-
 def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
     """Compile ``options.model`` into ``options.tp`` rank artifacts plus ``sharded.json``. Ranks are written into a
     partial directory that a rerun of a killed compile continues (``partial_compile.py``); an error leaves nothing.
     ``options.workers`` > 1 (with ``--stream``) builds that many ranks at once in separate processes. Raises
     ``ShardingError`` (a split the model cannot take) or ``MoeforgeError``."""
-    _check(options)
+    checked = check_compile(options)  # a bad split, stage or placement fails before anything is read or written
     out = Path(options.output_dir).expanduser().absolute()
     check_output_dir(out, force=options.force)  # a sharded or unsharded artifact may be replaced
+    check_partial(out)  # a link or a user's folder where the ranks go is refused before the model loads
     tp, ep, pp = options.tp, options.ep, options.pp
     world = tp * pp
     title = f"compile tp{tp}" + (f" pp{pp}" if pp > 1 else "")
@@ -276,9 +279,8 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
     try:
         bar.set_postfix_str("load checkpoint")
         loaded, weights = open_source(options)
-        plan = plan_sharding(loaded.config, tp, ep)  # a bad split fails before anything is written
-        stages = compile_stages(options, loaded.config)
-        slots = placement_slots(options, loaded)
+        plan = plan_sharding(loaded.config, tp, ep)
+        stages, slots = checked.stages, checked.slots
         bar.update()
         with open_partial(out, options, world) as partial:
             todo = [rank for rank in range(world) if rank not in partial.done]
@@ -302,8 +304,9 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
                 source=source_argument(options.model, loaded.source),
                 placement=None if slots is None else slots.to_dict(), pp=pp, collectives=points,
                 stages=[] if pp == 1 else _stage_entries(options, loaded.config, stages, ranks))
-            (partial.root / SHARDED_FILE).write_text(json.dumps(sharded.to_dict(), indent=2) + "\n", encoding="utf-8")
-            (partial.root / RESUME_FILE).unlink()
+            write_output_file(partial.root / SHARDED_FILE, json.dumps(sharded.to_dict(), indent=2) + "\n",
+                              flag=SHARDED_FILE)
+            partial.seal()
             install_directory(partial.root, out)
         bar.update()
         first = load_artifact(out / rank_dir(0), verify=False).manifest
@@ -320,7 +323,8 @@ def build_rank(options: CompileOptions, loaded: LoadedModel, weights: LazyWeight
     tp_rank, stage = rank % tp, rank // tp
     model: CausalLM
     if tp > 1 or options.ep > 1:
-        model, config, layout = shard_model(loaded.model, tp, options.ep, tp_rank, placement_slots(options, loaded))
+        slots = placement_slots(options, loaded.config)
+        model, config, layout = shard_model(loaded.model, tp, options.ep, tp_rank, slots)
         sources = None if weights is None else rank_sources(loaded.config, layout, weights.shape)
         rank_weights = None if weights is None or sources is None else weights.for_rank(model, sources)
         sharding: dict[str, Any] = {**layout.to_dict()}
@@ -341,19 +345,6 @@ def build_rank(options: CompileOptions, loaded: LoadedModel, weights: LazyWeight
     build_artifact(job, rank_target(rank_options), root / rank_dir(rank), bar, sharding=sharding)
 
 
-def compile_stages(options: CompileOptions, config: ModelConfig) -> list[StageSpec]:
-    """The compile's pipeline stages (``plan.pipeline_stages``: balanced by weight and KV bytes at the compile's
-    sequence length and scheme, or ``--pp-layers``); one stage without ``--pp``."""
-    quant = options.quant
-    return pipeline_stages(config, options.pp, options.pp_layers, quant.weights, quant.block_size,
-                           options.max_seq_len, _kv_bytes_per_value(options))
-
-
-def _kv_bytes_per_value(options: CompileOptions) -> int:
-    """Bytes of one cached value: 1 with ``--kv-quant int8``, else float32's 4."""
-    return 1 if options.quant.kv_cache == "int8" else 4
-
-
 def _stage_entries(options: CompileOptions, config: ModelConfig, stages: list[StageSpec],
                    ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """sharded.json's stages: each stage's layers, its ranks, its bytes over its ranks (weight files, KV per token)
@@ -361,7 +352,7 @@ def _stage_entries(options: CompileOptions, config: ModelConfig, stages: list[St
     rotary caches and the argmax head not counted)."""
     tp = options.tp
     plan = stage_costs(config, stages, bytes_per_parameter(options.quant.weights, options.quant.block_size),
-                       _kv_bytes_per_value(options), tp, options.ep)
+                       kv_bytes_per_value(options), tp, options.ep)
     out = []
     for spec, cost in zip(stages, plan, strict=True):
         members = ranks[spec.stage * tp: (spec.stage + 1) * tp]
@@ -371,18 +362,6 @@ def _stage_entries(options: CompileOptions, config: ModelConfig, stages: list[St
                     "planned_weight_bytes": cost.weight_bytes * tp,
                     "planned_kv_bytes_per_token": cost.kv_bytes_per_token * tp})
     return out
-
-
-def placement_slots(options: CompileOptions, loaded: LoadedModel) -> ExpertSlots | None:
-    """The ``--placement`` plan's slots, checked against the model (its MoE layers and experts) and ``--ep``."""
-    if options.placement is None:
-        return None
-    config = loaded.config
-    if config.moe is None:
-        raise MoeforgeError(f"--placement places routed experts; {config.name} has none: drop --placement")
-    slots = load_plan(options.placement)
-    slots.check(len(moe_layer_index(config)), config.moe.n_routed_experts, options.ep, config.name)
-    return slots
 
 
 def _build_in_workers(options: CompileOptions, ranks: list[int], root: Path, bar: tqdm) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import itertools
-import json
 import logging
 import os
 import re
@@ -41,6 +40,7 @@ import onnx
 from moeforge.core.errors import ArtifactError
 from moeforge.core.kv_layout import KVCacheSpec
 from moeforge.core.manifest import FORMAT_VERSION, MANIFEST_FILE, MAX_MANIFEST_BYTES, MODEL_FILE, Manifest
+from moeforge.core.strict_json import JsonFileError, read_json_file
 
 # The artifact API is one import: the manifest types a loader needs come with load_artifact.
 __all__ = ["FORMAT_VERSION", "MANIFEST_FILE", "MODEL_FILE", "Artifact", "ArtifactError", "KVCacheSpec", "Manifest",
@@ -229,9 +229,9 @@ _RANK_DIR = re.compile(r"rank\d+")
 def _check_sharded_replaceable(out: Path, refuse: str) -> None:
     """A sharded artifact (compile/sharded_compile.py) is ours to delete when its sharded.json reads as one and every
     other entry is a rank directory holding a replaceable artifact (with its manifest)."""
-    try:
-        data = json.loads((out / SHARDED_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    try:  # strict: a nesting bomb or a FIFO planted as sharded.json is refused, never a traceback or a hang
+        data = read_json_file(out / SHARDED_FILE, what="sharded manifest")
+    except JsonFileError:
         data = None
     if not isinstance(data, dict) or data.get("format") != SHARDED_FORMAT_NAME:
         raise ArtifactError(f"{out} holds a {SHARDED_FILE} that is not a moeforge sharded manifest; {refuse}")
@@ -289,9 +289,9 @@ def _unlisted_entries(root: Path, manifest: Manifest, limit: int = 5) -> list[st
 
 def _check_destination(out: Path, force: bool) -> None:
     if os.path.lexists(out):
+        _check_replaceable(out)  # first: advise --force only where --force would replace it
         if not force:
             raise ArtifactError(f"{out} already exists; pass --force to replace it")
-        _check_replaceable(out)
 
 
 def _check_parent_writable(out: Path) -> None:
@@ -628,9 +628,10 @@ def artifact_model_config(path: str | Path) -> dict[str, Any]:
     """The model config an artifact records (``sharded.json``'s when sharded, else ``manifest.json``'s)."""
     record = _record_file(path)
     try:
-        config = json.loads(record.read_text()).get("model_config")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ArtifactError(f"cannot read the model config of {record}: {exc}") from None
+        data = read_json_file(record, what="artifact record", max_bytes=MAX_MANIFEST_BYTES)
+    except JsonFileError as exc:
+        raise ArtifactError(f"cannot read the model config: {exc}") from None
+    config = data.get("model_config") if isinstance(data, dict) else None
     return config if isinstance(config, dict) else {}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from moeforge.core.kv_layout import KVCacheSpec
@@ -63,17 +64,38 @@ def memory_limit() -> int | None:
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
-               "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+               "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40, "P": 2**50,
+               "PB": 10**15, "PIB": 2**50}
+MAX_SIZE = 2**50  # 1 PiB: far above any memory or disk a size budgets; a larger number is a typo
+MAX_SIZE_CHARS = 40  # of the number: 1 PiB in bytes has 16 digits
 
 
 def parse_size(text: str) -> int:
-    """Bytes of a size as people write it: ``3GiB``, ``3G`` (binary), ``3GB`` (decimal), ``1500M``, ``123``."""
+    """Bytes of a size as people write it: ``3GiB``, ``3G`` (binary), ``3GB`` (decimal), ``1500M``, ``123``.
+
+    The result is a whole number of bytes in ``1..MAX_SIZE`` (1 PiB) once the unit is applied: a fraction is
+    allowed where it makes whole bytes (``1.5G`` is 1,610,612,736 bytes), never rounded (``0.5`` or ``0.1K``,
+    102.4 bytes, is refused: rounding would turn ``0.5`` into 0, which means "none"). Anything else raises
+    ``ValueError`` saying what to write."""
+    shown = repr(text) if len(text) <= 40 else f"{text[:37]!r}..."
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).upper() if match else ""
-    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a size: write a positive number with an optional unit, e.g. 3GiB, 3G, "
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{shown} is not a size: write a positive number with an optional unit, e.g. 3GiB, 3G, "
                          "3000MB")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    too_large = f"{shown} is not a size moeforge takes: over the largest, 1 PiB ({MAX_SIZE:,} bytes)"
+    if len(match.group(1)) > MAX_SIZE_CHARS:
+        raise ValueError(too_large)
+    size = Fraction(match.group(1)) * _SIZE_UNITS[unit]  # exact: no float rounding, no overflow
+    if size.denominator != 1:
+        raise ValueError(f"{shown} is not a size: it is {float(size):g} bytes, not a whole number; write whole "
+                         "bytes, e.g. 512K or 1.5G")
+    if size < 1:
+        raise ValueError(f"{shown} is not a size: write a positive number with an optional unit, e.g. 3GiB, 3G, "
+                         "3000MB")
+    if size > MAX_SIZE:
+        raise ValueError(too_large)
+    return int(size)
 
 
 @dataclass(frozen=True)

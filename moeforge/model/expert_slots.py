@@ -7,21 +7,30 @@ logical expert held by several slots is *replicated*: the router's choice of it 
 (``moeforge.model.moe.route_to_replicas``), so the outputs equal the unsharded model's.
 
 Dimension letters: L_moe MoE layers, E logical (routed) experts, N expert-parallel ranks, S slots per rank.
+
+Every slot holds a copy of its expert's weights, so the slots of a layer are bounded: at most
+``MAX_SLOTS_PER_EXPERT`` x E (``check``), and at most ``MAX_SLOTS`` before the model is known (``from_array``).
 """
 
 from __future__ import annotations
 
-import json
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.strict_json import JsonFileError, json_int, json_object, read_json_file
 
 EMPTY = -1
 PLAN_FORMAT = "moeforge-eplb-plan"  # the plan file ``moeforge eplb`` writes
 PLAN_VERSION = 1
+MAX_MOE_LAYERS = 4096  # far above any model's (DeepSeek-V3: 58)
+MAX_SLOTS = 65536  # slots of one layer, before the model's expert count bounds them (E + redundant: 288 for V3)
+MAX_SLOTS_PER_EXPERT = 4  # slots of one layer per routed expert: each replica copies its expert's weights
+_REGENERATE = "regenerate the plan with moeforge eplb"
 
 
 class PlacementError(MoeforgeError):
@@ -37,12 +46,25 @@ class ExpertSlots:
 
     @classmethod
     def from_array(cls, table: object, ep: int) -> ExpertSlots:
-        """From a [L_moe, N * S] integer table; shapes and ids are checked by ``check``."""
-        array = np.asarray(table)
-        if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
-            raise PlacementError(f"physical_to_logical must be a 2-D integer table, got shape {array.shape} of "
-                                 f"{array.dtype}; regenerate the plan with moeforge eplb")
-        return cls(tuple(tuple(int(v) for v in row) for row in array.tolist()), ep)
+        """From a [L_moe, N * S] integer table (nested lists as JSON gives them, or a numpy array): at least one layer,
+        rows of one length of at most ``MAX_SLOTS``, ids in EMPTY..MAX_SLOTS - 1, ``ep`` at most that length; the
+        model's layers and experts, and ``ep`` against the slots, are checked by ``check``."""
+        rows = table.tolist() if isinstance(table, np.ndarray) else table
+        width = len(rows[0]) if isinstance(rows, Sequence) and rows and isinstance(rows[0], Sequence) else 0
+        if not (isinstance(rows, Sequence) and 1 <= len(rows) <= MAX_MOE_LAYERS and 1 <= width <= MAX_SLOTS
+                and all(isinstance(row, Sequence) and not isinstance(row, str) and len(row) == width for row in rows)):
+            shape = f"{len(rows)} rows" if isinstance(rows, Sequence) else type(rows).__name__
+            raise PlacementError(f"physical_to_logical must be a 2-D integer table of 1..{MAX_MOE_LAYERS} layers of "
+                                 f"one width in 1..{MAX_SLOTS} slots, got {shape:.40}; {_REGENERATE}")
+        for row in rows:
+            if not all(map(_is_slot_id, row)):
+                bad = next(v for v in row if not _is_slot_id(v))
+                raise PlacementError(f"physical_to_logical must be a 2-D integer table of expert ids in "
+                                     f"{EMPTY}..{MAX_SLOTS - 1}, got {bad!r:.40}; {_REGENERATE}")
+        if isinstance(ep, bool) or not isinstance(ep, int | np.integer) or not 1 <= ep <= width:
+            raise PlacementError(f"ep {ep!r:.40} must be in 1..{width} (the placement's slots per layer); "
+                                 f"{_REGENERATE}")
+        return cls(tuple(tuple(int(v) for v in row) for row in rows), int(ep))
 
     @property
     def layers(self) -> int:
@@ -76,8 +98,13 @@ class ExpertSlots:
             raise PlacementError(f"the placement has {self.layers} MoE layers, {model} has {moe_layers}; {fix}")
         widths = {len(row) for row in self.physical_to_logical}
         if len(widths) != 1 or next(iter(widths)) % ep or next(iter(widths)) < experts:
-            raise PlacementError(f"the placement's slot counts {sorted(widths)} are not one multiple of --ep {ep} "
+            raise PlacementError(f"the placement's slot counts {sorted(widths)[:5]} are not one multiple of --ep {ep} "
                                  f"of at least the {experts} experts of {model}; {fix}")
+        if next(iter(widths)) > MAX_SLOTS_PER_EXPERT * experts:  # each slot copies an expert's weights
+            raise PlacementError(f"the placement has {next(iter(widths))} slots per MoE layer, over the "
+                                 f"{MAX_SLOTS_PER_EXPERT} x {experts} experts of {model} = "
+                                 f"{MAX_SLOTS_PER_EXPERT * experts} a compile takes (MAX_SLOTS_PER_EXPERT); {fix} "
+                                 "with fewer --redundant slots")
         for layer, row in enumerate(self.physical_to_logical):
             held = {e for e in row if e != EMPTY}
             bad = [e for e in row if e != EMPTY and not 0 <= e < experts]
@@ -103,28 +130,33 @@ class ExpertSlots:
                 "physical_to_logical": [list(row) for row in self.physical_to_logical]}
 
 
+def _is_slot_id(value: object) -> bool:
+    """A JSON integer (never a bool, a float such as 2.0 or 2.9, or a string) in EMPTY..MAX_SLOTS - 1."""
+    return (type(value) is int or isinstance(value, np.integer)) and bool(EMPTY <= value < MAX_SLOTS)
+
+
 def load_plan(path: str | Path) -> ExpertSlots:
-    """The slots of the plan file ``moeforge eplb -o`` wrote (its format and version checked; shapes by ``check``)."""
+    """The slots of the plan file ``moeforge eplb -o`` wrote (read strictly: its format, version and fields checked;
+    the model's shapes by ``check``)."""
     where = Path(path).expanduser()
-    try:
-        data = json.loads(where.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not os.path.lexists(where):
         raise PlacementError(f"placement plan {where} does not exist; write one with moeforge eplb STATS -o "
-                             f"{where} --ep N --redundant R") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise PlacementError(f"cannot read placement plan {where} ({exc}); regenerate it with moeforge eplb") from None
-    if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-        raise PlacementError(f"{where} is not an EPLB plan (format {PLAN_FORMAT!r} expected); write one with "
-                             "moeforge eplb")
-    if data.get("version") != PLAN_VERSION:
-        raise PlacementError(f"{where}: plan version {data.get('version')!r} is not supported (this moeforge reads "
-                             f"version {PLAN_VERSION}); regenerate it with moeforge eplb")
+                             f"{where} --ep N --redundant R")
+    source = f"placement plan {where}"
     try:
-        ep = int(data["ep"])
-        table = data["physical_to_logical"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PlacementError(f"{where} is malformed ({type(exc).__name__}: {exc}); regenerate it with moeforge eplb"
-                             ) from None
-    if ep < 1:
-        raise PlacementError(f"{where}: ep {ep} must be >= 1; regenerate it with moeforge eplb")
-    return ExpertSlots.from_array(table, ep)
+        data = json_object(read_json_file(where, what="placement plan"), source=source)
+        if data.get("format") != PLAN_FORMAT:
+            raise PlacementError(f"{where} is not an EPLB plan (format {PLAN_FORMAT!r} expected); write one with "
+                                 "moeforge eplb")
+        version = data.get("version")
+        if type(version) is not int or version != PLAN_VERSION:
+            raise PlacementError(f"{where}: plan version {version!r:.40} is not supported (this moeforge reads "
+                                 f"version {PLAN_VERSION}); {_REGENERATE}")
+        if "physical_to_logical" not in data:
+            raise PlacementError(f"{where} is malformed (no 'physical_to_logical'); {_REGENERATE}")
+        ep = json_int(data.get("ep"), source=source, field="ep", lo=1, hi=MAX_SLOTS)
+        return ExpertSlots.from_array(data["physical_to_logical"], ep)
+    except JsonFileError as exc:
+        raise PlacementError(f"cannot read placement plan: {exc}; {_REGENERATE}") from None
+    except PlacementError as exc:
+        raise PlacementError(f"{where}: {exc}" if str(where) not in str(exc) else str(exc)) from None

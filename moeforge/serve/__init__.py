@@ -4,7 +4,9 @@ Prometheus metrics. ``create_app`` builds the app over an engine; ``serve`` runs
 Modules: protocol (request/response bodies), engine_loop (the one thread that drives the engine), streams
 (loop thread -> asyncio bridge, admission), logprobs (logprobs in the API's shapes; the text comes from the
 engine's RequestOutput), serving (the generation endpoints), api_errors (OpenAI error bodies), metrics
-(Prometheus), app (the FastAPI app), runner (uvicorn, signals).
+(Prometheus), app (the FastAPI app), connections (limits on connections before a request exists),
+lingering_close (a connection answered before its body ended reads the rest before it closes), listener (the
+listening sockets, bound before the model loads), runner (uvicorn, signals).
 """
 
 from moeforge.serve.app import ServerConfig, create_app

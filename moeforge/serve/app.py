@@ -73,7 +73,7 @@ class ServerConfig:
 class _Gate:
     """Before any body is parsed: the bearer-token check for the API and its schema, drain refusal, and the body
     size limit (a body declared or sent larger than ``max_body_bytes`` gets 413; a smaller one is read here and
-    replayed to the app)."""
+    replayed to the app). A refused POST is answered with ``Connection: close``: its body is not read."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, server: ServerState, max_body_bytes: int) -> None:
         self.app = app
@@ -87,6 +87,10 @@ class _Gate:
             if response is None and scope["method"] == "POST":
                 response, receive = await self._limited_body(scope, receive)
             if response is not None:
+                if scope["method"] == "POST":
+                    # Its body is left unread: the client is told the connection ends with this answer, and the
+                    # server discards the rest of the body before it closes (connections.py, a lingering close).
+                    response.headers["Connection"] = "close"
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -9,6 +9,11 @@ closes the connection that has waited longest without sending a request head (or
 request in flight, is closed itself), so that a flood of half-sent heads cannot lock out a client that sends its
 request at once. ``raise_file_limit`` lifts the soft limit on open files to the hard one and returns what
 the cap must stay under.
+
+The same protocol closes a connection answered while its request body is still arriving with a lingering close
+(``lingering_close.py``: the answer, then the rest of the body read and discarded for a bounded time, then the
+close), so that a client still sending reads the answer instead of a reset. A lingering connection has had its
+answer: at the cap it is the first to make room.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import asyncio
 import logging
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from moeforge.serve.lingering_close import LingeringTransport, LingerLimits
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +41,12 @@ LOG_EVERY_S = 10.0  # refusals are logged at most this often, with the count sin
 @dataclass(frozen=True)
 class ConnectionLimits:
     """``header_timeout_s``: seconds a connection may take to send a request head; ``max_connections``: open
-    connections at most (beyond it, the one waiting longest for its request head is closed)."""
+    connections at most (beyond it, a lingering one or the one waiting longest for its request head is closed);
+    ``linger``: how long a connection answered before its body ended reads and discards the rest."""
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    linger: LingerLimits = field(default_factory=LingerLimits)
 
     def __post_init__(self) -> None:
         if not self.header_timeout_s > 0:
@@ -82,18 +91,22 @@ def guarded_h11(limits: ConnectionLimits) -> type[H11Protocol]:
     class GuardedH11Protocol(H11Protocol):
         _head_deadline: asyncio.TimerHandle | None = None
         _waiting_since = 0.0  # loop time since which it waits for a request head (opened, or last response sent)
+        _closing: LingeringTransport | None = None  # the transport uvicorn writes to and closes
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._closing = LingeringTransport(transport, self._body_arriving, limits.linger, self.loop)
+            self.transport = self._closing  # every close, uvicorn's own included, goes through it
             self._waiting_since = self.loop.time()
             if len(self.connections) > limits.max_connections:
-                # Make room by closing the connection that has waited longest without a request head (half-sent
-                # heads, idle keep-alives): a flood of them cannot lock out a client that sends its request at
-                # once (a /health probe). Only when every other connection has a request in flight is the new one
-                # closed.
+                # Make room by closing a lingering connection (answered already), else the one that has waited
+                # longest without a request head (half-sent heads, idle keep-alives): a flood of them cannot lock
+                # out a client that sends its request at once (a /health probe). Only when every other connection
+                # has a request in flight is the new one closed.
                 oldest = min((c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
-                              and c.conn.their_state is h11.IDLE and not c.transport.is_closing()),
-                             key=lambda c: c._waiting_since, default=None)
+                              and (c._lingering() or (c.conn.their_state is h11.IDLE
+                                                      and not c.transport.is_closing()))),
+                             key=lambda c: (not c._lingering(), c._waiting_since), default=None)
                 over_cap()
                 if oldest is None:
                     self.connections.discard(self)
@@ -103,13 +116,31 @@ def guarded_h11(limits: ConnectionLimits) -> type[H11Protocol]:
                 oldest.transport.close()
             self._arm_head_deadline()
 
+        def _body_arriving(self) -> bool:
+            return self.conn.their_state is h11.SEND_BODY
+
+        def _lingering(self) -> bool:
+            return self._closing is not None and self._closing.lingering
+
+        def data_received(self, data: bytes) -> None:
+            if self._closing is not None and self._closing.lingering:
+                self._closing.discard(len(data))  # the rest of a body already answered: never parsed, never kept
+                return
+            super().data_received(data)
+
         def on_response_complete(self) -> None:
+            if self._body_arriving() and not self.transport.is_closing():
+                # Answered before the body ended (an early refusal) on a kept-alive connection: the rest of the body
+                # is discarded within the linger limits and the connection closed, never parsed as a next request.
+                self.transport.close()
             super().on_response_complete()
             self._waiting_since = self.loop.time()
             self._arm_head_deadline()  # a kept-alive connection owes its next head in time too
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_head_deadline()
+            if self._closing is not None:
+                self._closing.stop_timers()
             super().connection_lost(exc)
 
         def _arm_head_deadline(self) -> None:

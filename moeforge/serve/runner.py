@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from moeforge.runtime.engine import (
     SpeculativeOptions,
 )
 from moeforge.runtime.engine_config import DEFAULT_DISK_BYTES
-from moeforge.runtime.expert_stats import check_writable, save_expert_load
+from moeforge.runtime.expert_stats import check_expert_load_out, save_expert_load
 from moeforge.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED, ServerConfig, ServerState, create_app
 from moeforge.serve.connections import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -42,6 +43,7 @@ from moeforge.serve.connections import (
     protocol_options,
     raise_file_limit,
 )
+from moeforge.serve.listener import bind_listeners
 from moeforge.serve.streams import DEFAULT_STALL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class ServeOptions:
     artifact: Path
     host: str = "127.0.0.1"
     port: int = 8000
+    # Bound already (``bind_listeners``: the command line binds before a sharded artifact's ranks start); empty:
+    # ``serve`` binds host:port itself, before the model loads.
+    sockets: tuple[socket.socket, ...] = ()
     max_queued: int = DEFAULT_MAX_QUEUED
     api_key: str | None = None
     max_num_seqs: int = 8
@@ -85,6 +90,7 @@ class ServeOptions:
     liveness: Callable[[], str | None] | None = None
     # Written at exit: the expert load the served requests routed (``moeforge eplb`` reads it); MoE artifacts only.
     expert_load_out: Path | None = None
+    expert_load_force: bool = False  # --force: replace an existing expert_load_out file
 
 
 class _Server(uvicorn.Server):
@@ -157,7 +163,7 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
         connection_limits(options)
     except ValueError as exc:  # the field's name becomes the flag's
         raise MoeforgeError(_as_flags(str(exc))) from None
-    check_writable(options.expert_load_out)
+    check_expert_load_out(options.expert_load_out, options.artifact, force=options.expert_load_force)
     engine = LLMEngine.from_artifact(options.artifact, engine_config(options), backend=options.backend)
     if options.expert_load_out is not None and engine.expert_load() is None:
         raise MoeforgeError(f"--expert-load-out {options.expert_load_out}: {options.artifact} routes no experts "
@@ -190,7 +196,13 @@ def connection_limits(options: ServeOptions, open_file_room: int | None = None) 
 
 def serve(options: ServeOptions) -> int:
     """Serve until a shutdown signal; returns the exit code (0 after a graceful shutdown)."""
-    app, state = build_app(options)
+    sockets = list(options.sockets) or bind_listeners(options.host, options.port)  # before the model loads
+    try:
+        app, state = build_app(options)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     if options.host not in LOOPBACK and options.api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use it", options.host)
     limits = connection_limits(options, raise_file_limit())
@@ -207,7 +219,7 @@ def serve(options: ServeOptions) -> int:
     # does nothing makes that a no-op, so SIGTERM ends in a clean exit 0 rather than death by the signal.
     previous = signal.signal(signal.SIGTERM, _ignore)
     try:
-        server.run()
+        server.run(sockets=sockets)  # uvicorn closes them at shutdown
     finally:
         signal.signal(signal.SIGTERM, previous)
     if options.expert_load_out is not None and server.started and not failure:
@@ -218,11 +230,12 @@ def serve(options: ServeOptions) -> int:
 def _save_expert_load(options: ServeOptions, state: ServerState) -> None:
     """Write what the served requests routed (the loop has stopped: lifespan's end). A sharded artifact's ranks are
     still up (they stop once ``serve`` returns), so its counts are gathered from them; ``options.artifact`` is then
-    rank 0's directory and the statistics are named by the top directory's digest."""
+    rank 0's directory and the statistics are named by the top directory's digest. A write that fails now (the
+    folder went read-only, a file appeared without --force) is a ``MoeforgeError``: exit code 2 with its message."""
     load, ranks = state.engine.served_expert_load()
     top = options.artifact.parent if options.backend is not None else options.artifact
     path = save_expert_load(options.expert_load_out or Path(), load, ranks, top,
-                            options.served_model_name or model_name(options.artifact))
+                            options.served_model_name or model_name(options.artifact), force=options.expert_load_force)
     log.info("expert-load statistics of the served requests written to %s", path)
 
 

@@ -10,7 +10,6 @@ shutdown) aborts its unfinished choices, which frees their KV blocks at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +22,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.strict_json import dumps_strict
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.outputs import RequestOutput
 from moeforge.runtime.sampler import SamplingParams
@@ -90,8 +90,9 @@ _LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029"
 
 
 def _sse(body: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event: ``data: <json>`` on one line, whatever characters the text holds."""
-    payload = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
+    """One server-sent event: ``data: <json>`` on one line, whatever characters the text holds. Standard JSON:
+    pydantic writes a non-finite number as null; a dict with one raises (``dumps_strict``) rather than send NaN."""
+    payload = body.model_dump_json() if isinstance(body, BaseModel) else dumps_strict(body)
     return f"data: {payload.translate(_LINE_BREAKING)}\n\n"
 
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.core.errors import CheckpointError, MoeforgeError
+from moeforge.core.safe_paths import create_owned_dir
 from moeforge.model.lazy_weights import LazyWeights, open_lazy_model
 from moeforge.model.loader import load_model
 from moeforge.model.tokenizer import Tokenizer
@@ -453,7 +454,7 @@ def test_a_killed_sharded_compile_continues_from_the_ranks_written(checkpoints: 
     with pytest.raises(KeyboardInterrupt):
         _compile(folder, out, stream=True, tp=2, ep=2)
     partial = partial_dir(out.absolute())
-    assert not out.exists() and sorted(p.name for p in partial.iterdir()) == ["rank0", "resume.json"]
+    assert not out.exists() and sorted(p.name for p in partial.iterdir()) == [".moeforge-owned", "rank0", "resume.json"]
     built.clear()
     _compile(folder, out, stream=True, tp=2, ep=2)
     assert built == [1] and not partial.exists()  # rank 0 was kept, not rebuilt
@@ -461,7 +462,7 @@ def test_a_killed_sharded_compile_continues_from_the_ranks_written(checkpoints: 
     for rank in range(2):
         assert _tensor_digests(out / f"rank{rank}") == _tensor_digests(fresh / f"rank{rank}")
     # A partial directory of other options is cleared: every rank is built again.
-    partial.mkdir()
+    create_owned_dir(partial)  # as a compile makes it: only a folder moeforge owns is resumed or cleared
     (partial / "rank0").mkdir()
     (partial / "resume.json").write_text('{"fingerprint": "another compile", "tp": 2}')
     built.clear()
