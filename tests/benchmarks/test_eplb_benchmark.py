@@ -1,6 +1,6 @@
 """benchmarks/eplb.py at its smallest (ep 2, 2 redundant slots per rank): the skewed router does skew the routing,
 every replay routes the recorded tokens, and the measured per-rank imbalance agrees with the plan's prediction and
-ranks the placements as the table in the README does."""
+ranks the placements as the table in docs/performance.md (Expert placement) does."""
 
 from __future__ import annotations
 
