@@ -19,7 +19,7 @@ version = release
 extensions = [
     "myst_parser",  # the pages are Markdown
     "sphinx.ext.autodoc",  # the Python API reference, from docstrings
-    "sphinxarg.ext",  # the CLI reference, from moeforge.cli.commands.build_parser()
+    "sphinxarg.ext",  # the CLI reference, from moeforge.cli.parser.build_parser()
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}

@@ -2,7 +2,7 @@
 
 import sys
 
-from moeforge.cli.commands import main
+from moeforge.cli import main
 
 if __name__ == "__main__":  # not when a spawned worker (compile --workers) imports the parent's main module
     sys.exit(main())

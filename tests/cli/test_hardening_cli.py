@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeforge.cli.commands import build_parser, main
+from moeforge.cli import main
+from moeforge.cli.parser import build_parser
 from moeforge.compile import onnx_export
 from moeforge.core.errors import TokenizerError
 from moeforge.model.chat_template import CHAT_TEMPLATE_MAX_CHARS, CHAT_TEMPLATE_TIME_LIMIT_S

@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeforge.cli.commands import build_parser, main
+from moeforge.cli import main
 from moeforge.cli.json_output import to_json
+from moeforge.cli.parser import build_parser
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import MAX_SIZE, parse_size
 from moeforge.serve.listener import bind_listeners

@@ -14,8 +14,9 @@ import torch
 import transformers
 from onnx import numpy_helper
 
-from moeforge.cli.commands import build_parser, main
+from moeforge.cli import main
 from moeforge.cli.inspect import op_counts
+from moeforge.cli.parser import build_parser
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.core.artifact import load_artifact
 from moeforge.core.errors import MoeforgeError

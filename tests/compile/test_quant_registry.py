@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moeforge.cli.commands import build_parser
+from moeforge.cli.parser import build_parser
 from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.compile.targets import TARGETS
 from moeforge.core.artifact import load_artifact

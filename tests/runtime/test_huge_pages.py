@@ -135,7 +135,8 @@ def test_engine_config_checks_huge_pages():
 
 
 def test_run_and_serve_pass_no_huge_pages_to_the_engine():
-    from moeforge.cli.commands import _serve_options, build_parser
+    from moeforge.cli.commands import _serve_options
+    from moeforge.cli.parser import build_parser
     from moeforge.serve.runner import engine_config
 
     parser = build_parser()
