@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from session_options import decode_rate
+from decode_rate import decode_rate
 from timer import Rounds
 
 from moeforge.cli.bench import write_result

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # timer and session_options, beside this script (-P child)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # timer and decode_rate, beside this script (-P child)
 
 from timer import Rounds, Stopwatch
 
@@ -30,7 +30,7 @@ VARIANTS = {"on": True, "off": False}
 
 def run_once(artifact: str, batch: int, new_tokens: int, huge_pages: bool) -> dict[str, float]:
     """One fresh process: load the engine, warm up, decode; its load seconds, tokens/s and huge-page bytes."""
-    from session_options import decode_rate
+    from decode_rate import decode_rate
 
     from moeforge.core.huge_pages import huge_bytes
     from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions

@@ -14,6 +14,7 @@ one CPU host two ranks share its cores and every collective is a Python call: th
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -114,6 +115,9 @@ def step_times() -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="results JSON (default: %(default)s)")
+    args = parser.parse_args()
     rows = []
     for name, tp, ep in SPLITS:
         plan = plan_sharding(load_config(name), tp, ep)
@@ -133,7 +137,7 @@ def main() -> None:
     for r in steps:
         print(f"| {r['model']} | {r['tp']} | {r['ep']} | {r['batch']} | {r['decode_step_ms_tp1']} | "
               f"{r['decode_step_ms_tp2']} |")
-    write_result(RESULTS, "sharded", {
+    write_result(args.results, "sharded", {
         "plans": rows,
         "step_time_tp1_vs_tp2": steps,
         "step_time_note": "CPU, gloo, ranks as processes on one host with 1 intra-op thread each; every collective "

@@ -26,7 +26,7 @@ PrepareSession = Callable[[str | Path, onnx.ModelProto | None, ort.SessionOption
 
 
 # ``session_config`` keys "options.<name>" set a SessionOptions attribute instead of a config entry: settings a
-# service tunes that ONNX Runtime exposes only as attributes (benchmarks/session_options.py measures them).
+# service tunes that ONNX Runtime exposes only as attributes (measured in docs/performance.md, "The decode step").
 OPTION_PREFIX = "options."
 # One-shot sessions over weights larger than memory (a streamed compile's golden run and --check, parity --stream):
 # prepacking copies every matrix into anonymous memory; unpacked, the weights stay in the mapped external-data file.

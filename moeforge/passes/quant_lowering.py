@@ -288,7 +288,8 @@ def _block_sums(graph: ir.Graph, x: ir.Value | None, k: int, block: int, stem: s
 
     With x's rank known: ReduceSum(Reshape(x, [0, .., K/bs, bs]), -1), a free view plus ~1 us (SmolLM2, 2 cores);
     a MatMul against the [K, K/bs] block indicator costs ~5 us per projection in ORT 1.32 whatever its size, and a
-    120-projection model pays that every decode step (benchmarks/asym_offsets.py). Unknown rank: the indicator."""
+    120-projection model pays that every decode step (docs/performance.md, "Where int4 stands"). Unknown rank: the
+    indicator."""
     rank = _rank(x)
     if rank >= 2:
         view = ir.node("Reshape", [x, add_initializer(graph, f"{stem}.block_view",

@@ -102,7 +102,7 @@ ACCURACY_LEVELS: dict[int, str] = {
 DEFAULT_ACCURACY_LEVEL = 4  # int8 activations inside the kernel: the fast path
 
 # How the lowering runs the asymmetric schemes' float block offsets on ONNX Runtime (--asym-offsets;
-# moeforge/passes/quant_lowering.py, measured in benchmarks/asym_offsets.py).
+# moeforge/passes/quant_lowering.py, measured in docs/performance.md, "Where int4 stands").
 ASYM_OFFSETS: dict[str, str] = {
     "exact": "the weights exactly: MatMulNBits + the block sums' MatMul with the offsets + Add",
     "digit": "integer zero points in the MatMulNBits, the residual offsets (< half a step) as one more code per "

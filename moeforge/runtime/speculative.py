@@ -8,7 +8,7 @@ model picks after draft i - 1, and the run yields the accepted drafts plus one m
 what plain decoding gives; a run whose drafts are all rejected still yields its one token. It pays where text
 repeats itself (code, quoting the prompt, lists, the loops small models fall into) because a run over k + 1 tokens
 costs much less than k + 1 one-token steps when decoding is bound by streaming the weights
-(benchmarks/speculative_potential.py measures both halves).
+(docs/performance.md measures both halves).
 
 ``NgramIndex`` keeps the latest end of every n-gram of one sequence, updated as tokens arrive, so proposing costs
 O(max_ngram) dictionary lookups per step, not a scan of the sequence.
