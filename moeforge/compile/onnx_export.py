@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from onnxscript import rewriter
 from torch import nn
 
+from moeforge.core.config import V4_FAMILIES
 from moeforge.core.errors import MoeforgeError
 from moeforge.model import moe_op
 from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.mla import MLAttention
-from moeforge.model.model import CausalLM, ModelOutput
+from moeforge.model.model import V4_COMPILE_REFUSAL, CausalLM, ModelOutput
 from moeforge.model.moe import MoEBlock
 from moeforge.model.pipeline_stages import HIDDEN_INPUT, HIDDEN_OUTPUT, StageLM
 from moeforge.model.routing import router_attributes
@@ -169,6 +170,8 @@ def export_stateless(model: CausalLM, mark_layers: bool = False, weights: LazyWe
     ``weights``: ``model`` is on the meta device and these are its tensors; each initializer becomes a lazy
     tensor that reads its source when the artifact is written (the streamed compile: ``lazy_weights.py``).
     """
+    if model.config.model_type in V4_FAMILIES:  # before torch.export, which would wrap the model's own refusal
+        raise MoeforgeError(V4_COMPILE_REFUSAL)
     if model.config.mla is not None and model.mla_impl != "absorb":
         raise ValueError("export MLA in its absorbed form (CausalLM(config, 'absorb')) so the cache holds the latent")
     model = model.eval()

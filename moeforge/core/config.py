@@ -1,5 +1,5 @@
-"""One typed model configuration for DeepSeek-V2/V3/V3.2 and Kimi-K2 (MLA + MoE), Qwen3-MoE, GLM-4.5 MoE, Mixtral and
-OLMoE (GQA + MoE), and Llama/Qwen2/Mistral (GQA).
+"""One typed model configuration for DeepSeek-V2/V3/V3.2 and Kimi-K2 (MLA + MoE), DeepSeek-V4 (compressed attention,
+hyper-connections, MoE), Qwen3-MoE, GLM-4.5 MoE, Mixtral and OLMoE (GQA + MoE), and Llama/Qwen2/Mistral (GQA).
 
 Built from a Hugging Face ``config.json`` (``ModelConfig.from_hf_dict``), from GGUF metadata
 (``moeforge.model.gguf_loader``) or from a named preset (``moeforge.model.presets``). Every
@@ -32,8 +32,11 @@ from moeforge.core.config_types import (
     MODEL_TYPE_ALIASES,
     MOE_GQA_FAMILIES,
     SUPPORTED_MODEL_TYPES,
+    V4_FAMILIES,
+    CompressedAttentionConfig,
     DSAConfig,
     Family,
+    HyperConnectionConfig,
     MLAConfig,
     MoEConfig,
     QKNorm,
@@ -42,6 +45,13 @@ from moeforge.core.config_types import (
     ScoringFunc,
     TopkMethod,
     yarn_mscale,
+)
+from moeforge.core.config_v4 import (
+    v4_fields_from_hf,
+    v4_head_parameters,
+    v4_kv_values_per_token,
+    v4_layer_parameters,
+    validate_v4,
 )
 from moeforge.core.errors import ConfigError
 from moeforge.core.hf_config import (
@@ -63,8 +73,11 @@ __all__ = [
     "MOE_GQA_FAMILIES",
     "SIZE_LIMITS",
     "SUPPORTED_MODEL_TYPES",
+    "V4_FAMILIES",
+    "CompressedAttentionConfig",
     "DSAConfig",
     "Family",
+    "HyperConnectionConfig",
     "MLAConfig",
     "MoEConfig",
     "ModelConfig",
@@ -117,6 +130,11 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # DeepSeek-V3.2 only: the indexer of DeepSeek Sparse Attention.
     dsa: DSAConfig | None = None
+    # DeepSeek-V4 only: sliding-window / compressed attention per layer, and the hyper-connected residual streams.
+    compressed_attention: CompressedAttentionConfig | None = None
+    hyper_connections: HyperConnectionConfig | None = None
+    # Multi-token-prediction modules the checkpoint ships (DeepSeek-V4 loads and keeps them; none runs them yet).
+    num_nextn_predict_layers: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -134,6 +152,8 @@ class ModelConfig:
         """Number of dimensions each rotary embedding rotates."""
         if self.mla is not None:
             return self.mla.qk_rope_head_dim
+        if self.compressed_attention is not None:
+            return self.compressed_attention.qk_rope_head_dim  # the trailing dims of each head
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -154,7 +174,10 @@ class ModelConfig:
         return scale
 
     def kv_cache_values_per_token(self, mla_impl: Literal["absorb", "naive"] = "absorb") -> int:
-        """Cached scalars per token per layer (keys + values, or the MLA latent)."""
+        """Cached scalars per token per layer (keys + values, or the MLA latent; DeepSeek-V4: the average over its
+        layers of what a token adds, ``v4_kv_values_per_token``)."""
+        if self.compressed_attention is not None:
+            return v4_kv_values_per_token(self)
         if self.mla is not None:
             indexer = self.dsa.index_head_dim if self.dsa is not None else 0  # the indexer's key cache
             if mla_impl == "absorb":
@@ -164,7 +187,8 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count computed from shapes alone (for planning memory without weights)."""
-        return (self.embedding_parameters() * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        head = v4_head_parameters(self) if self.hyper_connections is not None else 0  # V4's HyperHead
+        return (self.embedding_parameters() * (1 if self.tie_word_embeddings else 2) + self.hidden_size + head
                 + sum(self.layer_parameters(i) for i in range(self.num_hidden_layers)))
 
     def embedding_parameters(self) -> int:
@@ -173,6 +197,8 @@ class ModelConfig:
 
     def layer_parameters(self, i: int) -> int:
         """Parameters of decoder layer ``i`` (its norms, attention and MLP or MoE), from shapes alone."""
+        if self.compressed_attention is not None:
+            return v4_layer_parameters(self, i)
         h = self.hidden_size
         total = 2 * h  # the two norms
         if self.mla is not None:
@@ -246,6 +272,8 @@ class ModelConfig:
         if self.model_type in MLA_FAMILIES:
             if self.mla is None:
                 raise ConfigError(f"{self.model_type} needs MLA dimensions (kv_lora_rank, ...)", field="kv_lora_rank")
+        elif self.model_type in V4_FAMILIES:
+            pass  # validate_v4 below
         elif self.model_type in MOE_GQA_FAMILIES:
             if self.mla is not None:
                 raise ConfigError(f"{self.model_type} is a GQA MoE model; it takes no MLA fields", field="model_type")
@@ -256,6 +284,9 @@ class ModelConfig:
             raise ConfigError(f"{self.model_type} is a dense GQA model; it takes no MLA/MoE fields", field="model_type")
         self._validate_gqa_options()
         self._validate_dsa()
+        validate_v4(self)
+        if self.compressed_attention is not None:
+            self._validate_rope(self.compressed_attention.compress_rope)  # DeepSeek-V4's second RoPE setting
         if self.mla is not None:
             if not isinstance(self.mla, MLAConfig):
                 raise ConfigError(f"mla must be an MLAConfig, got {show(self.mla)}", field="mla")
@@ -379,8 +410,9 @@ class ModelConfig:
                 f"({moe.n_routed_experts})",
                 field="num_experts_per_tok",
             )
-        if not isinstance(moe.scoring_func, str) or moe.scoring_func not in ("softmax", "sigmoid"):
-            raise ConfigError(f"scoring_func {show(moe.scoring_func)} is not softmax or sigmoid",
+        scorings = ("softmax", "sigmoid", "sqrtsoftplus") if self.model_type in V4_FAMILIES else ("softmax", "sigmoid")
+        if not isinstance(moe.scoring_func, str) or moe.scoring_func not in scorings:
+            raise ConfigError(f"scoring_func {show(moe.scoring_func)} is not {' or '.join(scorings)}",
                               field="scoring_func")
         if not isinstance(moe.topk_method, str) or moe.topk_method not in (
             "greedy", "group_limited_greedy", "noaux_tc"
@@ -438,10 +470,19 @@ class ModelConfig:
             data["rope"] = RopeConfig(**rope)
             data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
             moe = dict(data["moe"]) if data.get("moe") else None
-            if moe is not None and "dense_layers" in moe:
-                moe["dense_layers"] = tuple(moe["dense_layers"])  # JSON gives a list
+            for key in ("dense_layers", "hash_layers"):
+                if moe is not None and key in moe:
+                    moe[key] = tuple(moe[key])  # JSON gives a list
             data["moe"] = MoEConfig(**moe) if moe is not None else None
             data["dsa"] = DSAConfig(**data["dsa"]) if data.get("dsa") else None
+            attn = dict(data["compressed_attention"]) if data.get("compressed_attention") else None
+            if attn is not None:
+                attn["layer_types"] = tuple(attn["layer_types"])
+                attn["compress_rope"] = RopeConfig(**attn["compress_rope"])
+                attn["indexer"] = DSAConfig(**attn["indexer"])
+            data["compressed_attention"] = CompressedAttentionConfig(**attn) if attn is not None else None
+            data["hyper_connections"] = (HyperConnectionConfig(**data["hyper_connections"])
+                                         if data.get("hyper_connections") else None)
             data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
             return cls(**data)
         except (TypeError, ValueError, AttributeError) as exc:  # unknown or missing keys, a non-dict section
@@ -525,6 +566,10 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             name=name or (default_name if isinstance(default_name, str) else "") or declared,
         )
+        if model_type in V4_FAMILIES:  # its two RoPE settings, kv heads and sizes are its own
+            del common["num_key_value_heads"]
+            return cls(**common, **v4_fields_from_hf(hf, common["num_hidden_layers"],
+                                                      common["max_position_embeddings"]))
         deepseek = model_type in MLA_FAMILIES
         common["rope"] = rope_from_hf(hf, common["max_position_embeddings"], model_type)
         attention_bias = opt_bool(hf, "attention_bias", False)

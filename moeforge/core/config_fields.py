@@ -30,6 +30,9 @@ SIZE_LIMITS: dict[str, tuple[int, int]] = {
     "topk_group": (1, 2**14),
     # DSA (DeepSeek-V3.2)
     "index_topk": (1, 2**24), "index_head_dim": (1, 2**12), "index_n_heads": (1, 2**12),
+    # DeepSeek-V4
+    "o_groups": (1, 2**12), "o_lora_rank": (1, 2**16), "compress_rate": (1, 2**16), "hc_mult": (1, 64),
+    "hc_sinkhorn_iters": (1, 1000), "num_nextn_predict_layers": (0, 64),
     "token_id": (0, 2**31 - 1),
 }
 

@@ -33,7 +33,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "rope_theta": {"*": 10000.0, "mixtral": 1e6},
     "max_position_embeddings": {"*": 4096, "llama": 2048, "deepseek_v2": 2048, "qwen2": 32768, "qwen3": 32768,
                                 "qwen3_moe": 32768, "mistral": 131072, "mixtral": 131072, "glm4_moe": 131072,
-                                "deepseek_v32": 163840},
+                                "deepseek_v32": 163840, "deepseek_v4": 1048576},
     # None: num_attention_heads
     "num_key_value_heads": {"*": None, "qwen2": 32, "qwen3": 32, "mistral": 8, "mixtral": 8, "qwen3_moe": 4,
                             "glm4_moe": 8},

@@ -17,8 +17,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from moeforge.core.config import ModelConfig
+from moeforge.core.config import V4_FAMILIES, ModelConfig
 from moeforge.core.errors import CheckpointError, MoeforgeError, TokenizerError
+from moeforge.model.deepseek_v4 import DeepseekV4ForCausalLM
+from moeforge.model.deepseek_v4_names import INTEGER_SUFFIX, MTP_PREFIX
 from moeforge.model.gguf_loader import find_smollm2_gguf, read_gguf
 from moeforge.model.mla import MLAImpl
 from moeforge.model.model import CausalLM, init_random_weights
@@ -63,8 +65,10 @@ def source_argument(spec: str, source: ModelSource) -> str:
     return str(Path(source.location).resolve())
 
 
-def resolve_source(spec: str) -> ModelSource:
-    """Classify MODEL: a preset name, a built-in model name, a ``.gguf`` file or an HF folder."""
+def resolve_source(spec: str, *, artifacts: bool = False) -> ModelSource:
+    """Classify MODEL: a preset name, a built-in model name, a ``.gguf`` file or an HF folder. ``artifacts``: the
+    command also takes a compiled artifact directory (``moeforge run``), so a MODEL that names nothing is told that
+    first."""
     if spec in PRESETS:
         return ModelSource("preset", spec)
     if spec in BUILTIN_GGUF_MODELS:
@@ -77,8 +81,9 @@ def resolve_source(spec: str) -> ModelSource:
         return ModelSource("gguf", str(path))
     path = Path(spec)
     if not path.exists():
+        artifact = "an artifact directory (moeforge compile MODEL -o DIR writes one), " if artifacts else ""
         raise MoeforgeError(
-            f"model {spec!r} not found: give an HF folder (config.json + *.safetensors), a .gguf file, "
+            f"model {spec!r} not found: give {artifact}an HF folder (config.json + *.safetensors), a .gguf file, "
             f"or a preset ({', '.join([*PRESETS, *BUILTIN_GGUF_MODELS])})"
         )
     if path.is_file():
@@ -115,7 +120,7 @@ def load_model(
                 f"preset {source.location!r} describes shapes only (no weights); use it for planning "
                 "(moeforge config), or pass a checkpoint folder / .gguf file"
             )
-        model = CausalLM(preset.config, mla_impl)
+        model = new_model(preset.config, mla_impl)
         init_random_weights(model, preset.seed)
         return LoadedModel(model.to(dtype).eval(), preset.config,
                            Tokenizer.byte_level(preset.config.vocab_size, TINY_BOS, TINY_EOS), source)
@@ -148,6 +153,13 @@ def load_model(
 _KEEP_FP32_SUFFIXES = ("mlp.gate.weight", "e_score_correction_bias")
 
 
+def new_model(config: ModelConfig, mla_impl: MLAImpl = "absorb") -> CausalLM:
+    """The torch model of ``config``'s family, weights uninitialised: ``CausalLM``, or DeepSeek-V4's subclass."""
+    if config.model_type in V4_FAMILIES:
+        return DeepseekV4ForCausalLM(config)
+    return CausalLM(config, mla_impl)
+
+
 def build_from_tensors(
     config: ModelConfig,
     tensors: Iterable[tuple[str, torch.Tensor]],
@@ -161,11 +173,15 @@ def build_from_tensors(
     while it is in memory anyway, far cheaper than a model that silently produces NaN logits.
     """
     with torch.device("meta"):
-        model = CausalLM(config, mla_impl)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        model = new_model(config, mla_impl)
+    meta = model.state_dict()
+    expected = {name: tuple(t.shape) for name, t in meta.items()}
     seen: set[str] = set()
     # disable=None: the bar shows on a terminal only, never in logs or captured output.
     for name, tensor in tqdm(tensors, total=len(expected), desc="loading weights", unit="tensor", disable=None):
+        if name.startswith(MTP_PREFIX) and isinstance(model, DeepseekV4ForCausalLM):
+            model.mtp.keep(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)  # kept, not run
+            continue
         if name not in expected:
             raise CheckpointError(f"checkpoint tensor {name!r} has no place in a {config.model_type} model")
         if tuple(tensor.shape) != expected[name]:
@@ -173,15 +189,19 @@ def build_from_tensors(
                 f"tensor {name!r} has shape {tuple(tensor.shape)} but the config implies {expected[name]}: "
                 "the config and the weights disagree (wrong config.json, or a corrupted checkpoint)"
             )
-        if not tensor.is_floating_point():
+        if tensor.is_floating_point() != meta[name].is_floating_point():
+            kind = "floating point" if meta[name].is_floating_point() else "integers"
             raise CheckpointError(
-                f"tensor {name!r} has dtype {tensor.dtype}, but weights must be floating point: the checkpoint is "
+                f"tensor {name!r} has dtype {tensor.dtype}, but it must hold {kind}: the checkpoint is "
                 "corrupt or not this model's"
             )
-        target = torch.float32 if name.endswith(_KEEP_FP32_SUFFIXES) else dtype
-        value = tensor.to(target)
-        if check_finite:
-            _check_finite(name, tensor, value)
+        if not tensor.is_floating_point():  # DeepSeek-V4's tid2eid: the experts of each token id
+            value = tensor.to(meta[name].dtype)
+            _check_index_table(name, value, config)
+        else:
+            value = tensor.to(torch.float32 if name.endswith(_KEEP_FP32_SUFFIXES) else dtype)
+            if check_finite:
+                _check_finite(name, tensor, value)
         _assign(model, name, value)
         seen.add(name)
     missing = sorted(set(expected) - seen)
@@ -190,6 +210,15 @@ def build_from_tensors(
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
     model.reset_buffers()
     return model.eval()
+
+
+def _check_index_table(name: str, table: torch.Tensor, config: ModelConfig) -> None:
+    """A hash layer's tid2eid [V, K] must name experts that exist (an index out of range would fail mid-run)."""
+    experts = config.moe.n_routed_experts if config.moe is not None else 0
+    if name.endswith(INTEGER_SUFFIX) and table.numel() and not (0 <= int(table.min()) and int(table.max()) < experts):
+        raise CheckpointError(f"tensor {name!r} names experts {int(table.min())}..{int(table.max())}, but the model "
+                              f"has {experts} (0..{experts - 1}): the checkpoint is corrupt or n_routed_experts is "
+                              "wrong")
 
 
 def _check_finite(name: str, stored: torch.Tensor, value: torch.Tensor) -> None:

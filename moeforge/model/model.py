@@ -1,5 +1,6 @@
 """The decoder-only model, one definition: DeepSeek-V2/V3/V3.2 and Kimi-K2 (MLA + MoE), Qwen3-MoE, GLM-4.5 MoE,
-Mixtral and OLMoE (GQA + MoE), Llama/Qwen2/Mistral (GQA).
+Mixtral and OLMoE (GQA + MoE), Llama/Qwen2/Mistral (GQA). DeepSeek-V4 is its subclass ``DeepseekV4ForCausalLM``
+(``moeforge/model/deepseek_v4.py``): other layers, the same interface.
 
 forward(input_ids [B, S], position_ids [B, S], past_key_values) -> (logits [B, S, V], present).
 Positions and the cache are explicit inputs; nothing is read from globals; the only Python loops
@@ -9,13 +10,15 @@ with routed experts stacked (mlp.experts.gate_proj [E, I, H]).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeforge.core.config import ModelConfig
+from moeforge.core.config import V4_FAMILIES, ModelConfig
+from moeforge.core.errors import MoeforgeError
 from moeforge.model.attention import GQAAttention, LayerCache, causal_mask
 from moeforge.model.mla import MLAImpl, MLAttention
 from moeforge.model.mlp import SwiGLU
@@ -24,6 +27,10 @@ from moeforge.model.norm import RMSNorm
 from moeforge.model.rope import RotaryEmbedding
 
 KVCache = tuple[LayerCache, ...]
+
+# What a compile of DeepSeek-V4 says: every compile stage (export, sharding, pipeline stages, streamed weights) builds
+# a ``CausalLM``, and DeepSeek-V4 runs in PyTorch only for now (``DeepseekV4ForCausalLM``).
+V4_COMPILE_REFUSAL = "DeepSeek-V4 compiles are not supported yet: run it with --backend torch"
 
 
 class ModelOutput(NamedTuple):
@@ -60,10 +67,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers, final norm (HF's ``model.*``)."""
 
-    def __init__(self, config: ModelConfig, mla_impl: MLAImpl) -> None:
+    def __init__(self, config: ModelConfig, layers: Iterable[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, mla_impl) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
 
@@ -75,11 +82,18 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.mla_impl = mla_impl
-        self.model = DecoderModel(config, mla_impl)
+        self.model = self.build_decoder()
         # Tied embeddings: no lm_head parameter at all, so a state dict never holds the table twice.
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+
+    def build_decoder(self) -> DecoderModel:
+        """The decoder of ``self.config`` (a subclass builds its own family's)."""
+        if self.config.model_type in V4_FAMILIES:
+            raise MoeforgeError(V4_COMPILE_REFUSAL)
+        layers = (DecoderLayer(self.config, i, self.mla_impl) for i in range(self.config.num_hidden_layers))
+        return DecoderModel(self.config, layers)
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -135,15 +149,19 @@ def init_random_weights(model: CausalLM, seed: int) -> None:
     """Seeded random weights with a healthy spread (tiny presets and tests).
 
     Linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms ~ 1 + N(0, 0.1), biases ~ N(0, 0.05),
-    correction bias ~ U(0, 0.1) (positive: see routing's note on masks). Parameters are visited in
-    name order, so the same seed gives the same model whatever the construction order.
+    correction bias ~ U(0, 0.1) (positive: see routing's note on masks), a hash layer's tid2eid K distinct random
+    experts per token id (DeepSeek-V4). Parameters are visited in name order, so the same seed gives the same model
+    whatever the construction order.
     """
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
-    tensors.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    tensors.update((n, b) for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "tid2eid")))
     for name in sorted(tensors):
         t = tensors[name]
-        if name.endswith("e_score_correction_bias"):
+        if name.endswith("tid2eid"):  # DeepSeek-V4 hash routing: K distinct experts per token id
+            experts = model.config.moe.n_routed_experts if model.config.moe is not None else 1
+            t.copy_(torch.rand(t.shape[0], experts, generator=gen).argsort(dim=-1)[:, : t.shape[1]])
+        elif name.endswith("e_score_correction_bias"):
             t.copy_(torch.rand(t.shape, generator=gen) * 0.1)
         elif "norm" in name:
             t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=gen))

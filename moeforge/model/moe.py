@@ -11,20 +11,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeforge.core.config import ModelConfig
-from moeforge.model.mlp import SwiGLU
+from moeforge.model.mlp import SwiGLU, swiglu
 from moeforge.model.routing import route_tokens
 
 
 def apply_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, gate_proj: torch.Tensor,
-                  up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-    """x [T, H], ids/weights [T, K], stacked SwiGLU weights -> [T, H] (only the chosen experts run)."""
+                  up_proj: torch.Tensor, down_proj: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """x [T, H], ids/weights [T, K], stacked SwiGLU weights -> [T, H] (only the chosen experts run; ``swiglu_limit``:
+    DeepSeek-V4's clamped SwiGLU)."""
     out = torch.zeros_like(x)
     # The loop is over a static expert count; which tokens an expert gets is a tensor op
     # (exports to NonZero/Gather/ScatterND), so there is no data-dependent Python control flow.
     for e in range(gate_proj.shape[0]):
         token_idx, slot = torch.where(expert_ids == e)  # [n_e], [n_e]
         xs = x[token_idx]
-        h = F.silu(F.linear(xs, gate_proj[e])) * F.linear(xs, up_proj[e])
+        h = swiglu(F.linear(xs, gate_proj[e]), F.linear(xs, up_proj[e]), swiglu_limit)
         y = F.linear(h, down_proj[e]) * expert_weights[token_idx, slot, None].to(x.dtype)
         out = out.index_add(0, token_idx, y)
     return out
@@ -52,16 +53,18 @@ class MoERouter(nn.Module):
 class RoutedExperts(nn.Module):
     """E SwiGLU experts held as stacked tensors: gate/up [E, I, H], down [E, H, I]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 swiglu_limit: float | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.swiglu_limit = swiglu_limit
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; expert_ids, weights: [T, K] -> [T, H]
-        return apply_experts(x, expert_ids, weights, self.gate_proj, self.up_proj, self.down_proj)
+        return apply_experts(x, expert_ids, weights, self.gate_proj, self.up_proj, self.down_proj, self.swiglu_limit)
 
 
 def hold_local_experts(expert_ids: torch.Tensor, weights: torch.Tensor, first: int,

@@ -1,4 +1,4 @@
-"""RMSNorm computed in fp32 whatever the model dtype (fp16 overflows in the mean of squares)."""
+"""RMSNorm computed in fp32 whatever the model dtype (fp16 overflows in the mean of squares), with or without weight."""
 
 from __future__ import annotations
 
@@ -19,3 +19,8 @@ class RMSNorm(nn.Module):
         # F.rms_norm exports to ONNX RMSNormalization at opset >= 23.
         normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, computed in float32, no weight (DeepSeek-V4's q norm, mHC)."""
+    return F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)

@@ -11,7 +11,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from moeforge.core.config import DSAConfig, Family, MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from moeforge.core.config import (
+    CompressedAttentionConfig,
+    DSAConfig,
+    Family,
+    HyperConnectionConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeConfig,
+)
 from moeforge.core.errors import ConfigError
 
 # Byte-level tokenizer of the tiny presets: bytes are ids 0..255, then the special tokens.
@@ -56,6 +65,27 @@ def _tiny_deepseek_v32() -> ModelConfig:
     16 heads: a token whose ReLU scores are all 0 (an exact tie that top-k may break either way) is 2^-16 rare."""
     return _tiny_deepseek_v3().replace(model_type="deepseek_v32", name="tiny-deepseek-v3.2",
                                        dsa=DSAConfig(index_topk=16, index_head_dim=16, index_n_heads=16))
+
+
+def _tiny_deepseek_v4() -> ModelConfig:
+    """Every DeepSeek-V4 part at tiny sizes: sliding, CSA (entries of 4 tokens, the indexer's top 4) and HCA (entries of
+    16) layers over an 8-token window, a hash-routed layer then routed ones, 4 hyper-connection streams."""
+    return _tiny(
+        "deepseek_v4", "tiny-deepseek-v4", intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, sliding_window=8, rope=RopeConfig(theta=10000.0, interleaved=True),
+        compressed_attention=CompressedAttentionConfig(
+            q_lora_rank=32, qk_rope_head_dim=8, o_groups=2, o_lora_rank=16,
+            layer_types=("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                         "compressed_sparse_attention"),
+            csa_rate=4, hca_rate=16,
+            compress_rope=RopeConfig(theta=160000.0, scaling="yarn", factor=4.0, original_max_position_embeddings=256,
+                                     attention_factor=1.0, interleaved=True),
+            indexer=DSAConfig(index_topk=4, index_head_dim=16, index_n_heads=16)),
+        hyper_connections=HyperConnectionConfig(hc_mult=4, sinkhorn_iters=20, eps=1e-6),
+        moe=MoEConfig(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                      scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
+                      routed_scaling_factor=1.5, hash_layers=(0,), swiglu_limit=10.0),
+    )
 
 
 def _tiny_deepseek_v2() -> ModelConfig:
@@ -221,6 +251,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-deepseek-v3": Preset(_tiny_deepseek_v3(), 3, "3 layers, MLA with q_lora, sigmoid noaux_tc routing"),
     "tiny-deepseek-v3.2": Preset(_tiny_deepseek_v32(), 9, "tiny-deepseek-v3 + DSA indexer (16 heads x 16, top-16)"),
     "tiny-deepseek-v2": Preset(_tiny_deepseek_v2(), 2, "3 layers, MLA without q_lora, softmax group-limited"),
+    "tiny-deepseek-v4": Preset(_tiny_deepseek_v4(), 10, "4 layers: sliding, CSA, HCA, CSA; hash then routed MoE; mHC"),
     "tiny-llama": Preset(_tiny_llama(), 1, "2 layers, GQA 4/2 heads"),
     "tiny-kimi-k2": Preset(_tiny_kimi_k2(), 4, "2 layers, Kimi-K2 routing: MLA, sigmoid noaux_tc in one group"),
     "tiny-qwen3-moe": Preset(_tiny_qwen3_moe(), 5, "2 layers (layer 0 dense), per-head q/k norm, softmax top-2"),

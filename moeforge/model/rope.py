@@ -76,9 +76,10 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor  # a buffer
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rope: RopeConfig | None = None) -> None:
+        # rope: a second RoPE setting of the same model (DeepSeek-V4's compressed layers); default config.rope.
         super().__init__()
-        self.rope = config.rope
+        self.rope = config.rope if rope is None else rope
         self.dim = config.rope_dim
         self.max_position_embeddings = config.max_position_embeddings
         inv_freq, self.amplitude = rope_inverse_frequencies(self.rope, self.dim, self.max_position_embeddings)
@@ -111,3 +112,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing D dims of x [B, S, H, Dx] by cos/sin [B, S, D/2] (interleaved pairs), the leading Dx - D
+    pass through: DeepSeek-V4's head layout [nope | rope]. With -sin it undoes the rotation (the conjugate)."""
+    rope_dim = 2 * cos.shape[-1]
+    turned = apply_rotary(x[..., x.shape[-1] - rope_dim:], cos, sin, interleaved=True)
+    return torch.cat((x[..., : x.shape[-1] - rope_dim], turned), dim=-1)

@@ -10,14 +10,17 @@ import torch
 
 from moeforge.core.config import MoEConfig
 from moeforge.ops.moe_router.reference import route
-from moeforge.ops.moe_router.schema import RouterAttributes
+from moeforge.ops.moe_router.schema import RouterAttributes, RouterOpError
 
 
 def router_attributes(moe: MoEConfig) -> RouterAttributes:
     """The MoERouter attributes of a model's MoE config (greedy routing is one group)."""
     grouped = moe.topk_method != "greedy"
+    scoring = moe.scoring_func
+    if scoring == "sqrtsoftplus":  # DeepSeek-V4 routes in moeforge/model/deepseek_v4_moe.py, not through the op yet
+        raise RouterOpError("MoERouter: scoring 'sqrtsoftplus' (DeepSeek-V4) is not an attribute of the op yet")
     return RouterAttributes(
-        scoring=moe.scoring_func, top_k=moe.num_experts_per_tok,
+        scoring=scoring, top_k=moe.num_experts_per_tok,
         n_group=moe.n_group if grouped else 1, topk_group=moe.topk_group if grouped else 1,
         group_scoring=moe.group_scoring, norm_topk_prob=moe.norm_topk_prob,
         routed_scaling_factor=float(moe.routed_scaling_factor),

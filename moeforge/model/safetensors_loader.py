@@ -24,7 +24,12 @@ DeepSeek-V3.2's indexer: ``self_attn.indexer.{wq_b,wk,weights_proj}.weight``, ``
 bias}``.
 
 FP8 (DeepSeek-V3): a float8_e4m3fn tensor ``X`` with a float32 sibling ``X_scale_inv`` is dequantised
-block-wise (``moeforge.model.fp8``); ``_scale_inv`` tensors never appear in our naming.
+block-wise (``moeforge.model.fp8``); ``_scale_inv`` tensors never appear in our naming. DeepSeek-V4's ue8m0 scales
+(float8_e8m0fnu, powers of two) are read as float32.
+
+DeepSeek-V4 (``moeforge.model.deepseek_v4_names``): transformers' names, or the published checkpoint's (``layers.N.attn.
+wq_a.weight`` + ``.scale``), read as ours; a hash layer's ``mlp.gate.tid2eid`` is an integer table; the MTP module's
+``mtp.*`` tensors are read under their own names and kept; FP4 experts (``expert_dtype`` fp4) are refused for now.
 
 Ignored on purpose: the DeepSeek-V3 multi-token-prediction layer(s) ``model.layers.{k}.*`` with
 k >= num_hidden_layers, rotary ``inv_freq`` buffers, and ``lm_head.weight`` when embeddings are tied.
@@ -47,6 +52,7 @@ from safetensors import SafetensorError, safe_open
 
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import CheckpointError
+from moeforge.model.deepseek_v4_names import INTEGER_SUFFIX, MTP_PREFIX, v4_expected_keys, v4_name
 from moeforge.model.fp8 import dequantize_fp8_blockwise, fp8_scale_shape
 
 log = logging.getLogger(__name__)
@@ -58,6 +64,8 @@ EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 _FP8_DTYPES = ("F8_E4M3",)  # safetensors' dtype string for torch.float8_e4m3fn
 # Weights and FP8 scales are floating point; an integer header dtype (I32 over F32 bytes) is a corrupt file.
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+_SCALE_DTYPES = (*_FLOAT_DTYPES, "F8_E8M0")  # F8_E8M0: DeepSeek-V4's ue8m0 block scales
+_INT_DTYPES = ("I64", "I32")  # DeepSeek-V4's tid2eid tables only
 # At most 9 digits: int() of a crafted 5000-digit layer index would raise; such a name is just unexpected.
 _LAYER_RE = re.compile(r"^model\.layers\.(\d{1,9})\.")
 _EXPERT_RE = re.compile(r"^model\.layers\.\d{1,9}\.mlp\.experts\.(\d{1,9})\.")
@@ -75,6 +83,8 @@ _MAX_LISTED = 8  # names listed in one error message
 # ---------------------------------------------------------------------------------------- naming
 def expected_keys(config: ModelConfig) -> list[str]:
     """Every tensor name the model for ``config`` needs, in the order ``read_hf_checkpoint`` yields."""
+    if config.compressed_attention is not None:
+        return v4_expected_keys(config)
     keys = ["model.embed_tokens.weight"]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -184,6 +194,8 @@ class HFCheckpoint:
         self.config = config
         self.dtype = dtype
         self.fp8_block = _fp8_block_size(self.folder)
+        if config.compressed_attention is not None:
+            _refuse_fp4_experts(self.folder)
         infos = _canonical_names(_scan(self.folder), config)
         self.files: tuple[Path, ...] = tuple(sorted({i.file for i in infos.values()}))
         _check_counts_present(self.folder, infos, config)
@@ -329,19 +341,38 @@ def _scan(folder: Path) -> dict[str, _Info]:
     return infos
 
 
+def _refuse_fp4_experts(folder: Path) -> None:
+    """DeepSeek-V4 checkpoints whose experts are FP4 (e2m1 pairs per byte, a scale per 32 values) are not read yet."""
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return  # config problems are reported by ModelConfig.from_hf_json
+    quant = hf.get("quantization_config") if isinstance(hf, dict) else None
+    dtype = (quant.get("expert_dtype") if isinstance(quant, dict) else None) or hf.get("expert_dtype")
+    if dtype == "fp4":
+        raise CheckpointError(
+            f"{folder}: the experts are FP4 (expert_dtype fp4), which moeforge does not read yet; use a checkpoint "
+            "with FP8 or BF16 experts (dequantise it with transformers: from_pretrained(..., "
+            "quantization_config=FineGrainedFP8Config(dequantize=True)), then save_pretrained)")
+
+
 def _canonical_names(infos: dict[str, _Info], config: ModelConfig) -> dict[str, _Info]:
     """``infos`` keyed by our names (each _Info keeps the stored one); two stored names for one of ours is an error."""
-    if config.model_type != "mixtral":
+    if config.model_type not in ("mixtral", "deepseek_v4"):
         return infos
+    stored = set(infos)
     out: dict[str, _Info] = {}
     for key, info in infos.items():
         name = key
-        for pattern, replacement in _MIXTRAL_NAMES:
+        if config.model_type == "deepseek_v4":
+            name = v4_name(key, stored)
+        for pattern, replacement in _MIXTRAL_NAMES if config.model_type == "mixtral" else ():
             name = pattern.sub(replacement, name)
         if name in out:
             raise CheckpointError(
                 f"{info.file.name}: {key} and {out[name].key} are the same tensor ({name}) in two naming schemes; "
-                "a checkpoint must use one (Mixtral's block_sparse_moe.experts.E.w1/w2/w3 or mlp.experts...)"
+                "a checkpoint must use one (Mixtral's block_sparse_moe.experts.E.w1/w2/w3 or mlp.experts...; "
+                "DeepSeek-V4's published layers.N.attn... or transformers' model.layers.N.self_attn...)"
             )
         out[name] = info
     return out
@@ -406,16 +437,24 @@ def _make_plan(infos: dict[str, _Info], config: ModelConfig, block: tuple[int, i
         consumed.add(key)
         scale_key = key + SCALE_SUFFIX
         scale_info = infos.get(scale_key)
+        if key.endswith(INTEGER_SUFFIX) and config.compressed_attention is not None:
+            if info.dtype not in _INT_DTYPES:
+                raise CheckpointError(f"{info.file.name}: {key} (token -> experts table) is stored as {info.dtype}, "
+                                      f"not an integer type ({', '.join(_INT_DTYPES)}): re-download or re-save it")
+            return _Source(key, info)
+        if info.dtype in ("I8", "U8") and ".experts." in key and config.compressed_attention is not None:
+            raise CheckpointError(f"{info.file.name}: {key} is stored as {info.dtype}: packed FP4 experts, which "
+                                  "moeforge does not read yet; use a checkpoint with FP8 or BF16 experts")
         if info.dtype not in (*_FLOAT_DTYPES, *_FP8_DTYPES):
             raise CheckpointError(
                 f"{info.file.name}: tensor {key} is stored as {info.dtype}, but the model needs floating-point "
                 f"weights ({', '.join(_FLOAT_DTYPES)}, or {', '.join(_FP8_DTYPES)} with a {SCALE_SUFFIX}); "
                 "the file is corrupt or not this model's checkpoint: re-download or re-save it"
             )
-        if scale_info is not None and scale_info.dtype not in _FLOAT_DTYPES:
+        if scale_info is not None and scale_info.dtype not in _SCALE_DTYPES:
             raise CheckpointError(
                 f"{scale_info.file.name}: FP8 scale {scale_key} is stored as {scale_info.dtype}, but scales must be "
-                f"{', '.join(_FLOAT_DTYPES)}; re-download the checkpoint"
+                f"{', '.join(_SCALE_DTYPES)}; re-download the checkpoint"
             )
         if info.dtype in _FP8_DTYPES:
             if scale_info is None:
@@ -453,6 +492,9 @@ def _make_plan(infos: dict[str, _Info], config: ModelConfig, block: tuple[int, i
             plan[name] = _Direct(source(name))
         else:
             missing.append(name)
+    if config.compressed_attention is not None:  # DeepSeek-V4's MTP module: read under its own names, kept
+        for key in sorted(k for k in infos if k.startswith(MTP_PREFIX) and not k.endswith(SCALE_SUFFIX)):
+            plan[key] = _Direct(source(key))
     if missing:
         layouts = (
             " (routed experts are read from fused mlp.experts.gate_up_proj + mlp.experts.down_proj or "
