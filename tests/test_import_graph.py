@@ -25,8 +25,9 @@ LAYERS = ("core", "ops", "model", "passes", "quant", "runtime", "verify", "compi
 LAZY_ALLOWED = ("tensorrt", "tensorrt_rtx", "transformers", "onnxruntime_genai", "polygraphy", "ml_dtypes",
                 "matplotlib", "hypothesis", "cuda", "jinja2", "onnxruntime_extensions", "llama_cpp", "torch")
 # moeforge modules whose import needs an optional dependency (TensorRT) or the GPU runtime, or costs seconds of
-# start-up that only some runs need (the sharded-rank collectives: torch.distributed).
-LAZY_INTERNAL = ("moeforge.runtime.backends.tensorrt", "moeforge.ops.moe_router.tensorrt",
+# start-up that only some runs need (the sharded-rank collectives: torch.distributed; the commands' whole stack,
+# which `moeforge --help` and argument errors never load).
+LAZY_INTERNAL = ("moeforge.cli.commands", "moeforge.runtime.backends.tensorrt", "moeforge.ops.moe_router.tensorrt",
                  "moeforge.ops.paged_attention.tensorrt", "moeforge.ops.collectives.ort")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import platform
 import resource
@@ -24,6 +25,7 @@ from moeforge.core.bandwidth import Bandwidth
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import available_memory, host_bytes
 from moeforge.core.manifest import tool_versions
+from moeforge.core.progress import StageLog
 from moeforge.model.loader import load_model, resolve_source
 from moeforge.model.model import CausalLM
 from moeforge.runtime.backends.base import Backend
@@ -38,6 +40,7 @@ from moeforge.runtime.engine import (
 from moeforge.runtime.expert_stats import run_record, write_expert_load
 from moeforge.runtime.roofline import decode_roofline, ranks_roofline, weight_traffic
 from moeforge.runtime.sampler import SamplingParams
+from moeforge.verify.transformers_reference import quiet_transformers
 
 
 def machine_info() -> dict[str, Any]:
@@ -231,23 +234,32 @@ def bench_torch(model: CausalLM, batch: int, prompt_len: int, new_tokens: int, v
             "decode_tokens_per_s": batch * (new_tokens - 1) / (end - first)}
 
 
-def bench_transformers(source: str, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict[str, Any] | None:
-    """transformers eager on the same weights (HF folder or GGUF), when installed."""
-    try:
-        # transformers is an optional (dev) dependency and slow to import: only this comparison needs it.
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return None
+def transformers_skipped(source: str) -> str | None:
+    """Why ``bench`` does not run transformers on ``source`` (None: it does)."""
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed"
     resolved = resolve_source(source)  # a built-in model's name -> its file
     if resolved.kind == "preset":
-        return None
+        return f"{source} is a preset: no checkpoint for transformers to load"
     path = Path(resolved.location)
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    elif (path / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    else:
+    if path.suffix != ".gguf" and not (path / "config.json").is_file():
+        return f"{path} is neither a .gguf file nor a Hugging Face folder"
+    return None
+
+
+def bench_transformers(source: str, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict[str, Any] | None:
+    """transformers eager on the same weights (HF folder or GGUF); None where ``transformers_skipped`` says why."""
+    if transformers_skipped(source) is not None:
         return None
+    # transformers is an optional (dev) dependency and slow to import: only this comparison needs it.
+    from transformers import AutoModelForCausalLM
+
+    path = Path(resolve_source(source).location)
+    with quiet_transformers():  # its bars (minutes of GGUF conversion): the bench's stage line names the wait
+        if path.suffix == ".gguf":
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
     ids = torch.tensor(_prompts(vocab, batch, prompt_len))
     mask = torch.ones_like(ids)
@@ -264,15 +276,22 @@ def bench_transformers(source: str, batch: int, prompt_len: int, new_tokens: int
             "decode_tokens_per_s": batch * (new_tokens - 1) / max(end - first - prefill, 1e-9)}
 
 
+def genai_skipped(artifact_dir: str | Path) -> str | None:
+    """Why ``bench`` does not run onnxruntime-genai on the artifact (None: it does)."""
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        return "onnxruntime-genai is not installed"
+    if not (Path(artifact_dir) / "genai_config.json").is_file():
+        return "the artifact has no genai_config.json (a cache onnxruntime-genai cannot drive: paged, int8, MLA)"
+    return None
+
+
 def bench_genai(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
                 vocab: int) -> dict[str, Any] | None:
-    """onnxruntime-genai running the same artifact from its genai_config.json, when installed."""
-    try:
-        import onnxruntime_genai as og  # optional (dev) dependency: only this comparison needs it
-    except ImportError:
+    """onnxruntime-genai running the same artifact from its genai_config.json; None where ``genai_skipped`` says
+    why."""
+    if genai_skipped(artifact_dir) is not None:
         return None
-    if not (Path(artifact_dir) / "genai_config.json").is_file():
-        return None
+    import onnxruntime_genai as og  # optional (dev) dependency: only this comparison needs it
     model = og.Model(str(artifact_dir))
     prompts = _prompts(vocab, batch, prompt_len)
 
@@ -318,27 +337,35 @@ def check_bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int,
 def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
               threads: int | None = None, compare: bool = True, speculative_tokens: int = 0,
               expert_load_out: Path | None = None, roofline: Bandwidth | None = None,
-              expert_load_force: bool = False) -> dict[str, Any]:
-    """All measurements of ``moeforge bench`` in one run, with ratios to our engine. A batch whose cache and
-    logits do not fit in the available memory is refused before anything is allocated."""
-    artifact = load_artifact(artifact_dir)
+              expert_load_force: bool = False, stages: StageLog | None = None) -> dict[str, Any]:
+    """All measurements of ``moeforge bench`` in one run, with ratios to our engine, each named on ``stages`` (stage
+    lines on stderr) as it runs. A batch whose cache and logits do not fit in the available memory is refused before
+    anything is allocated."""
+    stages = stages or StageLog(enabled=False)
+    with stages.stage(f"verifying {artifact_dir}"):  # every file's sha256
+        artifact = load_artifact(artifact_dir)
     vocab = int(artifact.manifest.model_config["vocab_size"])
     if backend_for(artifact.manifest).host_kv:  # a TensorRT engine's cache is GPU memory, sized by its profiles
         check_bench_memory(artifact.manifest.kv_cache, vocab, batch, prompt_len)
     model_name = artifact.manifest.model_config.get("name")
+    work = f"batch {batch}, prompt {prompt_len}, {new_tokens} new tokens"
+    with stages.stage(f"measuring moeforge ({work}; then a profiled run)"):
+        measured = bench_engine(artifact_dir, batch, prompt_len, new_tokens, threads, speculative_tokens,
+                                expert_load_out=expert_load_out, expert_load_force=expert_load_force,
+                                model_name=str(model_name), roofline=roofline)
     result: dict[str, Any] = {"artifact": str(artifact_dir), "model": model_name,
                               "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                              "moeforge_onnxruntime": bench_engine(artifact_dir, batch, prompt_len, new_tokens,
-                                                                   threads, speculative_tokens,
-                                                                   expert_load_out=expert_load_out,
-                                                                   expert_load_force=expert_load_force,
-                                                                   model_name=str(model_name),
-                                                                   roofline=roofline)}
+                              "moeforge_onnxruntime": measured}
     if compare:
         source = artifact.manifest.source
-        result["pytorch_eager"] = bench_torch(load_model(source).model, batch, prompt_len, new_tokens, vocab)
-        result["transformers_eager"] = bench_transformers(source, batch, prompt_len, new_tokens, vocab)
-        result["onnxruntime_genai"] = bench_genai(artifact_dir, batch, prompt_len, new_tokens, vocab)
+        with stages.stage(f"measuring PyTorch eager on {source}"):
+            result["pytorch_eager"] = bench_torch(load_model(source).model, batch, prompt_len, new_tokens, vocab)
+        with stages.stage(f"measuring transformers eager on {source}") as line:
+            result["transformers_eager"] = bench_transformers(source, batch, prompt_len, new_tokens, vocab)
+            line.outcome = f"skipped: {transformers_skipped(source)}" if result["transformers_eager"] is None else ""
+        with stages.stage("measuring onnxruntime-genai") as line:
+            result["onnxruntime_genai"] = bench_genai(artifact_dir, batch, prompt_len, new_tokens, vocab)
+            line.outcome = f"skipped: {genai_skipped(artifact_dir)}" if result["onnxruntime_genai"] is None else ""
         ours = result["moeforge_onnxruntime"]["decode_tokens_per_s"]
         result["decode_speedup_vs"] = {name: round(ours / r["decode_tokens_per_s"], 2)
                                        for name in ("pytorch_eager", "transformers_eager", "onnxruntime_genai")

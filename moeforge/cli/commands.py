@@ -6,17 +6,19 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from moeforge.cli import main as main  # re-exported: `from moeforge.cli.commands import main` keeps working
 from moeforge.cli.bench import bench_engine, run_bench, write_result
 from moeforge.cli.inspect import summarize, summarize_sharded
 from moeforge.cli.json_output import to_json
 from moeforge.cli.kv_tier_flags import cache_options
 from moeforge.cli.multi_turn import bench_multi_turn
+from moeforge.cli.preflight import ArtifactShape, check_bench, check_engine_config, check_parity, read_shape
 from moeforge.compile.driver import CompileOptions, ParityCheckFailed, compile_model
 from moeforge.compile.options import check_flags
 from moeforge.compile.plan import check_compile, plan_compile
@@ -26,13 +28,15 @@ from moeforge.core.bandwidth import read_bandwidth, usable_cores
 from moeforge.core.errors import GroupArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
 from moeforge.core.ort_session import UNPACKED_WEIGHTS
+from moeforge.core.progress import StageLog, ticking
 from moeforge.core.safe_paths import check_output_file
 from moeforge.model.lazy_weights import open_lazy_model
-from moeforge.model.loader import LoadedModel, load_config, load_model
+from moeforge.model.loader import LoadedModel, load_config, load_model, resolve_source
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.parallel.eplb import check_plan_args, read_stats, rebalance, round_robin, write_plan
 from moeforge.parallel.launch import (
     World,
+    check_sharded_target,
     open_rank_session,
     rank_worker,
     run_worker,
@@ -42,12 +46,12 @@ from moeforge.parallel.launch import (
 from moeforge.runtime.backends.registry import BackendSpec, backend_for, backend_named
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions, SpeculativeOptions
 from moeforge.runtime.expert_stats import check_expert_load_out, save_expert_load
-from moeforge.runtime.request import check_room
+from moeforge.runtime.request import check_room, prompt_token_ids
 from moeforge.runtime.roofline import format_roofline
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.serve import ServeOptions, serve
 from moeforge.serve.listener import bind_listeners
-from moeforge.serve.runner import engine_config, model_name
+from moeforge.serve.runner import engine_config, model_name, server_config
 from moeforge.verify.generate import generate_stream
 from moeforge.verify.golden import check_engine
 from moeforge.verify.parity import (
@@ -63,13 +67,6 @@ from moeforge.verify.parity import (
 from moeforge.verify.transformers_reference import load_transformers_model, transformers_reference
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script (``moeforge.cli.main``: parses before anything heavy is imported)."""
-    from moeforge.cli import main as entry
-
-    return entry(argv)
-
-
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the parsed command ``args.command``; a user error (``MoeforgeError``) is printed and exits 2."""
     commands = {"run": _cmd_run, "config": _cmd_config, "compile": _cmd_compile, "inspect": _cmd_inspect,
@@ -131,14 +128,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if artifact:
             raise MoeforgeError("--backend torch runs checkpoints; for an artifact leave --backend out (the "
                                 "artifact's target decides) or give its backend")
+        if args.backend is None:  # a MODEL that names nothing is told what run takes, an artifact first
+            resolve_source(args.model, artifacts=True)
         return _run_torch(args)
     if not artifact:
         raise MoeforgeError(f"{args.model} is not an artifact directory; compile it first "
                             "(moeforge compile MODEL -o DIR) or use --backend torch")
-    if not is_sharded(args.model):  # a sharded artifact's ranks are checked by every rank (parallel/launch.py)
-        manifest = load_artifact(args.model, verify=False).manifest  # sizes only: the engine verifies hashes
-        _check_runnable(args.model, manifest, args.backend)
-    return _run_artifact(args)
+    shape = read_shape(args.model)  # sizes only: the engine verifies hashes
+    if shape.checked_here:
+        if shape.sharded:  # a target whose backend runs no ranks (TensorRT plans), before what this host lacks
+            check_sharded_target(args.model, shape.manifest)
+        _check_runnable(args.model, shape.manifest, args.backend)
+    return _run_artifact(args, shape)
+
+
+def _check_request(args: argparse.Namespace, shape: ArtifactShape) -> None:
+    """The prompt and the sampling flags against the artifact's tokenizer, vocabulary and max_seq_len, as the engine
+    checks them once it has loaded (``_generate``)."""
+    vocab = int(shape.manifest.model_config["vocab_size"])
+    tokenizer = shape.tokenizer() if args.prompt is not None else None
+    prompt = prompt_token_ids(_prompt_ids(args, tokenizer, args.model), vocab)
+    _sampling_params(args, vocab, len(prompt), shape.manifest.kv_cache.max_seq_len, "the artifact's max_seq_len")
 
 
 def _check_runnable(path: str, manifest: Manifest, wanted: str | None = None) -> BackendSpec:
@@ -204,7 +214,7 @@ class _Printer:
             print(text if text is not None else ",".join(map(str, token_ids)))
 
 
-def _run_artifact(args: argparse.Namespace) -> int:
+def _run_artifact(args: argparse.Namespace, shape: ArtifactShape) -> int:
     check_expert_load_out(args.expert_load_out, args.model, force=args.force)  # before the model loads
     config = EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=1), cache=cache_options(args),
@@ -212,12 +222,23 @@ def _run_artifact(args: argparse.Namespace) -> int:
                                track_expert_load=args.expert_load_out is not None,
                                micro_batches=args.micro_batches),
         speculative=SpeculativeOptions(tokens=args.speculative_tokens))
+    if shape.checked_here:  # before the model loads and any rank starts: once, not once per rank
+        check_engine_config(shape, config)
+        _check_request(args, shape)
     if is_sharded(args.model):
         return _sharded(args.model, lambda world: rank_worker(args.model, world, config),
                         lambda backend: _generate(args, LLMEngine.from_artifact(Path(args.model) / rank_dir(0), config,
                                                                                 backend=backend)),
-                        lambda world: sharded_backend(args.model, world, config)[0])
-    return _generate(args, LLMEngine.from_artifact(args.model, config))
+                        lambda world: _stage_log(args).run(f"loading {args.model} ({world.world_size} ranks)",
+                                                           lambda: sharded_backend(args.model, world, config)[0]))
+    with _stage_log(args).stage(f"loading {args.model}"):
+        engine = LLMEngine.from_artifact(args.model, config)
+    return _generate(args, engine)
+
+
+def _stage_log(args: argparse.Namespace) -> StageLog:
+    """The command's stage lines on stderr ("loading DIR ... 3.2 s"); none with --quiet."""
+    return StageLog(not args.quiet)
 
 
 def _sharded(path: str, worker: Callable[[World], tuple[Any, Any]], main: Callable[[Any], int],
@@ -253,9 +274,11 @@ def _generate(args: argparse.Namespace, engine: LLMEngine) -> int:
     printer = _Printer(args, engine.tokenizer)
     final = None
     try:
-        for out in engine.stream(prompt, params):
-            final = out
-            printer.progress(out.token_ids)
+        # --stream prints the tokens as they come: a stage line would only be drawn over them
+        with StageLog(not (args.quiet or args.stream)).stage(f"generating up to {params.max_tokens} tokens"):
+            for out in engine.stream(prompt, params):
+                final = out
+                printer.progress(out.token_ids)
     finally:
         engine.shutdown()  # with --kv-disk-dir: the prompt's blocks stay on disk for the next run
     assert final is not None
@@ -275,7 +298,12 @@ def _run_torch(args: argparse.Namespace) -> int:
     if args.expert_load_out is not None:
         raise MoeforgeError("--expert-load-out counts an artifact's routing (the graph's expert_hits); run a compiled "
                             "artifact, or leave the flag out with --backend torch")
-    loaded = load_model(args.model, mla_impl=args.mla_impl, check_finite=args.check_weights)
+    if args.speculative_tokens:
+        raise MoeforgeError("--speculative-tokens: speculative decoding runs on compiled artifacts (their engine "
+                            "verifies the drafts); PyTorch generates one token per step: compile the model (moeforge "
+                            "compile MODEL -o DIR) and run the artifact, or leave the flag out")
+    with _stage_log(args).stage(f"loading {args.model} (PyTorch)"):
+        loaded = load_model(args.model, mla_impl=args.mla_impl, check_finite=args.check_weights)
     tokenizer = loaded.tokenizer
     prompt_ids = _prompt_ids(args, tokenizer, args.model)
     stop_ids: tuple[int, ...] = ()
@@ -286,9 +314,10 @@ def _run_torch(args: argparse.Namespace) -> int:
                                 "the model's positions", stop_ids)
     printer = _Printer(args, tokenizer)
     generated: list[int] = []
-    for token, _ in generate_stream(loaded.model, prompt_ids, sampling):
-        generated.append(token)
-        printer.progress(generated)
+    with StageLog(not (args.quiet or args.stream)).stage(f"generating up to {sampling.max_tokens} tokens (PyTorch)"):
+        for token, _ in generate_stream(loaded.model, prompt_ids, sampling):
+            generated.append(token)
+            printer.progress(generated)
     printer.done(generated)
     return EXIT_OK
 
@@ -356,7 +385,9 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         return _golden_parity(args)
     if is_sharded(args.artifact):
         return _sharded_parity(args)
-    artifact = load_artifact(args.artifact)
+    stages = _stage_log(args)
+    with stages.stage(f"verifying {args.artifact}"):  # every file's sha256
+        artifact = load_artifact(args.artifact)
     spec = backend_for(artifact.manifest)
     if not spec.teacher_forced_parity:
         raise MoeforgeError(_backend_only(args.artifact, artifact.manifest, spec,
@@ -364,9 +395,6 @@ def _cmd_parity(args: argparse.Namespace) -> int:
                                           f"use --backend {spec.name} for its golden check"))
     if args.prompt_len < 1 or args.steps < 0:
         raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
-    if args.prompt_len + args.steps + 1 > artifact.manifest.kv_cache.max_seq_len:
-        raise MoeforgeError(f"--prompt-len + --steps exceeds the artifact's max_seq_len "
-                            f"({artifact.manifest.kv_cache.max_seq_len})")
     if args.per_layer and args.reference == "transformers":
         raise MoeforgeError("--per-layer compares each layer with moeforge's PyTorch model: drop --reference "
                             "transformers (or run the two checks one after the other)")
@@ -375,13 +403,15 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     if args.stream and args.reference == "transformers":
         raise MoeforgeError("--stream runs moeforge's PyTorch model one layer at a time; transformers loads the model "
                             "whole: drop --reference transformers or --stream")
+    check_parity(args, ArtifactShape(args.artifact, Path(args.artifact), artifact.manifest))  # before a model loads
     spec_name, kv = args.model or artifact.manifest.source, artifact.manifest.kv_cache
     session_config: tuple[tuple[str, str], ...] = ()
     if args.stream:
-        _, weights = open_lazy_model(spec_name, mla_impl="absorb", check_finite=args.check_weights)
+        with stages.stage(f"opening {spec_name}"):
+            _, weights = open_lazy_model(spec_name, mla_impl="absorb", check_finite=args.check_weights)
         prompt = default_prompt(weights.model.config.vocab_size, args.prompt_len, args.seed)
-        with tqdm(total=weights.model.config.num_hidden_layers, desc="PyTorch layers", unit="layer", leave=False,
-                  disable=args.json) as layers_bar:
+        with tqdm(total=weights.model.config.num_hidden_layers, desc="the artifact generates, then PyTorch layers",
+                  unit="layer", leave=False, disable=args.json or args.quiet) as layers_bar, ticking(layers_bar):
             report, layered = streamed_parity(artifact.model_path, kv, weights, prompt, args.steps,
                                               precision=artifact.manifest.precision,
                                               on_layer=lambda _i: layers_bar.update())
@@ -389,14 +419,19 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     else:
         reference, loaded = _parity_reference(args, spec_name)
         prompt = reference.prompt_ids
-        report = compare_with_reference(artifact.model_path, kv, reference, precision=artifact.manifest.precision)
-        hidden = torch_hidden_states(loaded.model, prompt) if args.per_layer and loaded is not None else []
+        with stages.stage("running the artifact and comparing"):
+            report = compare_with_reference(artifact.model_path, kv, reference, precision=artifact.manifest.precision)
+        hidden = []
+        if args.per_layer and loaded is not None:
+            with stages.stage("PyTorch layer outputs"):
+                hidden = torch_hidden_states(loaded.model, prompt)
     result = {**report.to_dict(), "reference": args.reference, "stream": args.stream}
     passed = report.passed
     layer_text = ""
     if args.per_layer:
-        rows, first = run_layer_parity(artifact.model_path, kv, artifact.manifest.layer_outputs, hidden, prompt,
-                                       session_config=session_config)
+        with stages.stage("comparing each layer"):
+            rows, first = run_layer_parity(artifact.model_path, kv, artifact.manifest.layer_outputs, hidden, prompt,
+                                           session_config=session_config)
         result["layers"] = [vars(row) for row in rows]
         result["first_diverging_layer"] = first
         layer_text = "\n" + layer_table(rows, first)
@@ -409,13 +444,18 @@ def _cmd_parity(args: argparse.Namespace) -> int:
 def _parity_reference(args: argparse.Namespace, spec: str) -> tuple[TorchReference, LoadedModel | None]:
     """The greedy reference run ``--reference`` names, on ``spec``'s checkpoint: moeforge's PyTorch model (returned
     too, for --per-layer) or transformers running the checkpoint (``moeforge/verify/transformers_reference.py``)."""
+    stages, tokens = _stage_log(args), f"{args.prompt_len} + {args.steps} tokens"
     if args.reference == "transformers":
-        model = load_transformers_model(spec)
+        with stages.stage(f"loading {spec} with transformers"):
+            model = load_transformers_model(spec)
         prompt = default_prompt(int(model.config.vocab_size), args.prompt_len, args.seed)
-        return transformers_reference(model, prompt, args.steps), None
-    loaded = load_model(spec, mla_impl="absorb", check_finite=args.check_weights)
+        with stages.stage(f"running the transformers reference ({tokens})"):
+            return transformers_reference(model, prompt, args.steps), None
+    with stages.stage(f"loading {spec} (PyTorch)"):
+        loaded = load_model(spec, mla_impl="absorb", check_finite=args.check_weights)
     prompt = default_prompt(loaded.config.vocab_size, args.prompt_len, args.seed)
-    return torch_reference(loaded.model, prompt, args.steps), loaded
+    with stages.stage(f"running the PyTorch reference ({tokens})"):
+        return torch_reference(loaded.model, prompt, args.steps), loaded
 
 
 def _sharded_parity(args: argparse.Namespace) -> int:
@@ -429,13 +469,18 @@ def _sharded_parity(args: argparse.Namespace) -> int:
                             "rank: check it without --per-layer")
     if args.prompt_len < 1 or args.steps < 0:
         raise MoeforgeError("--prompt-len must be >= 1 and --steps >= 0")
+    shape = read_shape(args.artifact)
+    if shape.checked_here:  # before any rank starts: once
+        check_sharded_target(args.artifact, shape.manifest)
+        check_parity(args, shape)
     max_len = args.prompt_len + args.steps + 1
 
     def main(session: Any) -> int:
         manifest = load_artifact(Path(args.artifact) / rank_dir(0), verify=False).manifest
         reference, _ = _parity_reference(args, args.model or sharded.source)
-        report = compare_with_reference(Path(args.artifact) / rank_dir(0) / "model.onnx", manifest.kv_cache,
-                                        reference, precision=manifest.precision, session=session)
+        with _stage_log(args).stage(f"running the {sharded.world_size} ranks and comparing"):
+            report = compare_with_reference(Path(args.artifact) / rank_dir(0) / "model.onnx", manifest.kv_cache,
+                                            reference, precision=manifest.precision, session=session)
         result = {**report.to_dict(), "tp": sharded.tp, "ep": sharded.ep, "pp": sharded.pp,
                   "reference": args.reference}
         print(to_json(result, indent=2) if args.json else
@@ -444,7 +489,8 @@ def _sharded_parity(args: argparse.Namespace) -> int:
         return EXIT_OK if report.passed else EXIT_CHECK_FAILED
 
     return _sharded(args.artifact, lambda world: (open_rank_session(args.artifact, world, max_len)[0], None), main,
-                    lambda world: open_rank_session(args.artifact, world, max_len)[0])
+                    lambda world: _stage_log(args).run(f"loading {args.artifact} ({world.world_size} ranks)",
+                                                       lambda: open_rank_session(args.artifact, world, max_len)[0]))
 
 
 def _golden_parity(args: argparse.Namespace) -> int:
@@ -453,7 +499,8 @@ def _golden_parity(args: argparse.Namespace) -> int:
     if spec.teacher_forced_parity:
         raise MoeforgeError(_backend_only(args.artifact, manifest, spec, f"drop --backend {args.backend}"))
     _check_runnable(args.artifact, manifest)
-    check, tolerance = check_engine(args.artifact)
+    with _stage_log(args).stage("running the engine on the golden inputs"):
+        check, tolerance = check_engine(args.artifact)
     passed = check.max_abs_err <= tolerance
     result = {"backend": "tensorrt", "max_abs_err": check.max_abs_err, "tolerance": tolerance,
               "top1_agreement": check.top1_agreement, "passed": passed}
@@ -477,6 +524,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                             "--multi-turn, or leave them out")
     if args.remeasure_bandwidth and not args.roofline:
         raise MoeforgeError("--remeasure-bandwidth goes with --roofline: add it, or leave the flag out")
+    shape = read_shape(args.artifact)
+    if shape.checked_here:  # before the model loads and any rank starts: once
+        check_bench(args, shape)
+        if shape.sharded:
+            check_engine_config(shape, EngineConfig())
     if is_sharded(args.artifact):
         if not args.no_compare or args.speculative_tokens:
             raise MoeforgeError(f"{args.artifact} is sharded: bench measures its engine only; pass --no-compare "
@@ -490,7 +542,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         bandwidth = (read_bandwidth(args.threads, remeasure=args.remeasure_bandwidth) if args.roofline else None)
         result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
                            compare=not args.no_compare, speculative_tokens=args.speculative_tokens,
-                           expert_load_out=args.expert_load_out, expert_load_force=args.force, roofline=bandwidth)
+                           expert_load_out=args.expert_load_out, expert_load_force=args.force, roofline=bandwidth,
+                           stages=_stage_log(args))
     if result is None:  # a rank other than 0: it served rank 0's run
         return EXIT_OK
     if args.save:
@@ -530,40 +583,41 @@ def _sharded_bench(args: argparse.Namespace) -> dict[str, Any] | None:
     def main(backend: Any) -> int:
         top = Path(args.artifact)
         bandwidth, rank_dirs = None, []
-        if args.roofline:  # on rank 0 only, while the other ranks wait for its first step
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", backend.world_size))
-            if local_ranks != backend.world_size:
-                raise MoeforgeError(f"--roofline sums the ranks' bytes over this machine's bandwidth, but only "
-                                    f"{local_ranks} of the {backend.world_size} ranks run here: run the ranks on one "
-                                    "machine (moeforge bench starts them itself), or leave --roofline out")
-            # the ranks read together: the probe runs all their threads (the machine's cores when not given)
+        if args.roofline:  # rank 0 only, while the other ranks wait for its first step (all on this machine:
+            # check_bench). They read together: the probe runs all their threads (the machine's cores when not given)
             threads = None if args.threads is None else min(args.threads * backend.world_size, usable_cores())
             bandwidth = read_bandwidth(threads, remeasure=args.remeasure_bandwidth)
             rank_dirs = [top / rank_dir(rank) for rank in range(backend.world_size)]
-        measured = bench_engine(top / rank_dir(0), args.batch, args.prompt_len, args.new_tokens, args.threads,
-                                backend=backend, expert_load_out=args.expert_load_out,
-                                expert_load_force=args.force, stats_artifact=top, model_name=model_name(top),
-                                roofline=bandwidth, rank_dirs=rank_dirs)
+        with _stage_log(args).stage(f"measuring moeforge over {backend.world_size} ranks"):
+            measured = bench_engine(top / rank_dir(0), args.batch, args.prompt_len, args.new_tokens, args.threads,
+                                    backend=backend, expert_load_out=args.expert_load_out,
+                                    expert_load_force=args.force, stats_artifact=top, model_name=model_name(top),
+                                    roofline=bandwidth, rank_dirs=rank_dirs)
         results.append({"artifact": str(top), "model": model_name(top), "batch": args.batch,
                         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "ranks": backend.world_size,
                         "moeforge_onnxruntime": measured})
         return EXIT_OK
 
     code = _sharded(args.artifact, lambda world: rank_worker(args.artifact, world, config), main,
-                    lambda world: sharded_backend(args.artifact, world, config)[0])
+                    lambda world: _stage_log(args).run(f"loading {args.artifact} ({world.world_size} ranks)",
+                                                       lambda: sharded_backend(args.artifact, world, config)[0]))
     if code != EXIT_OK:
         raise SystemExit(code)
     return results[0] if results else None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    if is_sharded(args.artifact):
-        return _sharded_serve(args)
-    return serve(_serve_options(args))
+    options = _serve_options(args)
+    shape = read_shape(args.artifact)
+    if shape.checked_here:  # before the model loads and any rank starts: once
+        server_config(options)
+        check_engine_config(shape, engine_config(options))
+    if shape.sharded:
+        return _sharded_serve(args, options)
+    return serve(options)
 
 
-def _sharded_serve(args: argparse.Namespace) -> int:
-    options = _serve_options(args, check=False)
+def _sharded_serve(args: argparse.Namespace, options: ServeOptions) -> int:
     # Rank 0 (this process, or torchrun's rank 0) binds the address before any rank starts: one it cannot have is
     # refused at once, not after every rank has loaded its shard.
     sockets = tuple(bind_listeners(args.host, args.port)) if os.environ.get("RANK", "0") == "0" else ()

@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     run.add_argument("--mla-impl", choices=["absorb", "naive"], default="absorb", help="MLA cache layout")
     run.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    run.add_argument("--quiet", action="store_true", help="no stage lines on stderr (loading, generating)")
     run.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
                      help="write the expert-load statistics of this run (routed tokens per MoE layer and expert, per "
                           "rank when sharded, with the artifact's sha256) as JSON at exit, for moeforge eplb")
@@ -233,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--stream", action="store_true",
                      help="for a model larger than memory (Hugging Face folder): the artifact generates first, then "
                           "PyTorch runs once over those tokens with one decoder layer in memory at a time")
-    par.add_argument("--json", action="store_true")
+    par.add_argument("--json", action="store_true",
+                     help="print the report as JSON: the aggregates, the thresholds applied, each step's row and the "
+                          "verdict (with --per-layer, each layer's row); numbers that are not finite as null")
+    par.add_argument("--quiet", action="store_true",
+                     help="no stage lines or progress bars on stderr (loading, the reference run, comparing)")
     par.add_argument("--no-weight-check", dest="check_weights", action="store_false",
                      help="skip the NaN/Inf scan of the weights at load (for very large checkpoints)")
 
@@ -253,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--speculative-tokens", type=arg_types.count_or_zero, default=0, metavar="K",
                        help=SPECULATIVE_HELP)
     bench.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    bench.add_argument("--quiet", action="store_true", help="no stage lines on stderr (each runtime as it is measured)")
     bench.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
                      help="write the expert-load statistics of this run (routed tokens per MoE layer and expert, per "
                           "rank when sharded, with the artifact's sha256) as JSON at exit, for moeforge eplb")
@@ -278,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cfg = _subcommand(sub, "config", "print a model's config, parameter count and KV bytes per token")
     cfg.add_argument("model", help="HF folder, .gguf file, or a preset name (full-size presets included)")
-    cfg.add_argument("--json", action="store_true")
+    cfg.add_argument("--json", action="store_true",
+                     help="print the config, the parameter count and the KV-cache values and bytes per token as JSON")
 
     srv = _subcommand(sub, "serve", "serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, "
                       "/v1/chat/completions, /v1/models, /health, /metrics) until SIGTERM")
@@ -337,8 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     eplb.add_argument("-o", "--output", required=True, type=Path, help="plan file to write (JSON)")
     eplb.add_argument("--force", action="store_true", help="replace an existing plan file")
     eplb.add_argument("--ep", type=int, required=True, help="expert-parallel ranks")
-    eplb.add_argument("--redundant", type=int, required=True,
-                      help="redundant expert slots per layer (experts + R must divide by --ep)")
+    eplb.add_argument("--redundant", type=int, required=True, metavar="R",
+                      help="spare expert slots per MoE layer, over all ranks together (not per rank): each layer has "
+                           "experts + R slots, (experts + R) / --ep on each rank, so experts + R must divide by --ep; "
+                           "S spare slots on each rank is --redundant S x --ep (32 experts, --ep 4, 2 per rank: "
+                           "--redundant 8)")
     eplb.add_argument("--nodes", type=int, default=1, help="nodes the ranks span (must divide --ep)")
     eplb.add_argument("--groups", type=int, default=None,
                       help="the model's expert groups (n_group; 1 if it has none): with --groups divisible by "

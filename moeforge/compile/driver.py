@@ -1,10 +1,10 @@
 """The compile driver: checkpoint -> torch model -> stateless ONNX -> passes -> artifact directory, for every target.
 
-The stages run once, in this order, with a progress bar: check the options (``quant.spec.validate``, the
-target's own ``check``) and the output location; load; export; the target's ordered pass list (quantisation
-included); one manifest; write. The artifact is written to a temporary directory and renamed at the end
-(``artifact.write_artifact``), so a failed or interrupted compile leaves nothing behind. What differs
-between ONNX Runtime and TensorRT lives in ``moeforge/compile/targets/``.
+The stages run once, in this order, each named on a progress bar whose clock keeps moving: check the options
+(``quant.spec.validate``, the target's own ``check``) and the output location; load; export; the target's ordered
+pass list (quantisation included); one manifest; write. The artifact is written to a temporary directory and
+renamed at the end (``artifact.write_artifact``), so a failed or interrupted compile leaves nothing behind. What
+differs between ONNX Runtime and TensorRT lives in ``moeforge/compile/targets/``.
 
 The stages after loading are ``stages.py``'s (shared with ``sharded_compile.py``, which runs them once per rank
 for ``--tp``). Memory: never two full copies of the weights at once (see ``stages.py``).
@@ -56,16 +56,13 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
     check_output_dir(options.output_dir, force=options.force)  # before the expensive stages
     check_memory(options)
 
-    bar = stage_bar(1 + ARTIFACT_STAGES, "compile", options.progress)
-    try:
-        bar.set_postfix_str("load checkpoint")
+    with stage_bar(1 + ARTIFACT_STAGES, "compile", options.progress) as bar:
+        bar.stage("load checkpoint")
         loaded, weights = open_source(options)  # streamed: each weight read when the artifact is written
-        job = make_job(options, loaded, weights)
-        bar.update()
-        out, manifest = build_artifact(job, target, options.output_dir, bar)
+        job = make_job(options, loaded, weights, bar)
+        bar.advance()
+        out, manifest = build_artifact(job, target, options.output_dir)
         return CompileResult(out, manifest, target.parity)
-    finally:
-        bar.close()
 
 
 def resolve_stream(options: CompileOptions) -> CompileOptions:

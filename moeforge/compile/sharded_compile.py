@@ -22,13 +22,12 @@ import logging
 import multiprocessing
 import os
 import uuid
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from queue import Empty
 from typing import Any
-
-from tqdm import tqdm
 
 from moeforge.compile.options import MAX_RANKS, CompileOptions
 from moeforge.compile.partial_compile import check_partial, open_partial
@@ -55,6 +54,7 @@ from moeforge.core.artifact import (
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
+from moeforge.core.progress import QUIET, Stages
 from moeforge.core.safe_paths import write_output_file
 from moeforge.core.strict_json import JsonFileError, json_int, json_list, json_object, read_json_file
 from moeforge.model.expert_slots import ExpertSlots
@@ -275,16 +275,15 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
     tp, ep, pp = options.tp, options.ep, options.pp
     world = tp * pp
     title = f"compile tp{tp}" + (f" pp{pp}" if pp > 1 else "")
-    bar = stage_bar(1 + ARTIFACT_STAGES * world + 1, title, options.progress)  # load, ranks, sharded.json
-    try:
-        bar.set_postfix_str("load checkpoint")
+    with stage_bar(1 + ARTIFACT_STAGES * world + 1, title, options.progress) as bar:  # load, ranks, sharded.json
+        bar.stage("load checkpoint")
         loaded, weights = open_source(options)
         plan = plan_sharding(loaded.config, tp, ep)
         stages, slots = checked.stages, checked.slots
-        bar.update()
+        bar.advance()
         with open_partial(out, options, world) as partial:
             todo = [rank for rank in range(world) if rank not in partial.done]
-            bar.update(ARTIFACT_STAGES * len(partial.done))
+            bar.advance(ARTIFACT_STAGES * len(partial.done))
             if partial.done:
                 log.warning("continuing a killed compile: ranks %s are already written in %s",
                             ", ".join(map(str, sorted(partial.done))), partial.root)
@@ -293,9 +292,9 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
                 _build_in_workers(options, todo, partial.root, bar)
             else:
                 for rank in todo:
-                    bar.set_postfix_str(f"rank {rank}")
-                    build_rank(options, loaded, weights, rank, partial.root, bar)
+                    build_rank(options, loaded, weights, rank, partial.root, bar.scoped(f"rank {rank}/{world}"))
             release_weights(loaded.model)
+            bar.stage(SHARDED_FILE)
             ranks = [_rank_entry(partial.root, rank) for rank in range(world)]
             points = list(COLLECTIVE_POINTS) + ([PIPELINE_POINT] if pp > 1 else [])
             sharded = ShardedManifest(
@@ -308,17 +307,15 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
                               flag=SHARDED_FILE)
             partial.seal()
             install_directory(partial.root, out)
-        bar.update()
+        bar.advance()
         first = load_artifact(out / rank_dir(0), verify=False).manifest
         return ShardedCompileResult(out, sharded, first)
-    finally:
-        bar.close()
 
 
 def build_rank(options: CompileOptions, loaded: LoadedModel, weights: LazyWeights | None, rank: int, root: Path,
-               bar: tqdm) -> None:
+               stages: Stages) -> None:
     """Write world rank ``rank``'s artifact to ``root/rank{rank}`` (atomically) from the unsharded ``loaded`` model:
-    tensor-parallel rank ``rank % tp`` of pipeline stage ``rank // tp``."""
+    tensor-parallel rank ``rank % tp`` of pipeline stage ``rank // tp``, its stages shown on ``stages``."""
     tp, pp = options.tp, options.pp
     tp_rank, stage = rank % tp, rank // tp
     model: CausalLM
@@ -341,8 +338,8 @@ def build_rank(options: CompileOptions, loaded: LoadedModel, weights: LazyWeight
         sharding.update(rank=rank, tp_rank=tp_rank, pp=pp, world_size=tp * pp, stage=spec.to_dict())
     rank_loaded = LoadedModel(model, config, loaded.tokenizer, loaded.source)
     rank_options = _rank_options(options)
-    job = make_job(rank_options, rank_loaded, rank_weights)
-    build_artifact(job, rank_target(rank_options), root / rank_dir(rank), bar, sharding=sharding)
+    job = make_job(rank_options, rank_loaded, rank_weights, stages)
+    build_artifact(job, rank_target(rank_options), root / rank_dir(rank), sharding=sharding)
 
 
 def _stage_entries(options: CompileOptions, config: ModelConfig, stages: list[StageSpec],
@@ -364,29 +361,97 @@ def _stage_entries(options: CompileOptions, config: ModelConfig, stages: list[St
     return out
 
 
-def _build_in_workers(options: CompileOptions, ranks: list[int], root: Path, bar: tqdm) -> None:
+def _build_in_workers(options: CompileOptions, ranks: list[int], root: Path, bar: Stages) -> None:
     """Build ``ranks`` in ``options.workers`` processes (spawned: each opens the checkpoint itself and reads only
-    its ranks' slices); the first failure cancels the ranks not started and is raised here."""
+    its ranks' slices); the first failure cancels the ranks not started and is raised here. Each worker sends its
+    stages back over a queue, which ``_WorkerBoard`` shows on ``bar``."""
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(options.workers, len(ranks)), mp_context=context) as pool:
+    messages = context.Queue()  # (rank, "stage", name) and (rank, "advance", n), from _QueueStages
+    workers = min(options.workers, len(ranks))
+    board = _WorkerBoard(bar, ranks)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker,
+                             initargs=(messages,)) as pool:
         futures = {pool.submit(_rank_worker, options, rank, root): rank for rank in ranks}
-        bar.set_postfix_str(f"{len(ranks)} ranks in {min(options.workers, len(ranks))} workers")
+        bar.stage(f"{len(ranks)} ranks in {workers} workers: starting")
+        pending: set[Future[None]] = set(futures)
         try:
-            for future in as_completed(futures):
-                future.result()
-                bar.update(ARTIFACT_STAGES)
-                bar.set_postfix_str(f"rank {futures[future]} written")
+            while pending:
+                finished, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                board.drain(messages)
+                for future in finished:
+                    future.result()
+                    board.written(futures[future])
         except BaseException:
             for future in futures:
                 future.cancel()
             raise
+    messages.close()  # after the pool's shutdown: no worker writes to it any more
+
+
+class _WorkerBoard:
+    """The parent's view of its workers: every running rank's stage named on ``bar`` ("rank 0: export to ONNX, rank
+    1: pass 3/13 rotary"), their stages counted as they end (ARTIFACT_STAGES a rank, whatever of its messages is still
+    in flight when its future is done; a message after that is dropped)."""
+
+    def __init__(self, bar: Stages, ranks: list[int]) -> None:
+        self._bar = bar
+        self._running: dict[int, str] = {}
+        self._counted = dict.fromkeys(ranks, 0)
+
+    def receive(self, rank: int, kind: str, value: Any) -> None:
+        if self._counted[rank] == ARTIFACT_STAGES:  # a late message from a rank already written
+            return
+        if kind == "stage":
+            self._running[rank] = str(value)
+            self._bar.stage(", ".join(f"rank {r}: {name}" for r, name in sorted(self._running.items())))
+        else:
+            n = min(int(value), ARTIFACT_STAGES - self._counted[rank])
+            self._counted[rank] += n
+            self._bar.advance(n)
+
+    def drain(self, messages: Any) -> None:
+        """Show every message waiting in ``messages`` (a queue)."""
+        while True:
+            try:
+                rank, kind, value = messages.get_nowait()
+            except Empty:
+                return
+            self.receive(rank, kind, value)
+
+    def written(self, rank: int) -> None:
+        self.receive(rank, "advance", ARTIFACT_STAGES)
+        self._running.pop(rank, None)
+
+
+# A worker process's queue to its parent's bar, set once by the pool's initializer (a multiprocessing queue passes
+# to a process only when the process is started, never as an argument of a task).
+_parent_messages: Any = None
+
+
+def _start_worker(messages: Any) -> None:
+    global _parent_messages
+    _parent_messages = messages
+
+
+class _QueueStages:
+    """A worker's ``Stages``: each message goes to the parent, which shows it on its bar."""
+
+    def __init__(self, messages: Any, rank: int) -> None:
+        self._messages, self._rank = messages, rank
+
+    def stage(self, name: str) -> None:
+        self._messages.put((self._rank, "stage", name))
+
+    def advance(self, n: int = 1) -> None:
+        self._messages.put((self._rank, "advance", n))
 
 
 def _rank_worker(options: CompileOptions, rank: int, root: Path) -> None:
-    """One worker's rank (a spawned process: nothing shared with the parent but the options)."""
+    """One worker's rank (a spawned process: nothing shared with the parent but the options and the queue)."""
+    stages: Stages = QUIET if _parent_messages is None else _QueueStages(_parent_messages, rank)
+    stages.stage("load checkpoint")
     loaded, weights = open_source(options)
-    with stage_bar(1, f"rank {rank}", False) as quiet:
-        build_rank(dataclasses.replace(options, progress=False), loaded, weights, rank, root, quiet)
+    build_rank(dataclasses.replace(options, progress=False), loaded, weights, rank, root, stages)
 
 
 def _rank_entry(root: Path, rank: int) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from moeforge.compile.targets import CompileJob, Target
 from moeforge.core.artifact import write_artifact
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.manifest import MODEL_FILE, Manifest, TensorSpec, tool_versions
+from moeforge.core.progress import QUIET, StageBar, Stages
 from moeforge.model.lazy_weights import LazyWeights, open_lazy_model
 from moeforge.model.loader import LoadedModel, load_model, release_weights, source_argument
 from moeforge.passes.base import PassReport
@@ -37,17 +38,15 @@ DATA_FILE = "model.onnx.data"
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
 
 
-
-# Stages differ in length by orders of magnitude (a pass takes milliseconds, the export minutes), so the bar shows
-# stages done and time spent, never a rate or an ETA extrapolated from them. One artifact is ARTIFACT_STAGES of
-# them: export, the passes (one stage, each pass named in the postfix as it ends), save, the target's files, install.
+# One artifact is ARTIFACT_STAGES stages on the compile's bar (``core/progress.StageBar``): export, the passes (one
+# stage, each pass named as it starts), the graph and weights saved, the target's files (golden logits, --check, an
+# engine: each named by the target), the install (hashes, rename).
 ARTIFACT_STAGES = 5
-STAGE_BAR_FORMAT = "{desc}: {n}/{total} stages [{elapsed}]{postfix}"
 
 
-def stage_bar(total: int, desc: str, enabled: bool) -> tqdm:
-    """The compile's progress bar over ``total`` stages (passes are added once the target's list is known)."""
-    return tqdm(total=total, desc=desc, unit="stage", disable=not enabled, leave=False, bar_format=STAGE_BAR_FORMAT)
+def stage_bar(total: int, desc: str, enabled: bool) -> StageBar:
+    """The compile's progress display over ``total`` stages: the running stage named, its clock kept moving."""
+    return StageBar(total, desc, enabled)
 
 
 def open_source(options: CompileOptions) -> tuple[LoadedModel, LazyWeights | None]:
@@ -58,42 +57,51 @@ def open_source(options: CompileOptions) -> tuple[LoadedModel, LazyWeights | Non
     return load_model(options.model, mla_impl="absorb", check_finite=options.check_weights), None
 
 
-def make_job(options: CompileOptions, loaded: LoadedModel, weights: LazyWeights | None = None) -> CompileJob:
+def make_job(options: CompileOptions, loaded: LoadedModel, weights: LazyWeights | None = None,
+             stages: Stages = QUIET) -> CompileJob:
     """The ``CompileJob`` of ``loaded`` (on the meta device when ``weights`` holds its tensors): its sequence length
-    and calibration prompts; a quantisation block size that does not fit fails here, before the export."""
-    job = CompileJob(options, loaded, _max_seq_len(options, loaded), _prompts(options.quant, loaded), weights)
+    and calibration prompts; a quantisation block size that does not fit fails here, before the export. ``stages``:
+    where the job's stages are shown (the target names its own there: golden logits, --check)."""
+    job = CompileJob(options, loaded, _max_seq_len(options, loaded), _prompts(options.quant, loaded), weights,
+                     stages)
     if options.quant.scheme is not None:
         check_block_size(options.quant, in_features(job.config), job.config.name or options.model)
     return job
 
 
-def build_artifact(job: CompileJob, target: Target, output_dir: Path, bar: tqdm,
+def build_artifact(job: CompileJob, target: Target, output_dir: Path,
                    sharding: dict[str, object] | None = None) -> tuple[Path, Manifest]:
-    """Export ``job``'s model, run ``target``'s passes and write the artifact to ``output_dir`` (atomically).
-    ``sharding``: the rank's entry for the manifest when the model is one rank of a sharded compile. With
-    ``job.weights`` the model is on the meta device and its tensors are read one at a time as the artifact is
-    written."""
-    options, loaded, weights = job.options, job.loaded, job.weights
-    bar.set_postfix_str("export to ONNX")
+    """Export ``job``'s model, run ``target``'s passes and write the artifact to ``output_dir`` (atomically), each
+    stage shown on ``job.stages``. ``sharding``: the rank's entry for the manifest when the model is one rank of a
+    sharded compile. With ``job.weights`` the model is on the meta device and its tensors are read one at a time as
+    the artifact is written."""
+    options, loaded, weights, stages = job.options, job.loaded, job.weights, job.stages
+    stages.stage("export to ONNX")
     model = export_stateless(loaded.model, mark_layers=True, weights=weights)
-    bar.update()
+    stages.advance()
 
+    stages.stage("plan the passes")
     passes = target.passes(job)
     # The graph holds what it needs of the weights (its initializers view them); the torch copy of the rest
     # (e.g. the q/k/v and gate/up weights packing concatenates) would only add to the peak from here on.
     release_weights(loaded.model)
+
     done = [0]
 
-    def pass_done(report: PassReport) -> None:  # the passes are one stage: the total is known from the start
-        done[0] += 1
-        bar.set_postfix_str(f"pass {done[0]}/{len(passes)} {report.name}: {report.matches}")
-        bar.refresh()
+    def pass_starts() -> None:  # the passes are one stage (the total is known from the start), each named
+        if done[0] < len(passes):
+            stages.stage(f"pass {done[0] + 1}/{len(passes)} {passes[done[0]].name}")
 
+    def pass_done(_report: PassReport) -> None:
+        done[0] += 1
+        pass_starts()
+
+    pass_starts()
     reports = run_passes(model, job.context, passes, on_pass_done=pass_done)
-    bar.update()
+    stages.advance()
     manifest = _manifest(model, job, target, reports)
     manifest.sharding = sharding
-    bar.set_postfix_str("write artifact")
+    stages.stage("save graph and weights")
 
     def payload(folder: Path) -> None:
         if weights is None:
@@ -104,12 +112,14 @@ def build_artifact(job: CompileJob, target: Target, output_dir: Path, bar: tqdm,
         _release_initializers(model.graph)  # saved: ONNX Runtime (golden, --check) loads its own copy
         if loaded.tokenizer is not None:
             loaded.tokenizer.save(folder)
-        bar.update()
+        stages.advance()
+        stages.stage(f"{target.name} files")  # the target names what it writes: golden logits, --check, an engine
         target.write_payload(job, folder, manifest)
-        bar.update()
+        stages.advance()
+        stages.stage("hash and install")  # write_artifact: every file hashed and fsynced, then renamed into place
 
     out = write_artifact(output_dir, write_payload=payload, manifest=manifest, force=options.force)
-    bar.update()
+    stages.advance()
     return out, manifest
 
 

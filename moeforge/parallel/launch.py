@@ -31,6 +31,7 @@ import torch.distributed as dist
 from moeforge.compile.sharded_compile import load_rank, read_sharded
 from moeforge.core.artifact import Artifact, artifact_digest
 from moeforge.core.errors import ArtifactError, GroupArtifactError, MoeforgeError
+from moeforge.core.manifest import Manifest
 from moeforge.ops.collectives.ort import (
     DEFAULT_TIMEOUT_S,
     CollectiveError,
@@ -155,12 +156,18 @@ def _open_rank(path: str | Path, world: World) -> Artifact:
     if bad:
         raise GroupArtifactError("the ranks do not hold one sharded artifact: " + "; ".join(bad))
     assert artifact is not None
-    spec = backend_for(artifact.manifest)
-    why = spec.refusal(paged=artifact.manifest.kv_cache.paged, sharded=True)
+    check_sharded_target(path, artifact.manifest)
+    return artifact
+
+
+def check_sharded_target(path: str | Path, manifest: Manifest) -> None:
+    """Refuse a sharded artifact whose target's backend cannot run ranks (``manifest``: one rank's); the CLI asks
+    first, before the ranks start."""
+    spec = backend_for(manifest)
+    why = spec.refusal(paged=manifest.kv_cache.paged, sharded=True)
     if why:
         raise ArtifactError(f"{path} holds {spec.title} plans (--target {spec.target}): {why}; compile with "
                             "--target ort to run it here")
-    return artifact
 
 
 def open_rank_backend(path: str | Path, world: World, config: EngineConfig) -> tuple[Backend, Artifact]:
@@ -168,7 +175,7 @@ def open_rank_backend(path: str | Path, world: World, config: EngineConfig) -> t
     engine's block tables mean the same on all of them."""
     artifact = _open_rank(path, world)
     if world.topology is not None:
-        _check_pipeline_config(path, config)
+        check_pipeline_config(path, config)
     kv = artifact.manifest.kv_cache
     slots = config.scheduling.max_num_seqs
     blocks = config.cache.num_kv_blocks(slots, kv.max_seq_len, kv.block_size) if kv.paged and kv.block_size else 0
@@ -182,8 +189,9 @@ def open_rank_backend(path: str | Path, world: World, config: EngineConfig) -> t
     return backend, artifact
 
 
-def _check_pipeline_config(path: str | Path, config: EngineConfig) -> None:
-    """What a pipeline artifact's ranks do not do yet, refused with the reason (on every rank alike)."""
+def check_pipeline_config(path: str | Path, config: EngineConfig) -> None:
+    """What a pipeline artifact's ranks do not do yet, refused with the reason (on every rank alike; the CLI asks
+    first, before the ranks start, so that it is said once)."""
     if config.cache.tiered:
         raise MoeforgeError(f"{path} is a pipeline artifact (--pp): KV tiers (--kv-host-bytes / --kv-disk-dir) are not "
                             "supported across stages yet; drop them, or compile without --pp")

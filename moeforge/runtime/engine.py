@@ -35,6 +35,7 @@ import numpy as np
 
 from moeforge.core.artifact import Artifact, artifact_digest, load_artifact
 from moeforge.core.errors import MoeforgeError, TokenizerError
+from moeforge.core.manifest import Manifest
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.backends.base import (
     ArgmaxHeadStats,
@@ -69,7 +70,7 @@ from moeforge.runtime.speculative import Drafter
 # (runtime/backends/base.py) re-exported, so that one import serves a user.
 __all__ = ["BackendOptions", "CacheOptions", "EngineConfig", "EngineConfigError", "EngineMetrics", "EngineStats",
            "LLMEngine", "RequestError", "RequestOutput", "SchedulingOptions", "SpeculativeOptions",
-           "check_host_memory", "open_engine_backend"]
+           "check_host_memory", "engine_sizes", "open_engine_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -524,7 +525,16 @@ def open_engine_backend(artifact: Artifact, config: EngineConfig, *, collectives
     """The backend of ``artifact`` sized by ``config`` (its registry entry decides which): slots = ``max_num_seqs``
     (or ``num_slots``), a paged artifact's pool = ``kv_blocks`` or the default (or ``num_blocks``); host-memory
     backends are refused before allocating when their caches cannot fit (``check_host_memory``)."""
-    manifest = artifact.manifest
+    slots, num_blocks = engine_sizes(artifact.manifest, config, num_slots=num_slots, num_blocks=num_blocks)
+    return open_backend(artifact, config.backend, num_slots=slots, num_blocks=num_blocks, collectives=collectives)
+
+
+def engine_sizes(manifest: Manifest, config: EngineConfig, *, num_slots: int | None = None,
+                 num_blocks: int | None = None) -> tuple[int, int | None]:
+    """The slots and (paged) pool blocks ``open_engine_backend`` gives the artifact of ``manifest`` under ``config``,
+    refused (``EngineConfigError``) when the block size does not fit the artifact's or host-memory backends' caches
+    cannot fit (``check_host_memory``). Reads the manifest alone: the CLI asks it before a sharded artifact's ranks
+    start, so a setting every rank would refuse is refused once."""
     kv = manifest.kv_cache
     slots = num_slots or config.scheduling.max_num_seqs
     if kv.paged:
@@ -535,7 +545,7 @@ def open_engine_backend(artifact: Artifact, config: EngineConfig, *, collectives
         num_blocks = None
     if backend_for(manifest).host_kv:  # device caches (TensorRT) are TensorRT's and torch's to account for
         check_host_memory(config, kv, int(manifest.model_config["vocab_size"]), num_blocks)
-    return open_backend(artifact, config.backend, num_slots=slots, num_blocks=num_blocks, collectives=collectives)
+    return slots, num_blocks
 
 
 def _open_tiers(backend: Backend, cache: CacheOptions, artifact_id: str | None) -> KVTiers | None:

@@ -143,6 +143,21 @@ def engine_config(options: ServeOptions) -> EngineConfig:
 def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
     """The app and its state for ``options`` (engine built, not started). Every setting is checked, by the
     dataclass that owns it (``ServerConfig``, ``ConnectionLimits``), before the model loads."""
+    config = server_config(options)
+    check_expert_load_out(options.expert_load_out, options.artifact, force=options.expert_load_force)
+    engine = LLMEngine.from_artifact(options.artifact, engine_config(options), backend=options.backend)
+    if options.expert_load_out is not None and engine.expert_load() is None:
+        raise MoeforgeError(f"--expert-load-out {options.expert_load_out}: {options.artifact} routes no experts "
+                            "(not a MoE model); leave the flag out")
+    app = create_app(engine, config)
+    state: ServerState = app.state.server
+    return app, state
+
+
+def server_config(options: ServeOptions) -> ServerConfig:
+    """The server's settings of ``options``, each checked by the dataclass that owns it (``ServerConfig``,
+    ``ConnectionLimits``) and named as its flag; the chat template read and checked. Reads no model: the CLI asks
+    it before a sharded artifact's ranks start."""
     if options.shutdown_timeout < 0:
         raise MoeforgeError(f"--shutdown-timeout must be >= 0, got {options.shutdown_timeout}")
     template = None
@@ -163,14 +178,7 @@ def build_app(options: ServeOptions) -> tuple[FastAPI, ServerState]:
         connection_limits(options)
     except ValueError as exc:  # the field's name becomes the flag's
         raise MoeforgeError(_as_flags(str(exc))) from None
-    check_expert_load_out(options.expert_load_out, options.artifact, force=options.expert_load_force)
-    engine = LLMEngine.from_artifact(options.artifact, engine_config(options), backend=options.backend)
-    if options.expert_load_out is not None and engine.expert_load() is None:
-        raise MoeforgeError(f"--expert-load-out {options.expert_load_out}: {options.artifact} routes no experts "
-                            "(not a MoE model); leave the flag out")
-    app = create_app(engine, config)
-    state: ServerState = app.state.server
-    return app, state
+    return config
 
 
 # ServerConfig / ConnectionLimits field -> the serve flag that sets it (their errors name the field).

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 import torch
 
+from moeforge.core.config import ModelConfig
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.kv_layout import KVCacheSpec
 from moeforge.core.ort_session import UNPACKED_WEIGHTS
@@ -106,6 +107,24 @@ class ParityCheckFailed(MoeforgeError):
     def __init__(self, report: ParityReport) -> None:
         super().__init__("parity check failed: " + "; ".join(report.failures))
         self.report = report
+
+
+def check_comparable(artifact: str, artifact_config: ModelConfig, reference: str, reference_config: ModelConfig,
+                     source: str, *, per_layer: bool = False) -> None:
+    """Refuse (``MoeforgeError``, naming both sizes and the fix) a reference model that cannot be compared with the
+    artifact: parity compares the logits over the vocabulary at every position, so the vocabularies must be the same
+    size; ``per_layer`` compares every decoder layer's output [P, H] too, so the layer counts and hidden sizes must
+    match. Configs alone: asked before any weight loads. ``source``: the model the artifact was compiled from."""
+    sizes = [("vocab_size", "vocabulary size", "the logits of every position")]
+    if per_layer:
+        sizes += [("num_hidden_layers", "decoder layers", "each decoder layer's output (--per-layer)"),
+                  ("hidden_size", "hidden size", "each decoder layer's output (--per-layer)")]
+    for name, what, compared in sizes:
+        ours, theirs = getattr(artifact_config, name), getattr(reference_config, name)
+        if ours != theirs:
+            raise MoeforgeError(f"{reference} has {what} {theirs} and the artifact {artifact} has {ours} ({name}): "
+                                f"parity compares {compared}, so they must be one model; compare the artifact with "
+                                f"the model it was compiled from, {source} (moeforge parity without --model uses it)")
 
 
 def _compare(step: int, kind: str, ours: np.ndarray, ref: np.ndarray, limits: Thresholds) -> StepReport:
@@ -246,6 +265,11 @@ def parity_report(ours: list[np.ndarray], ours_tokens: list[int], reference: Tor
     prompt_len, decode_steps, tokens, ref_logits = (len(reference.prompt_ids), reference.decode_steps,
                                                     reference.tokens, reference.logits)
     limits = thresholds_for(precision)
+    for step, (o, r) in enumerate(zip(ours, ref_logits, strict=True)):
+        if o.shape != r.shape:  # another model's logits would only broadcast, or fail to, in numpy
+            raise MoeforgeError(f"step {step}: the artifact's logits are {list(o.shape)} and the reference's "
+                                f"{list(r.shape)} (vocabulary {o.shape[-1]} vs {r.shape[-1]}): not one model; compare "
+                                "the artifact with the model it was compiled from")
     steps = [_compare(i, "prefill" if i == 0 else "decode", o, r, limits)
              for i, (o, r) in enumerate(zip(ours, ref_logits, strict=True))]
     greedy_match = ours_tokens == tokens
@@ -331,9 +355,17 @@ def run_layer_parity(
     session = OrtSession(model_path, kv_cache=kv_cache, graph=proto, session_config=session_config)
     session.allocate(batch=1, max_len=len(prompt_ids) + 1)
     outputs = session.forward_with_outputs(ids, positions, np.ones_like(ids), extra_outputs=tuple(layer_outputs))[1:]
+    if len(outputs) != len(reference_hidden):
+        raise MoeforgeError(f"the artifact records {len(outputs)} layer outputs and the reference has "
+                            f"{len(reference_hidden)} decoder layers: not one model; compare the artifact with the "
+                            "model it was compiled from")
     rows, first = [], None
     for layer, (ours, ref) in enumerate(zip(outputs, reference_hidden, strict=True)):
         ref_np = ref[:len(prompt_ids)].astype(np.float64)
+        if ours.size != ref_np.size:
+            raise MoeforgeError(f"layer {layer}: the artifact's output has {ours.size} values and the reference's "
+                                f"{list(ref_np.shape)}: not one model (hidden size); compare the artifact with the "
+                                "model it was compiled from")
         err = float(np.abs(ours.reshape(ref_np.shape).astype(np.float64) - ref_np).max())
         relative = err / max(float(np.abs(ref_np).max()), 1e-30)
         diverged = relative > LAYER_RELATIVE_LIMIT

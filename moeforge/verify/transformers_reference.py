@@ -13,7 +13,10 @@ not ship is refused with its reason.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +28,37 @@ from moeforge.model.loader import resolve_source
 from moeforge.verify.parity import TorchReference
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' own progress bars off while loading (its "Loading weights" bar, its GGUF "Converting and
+    de-quantizing" bar: minutes of them for a large GGUF); the caller names the stage instead. Restored after."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils  # optional: only these comparisons need it
+    from transformers.utils import logging as hf_logging  # optional, as above
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the bars made through transformers.utils.logging.tqdm
+    gguf_tqdm = gguf_utils.tqdm  # the GGUF reader imports tqdm.auto.tqdm itself: the switch above misses it
+    gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def check_transformers_loadable(spec: str) -> None:
+    """Refuse (``MoeforgeError``) a ``spec`` transformers has no checkpoint of: a preset with random weights."""
+    if resolve_source(spec).kind == "preset":
+        raise MoeforgeError(f"{spec} is a preset with random weights, not a checkpoint transformers can load: give "
+                            "the checkpoint with --model, or compare with --reference torch")
+
+
 def load_transformers_model(spec: str) -> Any:
     """transformers' ``AutoModelForCausalLM`` of ``spec`` (an HF folder, a .gguf file or a built-in GGUF name), float32,
     eval mode. MoeforgeError naming the problem when ``spec`` is a preset (no checkpoint) or transformers refuses."""
+    check_transformers_loadable(spec)
     source = resolve_source(spec)
-    if source.kind == "preset":
-        raise MoeforgeError(f"{spec} is a preset with random weights, not a checkpoint transformers can load: give "
-                            "the checkpoint with --model, or compare with --reference torch")
     from transformers import AutoModelForCausalLM  # lazy: seconds of import, needed only here
 
     path = Path(source.location)
@@ -47,7 +74,7 @@ def load_transformers_model(spec: str) -> Any:
                                 "with --reference torch, or compile the HF safetensors checkpoint and compare that "
                                 "with transformers")
     try:
-        with warnings.catch_warnings():  # its deprecation notices are transformers' to act on, not the user's
+        with quiet_transformers(), warnings.catch_warnings():  # its notices are transformers' to act on, not ours
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
             if source.kind == "gguf":

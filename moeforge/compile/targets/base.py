@@ -16,6 +16,7 @@ from moeforge.compile.options import CompileOptions
 from moeforge.core.config import ModelConfig
 from moeforge.core.kv_layout import KVCacheSpec
 from moeforge.core.manifest import Manifest
+from moeforge.core.progress import QUIET, Stages
 from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.loader import LoadedModel
 from moeforge.passes.base import GraphPass, PassContext, PassReport
@@ -29,13 +30,15 @@ GOLDEN_PROMPT_SEED = 1
 class CompileJob:
     """What the stages of one compile share: the options, the loaded model, the sequence length the artifact
     serves and the tokenised calibration prompts ([] without ``--calib``). ``weights``: a streamed compile's
-    (``--stream``) tensors, read one at a time; its model is on the meta device."""
+    (``--stream``) tensors, read one at a time; its model is on the meta device. ``stages``: the compile's progress
+    display, where a target names the stages it runs (``stages.stage("golden logits")``)."""
 
     options: CompileOptions
     loaded: LoadedModel
     max_seq_len: int
     prompts: list[list[int]]
     weights: LazyWeights | None = None
+    stages: Stages = QUIET
 
     @property
     def config(self) -> ModelConfig:

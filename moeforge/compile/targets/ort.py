@@ -52,6 +52,7 @@ class OrtTarget:
         """The pass list; with ``--check`` also the PyTorch reference, taken now: ``compile_model`` releases the
         torch weights once the passes are known, so that they never sit beside ONNX Runtime's copy."""
         if self.options.check and job.weights is None:  # streamed: PyTorch runs layer by layer after the write
+            job.stages.stage("check: PyTorch reference")
             prompt = default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN)
             self.reference = torch_reference(job.loaded.model, prompt, self.options.check_steps)
         kv = self.options.kv
@@ -86,9 +87,11 @@ class OrtTarget:
             if genai is not None:  # None: a layout onnxruntime-genai cannot run (absorbed MLA)
                 (folder / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=2))
         # Golden logits (Polygraphy JSON) for checking another backend, e.g. TensorRT, later.
+        job.stages.stage("golden logits")
         write_golden(folder, model_path, manifest.kv_cache,
                      default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN, seed=GOLDEN_PROMPT_SEED))
         if self.options.check:
+            job.stages.stage("check: ONNX Runtime vs PyTorch")
             if job.weights is not None:  # a model larger than memory: one PyTorch layer resident at a time
                 prompt = default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN)
                 with tqdm(total=job.config.num_hidden_layers, desc="check: PyTorch layers", unit="layer",

@@ -89,6 +89,7 @@ class TrtTarget:
         model_path = folder / MODEL_FILE
         # A rank of a sharded or pipeline artifact runs only beside its peers: no golden of its own.
         if self.options.tp == 1 and self.options.pp == 1:
+            job.stages.stage("golden logits")
             write_golden(folder, model_path, manifest.kv_cache,
                          default_prompt(job.config.vocab_size, GOLDEN_PROMPT_LEN, seed=GOLDEN_PROMPT_SEED),
                          for_engine=True)
@@ -97,5 +98,6 @@ class TrtTarget:
                              optimization_level=opts.optimization_level,
                              paged_block_size=kv.block_size if kv.paged else None, max_seq_len=job.max_seq_len,
                              timing_cache=folder / TIMING_CACHE_FILE, num_ranks=self.options.tp)
+        job.stages.stage(f"{trt.impl} engine")
         manifest.engine = build_engine(model_path, folder / PLAN_FILE, build, trt).to_dict()
         manifest.tool_versions[trt.impl] = trt.version
