@@ -169,15 +169,21 @@ class LazyWeights:
         return buffer
 
 
+def check_streamable(spec: str) -> None:
+    """Refuse (``MoeforgeError``) a ``spec`` that is not a Hugging Face safetensors folder: it loads whole."""
+    source = resolve_source(spec)
+    if source.kind != "hf":
+        raise MoeforgeError(f"--stream reads a Hugging Face safetensors folder; {spec} is a {source.kind} model, "
+                            "which loads whole: drop --stream")
+
+
 def open_lazy_model(spec: str, *, mla_impl: MLAImpl = "absorb", check_finite: bool = True
                     ) -> tuple[LoadedModel, LazyWeights]:
     """A meta-device model of the HF checkpoint folder ``spec`` and its weights, read on demand. Every tensor's
     name and shape is checked now, from the headers; values are read (and checked finite) when the artifact is
     written. Other sources (presets, GGUF files) are refused: they load whole (``load_model``)."""
+    check_streamable(spec)
     source = resolve_source(spec)
-    if source.kind != "hf":
-        raise MoeforgeError(f"--stream reads a Hugging Face safetensors folder; {spec} is a {source.kind} model, "
-                            "which loads whole: drop --stream")
     folder = Path(source.location)
     config = ModelConfig.from_hf_json(folder / "config.json")
     checkpoint = read_hf_checkpoint(folder, config)
