@@ -17,6 +17,11 @@ random weights (so no cache holds them) and nothing else in the graph:
 no dispatch, no attention, no norms and no activations between kernels. The difference to the measured step is what
 the graph adds around the kernels; the difference to the roofline is the kernels' own speed.
 
+With a run's bandwidth (``RunBandwidth``: probed before and after the kernels, as ``bench --roofline`` probes around
+its steps) each kind also gets its ``fraction`` of that bandwidth by the roofline's own rule
+(moeforge/runtime/roofline_fraction.py): never above 1; a rate above the bandwidth re-probes once and, if it
+persists, gives no fraction but the reason (a kind whose weights fit in the last-level cache reads them from there).
+
     python benchmarks/kernel_ceiling.py build/moe_speed/art-int8 --rows 1 8
 """
 
@@ -34,8 +39,10 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from moeforge.core.artifact import MODEL_FILE
+from moeforge.core.run_bandwidth import RunBandwidth
 from moeforge.passes.sparse_experts import IF_PREFIX
 from moeforge.runtime.roofline import lm_head_node
+from moeforge.runtime.roofline_fraction import roofline_fraction
 
 MIN_EXPERT_BYTES = 64 * 2**20
 
@@ -125,7 +132,8 @@ def _graph(shapes: list[dict[str, Any]], rows: int, copies: int, seed: int = 0) 
 
 def time_kernels(shapes: list[dict[str, Any]], rows: int, threads: int, copies: int = 1,
                  repeats: int = 15) -> dict[str, Any]:
-    """Median time of one run of ``shapes`` x ``copies`` at ``rows`` rows, its bytes and read rate."""
+    """Median time of one run of ``shapes`` x ``copies`` at ``rows`` rows (``seconds``, unrounded), its bytes and
+    read rate."""
     model, total = _graph(shapes, rows, copies)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -141,15 +149,19 @@ def time_kernels(shapes: list[dict[str, Any]], rows: int, threads: int, copies: 
         session.run(None, feeds)
         times.append(time.perf_counter() - start)
     seconds = float(np.median(times))
-    return {"rows": rows, "kernels": len(model.graph.node), "mib": round(total / 2**20, 1),
-            "ms": round(seconds * 1e3, 3), "gb_s": round(total / seconds / 1e9, 2)}
+    return {"rows": rows, "kernels": len(model.graph.node), "bytes": total, "mib": round(total / 2**20, 1),
+            "seconds": seconds, "ms": round(seconds * 1e3, 3), "gb_s": round(total / seconds / 1e9, 2)}
 
 
 def kernel_ceiling(artifact: str | Path, rows: int, threads: int, expert_rows: int = 1,
-                   active_expert_bytes: float | None = None) -> dict[str, Any]:
+                   active_expert_bytes: float | None = None, bandwidth: RunBandwidth | None = None) -> dict[str, Any]:
     """Each kind's kernel rate at ``rows`` rows (experts at ``expert_rows``), and with ``active_expert_bytes`` (a
-    measured step's routed bytes) the floor of a step made of these kernels alone."""
+    measured step's routed bytes) the floor of a step made of these kernels alone. With ``bandwidth`` (the run's:
+    probed before and after the kernels here) each kind's ``fraction`` of it, by ``roofline_fraction``'s rule, and the
+    probes under ``bandwidth``."""
     out: dict[str, Any] = {"rows": rows, "threads": threads}
+    if bandwidth is not None:
+        bandwidth.sample("before kernels")
     for kind, shapes in kernel_shapes(artifact).items():
         if not shapes:
             continue
@@ -158,9 +170,20 @@ def kernel_ceiling(artifact: str | Path, rows: int, threads: int, expert_rows: i
             out[kind] = time_kernels(shapes, expert_rows, threads, copies=max(1, -(-MIN_EXPERT_BYTES // one)))
         else:
             out[kind] = time_kernels(shapes, rows, threads)
+    kinds = [k for k, v in out.items() if isinstance(v, dict)]
+    if bandwidth is not None:
+        bandwidth.sample("after kernels")
+        probes = len(bandwidth.probes)
+        for kind in kinds:
+            out[kind].update(roofline_fraction(out[kind]["bytes"], out[kind]["seconds"], bandwidth).to_dict())
+        if len(bandwidth.probes) > probes:  # a re-probe raised the bandwidth: judge the kinds judged before it again
+            for kind in kinds:
+                if out[kind]["fraction_reason"] is None:
+                    out[kind].update(roofline_fraction(out[kind]["bytes"], out[kind]["seconds"], bandwidth).to_dict())
+        out["bandwidth"] = bandwidth.to_dict()
     if active_expert_bytes is not None and "routed expert" in out:
         experts_ms = active_expert_bytes / (out["routed expert"]["gb_s"] * 1e9) * 1e3
-        others = sum(v["ms"] for k, v in out.items() if isinstance(v, dict) and k != "routed expert")
+        others = sum(out[k]["ms"] for k in kinds if k != "routed expert")
         out["floor_step_ms"] = round(experts_ms + others, 2)
     return out
 
@@ -170,9 +193,12 @@ def main() -> None:
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-bandwidth", action="store_true",
+                        help="time the kernels only: no bandwidth probes, no fractions")
     args = parser.parse_args()
     for rows in args.rows:
-        print(json.dumps(kernel_ceiling(args.artifact, rows, args.threads), indent=1))
+        bandwidth = None if args.no_bandwidth else RunBandwidth.probed(args.threads)
+        print(json.dumps(kernel_ceiling(args.artifact, rows, args.threads, bandwidth=bandwidth), indent=1))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@ Steps (each reused when its output is already there):
 4. speed in alternating rounds in one process (benchmarks/peers.py): greedy decode at each ``--batches`` size
    (llama.cpp at batch 1: llama-cpp-python's API runs one sequence), TTFT, prefill of ``--prefill-len`` tokens;
 5. the memory roofline of each artifact's decode at each batch (``moeforge bench --roofline``'s numbers,
-   moeforge/runtime/roofline.py): bytes a step reads, by kind, this machine's read bandwidth, the fraction reached;
-   the floor of ONNX Runtime's kernels on its shapes (kernel_ceiling.py) and the router's share (router_share.py);
+   moeforge/runtime/roofline.py): bytes a step reads, by kind, the read bandwidth probed in that run (before and
+   after its timed steps, then before and after its kernels), the fraction reached (never above 1: the roofline's
+   rule, moeforge/runtime/roofline_fraction.py, gives none and the reason instead); the floor of ONNX Runtime's
+   kernels on its shapes (kernel_ceiling.py, their fractions of the same bandwidth) and the router's share
+   (router_share.py);
 6. expert parallelism (``--ep-compare``): the int8 model compiled ``--tp 2 --ep 2`` against unsharded, decode step
    time at batch 1 (``moeforge bench`` on each, the ranks started by the CLI).
 
@@ -45,7 +48,7 @@ from timer import Stopwatch
 
 from moeforge.cli.bench import bench_engine, write_result
 from moeforge.core.artifact import load_artifact
-from moeforge.core.bandwidth import read_bandwidth
+from moeforge.core.run_bandwidth import RunBandwidth
 from moeforge.model.loader import load_model
 
 QUANT_OF = {"q8_0": "int8", "q4_1": "int4-asym"}
@@ -102,24 +105,28 @@ def accuracy(hf_dir: Path, artifacts: dict[str, Path], ggufs: dict[str, Path], t
 
 def rooflines(artifacts: dict[str, Path], batches: list[int], prompt_len: int, new_tokens: int,
               threads: int, top_k: int) -> dict[str, Any]:
-    """Each artifact's decode against the memory roofline at each batch size (``moeforge bench --roofline``), against
-    the floor of ONNX Runtime's own kernels on its shapes (benchmarks/kernel_ceiling.py), and the router's profiled
-    share of the step (benchmarks/router_share.py)."""
-    bandwidth = read_bandwidth(threads)
-    out: dict[str, Any] = {"bandwidth": {"best_gb_s": bandwidth.best_gb_s, "median_gb_s": bandwidth.median_gb_s,
-                                         "threads": bandwidth.threads, "cached": bandwidth.cached}}
+    """Each artifact's decode against the memory roofline at each batch size (``moeforge bench --roofline``: the
+    bandwidth probed in each row's run), against the floor of ONNX Runtime's own kernels on its shapes
+    (benchmarks/kernel_ceiling.py), and the router's profiled share of the step (benchmarks/router_share.py)."""
+    out: dict[str, Any] = {}
+    used: list[float] = []
     for label, artifact in artifacts.items():
         for batch in batches:
+            bandwidth = RunBandwidth.probed(threads)  # this row's own: probed around its steps, then its kernels
             measured = bench_engine(artifact, batch, prompt_len, new_tokens, threads, roofline=bandwidth)
             roof = measured["roofline"]
             active = roof["active_experts_per_layer"]
             union = sum(active) / max(len(active), 1)  # experts a step computes per layer; each gets ~B*k/union rows
             expert_rows = max(1, round(batch * top_k / union)) if union else 1
-            ceiling = kernel_ceiling(artifact, batch, threads, expert_rows, roof["active_expert_bytes"])
+            ceiling = kernel_ceiling(artifact, batch, threads, expert_rows, roof["active_expert_bytes"],
+                                     bandwidth=bandwidth)
+            used.append(roof["bandwidth_gb_s"])
             out[f"{label} b{batch}"] = {"decode_tokens_per_s": round(measured["decode_tokens_per_s"], 2),
                                         **roof, "kernel_ceiling": ceiling,
                                         "router": router_share(artifact, batch, threads=threads)}
-    return out
+    # what the rows' bandwidths were (each row's own is in its bandwidth_gb_s and bandwidth_probes)
+    return {"bandwidth": {"source": "probed in each row's run", "threads": threads,
+                          "lowest_gb_s": min(used, default=None), "highest_gb_s": max(used, default=None)}, **out}
 
 
 def expert_parallel(hf_dir: Path, folder: Path, quant: str, prompt_len: int, new_tokens: int) -> dict[str, Any]:
@@ -178,8 +185,10 @@ def goals(summary: dict[str, Any], accuracy_by_format: dict[str, Any], roof: dic
             paired = acc.get("paired", {}).get(f"{ours} vs {theirs}")
             if paired is not None:  # the gap's 95% interval and McNemar's p: is a miss more than chance?
                 out[name].update(ci95=paired["difference_ci95"], mcnemar_p=paired["mcnemar_p"])
-        fraction = roof.get(f"{ours} b1", {}).get("fraction")
-        add(f"roofline fraction b1: {ours} >= 0.85", fraction, 0.85)
+        row = roof.get(f"{ours} b1", {})
+        add(f"roofline fraction b1: {ours} >= 0.85", row.get("fraction"), 0.85)
+        if row.get("fraction_reason") and row.get("fraction") is None:  # above 1 twice: no result, and why
+            out[f"roofline fraction b1: {ours} >= 0.85"]["reason"] = row["fraction_reason"]
         if len(batches) > 1:
             add(f"decode b{batches[-1]} / b{batches[0]}: {ours} >= 3", ratios.get(
                 f"decode b{batches[-1]} / b{batches[0]}: {ours}"), 3.0)

@@ -74,6 +74,11 @@ def _floor(row: dict[str, Any]) -> str:
     return f"{ceiling['floor_step_ms']:.1f} | {rates}"
 
 
+def _fraction(row: dict[str, Any]) -> str:
+    """The roofline fraction, or a dash where the run gave none (the reason follows the table)."""
+    return "-" if row.get("fraction") is None else f"{row['fraction']:.2f}"
+
+
 def _router(row: dict[str, Any]) -> str:
     """The router's share of the profiled step and its microseconds (benchmarks/router_share.py), or a dash."""
     router = row.get("router") or {}
@@ -118,8 +123,14 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
     roof = r.get("roofline") or {}
     band = roof.get("bandwidth")
     if band:
-        lines += [f"Decode against the memory roofline (`moeforge bench --roofline`; read bandwidth {band['best_gb_s']}"
-                  f" GB/s best, {band['median_gb_s']} median, {band['threads']} threads): the bytes a step reads "
+        if "source" in band:  # each row's bandwidth probed in its own run
+            where = (f"read bandwidth probed in each row's run, before and after its timed steps: "
+                     f"{band['lowest_gb_s']} to {band['highest_gb_s']} GB/s best, {band['threads']} threads")
+        else:  # results of a run that took one bandwidth for every row
+            where = (f"read bandwidth {band['best_gb_s']} GB/s best, {band['median_gb_s']} median, {band['threads']} "
+                     "threads" + (", the cached number: measured before this run, not in it" if band.get("cached")
+                                  else ""))
+        lines += [f"Decode against the memory roofline (`moeforge bench --roofline`; {where}): the bytes a step reads "
                   "(weights no routing skips + the union of the routed experts + the KV cache) over that bandwidth, "
                   "against the measured step; kernel time from a profiled run.", "",
                   "The kernel floor (`benchmarks/kernel_ceiling.py`) is the same step made of ONNX Runtime's kernels "
@@ -138,9 +149,12 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
             lines.append(f"| {key} | {row['step_bytes'] / mib:.0f} | {row['active_expert_bytes'] / mib:.0f} | "
                          f"{row['head_bytes'] / mib:.0f} | {sum(active) / max(len(active), 1):.1f} of "
                          f"{max(row['experts_per_layer'] or [0])} | {row['measured_step_ms']:.1f} | "
-                         f"{row['roofline_step_ms']:.1f} | {row['fraction']:.2f} | {_floor(row)} | {shares} | "
+                         f"{row['roofline_step_ms']:.1f} | {_fraction(row)} | {_floor(row)} | {shares} | "
                          f"{_router(row)} |")
         lines.append("")
+        unjudged = [(key, row) for key, row in roof.items() if key != "bandwidth" and row.get("fraction") is None]
+        if unjudged:  # a fraction above 1, twice: not a result (moeforge/runtime/roofline_fraction.py)
+            lines += [f"- {key}: {row['fraction_reason']}" for key, row in unjudged] + [""]
     ep = r.get("expert_parallel")
     if ep and "ep2_step_over_ep1" in ep:
         lines += [f"Expert parallelism at batch 1 (`--tp 2 --ep 2`, two rank processes of one thread, against "

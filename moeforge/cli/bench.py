@@ -21,11 +21,11 @@ from moeforge.cli.inspect import format_bytes
 from moeforge.cli.json_output import to_json
 from moeforge.compile.genai_config import genai_greedy
 from moeforge.core.artifact import MODEL_FILE, KVCacheSpec, load_artifact
-from moeforge.core.bandwidth import Bandwidth
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import available_memory, host_bytes
 from moeforge.core.manifest import tool_versions
 from moeforge.core.progress import StageLog
+from moeforge.core.run_bandwidth import RunBandwidth
 from moeforge.model.loader import load_model, resolve_source
 from moeforge.model.model import CausalLM
 from moeforge.runtime.backends.base import Backend
@@ -102,17 +102,21 @@ def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[in
 def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
                  threads: int | None = None, speculative_tokens: int = 0, backend: Backend | None = None,
                  expert_load_out: Path | None = None, stats_artifact: str | Path | None = None,
-                 model_name: str = "", roofline: Bandwidth | None = None,
+                 model_name: str = "", roofline: RunBandwidth | None = None,
                  rank_dirs: Sequence[Path] = (), expert_load_force: bool = False) -> dict[str, Any]:
     """Our engine: prefill tokens/s (to the last first token), decode tokens/s, TTFT (and with
     ``speculative_tokens`` the draft tokens fed and accepted). ``backend``: opened already (a sharded artifact's
     ``ShardedBackend``; ``artifact_dir`` is its rank 0). MoE artifacts also report the measured expert-load
     imbalance of the timed run (``expert_load``), written to ``expert_load_out`` as ``moeforge eplb`` reads it
     (an existing file replaced only with ``expert_load_force``), named by ``stats_artifact`` (the sharded artifact's
-    top directory; default ``artifact_dir``). With ``roofline`` (this machine's read bandwidth) the decode phase is
-    measured against the memory roofline (``roofline`` in the result: bytes a step reads, by kind, and the achieved
-    fraction; moeforge/runtime/roofline.py); for a sharded artifact ``rank_dirs`` names every rank's artifact, in
-    rank order, and the step's bytes are the ranks' sum (``ranks_roofline``)."""
+    top directory; default ``artifact_dir``). With ``roofline`` (the run's read bandwidth: probed before the engine
+    loads and right after the timed steps, unless it holds the cached number) the decode phase is measured against the
+    memory roofline (``roofline`` in the result: bytes a step reads, by kind, every probe, and the achieved fraction,
+    or none with the reason; moeforge/runtime/roofline.py); for a sharded artifact ``rank_dirs`` names every rank's
+    artifact, in rank order, and the step's bytes are the ranks' sum (``ranks_roofline``)."""
+    if roofline is not None:  # the bandwidth next to the steps it judges: before them (and before the engine takes
+        # its memory, so the probe's buffer, freed at once, does not add to the peak RSS reported), and just after
+        roofline.sample("before")
     engine = LLMEngine.from_artifact(artifact_dir, EngineConfig(
         scheduling=SchedulingOptions(max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len),
         backend=BackendOptions(threads=threads, track_expert_load=True),
@@ -140,11 +144,13 @@ def bench_engine(artifact_dir: str | Path, batch: int, prompt_len: int, new_toke
             decode_activity = engine.expert_activity()
             decode_ranks = engine.rank_expert_activity() if roofline is not None else None
     end = time.perf_counter()
+    rss = peak_rss_mib()  # before the probe below and the profiled engine are loaded
     end_activity = engine.expert_activity()
     end_ranks = engine.rank_expert_activity() if roofline is not None else None
+    if roofline is not None:
+        roofline.sample("after")
     assert first_tokens_at is not None
     ttfts = [o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None]
-    rss = peak_rss_mib()  # before the profiled engine below is loaded
     drafts = {"speculative_tokens": speculative_tokens, "draft_tokens": engine.metrics.draft_tokens,
               "accepted_draft_tokens": engine.metrics.accepted_draft_tokens} if speculative_tokens else {}
     experts = _expert_load(engine, warm_load, warm_ranks, expert_load_out, stats_artifact or artifact_dir, model_name,
@@ -336,7 +342,7 @@ def check_bench_memory(kv: KVCacheSpec, vocab: int, batch: int, prompt_len: int,
 
 def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens: int,
               threads: int | None = None, compare: bool = True, speculative_tokens: int = 0,
-              expert_load_out: Path | None = None, roofline: Bandwidth | None = None,
+              expert_load_out: Path | None = None, roofline: RunBandwidth | None = None,
               expert_load_force: bool = False, stages: StageLog | None = None) -> dict[str, Any]:
     """All measurements of ``moeforge bench`` in one run, with ratios to our engine, each named on ``stages`` (stage
     lines on stderr) as it runs. A batch whose cache and logits do not fit in the available memory is refused before
@@ -349,6 +355,8 @@ def run_bench(artifact_dir: str | Path, batch: int, prompt_len: int, new_tokens:
         check_bench_memory(artifact.manifest.kv_cache, vocab, batch, prompt_len)
     model_name = artifact.manifest.model_config.get("name")
     work = f"batch {batch}, prompt {prompt_len}, {new_tokens} new tokens"
+    if roofline is not None and roofline.cached is None:
+        work += "; the read bandwidth probed before and after"
     with stages.stage(f"measuring moeforge ({work}; then a profiled run)"):
         measured = bench_engine(artifact_dir, batch, prompt_len, new_tokens, threads, speculative_tokens,
                                 expert_load_out=expert_load_out, expert_load_force=expert_load_force,

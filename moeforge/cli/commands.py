@@ -24,13 +24,14 @@ from moeforge.compile.options import check_flags
 from moeforge.compile.plan import check_compile, plan_compile
 from moeforge.compile.sharded_compile import is_sharded, load_rank, rank_dir, read_sharded
 from moeforge.core.artifact import load_artifact, restore_interrupted
-from moeforge.core.bandwidth import read_bandwidth, usable_cores
+from moeforge.core.bandwidth import usable_cores
 from moeforge.core.errors import GroupArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
 from moeforge.core.ort_session import UNPACKED_WEIGHTS
 from moeforge.core.progress import StageLog, ticking
+from moeforge.core.run_bandwidth import RunBandwidth
 from moeforge.core.safe_paths import check_output_file
-from moeforge.model.lazy_weights import open_lazy_model
+from moeforge.model.lazy_weights import check_streamable, open_lazy_model
 from moeforge.model.loader import LoadedModel, load_config, load_model, resolve_source
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.parallel.eplb import check_plan_args, read_stats, rebalance, round_robin, write_plan
@@ -403,6 +404,8 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     if args.stream and args.reference == "transformers":
         raise MoeforgeError("--stream runs moeforge's PyTorch model one layer at a time; transformers loads the model "
                             "whole: drop --reference transformers or --stream")
+    if args.stream:  # the more basic refusal first: a reference that cannot stream at all
+        check_streamable(args.model or artifact.manifest.source)
     check_parity(args, ArtifactShape(args.artifact, Path(args.artifact), artifact.manifest))  # before a model loads
     spec_name, kv = args.model or artifact.manifest.source, artifact.manifest.kv_cache
     session_config: tuple[tuple[str, str], ...] = ()
@@ -522,8 +525,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.kv_host_bytes or args.kv_disk_dir is not None or args.kv_blocks is not None:
         raise MoeforgeError("--kv-blocks and the KV tier flags shape the --multi-turn workload's cache: add "
                             "--multi-turn, or leave them out")
-    if args.remeasure_bandwidth and not args.roofline:
-        raise MoeforgeError("--remeasure-bandwidth goes with --roofline: add it, or leave the flag out")
+    for flag, given in (("--remeasure-bandwidth", args.remeasure_bandwidth),
+                        ("--cached-bandwidth", args.cached_bandwidth)):
+        if given and not args.roofline:
+            raise MoeforgeError(f"{flag} goes with --roofline: add it, or leave the flag out")
+    if args.remeasure_bandwidth and args.cached_bandwidth:
+        raise MoeforgeError("--cached-bandwidth uses the cached number and --remeasure-bandwidth replaces it (probing "
+                            "in this run): pass one of them")
     shape = read_shape(args.artifact)
     if shape.checked_here:  # before the model loads and any rank starts: once
         check_bench(args, shape)
@@ -539,7 +547,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                 "unsharded artifact, or leave --roofline out")
         result = _sharded_bench(args)
     else:
-        bandwidth = (read_bandwidth(args.threads, remeasure=args.remeasure_bandwidth) if args.roofline else None)
+        bandwidth = _run_bandwidth(args, args.threads) if args.roofline else None
         result = run_bench(args.artifact, args.batch, args.prompt_len, args.new_tokens, args.threads,
                            compare=not args.no_compare, speculative_tokens=args.speculative_tokens,
                            expert_load_out=args.expert_load_out, expert_load_force=args.force, roofline=bandwidth,
@@ -574,6 +582,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_bandwidth(args: argparse.Namespace, threads: int | None) -> RunBandwidth:
+    """``--roofline``'s bandwidth: probed in the run (the first probe the full one, replacing the cached number, with
+    ``--remeasure-bandwidth``), or the cached number with ``--cached-bandwidth``."""
+    if args.cached_bandwidth:
+        return RunBandwidth.from_cache(threads)
+    return RunBandwidth.probed(threads, refresh_cache=args.remeasure_bandwidth)
+
+
 def _sharded_bench(args: argparse.Namespace) -> dict[str, Any] | None:
     """``moeforge bench`` on a sharded artifact: rank 0 runs the engine over all ranks (no peers compared)."""
     config = EngineConfig(backend=BackendOptions(threads=args.threads, track_expert_load=True,
@@ -586,7 +602,7 @@ def _sharded_bench(args: argparse.Namespace) -> dict[str, Any] | None:
         if args.roofline:  # rank 0 only, while the other ranks wait for its first step (all on this machine:
             # check_bench). They read together: the probe runs all their threads (the machine's cores when not given)
             threads = None if args.threads is None else min(args.threads * backend.world_size, usable_cores())
-            bandwidth = read_bandwidth(threads, remeasure=args.remeasure_bandwidth)
+            bandwidth = _run_bandwidth(args, threads)
             rank_dirs = [top / rank_dir(rank) for rank in range(backend.world_size)]
         with _stage_log(args).stage(f"measuring moeforge over {backend.world_size} ranks"):
             measured = bench_engine(top / rank_dir(0), args.batch, args.prompt_len, args.new_tokens, args.threads,

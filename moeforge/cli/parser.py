@@ -265,10 +265,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--force", action="store_true", help="replace an existing --expert-load-out file")
     bench.add_argument("--roofline", action="store_true",
                        help="measure decode against the memory roofline: the bytes a step reads (weights, the "
-                            "experts its routing computed, the head, the KV cache) over this machine's read bandwidth "
-                            "(a short probe, cached in ~/.cache/moeforge), and the fraction achieved")
+                            "experts its routing computed, the head, the KV cache) over this machine's read bandwidth, "
+                            "probed in the same run (a short probe before and after the timed steps; each one's best "
+                            "and median are reported), and the fraction achieved; a fraction above 1 re-probes once "
+                            "and, if it persists, is not printed: the reason says whether the bandwidth or the byte "
+                            "count is likely wrong")
     bench.add_argument("--remeasure-bandwidth", action="store_true",
-                       help="--roofline: probe the read bandwidth again instead of using the cached number")
+                       help="--roofline: make the probe before the timed steps the full one (a larger buffer, more "
+                            "rounds), and let it replace the cached number in ~/.cache/moeforge (the one "
+                            "--cached-bandwidth uses)")
+    bench.add_argument("--cached-bandwidth", action="store_true",
+                       help="--roofline: skip the probes and use the cached read bandwidth (probed in full and cached "
+                            "when there is none), reported with its age and conditions; a fraction above 1 still "
+                            "re-probes once")
     bench.add_argument("--save", action="store_true",
                        help="also write benchmarks/results/bench_<model>_b<B>.json, relative to the current folder "
                             "(the path written is printed)")

@@ -1,23 +1,28 @@
-"""This machine's memory read bandwidth: a short STREAM-like probe, cached per machine.
+"""This machine's memory read bandwidth: a STREAM-like probe, and a per-machine cache of its full measurement.
 
 A decode step of a large model streams its weights once, so its floor is ``bytes read / read bandwidth``: the
 memory roofline that ``moeforge bench --roofline`` compares a step against. The probe reads a buffer much larger
 than any last-level cache with ``threads`` workers at once (numpy reductions release the GIL), each summing its own
-contiguous slice, several times, and keeps the best round (STREAM reports the best too: the others were disturbed).
+contiguous slice, several times, and keeps the best round (STREAM reports the best too: the others were disturbed)
+and the median (how steady the machine was). It records the load average it ran under.
 
-The result is cached in ``~/.cache/moeforge/bandwidth.json`` (``MOEFORGE_CACHE_DIR`` overrides the folder), one
-entry per key of probe version, CPU model name, usable cores and thread count, so a second ``bench`` does not pay
-the probe again. What holds of the cache:
+The bandwidth is a property of the machine *and its load at the time*: ``bench --roofline`` probes it in the run,
+before and after the timed steps (``core/run_bandwidth.py``: a short probe, ``run_probe_bytes()`` beyond the
+last-level cache, ``RUN_PROBE_ROUNDS`` rounds). The full probe (``DEFAULT_PROBE_BYTES``, ``DEFAULT_ROUNDS``) is
+cached in ``~/.cache/moeforge/bandwidth.json`` (``MOEFORGE_CACHE_DIR`` overrides the folder), one entry per key of
+probe version, CPU model name, usable cores and thread count: a fallback for ``bench --cached-bandwidth``, which
+reports its age and conditions. What holds of the cache:
 
-- An entry whose key matches is used as it is: it is never checked against the machine again, so a machine whose
-  memory changed under the same CPU model, cores and threads keeps the old number until ``--remeasure-bandwidth``
-  probes again (a new ``PROBE_VERSION`` changes every key).
+- An entry whose key matches is what ``read_bandwidth`` returns, whatever the machine's load is now; a roofline
+  fraction above 1 against it makes the run probe again (``runtime/roofline_fraction.py``), and
+  ``--remeasure-bandwidth`` replaces it (a new ``PROBE_VERSION`` changes every key).
 - The file is read strictly (``core.strict_json``): one that is missing is measured over; one that cannot be read,
   is not a regular file, is over 64 MiB, is not JSON, nests deeper than 32 levels or is not an object is ignored
   with a warning (its other entries dropped) and measured over, with ``--remeasure-bandwidth`` too.
-- An entry is used only if it is valid (``_entry``): every field of ``Bandwidth`` with its JSON type, the rates
-  finite numbers in ``MIN_GB_S..MAX_GB_S`` with the median at most the best, the thread count the one asked for; an
-  invalid entry is ignored with a warning and measured over.
+- An entry is used only if it is valid (``_entry``): every field of ``Bandwidth`` with its JSON type (``load_1min``
+  may be absent or null: entries written before it was recorded), the rates finite numbers in ``MIN_GB_S..MAX_GB_S``
+  with the median at most the best, the thread count the one asked for; an invalid entry is ignored with a warning
+  and measured over.
 - The file is written under ``core.safe_paths``' rule: atomically, never through a link or over a special file at
   the cache file's path. A cache folder that cannot be created or takes no new file (a read-only home) skips the
   caching with a warning; the measured number is still used.
@@ -56,6 +61,11 @@ CACHE_FILE = "bandwidth.json"
 PROBE_VERSION = 1  # bump when the probe's method changes: older cached numbers are measured again
 DEFAULT_PROBE_BYTES = 512 * 2**20  # far above any CPU's last-level cache today
 DEFAULT_ROUNDS = 7
+# The short probe a run takes before and after its timed steps: a few times the last-level cache, so it reads memory,
+# not cache (``run_probe_bytes``), and fewer rounds: about 0.1 s at 128 MiB and 20 GB/s, page faults included.
+RUN_PROBE_ROUNDS = 5
+RUN_PROBE_MIN_BYTES = 64 * 2**20
+RUN_PROBE_LLC_MULTIPLE = 4
 # A cached rate outside these is not a measurement of a machine: 10 MB/s is below any memory since the 1990s, and
 # 10,000 GB/s is above any today (an H200's HBM3e reads 4,800 GB/s, a CPU socket's DDR5 well under 1,000).
 MIN_GB_S = 0.01
@@ -79,6 +89,7 @@ class Bandwidth:
     rounds: int
     cpu: str
     measured_utc: str
+    load_1min: float | None = None  # the load average while it ran: what else the machine did (None: unknown)
     cached: bool = False
 
     def __post_init__(self) -> None:
@@ -116,6 +127,67 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def last_level_cache_bytes() -> int | None:
+    """The last-level cache this process's cores share, in bytes: the sum over the distinct caches of the highest
+    level in /sys (two sockets: two L3s); None where /sys does not say."""
+    caches: dict[tuple[int, str], int] = {}  # (level, cores sharing it) -> bytes
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    for core in cores:
+        for index in Path(f"/sys/devices/system/cpu/cpu{core}/cache").glob("index*"):
+            try:
+                if (index / "type").read_text().strip() == "Instruction":
+                    continue
+                level = int((index / "level").read_text())
+                size = (index / "size").read_text().strip()
+                shared = (index / "shared_cpu_list").read_text().strip()
+            except (OSError, ValueError):
+                continue
+            unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+            digits = size.rstrip("KMG")
+            if digits.isdigit():
+                caches[(level, shared)] = int(digits) * unit
+    if not caches:
+        return None
+    top = max(level for level, _ in caches)
+    return sum(size for (level, _), size in caches.items() if level == top)
+
+
+def run_probe_bytes() -> int:
+    """The buffer of the short probe a run takes: ``RUN_PROBE_LLC_MULTIPLE`` times the last-level cache, at least
+    ``RUN_PROBE_MIN_BYTES`` and at most the full probe's ``DEFAULT_PROBE_BYTES`` (that, too, where the cache is
+    unknown)."""
+    llc = last_level_cache_bytes()
+    if llc is None:
+        return DEFAULT_PROBE_BYTES
+    return min(max(RUN_PROBE_LLC_MULTIPLE * llc, RUN_PROBE_MIN_BYTES), DEFAULT_PROBE_BYTES)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (runnable threads), None where the OS does not say."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def age_seconds(measured_utc: str, now: datetime | None = None) -> float | None:
+    """Seconds since ``measured_utc`` (an ISO 8601 time with its zone); None if it is not one."""
+    try:
+        then = datetime.fromisoformat(measured_utc)
+        return None if then.tzinfo is None else ((now or datetime.now(UTC)) - then).total_seconds()
+    except (ValueError, OverflowError):  # not a time; one whose zone moves it out of datetime's years
+        return None
+
+
+def probe_threads(threads: int | None) -> int:
+    """The probe's thread count for ``--threads`` (None or 0: the usable cores, as ``--threads 0`` leaves ONNX
+    Runtime its own choice); ``BandwidthError`` outside ``1..MAX_THREADS``."""
+    threads = min(usable_cores(), MAX_THREADS) if threads is None or threads == 0 else threads
+    if isinstance(threads, bool) or not 1 <= threads <= MAX_THREADS:
+        raise BandwidthError(f"--threads must be in 1..{MAX_THREADS} to probe the read bandwidth, got {threads}")
+    return threads
+
+
 def probe_read_bandwidth(threads: int | None = None, probe_bytes: int = DEFAULT_PROBE_BYTES,
                          rounds: int = DEFAULT_ROUNDS) -> Bandwidth:
     """Measure the read bandwidth with ``threads`` (default: the usable cores) reading ``probe_bytes`` at once."""
@@ -137,7 +209,7 @@ def probe_read_bandwidth(threads: int | None = None, probe_bytes: int = DEFAULT_
     return Bandwidth(best_gb_s=round(data.nbytes / timed[0] / 1e9, 2),
                      median_gb_s=round(data.nbytes / timed[len(timed) // 2] / 1e9, 2),
                      threads=threads, probe_bytes=int(data.nbytes), rounds=rounds, cpu=cpu_model(),
-                     measured_utc=datetime.now(UTC).isoformat(timespec="seconds"))
+                     measured_utc=datetime.now(UTC).isoformat(timespec="seconds"), load_1min=load_average())
 
 
 def _cache_key(threads: int) -> str:
@@ -145,12 +217,9 @@ def _cache_key(threads: int) -> str:
 
 
 def read_bandwidth(threads: int | None = None, remeasure: bool = False, folder: Path | None = None) -> Bandwidth:
-    """The cached read bandwidth of this machine at ``threads`` (None or 0: the usable cores, as ``--threads 0``
-    leaves ONNX Runtime its own choice), probed (and cached) when absent, invalid or ``remeasure`` (see the module
-    docstring for what the cache holds)."""
-    threads = min(usable_cores(), MAX_THREADS) if threads is None or threads == 0 else threads
-    if isinstance(threads, bool) or not 1 <= threads <= MAX_THREADS:
-        raise BandwidthError(f"--threads must be in 1..{MAX_THREADS} to probe the read bandwidth, got {threads}")
+    """The cached read bandwidth of this machine at ``threads`` (``probe_threads``), probed in full (and cached) when
+    absent, invalid or ``remeasure`` (see the module docstring for what the cache holds)."""
+    threads = probe_threads(threads)
     path = (folder or cache_dir()) / CACHE_FILE
     key = _cache_key(threads)
     entries = _read_cache(path)
@@ -201,6 +270,8 @@ def _entry(value: Any, *, source: str, field: str, threads: int) -> Bandwidth | 
             cpu=json_str(entry.get("cpu"), source=source, field=where("cpu"), max_len=512, fix=fix),
             measured_utc=json_str(entry.get("measured_utc"), source=source, field=where("measured_utc"), max_len=64,
                                   fix=fix),
+            load_1min=None if entry.get("load_1min") is None else json_number(
+                entry.get("load_1min"), source=source, field=where("load_1min"), lo=0.0, hi=1e6, fix=fix),
             cached=True)
     except JsonFileError as exc:
         log.warning("%s", exc)

@@ -11,8 +11,11 @@ A decode step of B sequences reads, at least:
   scales and zero points; ``com.microsoft.MoE``/``QMoE`` or an unlowered ``moeforge.MoEExperts``);
 - the KV cache of every sequence up to its position (``bytes_per_token`` of the manifest's KV spec per token).
 
-The roofline step time is those bytes over the measured read bandwidth (moeforge/core/bandwidth.py); the achieved
-fraction is roofline time / measured step time. Compute, dispatch and activations are what the rest of the step is.
+The roofline step time is those bytes over the read bandwidth measured in the same run (moeforge/core/run_bandwidth.py:
+probes before and after the timed steps, or the cache's number as a fallback); the achieved fraction is roofline time /
+measured step time, given only when it is at most 1 (moeforge/runtime/roofline_fraction.py: above 1 the run re-probes
+once, and if it persists reports no fraction but which input is likely wrong). Compute, dispatch and activations are
+what the rest of the step is.
 
 A sharded artifact's ranks (tp / ep) run a step at once on one machine (``ranks_roofline``): each reads its own
 graph's weights (a replicated weight once per rank, a tp-split one in halves), the union of its own experts the
@@ -32,7 +35,9 @@ import onnx
 from onnx import helper
 
 from moeforge.core.bandwidth import Bandwidth
+from moeforge.core.run_bandwidth import RunBandwidth, describe_bandwidth
 from moeforge.passes.sparse_experts import IF_PREFIX as SPARSE_IF_PREFIX
+from moeforge.runtime.roofline_fraction import RooflineFraction, roofline_fraction
 
 MS_DOMAIN = "com.microsoft"
 _MOE_EXPERT_INPUTS = {(MS_DOMAIN, "MoE"): 2, (MS_DOMAIN, "QMoE"): 2, ("moeforge", "MoEExperts"): 3}
@@ -187,8 +192,8 @@ def lm_head_node(graph: onnx.GraphProto) -> Any:
 
 
 @dataclass(frozen=True)
-class Roofline:
-    """A decode step measured against the memory roofline (bytes per step, GB/s, fractions)."""
+class StepBytes:
+    """What a decode step of ``batch`` sequences reads (bytes), by kind, and how long a measured one took."""
 
     batch: int
     weight_bytes: float  # per step: dense + gathered rows + active experts
@@ -197,7 +202,6 @@ class Roofline:
     kv_bytes: float  # per step: every sequence's cache up to its position
     active_experts_per_layer: list[float]
     experts_per_layer: list[int]
-    bandwidth: Bandwidth
     measured_step_s: float
     rank_step_bytes: list[float] = field(default_factory=list)  # sharded: what each rank read (sum: step_bytes)
 
@@ -205,60 +209,94 @@ class Roofline:
     def step_bytes(self) -> float:
         return self.weight_bytes + self.kv_bytes
 
+
+@dataclass(frozen=True)
+class Roofline:
+    """A decode step measured against the memory roofline: its bytes, the run's bandwidth, and the fraction reached
+    (``result``: None when it came out above 1 twice, with the reason)."""
+
+    step: StepBytes
+    result: RooflineFraction
+    bandwidth_report: dict[str, Any]  # RunBandwidth.to_dict() once judged: every probe of the run (the spread)
+
+    @classmethod
+    def judge(cls, step: StepBytes, run_bandwidth: RunBandwidth) -> Roofline:
+        """The step against ``run_bandwidth`` by the roofline's rule (``roofline_fraction``: it may re-probe)."""
+        result = roofline_fraction(step.step_bytes, step.measured_step_s, run_bandwidth)
+        return cls(step, result, run_bandwidth.to_dict())
+
+    @property
+    def step_bytes(self) -> float:
+        return self.step.step_bytes
+
+    @property
+    def bandwidth(self) -> Bandwidth:
+        """The bandwidth the fraction is against."""
+        return self.result.bandwidth
+
     @property
     def roofline_step_s(self) -> float:
         return self.step_bytes / self.bandwidth.bytes_per_s
 
     @property
-    def fraction(self) -> float:
-        """Achieved fraction of the roofline: 1.0 reads the bytes at the probe's bandwidth."""
-        return self.roofline_step_s / self.measured_step_s
+    def fraction(self) -> float | None:
+        """Achieved fraction of the roofline (1.0 reads the bytes at the run's bandwidth); None: not a result."""
+        return self.result.value
 
     @property
     def achieved_gb_s(self) -> float:
-        return self.step_bytes / self.measured_step_s / 1e9
+        return self.result.achieved_gb_s
 
     def to_dict(self) -> dict[str, Any]:
+        step = self.step
         return {
-            "batch": self.batch,
-            "step_bytes": round(self.step_bytes),
-            "weight_bytes": round(self.weight_bytes),
-            "active_expert_bytes": round(self.active_expert_bytes),
-            "head_bytes": self.head_bytes,
-            "kv_bytes": round(self.kv_bytes),
-            "active_experts_per_layer": [round(a, 2) for a in self.active_experts_per_layer],
-            "experts_per_layer": self.experts_per_layer,
-            "bandwidth_gb_s": self.bandwidth.best_gb_s,
-            "bandwidth_median_gb_s": self.bandwidth.median_gb_s,
-            "bandwidth_threads": self.bandwidth.threads,
-            "measured_step_ms": round(1e3 * self.measured_step_s, 3),
+            "batch": step.batch,
+            "step_bytes": round(step.step_bytes),
+            "weight_bytes": round(step.weight_bytes),
+            "active_expert_bytes": round(step.active_expert_bytes),
+            "head_bytes": step.head_bytes,
+            "kv_bytes": round(step.kv_bytes),
+            "active_experts_per_layer": [round(a, 2) for a in step.active_experts_per_layer],
+            "experts_per_layer": step.experts_per_layer,
+            **self.bandwidth_report,  # bandwidth_gb_s: the one the fraction is against (the run's highest)
+            "measured_step_ms": round(1e3 * step.measured_step_s, 3),
             "roofline_step_ms": round(1e3 * self.roofline_step_s, 3),
             "achieved_gb_s": round(self.achieved_gb_s, 2),
-            "fraction": round(self.fraction, 3),
-            **({"ranks": len(self.rank_step_bytes), "rank_step_bytes": [round(b) for b in self.rank_step_bytes]}
-               if self.rank_step_bytes else {}),
+            **self.result.to_dict(),
+            **({"ranks": len(step.rank_step_bytes), "rank_step_bytes": [round(b) for b in step.rank_step_bytes]}
+               if step.rank_step_bytes else {}),
         }
 
 
-def decode_roofline(traffic: WeightTraffic, *, batch: int, mean_context: float, kv_bytes_per_token: int,
-                    active_experts: np.ndarray | None, bandwidth: Bandwidth, decode_tokens_per_s: float) -> Roofline:
-    """The roofline of a decode step of ``batch`` sequences at ``mean_context`` tokens of cache each, whose MoE
-    layers computed ``active_experts`` [L_moe] experts on average, measured at ``decode_tokens_per_s`` (all
-    sequences together)."""
+def decode_step_bytes(traffic: WeightTraffic, *, batch: int, mean_context: float, kv_bytes_per_token: int,
+               active_experts: np.ndarray | None, decode_tokens_per_s: float) -> StepBytes:
+    """The bytes of a decode step of ``batch`` sequences at ``mean_context`` tokens of cache each, whose MoE layers
+    computed ``active_experts`` [L_moe] experts on average, measured at ``decode_tokens_per_s`` (all sequences
+    together)."""
     if batch < 1 or decode_tokens_per_s <= 0:
         raise ValueError(f"need batch >= 1 and a positive decode rate (got {batch}, {decode_tokens_per_s})")
     active = np.zeros(0) if active_experts is None else np.asarray(active_experts, np.float64)
     weights = traffic.step_weight_bytes(batch, active if traffic.expert_bytes else None)
     routed = float(np.dot(active, traffic.expert_bytes)) if traffic.expert_bytes else 0.0
-    return Roofline(batch=batch, weight_bytes=weights, active_expert_bytes=routed, head_bytes=traffic.head_bytes,
-                    kv_bytes=batch * mean_context * kv_bytes_per_token,
-                    active_experts_per_layer=[float(a) for a in active], experts_per_layer=list(traffic.experts),
-                    bandwidth=bandwidth, measured_step_s=batch / decode_tokens_per_s)
+    return StepBytes(batch=batch, weight_bytes=weights, active_expert_bytes=routed, head_bytes=traffic.head_bytes,
+                     kv_bytes=batch * mean_context * kv_bytes_per_token,
+                     active_experts_per_layer=[float(a) for a in active], experts_per_layer=list(traffic.experts),
+                     measured_step_s=batch / decode_tokens_per_s)
+
+
+def decode_roofline(traffic: WeightTraffic, *, batch: int, mean_context: float, kv_bytes_per_token: int,
+                    active_experts: np.ndarray | None, bandwidth: RunBandwidth,
+                    decode_tokens_per_s: float) -> Roofline:
+    """The roofline of a decode step (``decode_step_bytes``) against the run's ``bandwidth`` (``roofline_fraction``'s
+    rule)."""
+    step = decode_step_bytes(traffic, batch=batch, mean_context=mean_context, kv_bytes_per_token=kv_bytes_per_token,
+                             active_experts=active_experts, decode_tokens_per_s=decode_tokens_per_s)
+    return Roofline.judge(step, bandwidth)
 
 
 def ranks_roofline(traffics: Sequence[WeightTraffic], *, batch: int, mean_context: float,
-                   kv_bytes_per_token: Sequence[int], active_experts: Sequence[np.ndarray | None], bandwidth: Bandwidth,
-                   decode_tokens_per_s: float) -> Roofline:
+                   kv_bytes_per_token: Sequence[int], active_experts: Sequence[np.ndarray | None],
+                   bandwidth: RunBandwidth, decode_tokens_per_s: float) -> Roofline:
     """The roofline of a step of a sharded artifact whose ranks run at once on this machine: rank ``r`` reads
     ``traffics[r]``'s weights with its own ``active_experts[r]`` [L_moe] and ``kv_bytes_per_token[r]``; the step reads
     their sum through one memory (``bandwidth``: probed with all the ranks' threads). Per layer, the experts computed
@@ -266,25 +304,26 @@ def ranks_roofline(traffics: Sequence[WeightTraffic], *, batch: int, mean_contex
     if not traffics or not len(traffics) == len(kv_bytes_per_token) == len(active_experts):
         raise ValueError(f"need one traffic, KV size and activity per rank (got {len(traffics)}, "
                          f"{len(kv_bytes_per_token)}, {len(active_experts)})")
-    parts = [decode_roofline(traffic, batch=batch, mean_context=mean_context, kv_bytes_per_token=kv,
-                             active_experts=active, bandwidth=bandwidth, decode_tokens_per_s=decode_tokens_per_s)
+    parts = [decode_step_bytes(traffic, batch=batch, mean_context=mean_context, kv_bytes_per_token=kv,
+                               active_experts=active, decode_tokens_per_s=decode_tokens_per_s)
              for traffic, kv, active in zip(traffics, kv_bytes_per_token, active_experts, strict=True)]
     layers = {len(p.active_experts_per_layer) for p in parts} | {len(p.experts_per_layer) for p in parts}
     if len(layers) > 1:
         raise ValueError(f"the ranks' graphs disagree on their MoE layers ({sorted(layers)}): not one artifact's ranks")
     active = np.sum([p.active_experts_per_layer for p in parts], axis=0) if parts[0].active_experts_per_layer else []
     held = np.sum([p.experts_per_layer for p in parts], axis=0) if parts[0].experts_per_layer else []
-    return Roofline(batch=batch, weight_bytes=sum(p.weight_bytes for p in parts),
-                    active_expert_bytes=sum(p.active_expert_bytes for p in parts),
-                    head_bytes=sum(p.head_bytes for p in parts), kv_bytes=sum(p.kv_bytes for p in parts),
-                    active_experts_per_layer=[float(a) for a in active], experts_per_layer=[int(e) for e in held],
-                    bandwidth=bandwidth, measured_step_s=parts[0].measured_step_s,
-                    rank_step_bytes=[p.step_bytes for p in parts])
+    step = StepBytes(batch=batch, weight_bytes=sum(p.weight_bytes for p in parts),
+                     active_expert_bytes=sum(p.active_expert_bytes for p in parts),
+                     head_bytes=sum(p.head_bytes for p in parts), kv_bytes=sum(p.kv_bytes for p in parts),
+                     active_experts_per_layer=[float(a) for a in active], experts_per_layer=[int(e) for e in held],
+                     measured_step_s=parts[0].measured_step_s, rank_step_bytes=[p.step_bytes for p in parts])
+    return Roofline.judge(step, bandwidth)
 
 
 def format_roofline(report: dict[str, Any]) -> str:
-    """Human lines from ``Roofline.to_dict()``: where a step's bytes are, and how close it comes to reading them at
-    the probe's bandwidth."""
+    """Human lines from ``Roofline.to_dict()``: where a step's bytes are, the run's bandwidth (each probe's best and
+    median), and how close the step comes to reading them at that bandwidth; no fraction where it came out above 1
+    twice, but the reason."""
     mib = 2**20
     experts = report["experts_per_layer"]
     lines = [f"roofline (batch {report['batch']}): a decode step reads {report['step_bytes'] / mib:.1f} MiB: weights "
@@ -301,9 +340,16 @@ def format_roofline(report: dict[str, Any]) -> str:
         lines.append(f"  {report['ranks']} ranks on this machine read "
                      + " + ".join(f"{b / mib:.1f}" for b in report["rank_step_bytes"])
                      + " MiB a step: their sum through one memory")
-    lines.append(f"  read bandwidth {report['bandwidth_gb_s']:.1f} GB/s ({report['bandwidth_threads']} threads): "
-                 f"roofline step {report['roofline_step_ms']:.2f} ms, measured {report['measured_step_ms']:.2f} ms "
-                 f"-> {report['fraction']:.2f} of the roofline ({report['achieved_gb_s']:.1f} GB/s)")
+    lines.append(f"  {describe_bandwidth(report)}")
+    steps = f"  roofline step {report['roofline_step_ms']:.2f} ms, measured {report['measured_step_ms']:.2f} ms"
+    if report["fraction"] is None:
+        lines.append(f"{steps} ({report['achieved_gb_s']:.1f} GB/s read): {report['fraction_reason']}")
+    else:
+        fraction = report["fraction"]
+        lines.append(f"{steps} -> {fraction:.2f}" if fraction >= 0.01 else f"{steps} -> {fraction:.2g}")
+        lines[-1] += f" of the roofline ({report['achieved_gb_s']:.1f} GB/s)"
+        if report.get("fraction_reason"):  # how it was reached: a re-probe replaced a stale number
+            lines.append(f"  ({report['fraction_reason']})")
     shares = report.get("kernel_time_shares")
     if shares:
         lines.append("  kernel time (profiled run): " + ", ".join(f"{op} {100 * v:.0f}%" for op, v in

@@ -64,13 +64,16 @@ def test_moe_speed_goals_read_the_same_runs_ratios():
 
     summary = {"ratios": {"decode b1: moeforge int8 / llama.cpp Q8_0": 1.3, "decode b8 / b1: moeforge int8": 2.5}}
     accuracy = {"q8_0": {"moeforge int8": {"top1_agreement": 0.98}, "llama.cpp Q8_0": {"top1_agreement": 0.97}}}
-    roof = {"moeforge int8 b1": {"fraction": 0.6}}
+    roof = {"moeforge int8 b1": {"fraction": 0.6},  # above 1 twice: no fraction, and why (the roofline's rule)
+            "moeforge int4-asym b1": {"fraction": None, "fraction_reason": "no fraction: likely the byte count"}}
     goals = moe_speed.goals(summary, accuracy, roof, [1, 8])
     assert goals["decode b1: moeforge int8 / llama.cpp Q8_0 >= 1.2"]["met"] is True
     assert goals["top-1: moeforge int8 - llama.cpp Q8_0 >= 0"]["value"] == pytest.approx(0.01)
     assert goals["roofline fraction b1: moeforge int8 >= 0.85"]["met"] is False
     assert goals["decode b8 / b1: moeforge int8 >= 3"]["met"] is False
     assert goals["decode b1: moeforge int4-asym / llama.cpp Q4_1 >= 1.2"]["met"] is None  # not measured
+    assert goals["roofline fraction b1: moeforge int4-asym >= 0.85"] == {
+        "value": None, "bar": 0.85, "met": None, "reason": "no fraction: likely the byte count"}
 
 
 def _votes(target: np.ndarray, right: np.ndarray) -> np.ndarray:

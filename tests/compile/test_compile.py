@@ -294,8 +294,11 @@ def test_bench_roofline_reports_the_active_experts_bytes(capsys, artifacts, tmp_
     assert roof["active_experts_per_layer"] == [moe.num_experts_per_tok] * len(roof["experts_per_layer"])
     assert roof["experts_per_layer"] == [moe.n_routed_experts] * len(roof["experts_per_layer"])
     assert 0 < roof["active_expert_bytes"] < roof["weight_bytes"] <= roof["step_bytes"]
-    assert roof["kv_bytes"] > 0 and 0 < roof["fraction"] and roof["bandwidth_gb_s"] > 0
-    assert (tmp_path / "bandwidth.json").is_file()  # the probe is cached for the next bench
+    assert roof["kv_bytes"] > 0 and 0 < roof["fraction"] <= 1 and roof["bandwidth_gb_s"] > 0
+    # the bandwidth probed in this run, before and after its timed steps; the cache is only a fallback
+    assert roof["bandwidth_source"] == "probed in this run"
+    assert [p["when"] for p in roof["bandwidth_probes"]] == ["before", "after"]
+    assert not (tmp_path / "bandwidth.json").exists()
     code, stdout, _ = _cli(capsys, "bench", str(artifact), "--batch", "2", "--prompt-len", "8", "--new-tokens", "6",
                            "--no-compare", "--roofline")
     assert code == 0 and "of the roofline" in stdout and "experts computed per MoE layer" in stdout

@@ -237,6 +237,8 @@ def test_a_valid_entry_is_used(tmp_path: Path, probes: list[int | None]) -> None
     (_entry(threads=2.0), "threads"),
     (_entry(rounds=...), "rounds"),
     (_entry(cpu=["x"]), "cpu"),
+    (_entry(load_1min="busy"), "load_1min"),  # optional (older entries lack it), but a number where given
+    (_entry(load_1min=-1.0), "load_1min"),
     ("fast", ""),
     ([20.0], ""),
 ])

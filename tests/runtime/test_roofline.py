@@ -1,16 +1,23 @@
 """The memory roofline (moeforge/runtime/roofline.py, moeforge/core/bandwidth.py): a step's weight bytes by kind,
 counted from the compiled graph and checked against the model config's own arithmetic; the experts a step computes
-(the union over its tokens) against the PyTorch router; the bandwidth probe and its per-machine cache."""
+(the union over its tokens) against the PyTorch router; the bandwidth probe and its per-machine cache; ``bench
+--roofline`` against the bandwidth probed in its own run (the probe replaced by fixed numbers: a stale low cache, a
+persisting fraction above 1, the cache as a fallback with its age)."""
 
 import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
 
+from moeforge.cli import main
 from moeforge.compile.driver import CompileOptions, compile_model
-from moeforge.core.bandwidth import CACHE_FILE, Bandwidth, probe_read_bandwidth, read_bandwidth
+from moeforge.core import bandwidth as bandwidth_mod
+from moeforge.core.bandwidth import CACHE_FILE, MIN_GB_S, Bandwidth, probe_read_bandwidth, read_bandwidth
+from moeforge.core.run_bandwidth import RunBandwidth
 from moeforge.model.loader import load_model
 from moeforge.runtime.backends.onnxruntime import ExpertCounter
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine, SchedulingOptions
@@ -60,12 +67,13 @@ def test_a_step_reads_its_active_experts_only():
     assert traffic.step_weight_bytes(8, np.array([5.5, 8])) == 1000 + 80 + 5.5 * 50 + 8 * 70
     with pytest.raises(ValueError, match="2 MoE layers"):
         traffic.step_weight_bytes(1, np.array([2]))
-    bandwidth = Bandwidth(best_gb_s=10.0, median_gb_s=9.0, threads=2, probe_bytes=1, rounds=1, cpu="", measured_utc="")
+    bandwidth = RunBandwidth(threads=2, cached=Bandwidth(best_gb_s=10.0, median_gb_s=9.0, threads=2, probe_bytes=1,
+                                                         rounds=1, cpu="", measured_utc="", cached=True))
     roof = decode_roofline(traffic, batch=2, mean_context=100, kv_bytes_per_token=4, active_experts=np.array([3, 4]),
                            bandwidth=bandwidth, decode_tokens_per_s=2e6)
     step = 1000 + 20 + 3 * 50 + 4 * 70 + 2 * 100 * 4
     assert roof.step_bytes == step
-    assert roof.measured_step_s == pytest.approx(1e-6)
+    assert roof.step.measured_step_s == pytest.approx(1e-6)
     assert roof.fraction == pytest.approx(step / 1e10 / 1e-6)
     text = format_roofline(roof.to_dict())
     assert "of the roofline" in text and "3.50 of 8" in text
@@ -78,15 +86,16 @@ def test_ranks_read_their_own_bytes_through_one_memory():
 
     ranks = [WeightTraffic(dense_bytes=600, head_bytes=60, gathered_row_bytes=10, expert_bytes=[50, 70],
                            experts=[4, 4], total_bytes=0) for _ in range(2)]
-    bandwidth = Bandwidth(best_gb_s=10.0, median_gb_s=9.0, threads=2, probe_bytes=1, rounds=1, cpu="", measured_utc="")
+    bandwidth = RunBandwidth(threads=2, cached=Bandwidth(best_gb_s=10.0, median_gb_s=9.0, threads=2, probe_bytes=1,
+                                                         rounds=1, cpu="", measured_utc="", cached=True))
     roof = ranks_roofline(ranks, batch=1, mean_context=100, kv_bytes_per_token=[2, 2],
                           active_experts=[np.array([3, 1]), np.array([1, 3])], bandwidth=bandwidth,
                           decode_tokens_per_s=1e6)
     rank0 = 600 + 10 + 3 * 50 + 1 * 70 + 100 * 2
     rank1 = 600 + 10 + 1 * 50 + 3 * 70 + 100 * 2
-    assert roof.rank_step_bytes == [rank0, rank1] and roof.step_bytes == rank0 + rank1
-    assert roof.active_experts_per_layer == [4, 4] and roof.experts_per_layer == [8, 8]
-    assert roof.active_expert_bytes == 4 * 50 + 4 * 70 and roof.head_bytes == 120
+    assert roof.step.rank_step_bytes == [rank0, rank1] and roof.step_bytes == rank0 + rank1
+    assert roof.step.active_experts_per_layer == [4, 4] and roof.step.experts_per_layer == [8, 8]
+    assert roof.step.active_expert_bytes == 4 * 50 + 4 * 70 and roof.step.head_bytes == 120
     assert roof.fraction == pytest.approx((rank0 + rank1) / 1e10 / 1e-6)
     report = roof.to_dict()
     assert report["ranks"] == 2 and report["rank_step_bytes"] == [rank0, rank1]
@@ -152,3 +161,111 @@ def test_bandwidth_probe_and_its_cache(tmp_path):
     assert json.loads((tmp_path / CACHE_FILE).read_text())  # and rewritten whole
     with pytest.raises(ValueError, match="threads >= 1"):
         probe_read_bandwidth(threads=0)
+
+
+# ------------------------------------------------------------------------- bench --roofline and the run's bandwidth
+def _bandwidth(best: float, median: float, threads: int, probe_bytes: int = 2**20, rounds: int = 2) -> Bandwidth:
+    return Bandwidth(best_gb_s=best, median_gb_s=median, threads=threads, probe_bytes=probe_bytes, rounds=rounds,
+                     cpu="test", measured_utc=datetime.now(UTC).isoformat(timespec="seconds"), load_1min=0.5)
+
+
+@pytest.fixture
+def probe_at(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
+    """The probe replaced by fixed numbers (``state["best"]``, ``state["median"]`` GB/s; the real one reads 128-512
+    MiB), its calls recorded; the bandwidth cache in ``tmp_path``."""
+    state: dict[str, Any] = {"best": 400.0, "median": 380.0, "calls": []}
+
+    def probe(threads: int | None = None, probe_bytes: int = bandwidth_mod.DEFAULT_PROBE_BYTES,
+              rounds: int = bandwidth_mod.DEFAULT_ROUNDS) -> Bandwidth:
+        state["calls"].append((threads, probe_bytes, rounds))
+        return _bandwidth(state["best"], state["median"], threads or 1, probe_bytes, rounds)
+
+    monkeypatch.setattr(bandwidth_mod, "probe_read_bandwidth", probe)
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path))
+    return state
+
+
+def _cache(folder: Path, best: float, age: timedelta) -> dict[str, Any]:
+    """A cache entry for the bench's threads (the usable cores) of ``best`` GB/s, measured ``age`` ago."""
+    threads = bandwidth_mod.probe_threads(None)
+    entry = {"best_gb_s": best, "median_gb_s": best, "threads": threads, "probe_bytes": 2**29, "rounds": 7,
+             "cpu": "test", "measured_utc": (datetime.now(UTC) - age).isoformat(timespec="seconds")}
+    (folder / CACHE_FILE).write_text(json.dumps({bandwidth_mod._cache_key(threads): entry}))
+    return entry
+
+
+def _bench(capsys: pytest.CaptureFixture[str], artifact: Path, *flags: str) -> tuple[int, str, str]:
+    code = main(["bench", str(artifact), "--batch", "1", "--prompt-len", "4", "--new-tokens", "4", "--no-compare",
+                 "--roofline", "--quiet", *flags])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_stale_low_cache_is_not_the_runs_bandwidth(int8_artifact, probe_at, tmp_path, capsys):
+    """The cache holds the bandwidth a busy first run measured, far below the machine's: bench probes in the run and
+    uses that, so the fraction is at most 1; with --cached-bandwidth it starts from the cache, finds the step reading
+    faster than it, re-probes once and uses the re-probe; --remeasure-bandwidth replaces the cached number."""
+    stale = _cache(tmp_path, MIN_GB_S, timedelta(days=2))
+    code, out, err = _bench(capsys, int8_artifact, "--json")
+    assert code == 0, err
+    roof = json.loads(out)["moeforge_onnxruntime"]["roofline"]
+    assert roof["achieved_gb_s"] > stale["best_gb_s"]  # the cached number would give a fraction above 1
+    assert roof["bandwidth_source"] == "probed in this run" and roof["bandwidth_gb_s"] == 400.0
+    assert 0 < roof["fraction"] <= 1 and roof["fraction_reason"] is None
+    assert [p["when"] for p in roof["bandwidth_probes"]] == ["before", "after"]
+    assert [(p["best_gb_s"], p["median_gb_s"]) for p in roof["bandwidth_probes"]] == [(400.0, 380.0)] * 2
+    short = (bandwidth_mod.run_probe_bytes(), bandwidth_mod.RUN_PROBE_ROUNDS)
+    assert [call[1:] for call in probe_at["calls"]] == [short, short]  # the short probe, not the 512 MiB one
+    assert "bandwidth_cache" not in roof and json.loads((tmp_path / CACHE_FILE).read_text())  # the cache untouched
+
+    probe_at["calls"].clear()
+    code, out, err = _bench(capsys, int8_artifact, "--json", "--cached-bandwidth")
+    assert code == 0, err
+    roof = json.loads(out)["moeforge_onnxruntime"]["roofline"]
+    assert roof["bandwidth_source"] == "probed in this run" and roof["bandwidth_gb_s"] == 400.0
+    assert 0 < roof["fraction"] <= 1 and "stale" in roof["fraction_reason"]
+    assert "GB/s of the cache, 2.0 days old" in roof["fraction_reason"]
+    assert [p["when"] for p in roof["bandwidth_probes"]] == ["re-probe"] and len(probe_at["calls"]) == 1
+    assert roof["bandwidth_cache"]["best_gb_s"] == MIN_GB_S
+    assert roof["bandwidth_cache"]["age_s"] == pytest.approx(2 * 86400, abs=600)
+
+    code, out, err = _bench(capsys, int8_artifact, "--json", "--remeasure-bandwidth")
+    assert code == 0, err
+    roof = json.loads(out)["moeforge_onnxruntime"]["roofline"]
+    assert roof["bandwidth_probes"][0]["when"] == "before (full probe, now cached)"
+    assert roof["bandwidth_probes"][0]["probe_bytes"] == bandwidth_mod.DEFAULT_PROBE_BYTES
+    assert read_bandwidth(folder=tmp_path).best_gb_s == 400.0  # the cache now holds the full probe's number
+
+
+def test_the_cache_as_a_fallback_says_its_age_and_the_spread_is_printed(int8_artifact, probe_at, tmp_path, capsys):
+    _cache(tmp_path, 900.0, timedelta(days=3))  # above anything the tiny step reads: no re-probe
+    code, out, err = _bench(capsys, int8_artifact, "--cached-bandwidth")
+    assert code == 0, err
+    assert probe_at["calls"] == []  # the cached number, no probe
+    assert "read bandwidth 900.0 GB/s" in out and "the cached number 900.0 / 900.0, 3.0 days old" in out
+    assert "512 MiB x 7 rounds" in out and "--remeasure-bandwidth replaces it" in out and "of the roofline" in out
+    probe_at.update(best=500.0, median=250.0)
+    code, out, err = _bench(capsys, int8_artifact)
+    assert code == 0, err
+    assert "probed in this run" in out and "before 500.0 / 250.0, after 500.0 / 250.0" in out
+    code, _, err = _bench(capsys, int8_artifact, "--cached-bandwidth", "--remeasure-bandwidth")
+    assert code == 2 and "pass one of them" in err
+    assert main(["bench", str(int8_artifact), "--no-compare", "--cached-bandwidth"]) == 2
+    assert "--cached-bandwidth goes with --roofline" in capsys.readouterr().err
+
+
+def test_a_fraction_above_1_that_persists_is_not_printed_but_explained(int8_artifact, probe_at, capsys):
+    """Every probe reads less than the step: re-probed once, still above 1, so no fraction, and the probes agree, so
+    the byte count is the likely culprit (the tiny model's step fits in the last-level cache)."""
+    probe_at.update(best=0.001, median=0.00095)
+    code, out, err = _bench(capsys, int8_artifact, "--json")
+    assert code == 0, err
+    roof = json.loads(out)["moeforge_onnxruntime"]["roofline"]
+    assert roof["fraction"] is None and roof["fraction_suspect"] == "bytes"
+    assert "re-probed once, and it persists" in roof["fraction_reason"]
+    assert "likely the byte count" in roof["fraction_reason"]
+    assert [p["when"] for p in roof["bandwidth_probes"]] == ["before", "after", "re-probe"]
+    code, out, err = _bench(capsys, int8_artifact)
+    assert code == 0, err
+    assert "of the roofline" not in out  # no fraction printed
+    assert "no fraction" in out and "likely the byte count" in out and "re-probe 0.0 / 0.0" in out
