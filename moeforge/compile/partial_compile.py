@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,11 +43,19 @@ from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.safe_paths import (
     OWNED_MARKER,
     create_owned_dir,
+    expand_user,
     is_owned_dir,
     remove_owned_dir,
-    write_output_file,
+    remove_tree,
 )
-from moeforge.core.strict_json import JsonFileError, json_int, json_object, json_str, read_json_file
+from moeforge.core.strict_json import (
+    JsonFileError,
+    json_int,
+    json_object,
+    json_str,
+    read_json_file,
+    read_regular_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +74,19 @@ def compile_fingerprint(options: CompileOptions) -> str:
     moeforge's version."""
     settings = dataclasses.asdict(dataclasses.replace(options, output_dir=Path("."), force=False, progress=False,
                                                       workers=1, max_memory=None))
-    source = Path(options.model).expanduser()
+    source = expand_user(options.model)
     if source.is_dir():
         files = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(source.iterdir()) if p.is_file()]
     elif source.is_file():
         files = [[source.name, source.stat().st_size, source.stat().st_mtime_ns]]
     else:  # a preset or built-in model: its name (and moeforge's version) decide it
         files = [[options.model]]
-    placement = options.placement
-    plan = hashlib.sha256(placement.expanduser().read_bytes()).hexdigest() \
-        if placement is not None and placement.expanduser().is_file() else None  # its content, not only its path
+    plan = None
+    if options.placement is not None:  # its content, not only its path; read as the plan is (regular, bounded)
+        try:
+            plan = hashlib.sha256(read_regular_file(expand_user(options.placement), what="placement plan")).hexdigest()
+        except JsonFileError as exc:
+            raise MoeforgeError(str(exc)) from None
     text = json.dumps({"moeforge": __version__, "options": settings, "source": files, "placement": plan},
                       sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -88,12 +98,32 @@ class PartialCompile:
 
     root: Path
     done: set[int]
+    fd: int | None = None  # the locked directory, open: what ``root`` must still name (None: not checked)
 
     def seal(self) -> None:
-        """Drop resume.json and the ownership marker: the directory is complete and becomes the artifact next."""
+        """Drop resume.json and the ownership marker: the directory is complete and becomes the artifact next. Refused
+        if ``root`` no longer names the locked directory (replaced by a link to a user's folder meanwhile): nothing
+        there is removed, and the compile fails instead of installing it."""
+        if self.fd is not None:
+            _check_still(self.root, self.fd)
         for name in (RESUME_FILE, OWNED_MARKER):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.root / name)
+                if self.fd is None:
+                    os.unlink(self.root / name)
+                else:
+                    os.unlink(name, dir_fd=self.fd)
+
+
+def _check_still(root: Path, fd: int) -> None:
+    """Refuse a ``root`` that is no longer the directory ``fd`` holds open (renamed away, a link put in its place)."""
+    try:
+        now = os.lstat(root)
+    except OSError:
+        now = None
+    held = os.fstat(fd)
+    if now is None or not stat.S_ISDIR(now.st_mode) or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+        raise MoeforgeError(f"{root} was replaced while the compile wrote it (by a link or another folder); moeforge "
+                            "leaves it as it is and installs nothing: move it away and compile again")
 
 
 @contextlib.contextmanager
@@ -115,10 +145,9 @@ def open_partial(out: Path, options: CompileOptions, tp: int) -> Iterator[Partia
             raise MoeforgeError(f"another compile is writing {out} (it holds {root}); wait for it to finish, or "
                                 "write to another directory") from None
         fingerprint = compile_fingerprint(options)
-        done = _resumable(root, fingerprint, tp)
-        write_output_file(root / RESUME_FILE, json.dumps({"fingerprint": fingerprint, "tp": tp}) + "\n", force=True,
-                          flag="resume record")
-        partial = PartialCompile(root, done)
+        done = _resumable(root, fingerprint, tp, fd)  # by descriptor: a link put at root's name is not followed
+        _write_resume(fd, json.dumps({"fingerprint": fingerprint, "tp": tp}) + "\n")
+        partial = PartialCompile(root, done, fd)
         try:
             yield partial
         except Exception:
@@ -181,25 +210,46 @@ def _previous(root: Path) -> dict[str, object] | None:
         return {}
 
 
-def _resumable(root: Path, fingerprint: str, tp: int) -> set[int]:
+def _write_resume(fd: int, text: str) -> None:
+    """Write resume.json in the locked directory ``fd``, by descriptor (atomically: a temporary file, renamed)."""
+    tmp = f".{RESUME_FILE}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=fd)
+    handle = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd)
+    with os.fdopen(handle, "w") as file:
+        file.write(text)
+    os.replace(tmp, RESUME_FILE, src_dir_fd=fd, dst_dir_fd=fd)
+
+
+def _resumable(root: Path, fingerprint: str, tp: int, fd: int | None = None) -> set[int]:
     """The ranks of ``root`` a rerun may keep; everything else in ``root`` (but moeforge's marker) is removed, links
-    as links."""
+    as links. With ``fd`` (``root`` open), the directory is listed and cleared through it."""
     previous = _previous(root)
     same = previous == {"fingerprint": fingerprint, "tp": tp}
     if previous is not None and not same:
         log.warning("%s holds ranks of a compile with other options or another source: starting over", root)
     done: set[int] = set()
-    for entry in list(root.iterdir()):
-        if entry.name == OWNED_MARKER:
+    for name in os.listdir(root if fd is None else fd):
+        if name == OWNED_MARKER:
             continue
-        real_dir = stat.S_ISDIR(os.lstat(entry).st_mode)  # lstat: a link to a folder is a link, not a folder
-        rank = int(entry.name[4:]) if entry.name.startswith("rank") and entry.name[4:].isdigit() else None
+        entry = root / name
+        try:  # a link to a folder is a link, not a folder
+            mode = os.stat(entry if fd is None else name, dir_fd=fd, follow_symlinks=False).st_mode
+            real_dir = stat.S_ISDIR(mode)
+        except FileNotFoundError:
+            continue
+        rank = int(name[4:]) if name.startswith("rank") and name[4:].isdigit() else None
         if same and real_dir and rank is not None and rank < tp and _verified(entry, rank, tp):
             done.add(rank)
-        elif real_dir:
-            shutil.rmtree(entry)  # fd-based on Linux: links inside are removed, not followed
-        else:
-            entry.unlink()
+        else:  # a folder of any depth, by descriptor: links inside are removed, never followed
+            try:
+                if fd is None:
+                    remove_tree(entry)
+                else:
+                    remove_tree(name, dir_fd=fd)
+            except OSError as exc:
+                raise MoeforgeError(f"cannot clear {entry} ({exc.strerror or exc}) in the partial directory of a "
+                                    f"killed compile; remove {root} yourself and compile again") from None
     return done
 
 

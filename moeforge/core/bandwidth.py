@@ -21,8 +21,8 @@ reports its age and conditions. What holds of the cache:
   with a warning (its other entries dropped) and measured over, with ``--remeasure-bandwidth`` too.
 - An entry is used only if it is valid (``_entry``): every field of ``Bandwidth`` with its JSON type (``load_1min``
   may be absent or null: entries written before it was recorded), the rates finite numbers in ``MIN_GB_S..MAX_GB_S``
-  with the median at most the best, the thread count the one asked for; an invalid entry is ignored with a warning
-  and measured over.
+  with the median at most the best, the thread count the one asked for, ``measured_utc`` an ISO 8601 time with
+  its zone and not in the future; an invalid entry is ignored with a warning and measured over.
 - The file is written under ``core.safe_paths``' rule: atomically, never through a link or over a special file at
   the cache file's path. A cache folder that cannot be created or takes no new file (a read-only home) skips the
   caching with a warning; the measured number is still used.
@@ -70,6 +70,7 @@ RUN_PROBE_LLC_MULTIPLE = 4
 # 10,000 GB/s is above any today (an H200's HBM3e reads 4,800 GB/s, a CPU socket's DDR5 well under 1,000).
 MIN_GB_S = 0.01
 MAX_GB_S = 10_000.0
+MAX_CLOCK_SKEW_S = 86400.0  # how far in the future a cached entry's time may lie: a clock set wrong by a day
 MAX_THREADS = 4096  # probe threads: above any machine's cores today (a thread per core is what the probe wants)
 
 
@@ -105,8 +106,11 @@ class Bandwidth:
 
 
 def cache_dir() -> Path:
-    """Where moeforge caches per-machine measurements: ``$MOEFORGE_CACHE_DIR``, else ``~/.cache/moeforge``."""
-    return Path(os.environ.get("MOEFORGE_CACHE_DIR") or Path.home() / ".cache" / "moeforge")
+    """Where moeforge caches per-machine measurements: ``$MOEFORGE_CACHE_DIR``, else ``~/.cache/moeforge``. A ``~``
+    in the variable is expanded as the shell does (one naming no known user stays as written), the same for the
+    cache's reads and its writes."""
+    folder = os.environ.get("MOEFORGE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moeforge")
+    return Path(os.path.expanduser(folder))
 
 
 def cpu_model() -> str:
@@ -268,14 +272,24 @@ def _entry(value: Any, *, source: str, field: str, threads: int) -> Bandwidth | 
                                  hi=2**50, fix=fix),
             rounds=json_int(entry.get("rounds"), source=source, field=where("rounds"), lo=1, hi=10_000, fix=fix),
             cpu=json_str(entry.get("cpu"), source=source, field=where("cpu"), max_len=512, fix=fix),
-            measured_utc=json_str(entry.get("measured_utc"), source=source, field=where("measured_utc"), max_len=64,
-                                  fix=fix),
+            measured_utc=_measured_utc(entry.get("measured_utc"), source=source, field=where("measured_utc"), fix=fix),
             load_1min=None if entry.get("load_1min") is None else json_number(
                 entry.get("load_1min"), source=source, field=where("load_1min"), lo=0.0, hi=1e6, fix=fix),
             cached=True)
     except JsonFileError as exc:
         log.warning("%s", exc)
         return None
+
+
+def _measured_utc(value: Any, *, source: str, field: str, fix: str) -> str:
+    """``value`` as an entry's time: an ISO 8601 time with its zone, not later than now (a clock may be off by
+    ``MAX_CLOCK_SKEW_S``); a time from the future would be reported as a fresh measurement ("0 s old")."""
+    text = json_str(value, source=source, field=field, max_len=64, fix=fix)
+    age = age_seconds(text)
+    if age is None or age < -MAX_CLOCK_SKEW_S:
+        raise JsonFileError(f"{source}: {field!r} must be the ISO 8601 time (with its zone, not in the future) the "
+                            f"probe ran, got {text!r}; {fix}")
+    return text
 
 
 def _write_cache(path: Path, entries: dict[str, Any]) -> None:

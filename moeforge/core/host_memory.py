@@ -84,8 +84,9 @@ def parse_size(text: str) -> int:
         raise ValueError(f"{shown} is not a size: write a positive number with an optional unit, e.g. 3GiB, 3G, "
                          "3000MB")
     too_large = f"{shown} is not a size moeforge takes: over the largest, 1 PiB ({MAX_SIZE:,} bytes)"
-    if len(match.group(1)) > MAX_SIZE_CHARS:
-        raise ValueError(too_large)
+    if len(match.group(1)) > MAX_SIZE_CHARS:  # 1 PiB has 16 digits: more is a typo (or zeros padding one)
+        raise ValueError(f"{shown} is not a size moeforge takes: its number has {len(match.group(1))} characters, "
+                         f"over the {MAX_SIZE_CHARS} any size up to 1 PiB needs")
     size = Fraction(match.group(1)) * _SIZE_UNITS[unit]  # exact: no float rounding, no overflow
     if size.denominator != 1:
         raise ValueError(f"{shown} is not a size: it is {float(size):g} bytes, not a whole number; write whole "

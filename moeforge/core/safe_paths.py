@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
 import stat
 from pathlib import Path
 
@@ -51,21 +50,32 @@ def _kind(mode: int) -> str:
     return "a regular file" if stat.S_ISREG(mode) else "a special file"
 
 
-def _in_pseudo_fs(path: Path) -> bool:
+def expand_user(path: str | os.PathLike[str]) -> Path:
+    """``path`` with a leading ``~`` or ``~user`` expanded as a shell does: one that names no known user (or a home
+    that cannot be found) stays as written, a relative path (``Path.expanduser`` raises ``RuntimeError`` instead)."""
+    return Path(os.path.expanduser(os.fspath(path)))
+
+
+def _in_pseudo_fs(path: Path, flag: str = "") -> bool:
     try:
         resolved = path.resolve(strict=False)
     except (OSError, RuntimeError):  # a symbolic link loop on the way (RuntimeError before Python 3.13)
-        raise UnsafePathError(f"{path}: a symbolic link loop on its way; name a file in an ordinary folder") \
+        named = f"{flag} {path}" if flag else str(path)
+        raise UnsafePathError(f"{named}: a symbolic link loop on its way; name a file in an ordinary folder") \
             from None
     return any(resolved == root or root in resolved.parents for root in _PSEUDO_ROOTS)
 
 
 def check_output_file(path: str | Path, *, force: bool = False, flag: str = "output") -> Path:
     """Refuse, before any work, an output file path moeforge must not write: a link, directory, device, FIFO or
-    socket at it; an existing file without ``force``; a path under /proc, /sys or /dev; a parent folder that is
-    missing, not a folder, or does not take a new file (read-only, full, no permission). Returns the path."""
-    path = Path(path).expanduser()
-    if _in_pseudo_fs(path):
+    socket at it; an existing file without ``force``; a path under /proc, /sys or /dev; a path ending in ``/`` (it
+    names a folder); a parent folder that is missing, not a folder, or does not take a new file (read-only, full, no
+    permission). A leading ``~`` is expanded as a shell does (``expand_user``). Returns the path."""
+    text = os.fspath(path)
+    if not text or text.endswith(os.sep):  # Path() would drop the slash and write a file where a folder was named
+        raise UnsafePathError(f"{flag} {text!r} names a folder, not a file: name the file to write")
+    path = expand_user(text)
+    if _in_pseudo_fs(path, flag):
         raise UnsafePathError(f"{flag} {path}: moeforge does not write under /proc, /sys or /dev; name a file in an "
                               "ordinary folder")
     try:
@@ -158,12 +168,72 @@ def is_owned_dir(path: str | Path) -> bool:
 
 def remove_owned_dir(path: str | Path) -> bool:
     """Remove ``path`` and everything in it if (and only if) moeforge owns it (``is_owned_dir``); links inside are
-    removed as links, never followed. Returns whether it removed it."""
+    removed as links, never followed. Returns whether it removed it (best effort: what cannot be removed stays)."""
     path = Path(path)
     if not is_owned_dir(path):
         return False
-    shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: does not follow links inside
+    with contextlib.suppress(OSError):
+        remove_tree(path)
     return True
+
+
+_DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_OPEN_LEVELS = 32  # folders held open at once while removing; deeper ones are moved up first
+
+
+def remove_tree(path: str | Path, *, dir_fd: int | None = None) -> None:
+    """Remove the real folder ``path`` and everything in it, by descriptor: a link inside (or at ``path``) is
+    removed as a link, never followed, and a tree of any depth is removed without recursion (``shutil.rmtree``
+    recurses, and raises ``RecursionError`` on a tree a few thousand folders deep) and with at most
+    ``_MAX_OPEN_LEVELS`` folders open: a folder deeper than that is first moved up, into ``path`` itself. With
+    ``dir_fd``, ``path`` is a name in that open folder. Raises ``OSError`` for what cannot be removed (a mount
+    point, a read-only file system)."""
+    path = Path(path)
+    parent_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        try:
+            top = os.open(path.name, _DIR_NOFOLLOW, dir_fd=parent_fd)
+        except OSError:
+            mode = os.stat(path.name, dir_fd=parent_fd, follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                raise
+            os.unlink(path.name, dir_fd=parent_fd)  # a link or a file at the name: removed itself
+            return
+        stack = [(parent_fd, path.name, top, os.listdir(top))]
+        try:
+            while stack:
+                dir_parent, name, fd, names = stack[-1]
+                if not names:
+                    stack.pop()
+                    os.close(fd)
+                    os.rmdir(name, dir_fd=dir_parent)
+                    continue
+                entry = names.pop()
+                try:
+                    mode = os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISDIR(mode):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry, dir_fd=fd)
+                    continue
+                if len(stack) >= _MAX_OPEN_LEVELS:  # move it up into the top folder, removed from there later
+                    moved = f".moeforge-removing.{secrets.token_hex(8)}"
+                    os.rename(entry, moved, src_dir_fd=fd, dst_dir_fd=top)
+                    stack[0][3].append(moved)
+                    continue
+                try:
+                    child = os.open(entry, _DIR_NOFOLLOW, dir_fd=fd)
+                except OSError:  # replaced by a link or a file since: removed as itself
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry, dir_fd=fd)
+                    continue
+                stack.append((fd, entry, child, os.listdir(child)))
+        finally:
+            for _, _, fd, _ in stack:
+                os.close(fd)
+    finally:
+        os.close(parent_fd)
 
 
 def refuse_symlinked(path: str | Path, *, root: str | Path, what: str) -> Path:

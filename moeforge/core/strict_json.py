@@ -3,7 +3,10 @@
 A file a user's path points at may be anything an attacker or an accident left there: a 10 GB file, a nesting
 bomb (``'[' * 200000``, which makes Python's decoder raise ``RecursionError``), ``NaN`` / ``Infinity`` (not JSON,
 but Python writes and reads them), ``1e400`` (read as ``inf``), integers of 400 digits, ``true`` where a count
-belongs (``bool`` is an ``int`` in Python), ``2.9`` or ``"2"`` where an integer belongs. Every reader goes through
+belongs (``bool`` is an ``int`` in Python), ``2.9`` or ``"2"`` where an integer belongs, a key given twice (Python
+keeps the last, other readers the first: two tools would read two different files), a lone surrogate escape
+(``"\\ud800"``: not text, and a traceback wherever it is printed or encoded later), a pseudo file of /proc or /sys
+(``/proc/kmsg`` is consumed by reading it). Every reader goes through
 ``read_json_file`` / ``parse_json_text`` (size, depth, finite numbers) and the ``json_*`` field checks (strict types
 and ranges), so each of these ends in one ``JsonFileError`` that names the file, the field and the fix, never in a
 traceback and never in a silently coerced value.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,11 +54,30 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_PSEUDO_ROOTS = (Path("/proc"), Path("/sys"))
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members as a dict; a key given twice, or one that is not text, raises ``ValueError``."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"the key {key!r:.60} appears twice")
+        if _SURROGATE.search(key):
+            raise ValueError(f"the key {key!r:.60} holds a lone surrogate escape, which is not text")
+        obj[key] = value
+    return obj
+
+
 def _depth(value: Any, limit: int) -> int:
-    """The nesting depth of a parsed value (iterative: a deep value cannot overflow the stack here)."""
+    """The nesting depth of a parsed value (iterative: a deep value cannot overflow the stack here); a string with a
+    lone surrogate (``"\\ud800"``, which no UTF-8 text holds) raises ``ValueError``."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        if isinstance(item, str) and _SURROGATE.search(item):
+            raise ValueError(f"the string {item[:40]!r} holds a lone surrogate escape, which is not text")
         if isinstance(item, dict | list):
             deepest = max(deepest, depth)
             if deepest > limit:
@@ -69,13 +92,15 @@ def parse_json_text(text: str | bytes, *, source: str, fix: str = "", max_depth:
     ``max_depth`` levels); ``source`` names it in the error, ``fix`` says what to do about it."""
     hint = f"; {fix}" if fix else ""
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int,
+                           object_pairs_hook=_unique_keys)
+        deep = _depth(value, max_depth) > max_depth
     except RecursionError:
         raise JsonFileError(f"{source} nests deeper than {max_depth} levels: it is not a file moeforge wrote{hint}") \
             from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise JsonFileError(f"{source} is not valid JSON ({exc}){hint}") from None
-    if _depth(value, max_depth) > max_depth:
+    if deep:
         raise JsonFileError(f"{source} nests deeper than {max_depth} levels: it is not a file moeforge wrote{hint}")
     return value
 
@@ -95,6 +120,12 @@ def read_regular_file(path: str | Path, *, what: str, fix: str = "", max_bytes: 
     path = Path(path)
     source = f"{what} {path}"
     hint = f"; {fix}" if fix else ""
+    try:
+        resolved = path.resolve(strict=False)
+    except (OSError, RuntimeError):  # a link loop (RuntimeError before Python 3.13): os.open says so below
+        resolved = path
+    if any(resolved == root or root in resolved.parents for root in _PSEUDO_ROOTS):
+        raise JsonFileError(f"{source} is a pseudo file of /proc or /sys, not a file moeforge wrote{hint}")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:

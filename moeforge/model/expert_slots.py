@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.safe_paths import expand_user
 from moeforge.core.strict_json import JsonFileError, json_int, json_object, read_json_file
 
 EMPTY = -1
@@ -138,7 +139,7 @@ def _is_slot_id(value: object) -> bool:
 def load_plan(path: str | Path) -> ExpertSlots:
     """The slots of the plan file ``moeforge eplb -o`` wrote (read strictly: its format, version and fields checked;
     the model's shapes by ``check``)."""
-    where = Path(path).expanduser()
+    where = expand_user(path)  # "~nouser/p.json" stays as written (Path.expanduser raises RuntimeError)
     if not os.path.lexists(where):
         raise PlacementError(f"placement plan {where} does not exist; write one with moeforge eplb STATS -o "
                              f"{where} --ep N --redundant R")

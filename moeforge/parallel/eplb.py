@@ -161,14 +161,20 @@ class Placement:
         if data.get("version") != FORMAT_VERSION:
             raise EplbError(f"plan version {data.get('version')!r} is not supported (this moeforge reads version "
                             f"{FORMAT_VERSION}); regenerate it with moeforge eplb")
-        try:
+        source, fix = "EPLB plan", "regenerate it with moeforge eplb"
+        try:  # strict types: "ep": 2.9 or "2" is not 2, Infinity not a count (OverflowError in int())
+            counts = {name: json_int(data.get(name), source=source, field=name, lo=lo, hi=MAX_SLOTS, fix=fix)
+                      for name, lo in (("ep", 1), ("redundant", 0), ("nodes", 1), ("groups", 1))}
             sha = data.get("artifact_sha256")
-            return cls(mode=str(data["mode"]), ep=int(data["ep"]), redundant=int(data["redundant"]),
-                       nodes=int(data["nodes"]), groups=int(data["groups"]), load=np.asarray(data["load"]),
+            return cls(mode=json_str(data.get("mode"), source=source, field="mode", max_len=64, fix=fix),
+                       load=np.asarray(data["load"]),
                        physical_to_logical=np.asarray(data["physical_to_logical"]),
                        replica_count=np.asarray(data["replica_count"]),
-                       artifact_sha256=None if sha is None else str(sha))
-        except (KeyError, TypeError, ValueError) as exc:
+                       artifact_sha256=None if sha is None else json_str(sha, source=source, field="artifact_sha256",
+                                                                         max_len=128, fix=fix), **counts)
+        except JsonFileError as exc:
+            raise EplbError(str(exc)) from None
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise EplbError(f"malformed EPLB plan ({type(exc).__name__}: {exc}); regenerate it") from None
 
 
@@ -365,6 +371,10 @@ def _check_args(experts: int, ep: int, redundant: int, nodes: int, groups: int) 
 
 _SAMPLE = re.compile(r"^" + re.escape(METRIC) + r"\{([^}]*)\}\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+# A label's integer and a sample's value as Prometheus writes them, in ASCII only: Python's int() and float() also
+# take "0_1", "+0", " 0 " and other scripts' digits ("٢"), which no exposition holds.
+_LABEL_INT = re.compile(r"[0-9]{1,10}", re.ASCII)
+_VALUE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?Inf|NaN", re.ASCII)
 
 
 @dataclass(frozen=True, eq=False)
@@ -403,6 +413,7 @@ def _parse(text: str | bytes, source: str) -> ExpertStats:
             text = text.decode("utf-8")
         except UnicodeDecodeError:
             raise EplbError(f"{source} is not UTF-8 text; {STATS_FIX}") from None
+    text = text.removeprefix("\ufeff")  # a byte order mark some editors write: not part of the JSON or scrape
     if not text.lstrip().startswith(("{", "[")):  # a scrape's lines start with '#' or a metric name
         return ExpertStats(_parse_scrape(text))
     try:
@@ -445,11 +456,12 @@ def _parse_scrape(text: str) -> np.ndarray:
         if match is None:
             continue
         labels = dict(_LABEL.findall(match.group(1)))
-        try:
-            key, value = (int(labels["layer"]), int(labels["expert"])), float(match.group(2))
-        except (KeyError, ValueError):
+        layer, expert, text = labels.get("layer", ""), labels.get("expert", ""), match.group(2)
+        if not (_LABEL_INT.fullmatch(layer) and _LABEL_INT.fullmatch(expert) and len(text) <= 64
+                and _VALUE.fullmatch(text)):
             raise EplbError(f"line {number}: {METRIC} sample without integer layer/expert labels or a number "
-                            "value; pass an unedited scrape of /metrics") from None
+                            "value; pass an unedited scrape of /metrics")
+        key, value = (int(layer), int(expert)), float(text)
         if key in samples or min(key) < 0:
             raise EplbError(f"line {number}: layer {key[0]} expert {key[1]} appears twice or is negative; pass the "
                             "scrape of one server")

@@ -258,6 +258,10 @@ class DiskTier:
         except DiskKeyError as exc:
             self._turn_off(str(exc))
             return None
+        except RuntimeError as exc:  # pathlib: a symbolic link loop on the key's or the folder's way, or a "~user"
+            self._turn_off(f"the key file or {self.directory} cannot be resolved ({exc}); point --kv-disk-dir and "
+                           "$MOEFORGE_KV_DISK_KEY at real paths")
+            return None
         except OSError as exc:  # the default key file cannot be created (read-only home, ...)
             log.warning("KV disk tier: cannot create a key file in the moeforge cache folder (%s); using a key for "
                         "this process only, so its blocks in %s will not be read after a restart or by other "
