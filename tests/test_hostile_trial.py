@@ -291,3 +291,13 @@ def test_a_kv_disk_dir_that_is_a_link_loop_turns_the_tier_off(tmp_path: Path, mo
 def test_a_zero_padded_size_says_how_long_it_is_not_that_it_is_too_large() -> None:
     with pytest.raises(ValueError, match="42 characters"):
         parse_size("0" * 41 + "1")
+
+
+def test_an_unknown_users_home_in_an_artifact_path_is_a_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    """``~nosuchuser/x`` (pathlib's expanduser raises RuntimeError on it) stays a path that does not exist."""
+    from moeforge.cli import main
+
+    for argv in (["inspect", "~nosuchuser-moeforge/art"], ["run", "~nosuchuser-moeforge/art", "--prompt-ids", "1"]):
+        assert main(argv) == 2
+        assert "Traceback" not in capsys.readouterr().err
+

@@ -30,7 +30,7 @@ from moeforge.core.manifest import Manifest
 from moeforge.core.ort_session import UNPACKED_WEIGHTS
 from moeforge.core.progress import StageLog, ticking
 from moeforge.core.run_bandwidth import RunBandwidth
-from moeforge.core.safe_paths import check_output_file
+from moeforge.core.safe_paths import check_output_file, expand_user
 from moeforge.model.lazy_weights import check_streamable, open_lazy_model
 from moeforge.model.loader import LoadedModel, load_config, load_model, resolve_source
 from moeforge.model.tokenizer import Tokenizer
@@ -374,7 +374,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for rank in range(sharded.world_size):  # each rank's manifest (and, verified, its files) is the recorded one
             load_rank(args.artifact, rank, sharded.world_size, verify=not args.no_verify)
         print(to_json(sharded.to_dict(), indent=2) if args.json else
-              summarize_sharded(Path(args.artifact).expanduser().absolute(), sharded))
+              summarize_sharded(expand_user(args.artifact).absolute(), sharded))
         return EXIT_OK
     artifact = load_artifact(args.artifact, verify=not args.no_verify)
     print(artifact.manifest.to_json() if args.json else summarize(artifact))

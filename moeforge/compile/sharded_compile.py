@@ -55,7 +55,7 @@ from moeforge.core.config import ModelConfig
 from moeforge.core.errors import ArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
 from moeforge.core.progress import QUIET, Stages
-from moeforge.core.safe_paths import write_output_file
+from moeforge.core.safe_paths import expand_user, write_output_file
 from moeforge.core.strict_json import JsonFileError, json_int, json_list, json_object, read_json_file
 from moeforge.model.expert_slots import ExpertSlots
 from moeforge.model.lazy_weights import LazyWeights
@@ -151,8 +151,9 @@ class ShardedManifest:
             stages = [dict(json_object(stage, source=source, field="stages[]"))
                       for stage in json_list(data.get("stages", []), source=source, field="stages", max_len=MAX_RANKS)]
             world = tp * pp
-            if (ep not in (1, tp) or len(ranks) != world or data.get("world_size") != world
-                    or (pp > 1 and len(stages) != pp)):
+            world_size = data.get("world_size")  # 2.0 == 2 in Python: an integer, as written, is required
+            if (ep not in (1, tp) or len(ranks) != world or isinstance(world_size, bool)
+                    or not isinstance(world_size, int) or world_size != world or (pp > 1 and len(stages) != pp)):
                 raise ValueError(f"tp {tp}, ep {ep}, pp {pp}, world_size {data.get('world_size')!r}, {len(ranks)} "
                                  f"ranks, {len(stages)} stages")
             for index, stage in enumerate(stages):
@@ -189,7 +190,7 @@ def is_sharded(path: str | Path) -> bool:
 
 def read_sharded(path: str | Path) -> ShardedManifest:
     """Parse ``path/sharded.json`` (no rank is opened)."""
-    root = Path(path).expanduser().absolute()
+    root = expand_user(path).absolute()
     restore_interrupted(root)
     where = root / SHARDED_FILE
     if not os.path.lexists(where):
@@ -210,7 +211,7 @@ def load_rank(path: str | Path, rank: int, world_size: int, verify: bool = True)
     """Open rank ``rank``'s artifact and check that it belongs to this sharded artifact and this world: the
     process count matches, its manifest is the one ``sharded.json`` recorded (not a rank of another compile)
     and names this rank. ``ArtifactError`` says which."""
-    root = Path(path).expanduser().absolute()
+    root = expand_user(path).absolute()
     sharded = read_sharded(root)
     if world_size != sharded.world_size:
         raise ArtifactError(f"{root} is sharded over {sharded.world_size} ranks (tp {sharded.tp}, pp {sharded.pp}) but "
@@ -269,7 +270,7 @@ def compile_sharded(options: CompileOptions) -> ShardedCompileResult:
     ``options.workers`` > 1 (with ``--stream``) builds that many ranks at once in separate processes. Raises
     ``ShardingError`` (a split the model cannot take) or ``MoeforgeError``."""
     checked = check_compile(options)  # a bad split, stage or placement fails before anything is read or written
-    out = Path(options.output_dir).expanduser().absolute()
+    out = expand_user(options.output_dir).absolute()
     check_output_dir(out, force=options.force)  # a sharded or unsharded artifact may be replaced
     check_partial(out)  # a link or a user's folder where the ranks go is refused before the model loads
     tp, ep, pp = options.tp, options.ep, options.pp

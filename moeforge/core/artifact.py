@@ -40,6 +40,7 @@ import onnx
 from moeforge.core.errors import ArtifactError
 from moeforge.core.kv_layout import KVCacheSpec
 from moeforge.core.manifest import FORMAT_VERSION, MANIFEST_FILE, MAX_MANIFEST_BYTES, MODEL_FILE, Manifest
+from moeforge.core.safe_paths import expand_user
 from moeforge.core.strict_json import JsonFileError, read_json_file
 
 # The artifact API is one import: the manifest types a loader needs come with load_artifact.
@@ -64,7 +65,7 @@ def _scratch_name(out: Path, tag: str) -> Path:
 def make_scratch_dir(out: str | Path) -> Path:
     """A new scratch folder beside the artifact path ``out`` (created), named as the artifact writer's own: if this
     process is killed, the next write of ``out`` removes it (``_remove_stale_scratch``)."""
-    path = _scratch_name(Path(out).expanduser().absolute(), _TMP_TAG)
+    path = _scratch_name(expand_user(out).absolute(), _TMP_TAG)
     path.parent.mkdir(parents=True, exist_ok=True)
     os.mkdir(path)
     return path
@@ -120,7 +121,7 @@ def restore_interrupted(out_dir: str | Path) -> None:
     """Undo a replace killed between its two renames: ``out_dir`` is missing and the previous artifact sits in
     a dead writer's ``.NAME.moeforge-old.*``. Exactly one complete copy is renamed back; otherwise (none
     complete, or several) ``ArtifactError`` says where they are. Nothing is ever deleted here."""
-    out = Path(out_dir).expanduser().absolute()
+    out = expand_user(out_dir).absolute()
     if os.path.lexists(out):
         return
     olds = [path for tag, path in _stale_scratch(out) if tag == _OLD_TAG]
@@ -319,7 +320,7 @@ def check_output_dir(out_dir: str | Path, force: bool = False) -> Path:
     or the directory to create it in is not writable) or if it lies inside a sharded artifact. Changes nothing,
     except that an artifact a killed compile left moved aside is renamed back first (see ``restore_interrupted``).
     Returns the absolute path."""
-    out = Path(out_dir).expanduser().absolute()
+    out = expand_user(out_dir).absolute()
     restore_interrupted(out)
     _check_not_inside_sharded(out)
     _check_destination(out, force)
@@ -381,7 +382,7 @@ def write_artifact(
     included) removes the temporary directory and is re-raised; ``out_dir`` is left as it was.
     A full disk during the payload becomes an ``ArtifactError``.
     """
-    out = Path(out_dir).expanduser().absolute()
+    out = expand_user(out_dir).absolute()
     parent = out.parent
     restore_interrupted(out)
     _check_destination(out, force)  # fail before the (possibly long) payload
@@ -513,7 +514,7 @@ def load_artifact(path: str | Path, verify: bool = True) -> Artifact:
     the manifest are logged as a warning and ignored. An artifact a killed compile left moved aside is renamed
     back first. Any problem raises ``ArtifactError``.
     """
-    root = Path(path).expanduser().absolute()
+    root = expand_user(path).absolute()
     restore_interrupted(root)
     if not root.exists():
         raise ArtifactError(f"no artifact at {root}: the directory does not exist (compile one with moeforge compile)")
@@ -620,7 +621,7 @@ def _check_external_data(root: Path, manifest: Manifest) -> None:
 
 def _record_file(path: str | Path) -> Path:
     """The file that describes an artifact as a whole: ``sharded.json`` when sharded, else ``manifest.json``."""
-    root = Path(path).expanduser().absolute()
+    root = expand_user(path).absolute()
     return root / SHARDED_FILE if (root / SHARDED_FILE).is_file() else root / MANIFEST_FILE
 
 

@@ -332,7 +332,8 @@ def test_hostile_sharded_json_is_an_artifact_error(tmp_path: Path) -> None:
         check_output_dir(art, force=True)
     with pytest.raises(ArtifactError, match="nests deeper than"):
         artifact_model_config(art)
-    for field, value in (("tp", 2.9), ("tp", "2"), ("ep", True), ("ranks", {"0": 1}), ("model_config", [["a", 1]]),
+    for field, value in (("tp", 2.9), ("tp", "2"), ("ep", True), ("world_size", 2.0), ("ranks", {"0": 1}),
+                         ("model_config", [["a", 1]]),
                          ("placement", {"physical_to_logical": [[0, 1], [0]]})):
         (art / SHARDED_FILE).write_text(json.dumps(_sharded() | {field: value}))
         with pytest.raises(ArtifactError, match="is malformed"):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from moeforge.core.bandwidth import cache_dir
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.safe_paths import expand_user
 
 KEY_ENV = "MOEFORGE_KV_DISK_KEY"
 DEFAULT_KEY_FILE = "kv-disk.key"
@@ -50,7 +51,7 @@ def load_disk_key(disk_dir: str | Path) -> bytes:
     file cannot be read or created (an unreachable or read-only cache folder: the caller decides what to do)."""
     given = os.environ.get(KEY_ENV, "").strip()
     if given:
-        path = Path(given).expanduser()
+        path = expand_user(given)
         _refuse_inside(path, Path(disk_dir), f"${KEY_ENV}")
         return _read_key(path, follow=True, where=f"${KEY_ENV}")
     path = cache_dir() / DEFAULT_KEY_FILE
