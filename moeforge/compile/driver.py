@@ -17,18 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeforge.compile.options import CompileOptions, KVOptions, TrtOptions
-from moeforge.compile.plan import plan_compile, size_text
+from moeforge.compile.plan import check_options, plan_compile, size_text
 from moeforge.compile.sharded_compile import ShardedCompileResult, compile_sharded
 from moeforge.compile.stages import ARTIFACT_STAGES, DATA_FILE, build_artifact, make_job, open_source, stage_bar
 from moeforge.compile.targets import TARGETS, Target
 from moeforge.core.artifact import check_output_dir
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import memory_limit
-from moeforge.core.kv_layout import KV_CACHE_KINDS
 from moeforge.core.manifest import Manifest
 from moeforge.model.loader import load_config, resolve_source
 from moeforge.quant.spec import QuantSpec, validate
-from moeforge.runtime.backends.registry import BACKENDS, refusal
 from moeforge.verify.parity import ParityCheckFailed, ParityReport
 
 __all__ = ["DATA_FILE", "CompileOptions", "CompileResult", "KVOptions", "ParityCheckFailed", "QuantSpec",
@@ -47,7 +45,7 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
     With ``options.tp`` > 1 the artifact is sharded: one artifact per rank (``moeforge.compile.sharded_compile``)."""
     target = _target(options)
     options = resolve_stream(options)
-    _check_options(options)
+    check_options(options)
     validate(options.quant, target=options.target, kv_cache=options.kv.layout)
     target.check()
     if options.tp > 1 or options.ep > 1 or options.pp > 1:
@@ -78,38 +76,6 @@ def _target(options: CompileOptions) -> Target:
     if options.target not in TARGETS:
         raise MoeforgeError(f"target {options.target!r} is not supported here; targets: {', '.join(TARGETS)}")
     return TARGETS[options.target](options)
-
-
-def _check_options(options: CompileOptions) -> None:
-    """The options every target shares: the sequence length and the KV-cache layout."""
-    if options.max_seq_len is not None and options.max_seq_len < 2:
-        raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
-    if options.kv.layout not in KV_CACHE_KINDS:
-        raise MoeforgeError(f"--kv-cache {options.kv.layout!r} is not one of {', '.join(KV_CACHE_KINDS)}")
-    if options.kv.block_size < 1:
-        raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv.block_size}")
-    paged, sharded = options.kv.layout == "paged", options.tp > 1 or options.ep > 1 or options.pp > 1
-    if options.pp < 1:
-        raise MoeforgeError(f"--pp must be >= 1, got {options.pp}")
-    if options.pp_layers is not None and options.pp == 1:
-        raise MoeforgeError("--pp-layers splits the layers into pipeline stages: it needs --pp P with P > 1")
-    if options.workers < 1:
-        raise MoeforgeError(f"--workers must be >= 1, got {options.workers}")
-    if options.workers > 1 and not (sharded and options.stream):
-        raise MoeforgeError("--workers builds the ranks of a streamed sharded compile in parallel processes: it "
-                            "needs --tp (or --ep or --pp) and --stream (without --stream each worker would load the "
-                            "whole model)")
-    if options.placement is not None and not (options.ep > 1 and options.ep == options.tp):
-        raise MoeforgeError(f"--placement places whole experts on expert-parallel ranks: it needs --tp N --ep N "
-                            f"with N > 1 (got --tp {options.tp} --ep {options.ep}); pass the --ep the plan was made "
-                            "for to both")
-    why = refusal(options.target, paged=paged, sharded=sharded)
-    if why and not options.build_only:
-        shape = (" with --kv-cache paged" if paged else " with --tp/--ep/--pp" if sharded else "") \
-            if options.target in BACKENDS else ""
-        raise MoeforgeError(f"--target {options.target}{shape} builds an artifact no moeforge backend runs: {why}. "
-                            "Compile for --target ort to run it here, or pass --build-only to build it for a runtime "
-                            "of your own")
 
 
 def check_memory(options: CompileOptions) -> None:

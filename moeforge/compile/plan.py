@@ -27,6 +27,7 @@ import torch
 from moeforge.compile.options import DEFAULT_MAX_SEQ_LEN, CompileOptions, check_flags, check_ranks
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.kv_layout import KV_CACHE_KINDS
 from moeforge.model.expert_slots import ExpertSlots, load_plan
 from moeforge.model.lazy_weights import is_expert_stack_name
 from moeforge.model.loader import load_config
@@ -36,6 +37,7 @@ from moeforge.model.rank_model import moe_layer_index, shard_model
 from moeforge.model.sharding import plan_sharding
 from moeforge.quant.schemes import SCHEMES
 from moeforge.quant.spec import validate
+from moeforge.runtime.backends.registry import BACKENDS, refusal
 
 GIB = 2**30
 # Fit to benchmarks/results/compile_memory.json (fp32 --stream rows, 2 cores, synthetic DeepSeek-V3-shaped
@@ -124,10 +126,44 @@ def check_compile(options: CompileOptions) -> CheckedCompile:
     (``options.check_flags``, before the config is read), the quantisation (``quant.spec.validate``), and on the
     model's config the tp/ep split (``plan_sharding``), the pipeline stages and the ``--placement`` plan."""
     check_flags(options)
+    check_options(options)
     validate(options.quant, target=options.target, kv_cache=options.kv.layout)
     config = load_config(options.model)
     check_split(config, options.tp, options.ep, options.pp)
     return CheckedCompile(config, compile_stages(options, config), placement_slots(options, config))
+
+
+def check_options(options: CompileOptions) -> None:
+    """The options every target shares (the sequence length, the KV-cache layout, --pp / --workers / --placement
+    combinations, what the target's backends run); the compile and ``--plan`` both run it."""
+    if options.max_seq_len is not None and options.max_seq_len < 2:
+        raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
+    if options.kv.layout not in KV_CACHE_KINDS:
+        raise MoeforgeError(f"--kv-cache {options.kv.layout!r} is not one of {', '.join(KV_CACHE_KINDS)}")
+    if options.kv.block_size < 1:
+        raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv.block_size}")
+    paged, sharded = options.kv.layout == "paged", options.tp > 1 or options.ep > 1 or options.pp > 1
+    if options.pp < 1:
+        raise MoeforgeError(f"--pp must be >= 1, got {options.pp}")
+    if options.pp_layers is not None and options.pp == 1:
+        raise MoeforgeError("--pp-layers splits the layers into pipeline stages: it needs --pp P with P > 1")
+    if options.workers < 1:
+        raise MoeforgeError(f"--workers must be >= 1, got {options.workers}")
+    if options.workers > 1 and not (sharded and options.stream):
+        raise MoeforgeError("--workers builds the ranks of a streamed sharded compile in parallel processes: it "
+                            "needs --tp (or --ep or --pp) and --stream (without --stream each worker would load the "
+                            "whole model)")
+    if options.placement is not None and not (options.ep > 1 and options.ep == options.tp):
+        raise MoeforgeError(f"--placement places whole experts on expert-parallel ranks: it needs --tp N --ep N "
+                            f"with N > 1 (got --tp {options.tp} --ep {options.ep}); pass the --ep the plan was made "
+                            "for to both")
+    why = refusal(options.target, paged=paged, sharded=sharded)
+    if why and not options.build_only:
+        shape = (" with --kv-cache paged" if paged else " with --tp/--ep/--pp" if sharded else "") \
+            if options.target in BACKENDS else ""
+        raise MoeforgeError(f"--target {options.target}{shape} builds an artifact no moeforge backend runs: {why}. "
+                            "Compile for --target ort to run it here, or pass --build-only to build it for a runtime "
+                            "of your own")
 
 
 def check_split(config: ModelConfig, tp: int, ep: int, pp: int = 1) -> None:

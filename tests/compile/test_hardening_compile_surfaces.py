@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -383,3 +384,16 @@ def test_an_existing_folder_that_is_no_artifact_is_not_advised_force(tmp_path: P
     assert main(["compile", "tiny-llama", "-o", str(user / "thesis.tex"), "--quiet"]) == 2
     assert "pass --force" not in capsys.readouterr().err
     assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-seq-len", "1"], r"--max-seq-len must be >= 2"),
+    (["--kv-cache", "paged", "--kv-block-size", "0"], r"--kv-block-size must be >= 1"),
+    (["--pp-layers", "0-1"], r"--pp-layers splits the layers into pipeline stages"),
+], ids=["max-seq-len-1", "block-size-0", "pp-layers-without-pp"])
+def test_plan_on_the_command_line_refuses_the_compiles_option_checks(argv: list[str], message: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``--plan`` printed a plan for options the compile refuses (the options every target shares): both run
+    ``plan.check_options`` now."""
+    assert main(["compile", "tiny-llama", "--plan", *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)
