@@ -130,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--kv-cache", choices=KV_CACHE_KINDS, default=None,
                       help="KV-cache layout: per-sequence buffers, or block pools (paged attention); default "
                            "contiguous, paged with --pp")
-    comp.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                      help="tokens per KV block (--kv-cache paged)")
+    comp.add_argument("--kv-block-size", type=int, default=None,
+                      help=f"tokens per KV block (--kv-cache paged; default {DEFAULT_BLOCK_SIZE}, DeepSeek-V4: the "
+                           "smallest multiple of it that every compress rate divides)")
     comp.add_argument("--tp", type=arg_types.int_in(1, MAX_RANKS), default=1,
                       help="tensor-parallel ranks: write one artifact per rank (DIR/rank0 ..) and DIR/sharded.json; "
                            "run it with moeforge run/serve/parity, which start one process per rank")

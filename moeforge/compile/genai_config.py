@@ -71,7 +71,7 @@ def genai_config(
     names. An absorbed-MLA graph has a single latent input per layer (``[c_kv | k_rope]``, one buffer
     read as both K and V), which GenAI cannot express; such an artifact runs on moeforge's own runtime.
     """
-    if kv.layout in ("mla_latent", "mla_dsa"):  # DSA: also the indexer's keys, which GenAI cannot feed either
+    if kv.layout in ("mla_latent", "mla_dsa", "v4_hybrid"):  # DSA: the indexer keys too; V4: rings and entries
         return None
     if kv.layout != "gqa":
         raise ValueError(f"unknown KV layout {kv.layout!r}")

@@ -23,11 +23,18 @@ class KVOptions:
     """``--kv-cache contiguous|paged`` and ``--kv-block-size`` (tokens per pool block, paged only)."""
 
     layout: str = "contiguous"
-    block_size: int = DEFAULT_BLOCK_SIZE
+    # None: DEFAULT_BLOCK_SIZE, or for DeepSeek-V4 the smallest multiple of it that every compress rate divides
+    # (``plan.resolve_block_size`` decides once the config is read)
+    block_size: int | None = None
 
     @property
     def paged(self) -> bool:
         return self.layout == "paged"
+
+    @property
+    def tokens_per_block(self) -> int:
+        """The pool block size in tokens (``block_size``, or the default)."""
+        return DEFAULT_BLOCK_SIZE if self.block_size is None else self.block_size
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ Both constants come from ``benchmarks/compile_memory.py`` on the synthetic DeepS
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -27,10 +28,12 @@ import torch
 from moeforge.compile.options import DEFAULT_MAX_SEQ_LEN, CompileOptions, check_flags, check_ranks
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import MoeforgeError
-from moeforge.core.kv_layout import KV_CACHE_KINDS
+from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
+from moeforge.core.kv_layout_v4 import check_block_size as check_v4_block_size
+from moeforge.core.kv_layout_v4 import default_block_size
 from moeforge.model.expert_slots import ExpertSlots, load_plan
 from moeforge.model.lazy_weights import is_expert_stack_name
-from moeforge.model.loader import load_config
+from moeforge.model.loader import load_config, new_model
 from moeforge.model.model import CausalLM
 from moeforge.model.pipeline_stages import StageSpec, plan_stages, stage_model
 from moeforge.model.rank_model import moe_layer_index, shard_model
@@ -129,6 +132,7 @@ def check_compile(options: CompileOptions) -> CheckedCompile:
     check_options(options)
     validate(options.quant, target=options.target, kv_cache=options.kv.layout)
     config = load_config(options.model)
+    resolve_block_size(options, config)  # refuses a V4 block size its compress rates do not divide
     check_split(config, options.tp, options.ep, options.pp)
     return CheckedCompile(config, compile_stages(options, config), placement_slots(options, config))
 
@@ -140,7 +144,7 @@ def check_options(options: CompileOptions) -> None:
         raise MoeforgeError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
     if options.kv.layout not in KV_CACHE_KINDS:
         raise MoeforgeError(f"--kv-cache {options.kv.layout!r} is not one of {', '.join(KV_CACHE_KINDS)}")
-    if options.kv.block_size < 1:
+    if options.kv.block_size is not None and options.kv.block_size < 1:
         raise MoeforgeError(f"--kv-block-size must be >= 1, got {options.kv.block_size}")
     paged, sharded = options.kv.layout == "paged", options.tp > 1 or options.ep > 1 or options.pp > 1
     if options.pp < 1:
@@ -164,6 +168,19 @@ def check_options(options: CompileOptions) -> None:
         raise MoeforgeError(f"--target {options.target}{shape} builds an artifact no moeforge backend runs: {why}. "
                             "Compile for --target ort to run it here, or pass --build-only to build it for a runtime "
                             "of your own")
+
+
+def resolve_block_size(options: CompileOptions, config: ModelConfig) -> CompileOptions:
+    """``options`` with DeepSeek-V4's pool block size decided: a block holds whole windows of every compress rate, so
+    without ``--kv-block-size`` it is the smallest multiple of the default that they all divide, and a given size they
+    do not divide is refused (``kv_layout_v4.check_block_size``). Other models: unchanged."""
+    if config.compressed_attention is None:
+        return options
+    if options.kv.block_size is None:
+        size = default_block_size(config, DEFAULT_BLOCK_SIZE)
+        return dataclasses.replace(options, kv=dataclasses.replace(options.kv, block_size=size))
+    check_v4_block_size(config, options.kv.block_size)
+    return options
 
 
 def check_split(config: ModelConfig, tp: int, ep: int, pp: int = 1) -> None:
@@ -205,7 +222,7 @@ def plan_compile(model: str, config: ModelConfig, scheme: str | None = None, tp:
     refused here too (``check_split``)."""
     check_split(config, tp, ep, pp)
     with torch.device("meta"):
-        full = CausalLM(config, "absorb")
+        full = new_model(config)
     bytes_per_param = bytes_per_parameter(scheme, block_size)
     stages = pipeline_stages(config, pp, pp_layers, scheme, block_size) if pp > 1 else []
     ranks = []

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import cast
 
 import onnx_ir as ir
 from tqdm import tqdm
@@ -21,10 +22,12 @@ from tqdm import tqdm
 from moeforge.compile.onnx_export import export_stateless, unmark_layers
 from moeforge.compile.options import DEFAULT_MAX_SEQ_LEN, CompileOptions
 from moeforge.compile.targets import CompileJob, Target
+from moeforge.compile.v4_export import export_v4_step
 from moeforge.core.artifact import write_artifact
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.manifest import MODEL_FILE, Manifest, TensorSpec, tool_versions
 from moeforge.core.progress import QUIET, StageBar, Stages
+from moeforge.model.deepseek_v4 import DeepseekV4ForCausalLM
 from moeforge.model.lazy_weights import LazyWeights, open_lazy_model
 from moeforge.model.loader import LoadedModel, load_model, release_weights, source_argument
 from moeforge.passes.base import PassReport
@@ -77,7 +80,10 @@ def build_artifact(job: CompileJob, target: Target, output_dir: Path,
     the artifact is written."""
     options, loaded, weights, stages = job.options, job.loaded, job.weights, job.stages
     stages.stage("export to ONNX")
-    model = export_stateless(loaded.model, mark_layers=True, weights=weights)
+    if job.config.compressed_attention is not None:  # DeepSeek-V4: the step over its cache, exported whole
+        model = export_v4_step(cast(DeepseekV4ForCausalLM, loaded.model), target.kv_spec(job), weights=weights)
+    else:
+        model = export_stateless(loaded.model, mark_layers=True, weights=weights)
     stages.advance()
 
     stages.stage("plan the passes")

@@ -27,14 +27,16 @@ also writes ``present.{i}.latent_v``, identical, bound to the same buffer); page
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import ArtifactError
+from moeforge.core.kv_layout_v4 import V4Buffer, layer_buffers
 
-KVLayout = Literal["gqa", "mla_latent", "mla_dsa"]
-KV_LAYOUTS: tuple[str, ...] = ("gqa", "mla_latent", "mla_dsa")
+KVLayout = Literal["gqa", "mla_latent", "mla_dsa", "v4_hybrid"]
+KV_LAYOUTS: tuple[str, ...] = ("gqa", "mla_latent", "mla_dsa", "v4_hybrid")
 KV_CACHE_KINDS = ("contiguous", "paged")  # --kv-cache
 DEFAULT_BLOCK_SIZE = 16  # --kv-block-size
 DEFAULT_DTYPE = "float32"  # the cache in the graph's activation type (a quantised cache has its own)
@@ -123,6 +125,8 @@ class KVCacheSpec:
     # Last dim of each of a layer's buffers, in past-input order, when they differ (mla_dsa: [R+Dr, Di]);
     # None: every buffer is ``shape``.
     buffer_widths: list[int] | None = None
+    # v4_hybrid (DeepSeek-V4, core/kv_layout_v4.py): each layer's buffers, rings and entries, in past-input order.
+    layer_buffers: list[list[V4Buffer]] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,21 +138,37 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one pool block over all layers (paged artifacts)."""
+        if self.layer_buffers is not None:  # V4: rings hold min(R, Bs) rows of a block, entries Bs / m
+            size = self.block_size or 0
+            rows = sum(b.rows_per_block(size) * b.width for layer in self.layer_buffers for b in layer)
+            return rows * dtype_size(self.dtype)
         return self.bytes_per_token * (self.block_size or 0)
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """Bytes a contiguous sequence holds whatever its length (V4's rings; 0 for the other layouts)."""
+        if self.layer_buffers is None:
+            return 0
+        return sum(b.ring * b.width for layer in self.layer_buffers for b in layer) * dtype_size(self.dtype)
 
     @property
     def buffers_per_layer(self) -> int:
         return 1 if self.layout == "mla_latent" else 2
 
-    def buffer_shape(self, index: int) -> list[int | str]:
-        """The shape of a layer's ``index``-th buffer (``shape`` with that buffer's width)."""
+    def buffer_shape(self, index: int, layer: int = 0) -> list[int | str]:
+        """The shape of a layer's ``index``-th buffer (``shape`` with that buffer's width; V4: its own rows too)."""
+        if self.layer_buffers is not None:
+            buffer = self.layer_buffers[layer][index]
+            if self.block_size is not None:
+                return [POOL_AXIS, buffer.rows_per_block(self.block_size), buffer.width]
+            return [BATCH_AXIS, buffer.rows_per_sequence(self.max_seq_len), buffer.width]
         if self.buffer_widths is None:
             return list(self.shape)
         return [*self.shape[:-1], self.buffer_widths[index]]
 
     def bytes_for(self, seq_len: int, batch_size: int = 1) -> int:
         """Bytes of cache for ``batch_size`` sequences of ``seq_len`` tokens (all layers)."""
-        return self.bytes_per_token * seq_len * batch_size
+        return (self.bytes_per_token * seq_len + self.bytes_per_sequence) * batch_size
 
     def validate(self) -> None:
         if self.layout not in KV_LAYOUTS:
@@ -158,6 +178,9 @@ class KVCacheSpec:
                             ("present_output_names", self.present_output_names)):
             if len(names) != self.num_layers:
                 raise ArtifactError(f"kv_cache.{what} has {len(names)} layers, num_layers is {self.num_layers}")
+            if self.layout == "v4_hybrid":
+                self._validate_v4(what, names)
+                continue
             for i, per_layer in enumerate(names):
                 n = len(per_layer)
                 # MLA: exactly one past input; present outputs all alias that one buffer. GQA / DSA: two and two.
@@ -172,6 +195,19 @@ class KVCacheSpec:
                 or not all(isinstance(w, int) and w > 0 for w in self.buffer_widths)):
             raise ArtifactError(f"kv_cache.buffer_widths {self.buffer_widths} must give {self.buffers_per_layer} "
                                 "positive widths, one per buffer of a layer")
+
+    def _validate_v4(self, what: str, names: list[list[str]]) -> None:
+        if self.layer_buffers is None or len(self.layer_buffers) != self.num_layers:
+            raise ArtifactError("kv_cache.layout v4_hybrid needs layer_buffers, one list per layer")
+        for i, (per_layer, buffers) in enumerate(zip(names, self.layer_buffers, strict=True)):
+            if len(per_layer) != len(buffers):
+                raise ArtifactError(f"kv_cache.{what}[{i}] has {len(per_layer)} names for {len(buffers)} buffers")
+        if self.block_size is not None:
+            bad = {b.tokens_per_row for layer in self.layer_buffers for b in layer
+                   if b.tokens_per_row and self.block_size % b.tokens_per_row}
+            if bad:
+                raise ArtifactError(f"kv_cache.block_size {self.block_size} is not a multiple of the compress rates "
+                                    f"{sorted(bad)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | ({"bytes_per_block": self.bytes_per_block} if self.paged else {})
@@ -190,6 +226,8 @@ class KVCacheSpec:
             max_seq_len=int(data["max_seq_len"]),
             block_size=None if data.get("block_size") is None else int(data["block_size"]),
             buffer_widths=None if data.get("buffer_widths") is None else [int(w) for w in data["buffer_widths"]],
+            layer_buffers=None if data.get("layer_buffers") is None else [
+                [V4Buffer.from_dict(b) for b in layer] for layer in data["layer_buffers"]],
         )
 
 
@@ -217,7 +255,10 @@ def _head_shape(config: ModelConfig) -> tuple[int, int]:
 
 
 def contiguous_spec(config: ModelConfig, *, max_seq_len: int, dtype: str = DEFAULT_DTYPE) -> KVCacheSpec:
-    """Per-sequence buffers ``[batch_size, H, max_sequence_length, D]`` (ONNX Runtime GroupQueryAttention)."""
+    """Per-sequence buffers ``[batch_size, H, max_sequence_length, D]`` (ONNX Runtime GroupQueryAttention);
+    DeepSeek-V4: ``v4_spec``."""
+    if config.compressed_attention is not None:
+        return v4_spec(config, max_seq_len=max_seq_len, dtype=dtype)
     mla = config.mla is not None
     heads, width = _head_shape(config)
     names = [cache_names(i, mla, config.dsa is not None) for i in range(config.num_hidden_layers)]
@@ -236,9 +277,32 @@ def static_spec(config: ModelConfig, *, max_seq_len: int, dtype: str) -> KVCache
 
 def paged_spec(config: ModelConfig, *, max_seq_len: int, block_size: int, dtype: str = DEFAULT_DTYPE) -> KVCacheSpec:
     """Block pools ``[num_blocks, block_size, H, D]`` read and written by ``moeforge::PagedAttention`` (DSA:
-    ``moeforge::SparseMLAPaged``)."""
+    ``moeforge::SparseMLAPaged``); DeepSeek-V4: ``v4_spec``."""
+    if config.compressed_attention is not None:
+        return v4_spec(config, max_seq_len=max_seq_len, block_size=block_size, dtype=dtype)
     mla = config.mla is not None
     heads, width = _head_shape(config)
     names = [pool_names(i, mla, config.dsa is not None) for i in range(config.num_hidden_layers)]
     return _spec(config, names, [POOL_AXIS, block_size, heads, width], max_seq_len=max_seq_len, dtype=dtype,
                  block_size=block_size)
+
+
+def v4_spec(config: ModelConfig, *, max_seq_len: int, block_size: int | None = None,
+            dtype: str = DEFAULT_DTYPE) -> KVCacheSpec:
+    """DeepSeek-V4's cache (layout ``v4_hybrid``, ``kv_layout_v4.py``): per layer its window ring, and on compressed
+    layers the compressor's pending ring and entries (CSA: the indexer's too); contiguous buffers [B, rows, w], or
+    pools [num_blocks, rows per block, w] with ``block_size``. ``bytes_per_token`` counts what grows with the context
+    (the entries), rounded up; the rings are ``bytes_per_sequence`` (contiguous) or part of ``bytes_per_block``."""
+    layers = [layer_buffers(config, i) for i in range(config.num_hidden_layers)]
+    past, present = (POOL_PREFIX, POOL_OUT_PREFIX) if block_size is not None else (PAST_PREFIX, PRESENT_PREFIX)
+    per_token = sum(b.values_per_token for layer in layers for b in layer)
+    first = layers[0][0]
+    shape: list[int | str] = ([POOL_AXIS, first.rows_per_block(block_size), first.width] if block_size is not None
+                              else [BATCH_AXIS, first.rows_per_sequence(max_seq_len), first.width])
+    return KVCacheSpec(
+        layout="v4_hybrid", num_layers=len(layers),
+        past_input_names=[[f"{past}{i}.{b.kind}" for b in layer] for i, layer in enumerate(layers)],
+        present_output_names=[[f"{present}{i}.{b.kind}" for b in layer] for i, layer in enumerate(layers)],
+        shape=shape, dtype=dtype, values_per_token_per_layer=math.ceil(per_token / len(layers)),
+        bytes_per_token=math.ceil(per_token * dtype_size(dtype)), max_seq_len=max_seq_len, block_size=block_size,
+        layer_buffers=layers)

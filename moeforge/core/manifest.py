@@ -15,7 +15,7 @@ import platform
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from moeforge import __version__
 from moeforge.core.config import ModelConfig
@@ -28,7 +28,9 @@ from moeforge.core.kv_layout import (
     POOL_PREFIX,
     KVCacheSpec,
     dtype_size,
+    v4_spec,
 )
+from moeforge.core.kv_layout_v4 import BufferKind, V4Buffer
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -139,10 +141,23 @@ def _kv_cache(value: object) -> KVCacheSpec:
     if widths is not None:  # DSA: the latent and the indexer's keys
         fields["buffer_widths"] = [_int(w, f"kv_cache.buffer_widths[{i}]", 1, MAX_SEQ_LEN)
                                    for i, w in enumerate(_list(widths, "kv_cache.buffer_widths"))]
+    layers = data.get("layer_buffers")
+    if layers is not None:  # DeepSeek-V4: each layer's rings and entries
+        fields["layer_buffers"] = [[_v4_buffer(b, f"kv_cache.layer_buffers[{i}][{j}]")
+                                    for j, b in enumerate(_list(layer, f"kv_cache.layer_buffers[{i}]"))]
+                                   for i, layer in enumerate(_list(layers, "kv_cache.layer_buffers"))]
     try:
         return KVCacheSpec(**fields)
     except ArtifactError as exc:  # KVCacheSpec.validate: the layout, dtype and per-layer name counts
         raise ArtifactError(f"manifest {exc}; {_FIX}") from None
+
+
+def _v4_buffer(value: object, what: str) -> V4Buffer:
+    data = _dict(value, what)
+    return V4Buffer(kind=cast(BufferKind, _str(data["kind"], f"{what}.kind")),
+                    width=_int(data["width"], f"{what}.width", 1, MAX_SEQ_LEN),
+                    ring=_int(data.get("ring", 0), f"{what}.ring", 0, MAX_SEQ_LEN),
+                    tokens_per_row=_int(data.get("tokens_per_row", 0), f"{what}.tokens_per_row", 0, MAX_SEQ_LEN))
 
 
 def _files(value: object) -> dict[str, dict[str, Any]]:
@@ -322,6 +337,13 @@ class Manifest:
         """The buffer shape is the layout's ([B, Hkv, L, D] or pool [N, Bs, Hkv, D]) with the model's heads
         and head size, and the per-token counts follow from it (they size every cache allocation)."""
         kv = self.kv_cache
+        if config.compressed_attention is not None:  # DeepSeek-V4: the whole spec follows from the model
+            want = v4_spec(config, max_seq_len=kv.max_seq_len, block_size=kv.block_size, dtype=kv.dtype)
+            for field in ("layout", "layer_buffers", "shape", "values_per_token_per_layer", "bytes_per_token"):
+                if getattr(kv, field) != getattr(want, field):
+                    raise ArtifactError(f"manifest kv_cache.{field} is {_show(getattr(kv, field))}; this model's "
+                                        f"v4_hybrid cache has {_show(getattr(want, field))}; {_FIX}")
+            return
         layout = ("mla_dsa" if config.dsa is not None else "mla_latent") if config.mla is not None else "gqa"
         if kv.layout != layout:
             raise ArtifactError(f"manifest kv_cache.layout is {kv.layout}, the model's attention caches {layout}; "

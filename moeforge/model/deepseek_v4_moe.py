@@ -20,7 +20,7 @@ from torch import nn
 
 from moeforge.core.config import ModelConfig
 from moeforge.model.mlp import SwiGLU
-from moeforge.model.moe import RoutedExperts
+from moeforge.model.moe import RoutedExperts, hold_local_experts
 
 
 class V4Router(nn.Module):
@@ -56,7 +56,9 @@ class V4Router(nn.Module):
 
 
 class V4MoE(nn.Module):
-    """out = sum_k w_k * expert_k(x) + shared_experts(x), experts picked by ``V4Router``."""
+    """out = sum_k w_k * expert_k(x) + shared_experts(x), experts picked by ``V4Router``. A tensor-parallel rank
+    (``rank_model_v4.py``) holds some experts from ``first_expert`` (or a slice of each) and sums the ranks'
+    partial outputs with ``reduce``."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -66,11 +68,16 @@ class V4MoE(nn.Module):
         self.experts = RoutedExperts(moe.n_routed_experts, config.hidden_size, moe.moe_intermediate_size,
                                      moe.swiglu_limit)
         self.shared_experts = SwiGLU(config.hidden_size, moe.moe_intermediate_size, moe.swiglu_limit)
+        self.num_routed = moe.n_routed_experts
+        self.first_expert = 0
+        self.reduce: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         # x [B, S, H], input_ids [B, S]
         flat = x.reshape(-1, x.shape[-1])
         expert_ids, weights = self.gate(flat, input_ids.reshape(-1))
+        if self.experts.num_experts != self.num_routed:  # an expert-parallel rank: its own experts only
+            expert_ids, weights = hold_local_experts(expert_ids, weights, self.first_expert, self.experts.num_experts)
         routed: torch.Tensor = self.experts(flat, expert_ids, weights).view_as(x)
-        shared: torch.Tensor = self.shared_experts(x)
-        return routed + shared
+        out: torch.Tensor = routed + self.shared_experts(x)
+        return out if self.reduce is None else self.reduce(out)

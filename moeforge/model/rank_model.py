@@ -31,10 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeforge.core.config import ModelConfig
+from moeforge.model.deepseek_v4 import DeepseekV4ForCausalLM
 from moeforge.model.expert_slots import EMPTY, ExpertSlots
 from moeforge.model.mlp import SwiGLU
 from moeforge.model.model import CausalLM
 from moeforge.model.moe import MoEBlock
+from moeforge.model.rank_model_v4 import shard_v4_model
+from moeforge.model.sharding import ShardingError
 from moeforge.ops.collectives import torch_op as collectives  # noqa: F401  (registers torch.ops.moeforge.all_reduce / all_gather)
 
 
@@ -238,7 +241,7 @@ def _split(t: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
 
 @torch.no_grad()
 def shard_model(model: CausalLM, tp: int, ep: int, rank: int,
-                slots: ExpertSlots | None = None) -> tuple[RankCausalLM, ModelConfig, RankLayout]:
+                slots: ExpertSlots | None = None) -> tuple[CausalLM, ModelConfig, RankLayout]:
     """Rank ``rank``'s model (its own copies of its weight slices), the config it was built from, and its layout.
 
     The split must be valid (``moeforge.model.sharding.plan_sharding`` checks it first); OLMoE-style q/k norms over the
@@ -246,19 +249,27 @@ def shard_model(model: CausalLM, tp: int, ep: int, rank: int,
     replicas (``ExpertSlots.check`` first); each MoE layer holds the logical experts of its slots.
     """
     config = model.config
-    local_config = rank_config(config, tp, ep)
     layout = rank_layout(config, tp, ep, rank, slots)
-    with torch.device("meta"):
-        local = RankCausalLM(local_config, model.mla_impl)
-    local.group_size = tp
+    local: CausalLM
+    if isinstance(model, DeepseekV4ForCausalLM):
+        if slots is not None:
+            raise ShardingError("--placement with DeepSeek-V4 is not supported yet: compile without --placement")
+        assert layout.experts is not None
+        local, local_config = shard_v4_model(model, tp, ep, rank, layout.heads, layout.experts, AllReduce)
+    else:
+        local_config = rank_config(config, tp, ep)
+        with torch.device("meta"):
+            rank_local = RankCausalLM(local_config, model.mla_impl)
+        rank_local.group_size = tp
+        local = rank_local
     full = model.model
     embedding = VocabParallelEmbedding(_rows(full.embed_tokens.weight, *layout.vocab, 1), layout.vocab[0], tp)
     setattr(local.model, "embed_tokens", embedding)  # noqa: B010  (a module of another type than nn.Embedding)
     # Replicated modules are copied: each rank's model is released on its own once its graph is written.
     local.model.norm = copy.deepcopy(full.norm)
-    if model.lm_head is not None:
-        local.lm_head = nn.Linear(config.hidden_size, layout.vocab[1] - layout.vocab[0], bias=False)
-        local.lm_head.weight = nn.Parameter(_rows(model.lm_head.weight, *layout.vocab, 1), requires_grad=False)
+    _vocab_head(model, local, config, layout)
+    if isinstance(model, DeepseekV4ForCausalLM):  # its layers are rank_model_v4's
+        return local, local_config, layout
     layers: list[Any] = list(zip(full.layers, local.model.layers, strict=True))
     for index, (src, dst) in enumerate(layers):
         dst.input_layernorm = copy.deepcopy(src.input_layernorm)
@@ -267,6 +278,12 @@ def shard_model(model: CausalLM, tp: int, ep: int, rank: int,
         dst.mlp = _shard_mlp(src.mlp, config, layout, index, slots)
     local.model.rotary = copy.deepcopy(full.rotary)
     return local, local_config, layout
+
+
+def _vocab_head(model: CausalLM, local: CausalLM, config: ModelConfig, layout: RankLayout) -> None:
+    if model.lm_head is not None:
+        local.lm_head = nn.Linear(config.hidden_size, layout.vocab[1] - layout.vocab[0], bias=False)
+        local.lm_head.weight = nn.Parameter(_rows(model.lm_head.weight, *layout.vocab, 1), requires_grad=False)
 
 
 def _shard_attention(src: Any, dst: Any, config: ModelConfig, layout: RankLayout) -> None:

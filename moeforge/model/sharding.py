@@ -35,6 +35,7 @@ import torch
 
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import MoeforgeError
+from moeforge.model.deepseek_v4 import DeepseekV4ForCausalLM
 from moeforge.model.model import CausalLM
 
 RULES = ("vocab", "column", "kv-column", "row", "expert", "replicated")
@@ -105,7 +106,7 @@ def plan_sharding(config: ModelConfig, tp: int, ep: int = 1) -> ShardPlan:
     tensor-parallel; tp: whole experts per rank). Raises ``ShardingError`` for a split the shapes cannot take."""
     _check(config, tp, ep)
     with torch.device("meta"):  # shapes only: no weights are allocated, whatever the model's size
-        model = CausalLM(config)
+        model = DeepseekV4ForCausalLM(config) if config.compressed_attention is not None else CausalLM(config)
     kv_heads = config.num_key_value_heads
     tensors = []
     for name, parameter in model.named_parameters():
@@ -136,11 +137,18 @@ def _check(config: ModelConfig, tp: int, ep: int) -> None:
         raise ShardingError(f"{config.name} normalises q and k over all heads at once (OLMoE's qk_norm), which a "
                             "rank holding some heads cannot compute without another collective: compile it "
                             "unsharded (--tp 1)")
+    attn = config.compressed_attention
+    if attn is not None and attn.o_groups % tp:
+        raise ShardingError(f"--tp {tp} does not divide the {attn.o_groups} output groups (o_groups) of {config.name}: "
+                            "a rank projects whole groups of its heads; use a divisor of o_groups")
     kv = config.num_key_value_heads
     if config.mla is None and kv % tp and tp % kv:
         raise ShardingError(f"--tp {tp} and the {kv} kv heads of {config.name}: one must divide the other (each "
                             "rank holds whole kv heads, replicated when there are fewer heads than ranks)")
-    for name, size in (("vocab_size", config.vocab_size), ("intermediate_size", config.intermediate_size)):
+    sizes = [("vocab_size", config.vocab_size)]
+    if attn is None:  # DeepSeek-V4 has no dense MLP: its intermediate_size is unused
+        sizes.append(("intermediate_size", config.intermediate_size))
+    for name, size in sizes:
         if size % tp:
             raise ShardingError(f"--tp {tp} does not divide {name} {size} of {config.name}")
     moe = config.moe
@@ -152,9 +160,19 @@ def _check(config: ModelConfig, tp: int, ep: int) -> None:
                                 "expert is split across ranks with --ep 1): use --ep equal to --tp")
 
 
+_V4_HEAD_SPLIT = ("self_attn.q_b_proj.weight", "self_attn.sinks", "self_attn.o_a_proj.weight")
+
+
 def _rule(name: str, config: ModelConfig, ep: int) -> str:
     parts = name.split(".")
     leaf = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
+    if config.compressed_attention is not None:  # DeepSeek-V4 (rank_model_v4.py): the cache writers replicated
+        if "compressor" in parts or "mtp" in parts:
+            return "replicated"
+        if name.endswith(_V4_HEAD_SPLIT):
+            return "column"
+        if name.endswith("self_attn.o_b_proj.weight"):
+            return "row"
     if leaf in ("embed_tokens", "lm_head"):
         return "vocab"
     if "experts" in parts and "shared_experts" not in parts:
@@ -182,6 +200,8 @@ def _per_rank(shape: tuple[int, ...], rule: str, tp: int, ep: int, kv_heads: int
 def _kv_values(config: ModelConfig, tp: int) -> int:
     """Cache values per token (all layers) one of ``tp`` ranks keeps."""
     layers = config.num_hidden_layers
+    if config.compressed_attention is not None:  # V4: the whole cache on every rank (its writers are replicated)
+        return layers * config.kv_cache_values_per_token()
     if config.mla is not None:
         return layers * config.mla.latent_dim  # the latent is replicated: the same on every rank
     heads = max(config.num_key_value_heads // tp, 1)

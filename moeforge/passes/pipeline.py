@@ -66,6 +66,12 @@ def ort_pipeline(kv_cache: str = "contiguous", block_size: int = DEFAULT_BLOCK_S
     ]
 
 
+def v4_pipeline() -> list[GraphPass]:
+    """DeepSeek-V4 (``moeforge/compile/v4_export.py``): its graph already reads and writes its cache, so no cache
+    insertion; the rewrites that keep the math (folding, RMSNorm fusion, sibling projections packed)."""
+    return [Cleanup(), RmsNormFusion(), ProjectionPacking(), Cleanup()]
+
+
 def run_passes(
     model: ir.Model,
     ctx: PassContext,

@@ -88,7 +88,8 @@ class LLMEngine:
         if config.speculative.tokens and not getattr(backend, "multi_logit_rows", False):
             raise EngineConfigError(f"SpeculativeOptions(tokens={config.speculative.tokens}): the "
                                     f"{type(backend).__name__} cannot verify draft tokens (it returns one row of "
-                                    "logits per sequence); set tokens=0")
+                                    "logits per sequence, or its cache cannot drop rejected drafts: DeepSeek-V4's "
+                                    "rings); set tokens=0")
         self.backend = backend
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)

@@ -63,6 +63,10 @@ def cache_feeds(kv: KVCacheSpec, prompt_len: int) -> dict[str, np.ndarray]:
     """Zeroed caches for one prefill of ``prompt_len`` tokens: pools of ceil(P / Bs) blocks, or contiguous buffers
     [1, H, L, D] (L: the static length of an engine's cache, else ``GOLDEN_CACHE_LEN``)."""
     dtype = _numpy_dtype(kv.dtype)
+    if kv.layer_buffers is not None:  # DeepSeek-V4: every buffer its own rows and width
+        lead = -(-prompt_len // kv.block_size) if kv.block_size is not None else 1
+        return {name: np.zeros([lead, *(int(d) for d in kv.buffer_shape(j, layer)[1:])], dtype)
+                for layer, names in enumerate(kv.past_input_names) for j, name in enumerate(names)}
     if kv.block_size is not None:
         shape = [-(-prompt_len // kv.block_size), *(int(d) for d in kv.shape[1:])]
     else:
@@ -85,6 +89,8 @@ def token_feeds(kv: KVCacheSpec, prompt_ids: list[int], *, for_engine: bool) -> 
     positions = np.arange(ids.shape[1], dtype=np.int64)[None]
     if for_engine:
         return {"input_ids": ids, "position_ids": positions, "past_lengths": np.zeros(1, np.int64)}
+    if kv.layer_buffers is not None:  # DeepSeek-V4: positions say where each token goes; no mask
+        return {"input_ids": ids, "position_ids": positions}
     return {"input_ids": ids, "position_ids": positions, "attention_mask": np.ones_like(ids)}
 
 
@@ -98,7 +104,10 @@ def write_golden(folder: Path, model_path: Path, kv: KVCacheSpec, prompt_ids: li
     else:
         # One run: packing every matrix for ONNX Runtime's GEMM first would only copy the weights into anonymous
         # memory (a streamed compile's peak would grow with the model); unpacked, they stay in the mapped file.
-        (logits,) = make_session(model_path, session_config=UNPACKED_WEIGHTS).run(["logits"], feeds)
+        session = make_session(model_path, session_config=UNPACKED_WEIGHTS)
+        wanted = {i.name for i in session.get_inputs()}  # DeepSeek-V4's paged graph reads no seq_lens
+        feeds = {name: value for name, value in feeds.items() if name in wanted}
+        (logits,) = session.run(["logits"], feeds)
     out = folder / GOLDEN_DIR
     out.mkdir(exist_ok=True)
     save_json([tokens if for_engine else feeds], str(out / INPUTS_FILE))

@@ -17,7 +17,7 @@ from moeforge.core.kv_layout import DEFAULT_DTYPE, KVCacheSpec, contiguous_spec,
 from moeforge.core.manifest import GENAI_CONFIG_FILE, MODEL_FILE, Manifest
 from moeforge.passes.argmax_head import ArgmaxHead
 from moeforge.passes.base import GraphPass, PassReport
-from moeforge.passes.pipeline import ort_pipeline
+from moeforge.passes.pipeline import ort_pipeline, v4_pipeline
 from moeforge.quant.kv_calibration import CalibratedKVQuantization
 from moeforge.quant.plan import QuantPlan, checkpoint_is_fp8, quant_passes
 from moeforge.quant.schemes import KV_SCHEMES, precision_name
@@ -60,12 +60,14 @@ class OrtTarget:
             self.options.quant, job.prompts, fp8_source=checkpoint_is_fp8(job.loaded.source.location))
         # Last: it matches only a head the quantisation passes left float32.
         argmax = [ArgmaxHead()] if self.options.argmax_head else []
-        return ort_pipeline(kv.layout, kv.block_size) + quant + argmax
+        if job.config.compressed_attention is not None:  # DeepSeek-V4: the cache is in the exported graph
+            return v4_pipeline() + quant + argmax
+        return ort_pipeline(kv.layout, kv.tokens_per_block) + quant + argmax
 
     def kv_spec(self, job: CompileJob) -> KVCacheSpec:
         kv = self.options.kv
         if kv.paged:
-            return paged_spec(job.config, max_seq_len=job.max_seq_len, block_size=kv.block_size)
+            return paged_spec(job.config, max_seq_len=job.max_seq_len, block_size=kv.tokens_per_block)
         kv_quant = self.options.quant.kv_cache
         dtype = KV_SCHEMES[kv_quant].dtype if kv_quant else DEFAULT_DTYPE
         return contiguous_spec(job.config, max_seq_len=job.max_seq_len, dtype=dtype)

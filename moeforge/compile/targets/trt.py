@@ -59,12 +59,12 @@ class TrtTarget:
     def passes(self, job: CompileJob) -> list[GraphPass]:
         kv, config = self.options.kv, job.config
         self.weights = trt_weight_config(self.options.quant, in_features(config), config.name or self.options.model)
-        return trt_pipeline(self.options.trt.dtype, kv.layout, kv.block_size, self.weights)
+        return trt_pipeline(self.options.trt.dtype, kv.layout, kv.tokens_per_block, self.weights)
 
     def kv_spec(self, job: CompileJob) -> KVCacheSpec:
         kv, dtype = self.options.kv, DTYPES[self.options.trt.dtype]
         if kv.paged:
-            return paged_spec(job.config, max_seq_len=job.max_seq_len, block_size=kv.block_size, dtype=dtype)
+            return paged_spec(job.config, max_seq_len=job.max_seq_len, block_size=kv.tokens_per_block, dtype=dtype)
         return static_spec(job.config, max_seq_len=job.max_seq_len, dtype=dtype)
 
     def precision(self) -> str:
@@ -96,7 +96,7 @@ class TrtTarget:
         build = BuildOptions(impl=trt.impl, sm=self.sm, max_batch=opts.max_batch,
                              max_prefill_tokens=min(opts.max_prefill_tokens, job.max_seq_len),
                              optimization_level=opts.optimization_level,
-                             paged_block_size=kv.block_size if kv.paged else None, max_seq_len=job.max_seq_len,
+                             paged_block_size=kv.tokens_per_block if kv.paged else None, max_seq_len=job.max_seq_len,
                              timing_cache=folder / TIMING_CACHE_FILE, num_ranks=self.options.tp)
         job.stages.stage(f"{trt.impl} engine")
         manifest.engine = build_engine(model_path, folder / PLAN_FILE, build, trt).to_dict()

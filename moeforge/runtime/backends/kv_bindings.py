@@ -32,6 +32,13 @@ class CacheBinding:
     heads: int  # Hkv
     head_dim: int  # D
     dtype: str = "float32"  # numpy name; "int8" for a quantised cache (--kv-quant int8)
+    rows: int | None = None  # DeepSeek-V4 (v4_hybrid): a sequence's rows of this buffer, [B, rows, D]
+
+    def contiguous_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
+        """The contiguous buffer of ``batch`` sequences of up to ``max_len`` tokens."""
+        if self.rows is not None:
+            return (batch, self.rows, self.head_dim)
+        return (batch, self.heads, max_len, self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,12 @@ class GraphTensor:
 
 def cache_bindings(kv: KVCacheSpec) -> list[CacheBinding]:
     """Every layer buffer of ``kv`` with the outputs bound to it, layer by layer in the spec's order."""
+    if kv.layer_buffers is not None:  # V4: every buffer its own rows and width, one output each
+        return [CacheBinding(name, (output,), 1, buffer.width, kv.dtype,
+                             None if kv.paged else buffer.rows_per_sequence(kv.max_seq_len))
+                for past, present, buffers in zip(kv.past_input_names, kv.present_output_names, kv.layer_buffers,
+                                                  strict=True)
+                for name, output, buffer in zip(past, present, buffers, strict=True)]
     # Contiguous buffers are [B, Hkv, L, D], paged pools [N, Bs, Hkv, D].
     heads, head_dim = (kv.shape[2 if kv.paged else 1], kv.shape[3]) if len(kv.shape) == 4 else (None, None)
     if not isinstance(heads, int) or not isinstance(head_dim, int):
@@ -62,9 +75,11 @@ def check_graph(kv: KVCacheSpec, inputs: Mapping[str, GraphTensor], outputs: Col
     message) disagree: a missing input or output, another dtype, another static dim after the first."""
     hint = "the manifest does not describe this graph: recompile the artifact"
     per_layer = max(1, len(kv.past_input_names[0])) if kv.past_input_names else 1
+    places = [(layer, index) for layer, names in enumerate(kv.past_input_names) for index in range(len(names))]
     for position, binding in enumerate(cache_bindings(kv)):
         name = binding.input_name
-        expected = kv.buffer_shape(position % per_layer)
+        expected = (kv.buffer_shape(places[position][1], places[position][0]) if kv.layer_buffers is not None
+                    else kv.buffer_shape(position % per_layer))
         tensor = inputs.get(name)
         if tensor is None:
             raise ArtifactError(f"{graph} has no input {name!r}, which the manifest's kv_cache names; {hint}")

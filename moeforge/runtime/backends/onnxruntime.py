@@ -127,7 +127,8 @@ class OrtSession:
 
     def allocate(self, batch: int, max_len: int) -> None:
         """(Re)allocate zeroed cache buffers [B, H, L, D] for ``batch`` rows of up to ``max_len`` tokens."""
-        self.buffers = [resident_zeros((batch, b.heads, max_len, b.head_dim), b.dtype) for b in self.bindings]
+        self.buffers = [resident_zeros(b.contiguous_shape(batch, max_len), b.dtype) for b in self.bindings]
+        self._capacity = max_len
         self._ort_values = [ort.OrtValue.ortvalue_from_numpy(buf) for buf in self.buffers]  # zero-copy on CPU
         self._decode_bindings.clear()  # they bound the old buffers
 
@@ -227,7 +228,7 @@ class OrtSession:
 
     @property
     def capacity(self) -> int:
-        return self.buffers[0].shape[2] if self.buffers else 0
+        return self._capacity if self.buffers else 0
 
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """input_ids/position_ids [B, S] int64, attention_mask [B, T] int64 -> logits [B, S, V] float32."""

@@ -1,0 +1,76 @@
+"""DeepSeek-V4 as one inference step over its KV cache buffers: the module a V4 compile exports (contiguous or paged).
+
+    contiguous: (input_ids [B, S], position_ids [B, S], *buffers) -> (logits [B, S, V], *buffers written)
+    paged:      (input_ids [T], position_ids [T], block_tables [N, M], query_start_loc [N+1], logits_indices [K],
+                 *pools) -> (logits [K, V], *pools written)
+``buffers`` / ``pools``: every layer's ``kv_layout_v4.layer_buffers`` in layer order (contiguous [B, rows, w], paged
+[num_blocks, rows per block, w]). The layers are the model's own modules (``deepseek_v4.py``): mHC, MoE (hash layers
+read input_ids) and norms run as in the reference; attention runs ``v4_cache.cached_attention``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, cast
+
+import torch
+from torch import nn
+
+from moeforge.core.kv_layout_v4 import layer_buffers
+from moeforge.model.deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4ForCausalLM
+from moeforge.model.hyper_connections import HyperConnection
+from moeforge.model.v4_cache import CacheAddress, cached_attention, contiguous_address, paged_address
+
+CacheKind = Literal["contiguous", "paged"]
+
+
+class V4StepLM(nn.Module):
+    """One step of ``model`` over its cache buffers; ``max_seq_len`` bounds positions (contiguous), ``block_size``
+    is the pool block size (paged)."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM, kind: CacheKind, *, max_seq_len: int,
+                 block_size: int | None = None) -> None:
+        super().__init__()
+        self.model, self.kind, self.max_seq_len, self.block_size = model, kind, max_seq_len, block_size
+        config = model.config
+        self.buffer_counts = [len(layer_buffers(config, i)) for i in range(config.num_hidden_layers)]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.kind == "paged":
+            assert self.block_size is not None
+            block_tables, query_start_loc, logits_indices, *buffers = rest
+            address = paged_address(position_ids, block_tables, query_start_loc, self.block_size)
+            ids, positions = input_ids, position_ids
+        else:
+            buffers = list(rest)
+            address = contiguous_address(position_ids, self.max_seq_len)
+            ids, positions = input_ids.reshape(-1), position_ids.reshape(-1)
+        hidden, written = self.layers(ids, positions, address, buffers)  # [T, H]
+        if self.kind == "paged":
+            hidden = hidden[logits_indices]  # [K, H]
+        else:
+            hidden = hidden.view(*input_ids.shape, -1)
+        return (self.model.lm_logits(hidden), *written)
+
+    def layers(self, ids: torch.Tensor, positions: torch.Tensor, address: CacheAddress,
+               buffers: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """ids, positions [T] -> the final hidden state [T, H] (HyperHead and norm applied) and the buffers."""
+        decoder = self.model.model
+        hc = self.model.config.hyper_connections
+        assert hc is not None
+        h = decoder.embed_tokens(ids)[None, :, None, :].expand(-1, -1, hc.hc_mult, -1).contiguous()  # [1, T, N, H]
+        main, compress = decoder.rotary(positions[None]), decoder.compress_rotary(positions[None])
+        written: list[torch.Tensor] = []
+        first = 0
+        for module, count in zip(decoder.layers, self.buffer_counts, strict=True):
+            layer = cast(DeepseekV4DecoderLayer, module)
+            cos, sin = main if layer.self_attn.compressor is None else compress
+            x, post, comb = layer.attn_hc(h)
+            out, layer_written = cached_attention(layer.self_attn, layer.input_layernorm(x)[0], cos[0], sin[0],
+                                                  address, tuple(buffers[first:first + count]))
+            first += count
+            written.extend(layer_written)
+            h = HyperConnection.expand(h, out[None], post, comb)
+            x, post, comb = layer.ffn_hc(h)
+            h = HyperConnection.expand(h, layer.mlp(layer.post_attention_layernorm(x), ids[None]), post, comb)
+        return decoder.norm(decoder.hc_head(h))[0], written
