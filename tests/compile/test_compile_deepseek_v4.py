@@ -1,0 +1,171 @@
+"""`moeforge compile` of DeepSeek-V4 from seeded transformers checkpoints (HF folders), against transformers itself.
+
+Two configs between them have every layer type (sliding, CSA with its indexer's top-k, HCA), hash-routed and top-k
+MoE layers, mHC with 4 and 2 streams, YaRN and plain RoPE on the compressed layers, and tied embeddings. A 40-token
+prompt and 12 greedy steps cross the sliding window and many compression boundaries. Each artifact must generate
+transformers' greedy tokens: contiguous (default options), paged (default block size), tp 2 and tp 2 / ep 2; the
+paged engine must serve a batch of prompts and a prefix-cache hit that ends inside a compressed window exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from moeforge.cli import main
+from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.core.artifact import load_artifact
+from moeforge.core.errors import MoeforgeError
+from moeforge.runtime.engine import CacheOptions, EngineConfig, EngineConfigError, LLMEngine, SpeculativeOptions
+from moeforge.runtime.sampler import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the seeded transformers V4 models
+from v4_hf_models import CSA, HCA, SLIDING, VOCAB, hf_greedy, hf_model
+
+PROMPT_LEN, STEPS = 40, 12
+CASES: dict[str, tuple[dict[str, Any], int]] = {
+    "every_layer": (dict(
+        num_hidden_layers=4, layer_types=[SLIDING, CSA, HCA, CSA], compress_rates={CSA: 4, HCA: 8},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=6, index_topk=3, index_n_heads=8, hc_mult=4,
+        hc_sinkhorn_iters=6, scoring_func="sqrtsoftplus",
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}), 1),
+    "hca_first": (dict(
+        num_hidden_layers=3, layer_types=[HCA, CSA, SLIDING], compress_rates={CSA: 2, HCA: 16},
+        mlp_layer_types=["moe", "hash_moe", "moe"], sliding_window=12, index_topk=64, index_n_heads=4, hc_mult=2,
+        hc_sinkhorn_iters=3, scoring_func="sigmoid", tie_word_embeddings=True, compress_rope_theta=50000.0), 5),
+}
+
+
+def _prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB, length).tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Any, Path]]:
+    """case -> (the transformers model, its saved HF folder), made once per module."""
+    made: dict[str, tuple[Any, Path]] = {}
+
+    def get(case: str) -> tuple[Any, Path]:
+        if case not in made:
+            fields, seed = CASES[case]
+            model = hf_model(fields, seed)
+            folder = tmp_path_factory.mktemp(f"hf-{case}")
+            model.save_pretrained(folder)
+            made[case] = model, folder
+        return made[case]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def compiled(checkpoint: Callable[[str], tuple[Any, Path]],
+             tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """(case, **flags) -> the artifact compiled from the case's HF folder with ``flags``, once per module."""
+    made: dict[tuple[str, tuple[tuple[str, object], ...]], Path] = {}
+
+    def get(case: str, **flags: object) -> Path:
+        key = (case, tuple(sorted(flags.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{case}-artifact") / "out"
+            options = CompileOptions.from_flags(model=str(checkpoint(case)[1]), output_dir=out, progress=False,
+                                                **flags)
+            made[key] = compile_model(options).output_dir
+        return made[key]
+
+    return get
+
+
+def _engine_tokens(artifact: Path, prompts: list[list[int]], config: EngineConfig | None = None) -> list[list[int]]:
+    engine = LLMEngine.from_artifact(artifact, config)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    return [list(o.token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_default_compile_generates_transformers_tokens(case: str, checkpoint: Callable[[str], tuple[Any, Path]],
+                                                       compiled: Callable[..., Path]) -> None:
+    model, _ = checkpoint(case)
+    out = compiled(case)
+    kv = load_artifact(out).manifest.kv_cache
+    assert kv.layout == "v4_hybrid" and not kv.paged
+    # Contiguous buffers hold rings whatever the length and entries per compressed window: the window's ring is
+    # sliding_window rows, not max_seq_len.
+    window = model.config.sliding_window
+    assert [layer[0].ring for layer in kv.layer_buffers or []] == [window] * model.config.num_hidden_layers
+    prompts = [_prompt(3), _prompt(4, 17), _prompt(5, 1)]
+    assert _engine_tokens(out, prompts) == [hf_greedy(model, p, STEPS) for p in prompts]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_paged_compile_default_block_size(case: str, checkpoint: Callable[[str], tuple[Any, Path]],
+                                          compiled: Callable[..., Path]) -> None:
+    model, _ = checkpoint(case)
+    out = compiled(case, kv_cache="paged")
+    kv = load_artifact(out).manifest.kv_cache
+    rates = list(model.config.compress_rates.values())
+    assert kv.block_size == math.lcm(16, *rates)  # whole windows of every rate in a block
+    prompts = [_prompt(s, n) for s, n in ((3, 40), (6, 23), (7, 5), (8, 33))]
+    expected = [hf_greedy(model, p, STEPS) for p in prompts]
+    assert _engine_tokens(out, prompts) == expected
+
+
+def test_paged_prefix_cache_hit_across_compression_boundaries(checkpoint: Callable[[str], tuple[Any, Path]],
+                                                              compiled: Callable[..., Path]) -> None:
+    # Blocks of 16 tokens: the second request shares 2 blocks (32 tokens: 8 CSA windows of 4, 4 HCA windows of 8 and
+    # the 6-token sliding window at the block edge) and diverges inside the next windows.
+    model, _ = checkpoint("every_layer")
+    out = compiled("every_layer", kv_cache="paged")
+    first = _prompt(11)
+    second = [*first[:35], *_prompt(12, 6)]
+    engine = LLMEngine.from_artifact(out, EngineConfig(cache=CacheOptions(kv_blocks=32)))
+    engine.generate([first], SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    hits = engine.stats().kv.hits
+    (again,) = engine.generate([second], SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    assert engine.stats().kv.hits - hits == 2  # both shared blocks came from the prefix cache
+    assert list(again.token_ids) == hf_greedy(model, second, STEPS)
+
+
+@pytest.mark.parametrize("flags", [dict(tp=2), dict(tp=2, ep=2, kv_cache="paged")], ids=["tp2", "tp2-ep2-paged"])
+def test_sharded_compile_generates_transformers_tokens(flags: dict[str, object],
+                                                       checkpoint: Callable[[str], tuple[Any, Path]],
+                                                       compiled: Callable[..., Path]) -> None:
+    model, _ = checkpoint("every_layer")
+    out = compiled("every_layer", **flags)
+    prompt = _prompt(3)
+    # In its own process: `moeforge run` starts one process per rank from its own command line.
+    command = [sys.executable, "-P", "-m", "moeforge.cli", "run", str(out), "--prompt-ids", ",".join(map(str, prompt)),
+               "--max-new-tokens", str(STEPS), "--ignore-eos", "--json", "--quiet"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == hf_greedy(model, prompt, STEPS)
+
+
+def test_compile_refuses_a_block_size_that_splits_windows(checkpoint: Callable[[str], tuple[Any, Path]],
+                                                          tmp_path: Path) -> None:
+    _, folder = checkpoint("hca_first")  # HCA windows of 16 tokens
+    options = CompileOptions.from_flags(model=str(folder), output_dir=tmp_path / "out", progress=False,
+                                        kv_cache="paged", kv_block_size=8)
+    with pytest.raises(MoeforgeError, match="multiple of 16"):
+        compile_model(options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_speculative_decoding_is_refused_not_wrong(compiled: Callable[..., Path]) -> None:
+    out = compiled("every_layer")
+    with pytest.raises(EngineConfigError, match="DeepSeek-V4"):
+        LLMEngine.from_artifact(out, EngineConfig(speculative=SpeculativeOptions(tokens=3)))
+
+
+@torch.no_grad()
+def test_parity_against_pytorch_passes(compiled: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
+    out = compiled("every_layer", kv_cache="paged")
+    assert main(["parity", str(out), "--json"]) == 0, capsys.readouterr().out
