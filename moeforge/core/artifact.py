@@ -17,6 +17,7 @@ consistency), refuses symlinks and external data outside the artifact, and (by d
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import itertools
@@ -24,7 +25,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import socket
 import stat
 import tempfile
@@ -40,7 +40,7 @@ import onnx
 from moeforge.core.errors import ArtifactError
 from moeforge.core.kv_layout import KVCacheSpec
 from moeforge.core.manifest import FORMAT_VERSION, MANIFEST_FILE, MAX_MANIFEST_BYTES, MODEL_FILE, Manifest
-from moeforge.core.safe_paths import expand_user
+from moeforge.core.safe_paths import expand_user, remove_tree
 from moeforge.core.strict_json import JsonFileError, read_json_file
 
 # The artifact API is one import: the manifest types a loader needs come with load_artifact.
@@ -159,7 +159,8 @@ def _remove_stale_scratch(out: Path) -> None:
                         entry, out)
             continue
         log.warning("removing %s left behind by an interrupted moeforge run", entry)
-        shutil.rmtree(entry, ignore_errors=True)
+        with contextlib.suppress(OSError):  # best effort: what cannot be removed stays
+            remove_tree(entry)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -201,24 +202,81 @@ def _map_files(fn: Callable[[Path], Any], paths: list[Path]) -> list[Any]:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _walk(root: Path) -> Iterator[tuple[int, str, list[str], list[tuple[str, int]]]]:
+    """Every folder under ``root`` (itself first), depth first: (its descriptor, open while yielded; its POSIX path
+    relative to ``root``, "" for root; its real subfolders; every other entry with its ``lstat`` mode: files, links
+    of any kind, FIFOs ...).
+    Iterative and by descriptor with one folder open at a time (it climbs back by ``..``, checked against the
+    folder it left), never following a link below ``root``: a tree of any depth is walked, one deeper than the
+    recursion limit (``os.walk`` raises ``RecursionError``) or than PATH_MAX included. A folder that cannot be read,
+    or that moves while it is walked, raises ``OSError``."""
+    fd = os.open(root, _DIR_FLAGS)
+    parts: list[str] = []
+    levels: list[tuple[int, int, list[str]]] = []  # per open level: (st_dev, st_ino, subfolders still to visit)
+    try:
+        while True:
+            dirs: list[str] = []
+            others: list[tuple[str, int]] = []
+            for name in sorted(os.listdir(fd)):
+                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+                if stat.S_ISDIR(mode):
+                    dirs.append(name)
+                else:
+                    others.append((name, mode))
+            yield fd, "/".join(parts), dirs, others
+            info = os.fstat(fd)
+            levels.append((info.st_dev, info.st_ino, dirs[::-1]))
+            while not levels[-1][2]:  # this folder is done: back up to the nearest one with subfolders left
+                levels.pop()
+                if not levels:
+                    return
+                up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = up
+                parts.pop()
+                info = os.fstat(fd)
+                if (info.st_dev, info.st_ino) != levels[-1][:2]:
+                    raise OSError(errno.ESTALE, "a folder moved while it was read", str(root / "/".join(parts)))
+            name = levels[-1][2].pop()
+            child = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            parts.append(name)
+    finally:
+        os.close(fd)
+
+
+def _shown(rel: str) -> str:
+    """``rel`` short enough for a message (a path thousands of folders deep would fill the screen)."""
+    return rel if len(rel) <= 160 else f"{rel[:60]}/.../{rel[-80:]}"
+
+
 def _list_files(root: Path) -> list[str]:
     """Relative POSIX paths of every file under root (sorted); symlinks are refused."""
     out: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = Path(dirpath, name)
-            if full.is_symlink():
-                raise ArtifactError(f"{full} is a symlink; an artifact holds regular files only (a link could point "
-                                    "anywhere): replace it with the file itself, or recompile the artifact")
-        out.extend(Path(dirpath, name).relative_to(root).as_posix() for name in filenames)
+    try:
+        for _, rel, _, others in _walk(root):
+            for name, mode in others:
+                path = f"{rel}/{name}" if rel else name
+                if stat.S_ISLNK(mode):
+                    raise ArtifactError(f"{root / _shown(path)} is a symlink; an artifact holds regular files only "
+                                        "(a link could point anywhere): replace it with the file itself, or recompile "
+                                        "the artifact")
+                out.append(path)
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {_shown(str(exc.filename or root))}: {exc.strerror or exc}") from None
     return sorted(out)
 
 
 def _hash_tree(root: Path) -> dict[str, dict[str, Any]]:
     rels = _list_files(root)
     results = _map_files(lambda p: _hash_file(p, sync=True), [root / r for r in rels])
-    for dirpath, _, _ in os.walk(root):
-        _fsync_dir(Path(dirpath))
+    for fd, _, _, _ in _walk(root):
+        with contextlib.suppress(OSError):  # some filesystems do not fsync directories
+            os.fsync(fd)
     return {rel: {"sha256": sha, "bytes": size} for rel, (sha, size) in zip(rels, results, strict=True)}
 
 
@@ -278,13 +336,16 @@ def _check_replaceable(out: Path) -> None:
 def _unlisted_entries(root: Path, manifest: Manifest, limit: int = 5) -> list[str]:
     """Up to ``limit`` files (or links, sockets ...) under ``root`` that are neither manifest.json nor listed."""
     out: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in filenames + [d for d in dirnames if Path(dirpath, d).is_symlink()]:
-            rel = Path(dirpath, name).relative_to(root).as_posix()
-            if rel != MANIFEST_FILE and rel not in manifest.files:
-                out.append(rel)
-                if len(out) >= limit:
-                    return out
+    try:
+        for _, folder, _, others in _walk(root):
+            for name, _ in others:
+                rel = f"{folder}/{name}" if folder else name
+                if rel != MANIFEST_FILE and rel not in manifest.files:
+                    out.append(_shown(rel))
+                    if len(out) >= limit:
+                        return out
+    except OSError as exc:  # what it holds is unknown: never deleted unseen
+        out.append(f"{_shown(str(exc.filename or root))}, which cannot be read ({exc.strerror or exc})")
     return out
 
 
@@ -360,7 +421,7 @@ def install_directory(tmp: Path, out: Path) -> None:
         raise
     _fsync_dir(out.parent)
     try:
-        shutil.rmtree(aside)
+        remove_tree(aside)  # iterative and by descriptor: any depth, links removed as links
     except OSError as exc:
         log.warning("the new artifact is in place, but the old one at %s could not be deleted: %s", aside, exc)
 
@@ -422,7 +483,8 @@ def write_artifact(
         except OSError as exc:
             raise ArtifactError(f"writing the artifact {out} failed: {exc}") from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            remove_tree(tmp)
         raise
     return out
 

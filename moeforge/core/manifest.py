@@ -31,6 +31,7 @@ from moeforge.core.kv_layout import (
     v4_spec,
 )
 from moeforge.core.kv_layout_v4 import BufferKind, V4Buffer
+from moeforge.core.strict_json import JsonFileError, parse_json_text
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -375,10 +376,12 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
+        # Strict JSON (strict_json.py): a lone surrogate escape, a key given twice, NaN, a 5000-digit int or deep
+        # nesting is refused here, not met later as a traceback where the text is printed or encoded.
         try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError, an int of 5000 digits, deep nesting
-            raise ArtifactError(f"manifest is not valid JSON: {_show(str(exc), 200)}") from None
+            data = parse_json_text(text, source="manifest", fix=_FIX)
+        except JsonFileError as exc:
+            raise ArtifactError(str(exc)) from None
         return cls.from_dict(data)
 
 

@@ -23,7 +23,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from moeforge.core.errors import MoeforgeError, TokenizerError
-from moeforge.model.chat_template import check_chat_template
+from moeforge.core.strict_json import JsonFileError, read_regular_file
+from moeforge.model.chat_template import CHAT_TEMPLATE_MAX_CHARS, check_chat_template
 from moeforge.runtime.backends.base import Backend
 from moeforge.runtime.engine import (
     BackendOptions,
@@ -162,10 +163,17 @@ def server_config(options: ServeOptions) -> ServerConfig:
         raise MoeforgeError(f"--shutdown-timeout must be >= 0, got {options.shutdown_timeout}")
     template = None
     if options.chat_template is not None:
+        # A regular file of bounded size: a FIFO or device would block the start (or never end), a huge file fill
+        # memory; a template is far smaller than what it may render (CHAT_TEMPLATE_MAX_CHARS).
+        fix = f"name a regular UTF-8 file of at most {CHAT_TEMPLATE_MAX_CHARS:,} bytes holding a Jinja chat template"
         try:
-            template = options.chat_template.read_text()
-        except OSError as exc:
-            raise MoeforgeError(f"cannot read --chat-template {options.chat_template}: {exc}") from None
+            template = read_regular_file(options.chat_template, what="chat template file", fix=fix,
+                                         max_bytes=CHAT_TEMPLATE_MAX_CHARS).decode("utf-8")
+        except JsonFileError as exc:
+            raise MoeforgeError(f"cannot read --chat-template: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise MoeforgeError(f"cannot read --chat-template {options.chat_template}: not UTF-8 text ({exc.reason} "
+                                f"at byte {exc.start}); {fix}") from None
         try:
             check_chat_template(template)  # before the model loads: a broken template is the operator's to fix
         except TokenizerError as exc:

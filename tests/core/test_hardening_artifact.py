@@ -37,6 +37,7 @@ from moeforge.core.artifact import (
 )
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.manifest import MAX_SEQ_LEN, Manifest
+from moeforge.core.safe_paths import remove_tree
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine
 
 DATA_FILE = "model.onnx.data"
@@ -295,7 +296,7 @@ CRAFTED = [
     ("kv_cache.max_seq_len", 1e12, "max_seq_len must be an integer"),
     ("kv_cache.max_seq_len", -5, "max_seq_len"),
     ("kv_cache.max_seq_len", 0, "max_seq_len"),
-    ("kv_cache.max_seq_len", HUGE, "max_seq_len must be an integer"),
+    ("kv_cache.max_seq_len", HUGE, "1e400 is out of a double's range"),  # refused as the JSON is read
     ("kv_cache.max_seq_len", MAX_SEQ_LEN + 1, "max_seq_len"),
     ("kv_cache.max_seq_len", 2000, "max_position_embeddings"),  # tiny-llama's rotary tables end at 1024
     ("kv_cache.max_seq_len", True, "max_seq_len must be an integer"),
@@ -367,7 +368,7 @@ def test_huge_or_special_manifest_file_is_refused(art: Path) -> None:
         load_artifact(art)
     path.unlink()
     path.write_text("[" * 100_000 + "]" * 100_000)  # nesting deeper than the recursion limit
-    with pytest.raises(ArtifactError, match="not valid JSON"):
+    with pytest.raises(ArtifactError, match=r"manifest nests deeper than \d+ levels.*recompile"):
         load_artifact(art)
 
 
@@ -540,3 +541,80 @@ def test_force_onto_a_symbolic_link_says_it_is_a_link(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match=r"is a symbolic link \(to .*real\).*give the real path"):
         check_output_dir(link, force=True)
     assert (target / "keep.txt").read_text() == "data" and link.is_symlink()
+
+
+# ---------------------------------------------------------------------------------------------- strict manifest JSON
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda text: text.replace('"source": "', '"source": "\\ud800', 1), "lone surrogate"),
+    (lambda text: text.replace("{", '{"target": "cpu", ', 1), "'target' appears twice"),
+], ids=["lone-surrogate", "duplicate-key"])
+def test_a_manifest_that_is_not_strict_json_is_an_artifact_error(art: Path, capsys: pytest.CaptureFixture[str],
+                                                                 edit: Callable[[str], str], message: str) -> None:
+    """A lone surrogate escape ("\\ud800") in a manifest string used to end ``inspect`` in a UnicodeEncodeError
+    where it was printed; a key given twice was read as its last value. Both are refused as the manifest is read."""
+    path = art / MANIFEST_FILE
+    text = path.read_text()
+    path.write_text(edit(text))
+    assert path.read_text() != text
+    with pytest.raises(ArtifactError, match=rf"manifest is not valid JSON \(.*{message}.*\).*recompile it"):
+        load_artifact(art)
+    assert main(["inspect", str(art)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "recompile" in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------------------------------------- deep folder trees
+DEEP = 3000  # folders, far past the recursion limit (os.walk, shutil.rmtree) and PATH_MAX (6000 characters)
+
+
+def _deep_tree(top: Path, depth: int = DEEP, bottom_file: bool = False) -> None:
+    """``top/d/d/.../d`` ``depth`` folders deep (made by descriptor: the path outgrows PATH_MAX), with a file
+    ``x`` in the deepest one if ``bottom_file``."""
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        if bottom_file:
+            os.close(os.open("x", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+def test_force_replaces_an_artifact_holding_a_3000_deep_folder_tree(tiny_artifact: Path, art: Path,
+                                                                    tmp_path: Path) -> None:
+    """``compile -o DIR --force`` died with RecursionError where DIR (or a stale scratch copy of it) held a folder
+    tree thousands deep: the artifact's walks and removals are iterative now (``safe_paths.remove_tree``)."""
+    scratch = _aside(art, "moeforge-tmp", "cafef00d")  # a killed writer's scratch: removed by the next write
+    _deep_tree(art / "deep")
+    _deep_tree(scratch)
+    try:
+        assert load_artifact(art).extra_files == []  # empty folders: nothing unlisted, nothing refused
+        assert check_output_dir(art, force=True) == art
+        out = write_artifact(art, write_payload=_copy_payload(tiny_artifact), manifest=_manifest_of(tiny_artifact),
+                             force=True)
+        assert not (out / "deep").exists() and load_artifact(out).manifest.files
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # the old copy and the scratch are gone
+    finally:  # pytest's own clean-up of old temporary folders recurses (shutil.rmtree): leave no deep tree to it
+        for left in [art / "deep", scratch, *tmp_path.glob(".art.moeforge-old.*")]:
+            if os.path.lexists(left):
+                remove_tree(left)
+
+
+def test_force_refuses_a_file_thousands_of_folders_deep(art: Path, tmp_path: Path) -> None:
+    """Unlisted data is refused at any depth, past PATH_MAX too, and named in a line of readable length."""
+    _deep_tree(art / "deep", bottom_file=True)
+    try:
+        with pytest.raises(ArtifactError, match=r"also holds deep/d/d/.*/\.\.\./.*d/d/x, which it does not list") \
+                as info:
+            check_output_dir(art, force=True)
+        assert len(str(info.value)) < 600
+        with pytest.raises(ArtifactError, match="also holds deep/"):
+            write_artifact(art, write_payload=_never, manifest=_manifest_of_dummy(), force=True)
+        assert (art / "deep" / "d").is_dir()  # nothing was deleted
+        assert "x" in load_artifact(art).extra_files[0]  # reading it lists it as unlisted, as any other extra file
+    finally:
+        remove_tree(art / "deep")  # pytest's own clean-up of old temporary folders recurses (shutil.rmtree)

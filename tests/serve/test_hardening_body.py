@@ -55,11 +55,11 @@ def _echo_app() -> FastAPI:
 
 
 @contextmanager
-def _serving(linger: LingerLimits) -> Iterator[tuple[str, uvicorn.Server]]:
+def _serving(linger: LingerLimits, body_timeout_s: float = 10.0) -> Iterator[tuple[str, uvicorn.Server]]:
     sockets = bind_listeners("127.0.0.1", 0)
     port = sockets[0].getsockname()[1]
-    config = uvicorn.Config(_echo_app(), host="127.0.0.1", port=port, log_level="error",
-                            **protocol_options(ConnectionLimits(linger=linger)))
+    limits = ConnectionLimits(linger=linger, body_timeout_s=body_timeout_s)
+    config = uvicorn.Config(_echo_app(), host="127.0.0.1", port=port, log_level="error", **protocol_options(limits))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
@@ -189,3 +189,39 @@ def test_linger_limits_are_checked() -> None:
     for bad in ({"time_s": 0.0}, {"idle_s": -1.0}, {"max_bytes": -1}):
         with pytest.raises(ValueError, match="must be"):
             LingerLimits(**bad)
+
+
+def test_a_body_that_stops_arriving_gets_a_408_and_the_close_and_a_pausing_body_is_read() -> None:
+    """Slowloris on the body: the head declares 100 bytes, 10 come, then nothing. Before, the connection (and the
+    handler awaiting the body) was held forever; now the body idle timeout answers 408 and closes."""
+    with _serving(LingerLimits(), body_timeout_s=0.5) as (base, server):
+        address = ("127.0.0.1", int(base.rsplit(":", 1)[1]))
+        with socket.create_connection(address) as sock:
+            sock.sendall(_head(100) + b"x" * 10)
+            sent = time.monotonic()
+            sock.settimeout(10)
+            answer = b""
+            while chunk := sock.recv(65536):  # ends when the server closes
+                answer += chunk
+            waited = time.monotonic() - sent
+        assert answer.startswith(b"HTTP/1.1 408") and b"connection: close" in answer.lower(), answer
+        assert b"the request body stopped arriving" in answer and b"request_timeout" in answer, answer
+        assert 0.3 < waited < 5.0, waited
+        with socket.create_connection(address) as sock:  # pauses shorter than the timeout: the body is read whole
+            sock.sendall(_head(4))
+            for byte in b"[12]":
+                time.sleep(0.2)
+                sock.sendall(bytes([byte]))
+            sock.settimeout(10)
+            answer = b""
+            while b"}" not in answer and (chunk := sock.recv(65536)):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"received":4}'), answer
+        with httpx.Client(timeout=10) as client:
+            assert client.get(base + "/health").status_code == 200
+        deadline = time.monotonic() + 5
+        while server.server_state.connections and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not server.server_state.connections
+    with pytest.raises(ValueError, match="body_timeout_s must be > 0"):
+        ConnectionLimits(body_timeout_s=0)
