@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeforge.cli.inspect import format_bytes
 from moeforge.cli.json_output import to_json
 from moeforge.compile.genai_config import genai_greedy
 from moeforge.core.artifact import MODEL_FILE, KVCacheSpec, load_artifact
@@ -26,6 +25,7 @@ from moeforge.core.host_memory import available_memory, host_bytes
 from moeforge.core.manifest import tool_versions
 from moeforge.core.progress import StageLog
 from moeforge.core.run_bandwidth import RunBandwidth
+from moeforge.core.sizes import format_bytes
 from moeforge.model.loader import load_model, resolve_source
 from moeforge.model.model import CausalLM
 from moeforge.runtime.backends.base import Backend

@@ -21,7 +21,7 @@ from moeforge.cli.multi_turn import bench_multi_turn
 from moeforge.cli.preflight import ArtifactShape, check_bench, check_engine_config, check_parity, read_shape
 from moeforge.compile.driver import CompileOptions, ParityCheckFailed, compile_model
 from moeforge.compile.options import check_flags
-from moeforge.compile.plan import check_compile, plan_compile
+from moeforge.compile.plan import check_compile, kv_plan_lines, plan_compile
 from moeforge.compile.sharded_compile import is_sharded, load_rank, rank_dir, read_sharded
 from moeforge.core.artifact import load_artifact, restore_interrupted
 from moeforge.core.bandwidth import usable_cores
@@ -345,6 +345,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         config = check_compile(options).config
         print(plan_compile(args.model, config, args.quant, args.tp, args.ep, args.block_size, args.pp,
                            args.pp_layers).table())
+        print("\n".join(kv_plan_lines(options, config)))
         return EXIT_OK
     try:
         result = compile_model(options)
@@ -704,7 +705,15 @@ def _cmd_config(args: argparse.Namespace) -> int:
         d, index_bytes = config.dsa, 2 * config.dsa.index_head_dim * config.num_hidden_layers
         print(f"  sparse attention (DSA): indexer {d.index_n_heads} heads x {d.index_head_dim}, top-{d.index_topk} "
               f"tokens; absorbed cache = latent {kv['absorb'] - index_bytes} B + indexer {index_bytes} B")
-    if isinstance(kv, dict):
+    if config.compressed_attention is not None:  # DeepSeek-V4: the compressed entries grow, the rings do not
+        a = config.compressed_attention
+        kinds = ", ".join(f"{a.layer_types.count(k)} {n}" for k, n in (
+            ("sliding_attention", "sliding"), ("compressed_sparse_attention", f"CSA (every {a.csa_rate})"),
+            ("heavily_compressed_attention", f"HCA (every {a.hca_rate})")) if k in a.layer_types)
+        print(f"  attention: {kinds}; window {config.sliding_window}; indexer top-{a.indexer.index_topk}")
+        print(f"  KV cache per token (fp16, all layers): {kv} B of compressed entries, plus each layer's "
+              f"{config.sliding_window}-token window ring per sequence (moeforge inspect / compile --plan: the rest)")
+    elif isinstance(kv, dict):
         print(f"  KV cache per token (fp16, all layers): absorbed MLA {kv['absorb']} B, naive {kv['naive']} B")
     else:
         print(f"  KV cache per token (fp16, all layers): {kv} B")

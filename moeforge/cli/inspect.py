@@ -14,7 +14,9 @@ from moeforge.compile.trt.inspect_engine import engine_lines
 from moeforge.core.artifact import MODEL_FILE, Artifact
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import ArtifactError
+from moeforge.core.kv_layout import KVCacheSpec
 from moeforge.core.manifest import Manifest
+from moeforge.core.sizes import format_bytes
 from moeforge.runtime.backends.registry import backend_for
 
 
@@ -40,17 +42,33 @@ def op_counts(model_path: str | Path) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def _shape_str(shape: list[int | str]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def v4_cache_lines(kv: KVCacheSpec) -> list[str]:
+    """DeepSeek-V4's cache (layout v4_hybrid): what grows with the context (the compressed entries) and what a
+    sequence holds whatever its length (the rings), per layer kind, and the bytes at a few context lengths."""
+    assert kv.layer_buffers is not None
+    kinds: dict[str, int] = {}
+    for layer in kv.layer_buffers:
+        described = ", ".join(f"{b.kind} {'ring ' + str(b.ring) if b.ring else 'every ' + str(b.tokens_per_row)}"
+                              for b in layer)
+        kinds[described] = kinds.get(described, 0) + 1
+    where = f"pools of {kv.block_size}-token blocks ({format_bytes(kv.bytes_per_block)} each)" if kv.paged else \
+        "per-sequence buffers"
+    lines = [f"KV cache   {kv.layout}: {kv.num_layers} layers, {kv.dtype}, {where}"]
+    lines += [f"           {count} x [{described}]" for described, count in kinds.items()]
+    if kv.paged:
+        lines.append(f"           grows {format_bytes(kv.bytes_per_token)} per token (a block's entries and rings / "
+                     f"{kv.block_size} tokens, all layers)")
+    else:
+        lines.append(f"           grows {format_bytes(kv.bytes_per_token)} per token (the compressed entries, all "
+                     f"layers); rings {format_bytes(kv.bytes_per_sequence)} per sequence whatever its length")
+    contexts = sorted({4096, 32768, 1 << 20, kv.max_seq_len})
+    lines.append("           per sequence: " + ", ".join(f"{format_bytes(kv.bytes_for(n))} at {n:,} tokens"
+                                                         for n in contexts))
+    return lines
 
 
 def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
@@ -86,7 +104,7 @@ def _runs_on(m: Manifest) -> str:
         spec = backend_for(m)
     except ArtifactError as exc:
         return str(exc)
-    why = spec.refusal(paged=m.kv_cache.paged, sharded=m.sharding is not None)
+    why = spec.refusal(paged=m.kv_cache.paged, sharded=m.sharding is not None, layout=m.kv_cache.layout)
     return f"runs on {spec.name}" + (f"{' (CUDA GPU)' if spec.needs_gpu else ''}" if not why else f": not yet ({why})")
 
 
@@ -108,14 +126,17 @@ def summarize(artifact: Artifact) -> str:
     lines += _table([[t.name, t.dtype, _shape_str(t.shape)] for t in m.outputs])
 
     kv = m.kv_cache
-    buffers = {"gqa": "key + value", "mla_dsa": "latent + indexer keys"}.get(kv.layout, "latent")
     lines.append("")
-    lines.append(f"KV cache   {kv.layout}: {kv.num_layers} layers x {buffers}, {kv.dtype} "
-                 f"{_shape_str(kv.shape)} per buffer"
-                 + (f" (last dims {' / '.join(map(str, kv.buffer_widths))})" if kv.buffer_widths else ""))
-    lines.append(f"           {kv.values_per_token_per_layer} values/token/layer, {format_bytes(kv.bytes_per_token)} "
-                 f"per token (all layers), {format_bytes(kv.bytes_for(kv.max_seq_len))} per sequence at "
-                 f"max_seq_len {kv.max_seq_len}")
+    if kv.layer_buffers is not None:
+        lines += v4_cache_lines(kv)
+    else:
+        buffers = {"gqa": "key + value", "mla_dsa": "latent + indexer keys"}.get(kv.layout, "latent")
+        lines.append(f"KV cache   {kv.layout}: {kv.num_layers} layers x {buffers}, {kv.dtype} "
+                     f"{_shape_str(kv.shape)} per buffer"
+                     + (f" (last dims {' / '.join(map(str, kv.buffer_widths))})" if kv.buffer_widths else ""))
+        lines.append(f"           {kv.values_per_token_per_layer} values/token/layer, "
+                     f"{format_bytes(kv.bytes_per_token)} per token (all layers), "
+                     f"{format_bytes(kv.bytes_for(kv.max_seq_len))} per sequence at max_seq_len {kv.max_seq_len}")
     if kv.num_layers:
         lines.append(f"           names {', '.join(kv.past_input_names[0])} -> {', '.join(kv.present_output_names[0])}"
                      + (" (layer 0)" if kv.num_layers > 1 else ""))

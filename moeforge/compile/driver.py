@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeforge.compile.options import CompileOptions, KVOptions, TrtOptions
-from moeforge.compile.plan import check_options, plan_compile, resolve_block_size, size_text
+from moeforge.compile.plan import check_options, kv_layout_of, plan_compile, resolve_block_size, size_text
 from moeforge.compile.sharded_compile import ShardedCompileResult, compile_sharded
 from moeforge.compile.stages import ARTIFACT_STAGES, DATA_FILE, build_artifact, make_job, open_source, stage_bar
 from moeforge.compile.targets import TARGETS, Target
@@ -46,9 +46,10 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
     _target(options)  # an unknown target is the first refusal
     options = resolve_stream(options)
     check_options(options)
-    options = resolve_block_size(options, load_config(options.model))  # DeepSeek-V4: blocks of whole windows
+    config = load_config(options.model)
+    options = resolve_block_size(options, config)  # DeepSeek-V4: blocks of whole windows
     target = _target(options)
-    validate(options.quant, target=options.target, kv_cache=options.kv.layout)
+    validate(options.quant, target=options.target, kv_cache=options.kv.layout, kv_layout=kv_layout_of(config))
     target.check()
     if options.tp > 1 or options.ep > 1 or options.pp > 1:
         check_memory(options)

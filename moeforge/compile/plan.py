@@ -28,9 +28,10 @@ import torch
 from moeforge.compile.options import DEFAULT_MAX_SEQ_LEN, CompileOptions, check_flags, check_ranks
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import MoeforgeError
-from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS
+from moeforge.core.kv_layout import DEFAULT_BLOCK_SIZE, KV_CACHE_KINDS, contiguous_spec, paged_spec
 from moeforge.core.kv_layout_v4 import check_block_size as check_v4_block_size
 from moeforge.core.kv_layout_v4 import default_block_size
+from moeforge.core.sizes import format_bytes
 from moeforge.model.expert_slots import ExpertSlots, load_plan
 from moeforge.model.lazy_weights import is_expert_stack_name
 from moeforge.model.loader import load_config, new_model
@@ -130,11 +131,17 @@ def check_compile(options: CompileOptions) -> CheckedCompile:
     model's config the tp/ep split (``plan_sharding``), the pipeline stages and the ``--placement`` plan."""
     check_flags(options)
     check_options(options)
-    validate(options.quant, target=options.target, kv_cache=options.kv.layout)
     config = load_config(options.model)
+    validate(options.quant, target=options.target, kv_cache=options.kv.layout, kv_layout=kv_layout_of(config))
     resolve_block_size(options, config)  # refuses a V4 block size its compress rates do not divide
     check_split(config, options.tp, options.ep, options.pp)
     return CheckedCompile(config, compile_stages(options, config), placement_slots(options, config))
+
+
+def kv_layout_of(config: ModelConfig) -> str:
+    """The KV-cache layout of ``config``'s artifacts (``KVCacheSpec.layout``: gqa, mla_latent, mla_dsa, v4_hybrid),
+    from its config alone: what ``quant.spec.validate`` checks ``--kv-quant`` against."""
+    return contiguous_spec(config, max_seq_len=min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)).layout
 
 
 def check_options(options: CompileOptions) -> None:
@@ -176,11 +183,52 @@ def resolve_block_size(options: CompileOptions, config: ModelConfig) -> CompileO
     do not divide is refused (``kv_layout_v4.check_block_size``). Other models: unchanged."""
     if config.compressed_attention is None:
         return options
+    if options.pp > 1:
+        raise MoeforgeError("--pp with DeepSeek-V4 is not supported yet (its stages would pass the hc_mult residual "
+                            "streams and the token ids of the hash-routed layers): compile with --tp / --ep instead")
+    if options.placement is not None:
+        raise MoeforgeError("--placement with DeepSeek-V4 is not supported yet: compile without --placement")
+    check_v4_engine(options)
     if options.kv.block_size is None:
         size = default_block_size(config, DEFAULT_BLOCK_SIZE)
         return dataclasses.replace(options, kv=dataclasses.replace(options.kv, block_size=size))
     check_v4_block_size(config, options.kv.block_size)
     return options
+
+
+def check_v4_engine(options: CompileOptions) -> None:
+    """DeepSeek-V4 with ``--target trt``: the plan builds (its step graph, moeforge/passes/trt_lowering.py
+    ``trt_v4_pipeline``), unquantised, and no moeforge backend runs it yet (the registry says why), so it needs
+    ``--build-only``."""
+    if options.target != "trt":
+        return
+    if options.quant.weights is not None:
+        raise MoeforgeError(f"--quant {options.quant.weights} with --target trt is not available for DeepSeek-V4: its "
+                            "TensorRT engine is built in fp16 / bf16 (--dtype) from its step graph, which the TensorRT "
+                            "weight-quantisation pass has not been checked on; drop --quant, or compile with "
+                            "--target ort to quantise it")
+    why = refusal(options.target, paged=options.kv.layout == "paged", sharded=options.tp > 1 or options.ep > 1,
+                  layout="v4_hybrid")
+    if why and not options.build_only:
+        raise MoeforgeError(f"--target trt on DeepSeek-V4 builds an engine no moeforge backend runs: {why}. Compile "
+                            "for --target ort to run it here, or pass --build-only to build the plan for a runtime of "
+                            "your own")
+
+
+def kv_plan_lines(options: CompileOptions, config: ModelConfig) -> list[str]:
+    """What the compile's KV cache costs (``--plan``): bytes per token and per sequence at the compile's max_seq_len
+    and at the model's longest context, from the same ``KVCacheSpec`` the artifact's manifest will carry (DeepSeek-V4:
+    its rings and compressed entries; every tp rank holds it whole where the attention's cache writers are
+    replicated: MLA's latent, V4's)."""
+    options = resolve_block_size(options, config)
+    max_len = options.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
+    kv = (paged_spec(config, max_seq_len=max_len, block_size=options.kv.tokens_per_block) if options.kv.paged
+          else contiguous_spec(config, max_seq_len=max_len))
+    where = f"{kv.block_size}-token blocks" if kv.paged else "per-sequence buffers"
+    lengths = sorted({max_len, config.max_position_embeddings})
+    return [f"KV cache: {kv.layout} in {where}, {kv.dtype}: {format_bytes(kv.bytes_per_token)} per token (all layers)"
+            + (f" + {format_bytes(kv.bytes_per_sequence)} of rings per sequence" if kv.bytes_per_sequence else ""),
+            "  per sequence: " + ", ".join(f"{format_bytes(kv.bytes_for(n))} at {n:,} tokens" for n in lengths)]
 
 
 def check_split(config: ModelConfig, tp: int, ep: int, pp: int = 1) -> None:

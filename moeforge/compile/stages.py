@@ -65,8 +65,8 @@ def make_job(options: CompileOptions, loaded: LoadedModel, weights: LazyWeights 
     """The ``CompileJob`` of ``loaded`` (on the meta device when ``weights`` holds its tensors): its sequence length
     and calibration prompts; a quantisation block size that does not fit fails here, before the export. ``stages``:
     where the job's stages are shown (the target names its own there: golden logits, --check)."""
-    job = CompileJob(options, loaded, _max_seq_len(options, loaded), _prompts(options.quant, loaded), weights,
-                     stages)
+    max_seq_len = _max_seq_len(options, loaded)
+    job = CompileJob(options, loaded, max_seq_len, _prompts(options.quant, loaded, max_seq_len), weights, stages)
     if options.quant.scheme is not None:
         check_block_size(options.quant, in_features(job.config), job.config.name or options.model)
     return job
@@ -81,7 +81,9 @@ def build_artifact(job: CompileJob, target: Target, output_dir: Path,
     options, loaded, weights, stages = job.options, job.loaded, job.weights, job.stages
     stages.stage("export to ONNX")
     if job.config.compressed_attention is not None:  # DeepSeek-V4: the step over its cache, exported whole
-        model = export_v4_step(cast(DeepseekV4ForCausalLM, loaded.model), target.kv_spec(job), weights=weights)
+        # TensorRT-RTX parses no NonZero: for it the routed experts are exported dense over experts.
+        model = export_v4_step(cast(DeepseekV4ForCausalLM, loaded.model), target.kv_spec(job), weights=weights,
+                               dense_experts=target.name == "trt")
     else:
         model = export_stateless(loaded.model, mark_layers=True, weights=weights)
     stages.advance()
@@ -165,11 +167,14 @@ def _max_seq_len(options: CompileOptions, loaded: LoadedModel) -> int:
     return max_seq_len
 
 
-def _prompts(spec: QuantSpec, loaded: LoadedModel) -> list[list[int]]:
-    """The ``--calib`` prompts, tokenised once for every calibration pass ([] without ``--calib``)."""
+def _prompts(spec: QuantSpec, loaded: LoadedModel, max_seq_len: int) -> list[list[int]]:
+    """The ``--calib`` prompts, tokenised once for every calibration pass ([] without ``--calib``). DeepSeek-V4's
+    calibration graph is its step over a cache of ``max_seq_len`` tokens (its entries buffers hold no more): its
+    prompts are cut there too."""
     if spec.calib is None:
         return []
-    return tokenize_prompts(read_prompts(spec.calib), loaded.tokenizer, CALIB_MAX_TOKENS)
+    limit = CALIB_MAX_TOKENS if loaded.config.compressed_attention is None else min(CALIB_MAX_TOKENS, max_seq_len)
+    return tokenize_prompts(read_prompts(spec.calib), loaded.tokenizer, limit)
 
 
 def _tensor_specs(values: list[ir.Value]) -> list[TensorSpec]:

@@ -7,7 +7,8 @@ in torch (``model/v4_cache.py``, checked eagerly against the reference) and expo
 ScatterND nodes whose outputs the backends bind to the input buffers (in place). The graph I/O is the backends'
 usual one:
 
-    contiguous: input_ids, position_ids [B, S], every buffer [B, rows, w] -> logits [B, S, V], every buffer
+    contiguous: input_ids, position_ids [B, S], attention_mask [B, L] (only its width is read: the longest row's
+                cached + new tokens), every buffer [B, rows, w] -> logits [B, S, V], every buffer
     paged:      input_ids, position_ids [T], block_tables [N, M], query_start_loc [N+1], logits_indices [K], every
                 pool [num_blocks, rows, w] -> logits [K, V], every pool
 Buffer names: ``kv_layout.v4_names`` (``past_key_values.{i}.{kind}`` -> ``present.{i}.{kind}``, paged
@@ -16,6 +17,7 @@ Buffer names: ``kv_layout.v4_names`` (``past_key_values.{i}.{kind}`` -> ``presen
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import onnx_ir as ir
@@ -32,8 +34,9 @@ from moeforge.compile.onnx_export import (
     fold_weight_transposes,
 )
 from moeforge.core.kv_layout import KVCacheSpec
-from moeforge.core.kv_layout_v4 import layer_buffers
+from moeforge.core.kv_layout_v4 import compress_rates, layer_buffers
 from moeforge.model.deepseek_v4 import DeepseekV4ForCausalLM
+from moeforge.model.dense_experts import dense_routed_experts
 from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.v4_step import CacheKind, V4StepLM
 from moeforge.ops.collectives import torch_op as collectives
@@ -41,9 +44,11 @@ from moeforge.ops.collectives import torch_op as collectives
 PAGED_STEP_INPUTS = ("block_tables", "query_start_loc", "logits_indices")
 
 
-def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyWeights | None = None) -> ir.Model:
+def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyWeights | None = None, *,
+                   dense_experts: bool = False) -> ir.Model:
     """Export one step of ``model`` over the cache ``kv`` describes (contiguous or paged) at opset 23.
-    ``weights``: ``model`` is on the meta device and its initializers become lazy reads of these."""
+    ``weights``: ``model`` is on the meta device and its initializers become lazy reads of these. ``dense_experts``:
+    the routed experts run dense over experts, with no NonZero (TensorRT-RTX has none: ``model/dense_experts.py``)."""
     config = model.config
     model = model.eval()
     own_names = _tensor_names(model)
@@ -74,12 +79,19 @@ def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyW
     else:
         batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
         length = kv.max_seq_len
+        # The entries read follow attention_mask's width L (ceil(L / m) of each compressed layer). An example width
+        # that gives every rate at least 2 entries, and a dim that may take guards (Dim.DYNAMIC): a named Dim would
+        # refuse the exporter's "at least 2 entries" assumptions, which the ONNX graph does not need (no guards).
+        total = torch.export.Dim.DYNAMIC
+        mask_width = min(2 * max(compress_rates(config), default=1) + 1, length)
         example = (torch.zeros(2, 3, dtype=i64, device=device),
                    torch.arange(3, dtype=i64, device=device).expand(2, 3).contiguous(),
+                   torch.ones(2, mask_width, dtype=i64, device=device),
                    *(torch.zeros(2, b.rows_per_sequence(length), b.width, dtype=f32, device=device) for b in buffers))
-        dynamic = ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch} for _ in buffers))
-        input_names = ["input_ids", "position_ids", *names]
-    with _quiet_torchvision_skips(), _without_slices_split(), warnings.catch_warnings(), torch.no_grad():
+        dynamic = ({0: batch, 1: seq}, {0: batch, 1: seq}, ({0: batch, 1: total}, *({0: batch} for _ in buffers)))
+        input_names = ["input_ids", "position_ids", "attention_mask", *names]
+    experts = dense_routed_experts(model) if dense_experts else contextlib.nullcontext(0)
+    with _quiet_torchvision_skips(), _without_slices_split(), warnings.catch_warnings(), torch.no_grad(), experts:
         warnings.simplefilter("ignore")
         program = torch.onnx.export(step, example, dynamo=True, opset_version=OPSET, verbose=False,
                                     input_names=input_names, output_names=["logits", *outputs],
@@ -91,5 +103,9 @@ def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyW
             fold_weight_transposes(program.model)
             program.optimize()
     onnx_model = program.model
+    if not kv.paged:  # the exporter names a Dim.DYNAMIC axis s<N>: the usual name of the mask's width
+        mask = onnx_model.graph.inputs[2]
+        assert mask.shape is not None
+        mask.shape = ir.Shape([mask.shape[0], "total_sequence_length"])
     _forget_former_inputs(onnx_model.graph)
     return onnx_model

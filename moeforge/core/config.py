@@ -63,6 +63,7 @@ from moeforge.core.hf_config import (
     qwen_sliding_window,
     rope_from_hf,
 )
+from moeforge.core.strict_json import JsonFileError, read_regular_file
 
 # The names other modules import from here: the config's parts and the typed checks live beside it.
 __all__ = [
@@ -144,7 +145,10 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ derived facts
     @property
-    def attention_kind(self) -> Literal["mla", "gqa"]:
+    def attention_kind(self) -> Literal["mla", "gqa", "csa/hca"]:
+        """mla (DeepSeek-V2/V3), csa/hca (DeepSeek-V4's sliding + compressed attention) or gqa."""
+        if self.compressed_attention is not None:
+            return "csa/hca"
         return "mla" if self.mla is not None else "gqa"
 
     @property
@@ -495,12 +499,11 @@ class ModelConfig:
     def from_hf_json(cls, path: str | Path) -> ModelConfig:
         """Read a Hugging Face ``config.json``."""
         path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path} does not exist: an HF model folder needs a config.json") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot read {path}: {exc}") from None
+        try:  # a regular file of bounded size: a FIFO or device would block, a huge file fill memory
+            data = json.loads(read_regular_file(path, what="HF config", fix="an HF model folder needs a "
+                                                "config.json, a regular JSON file").decode("utf-8"))
+        except JsonFileError as exc:
+            raise ConfigError(str(exc)) from None
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, not UTF-8, a 5000-digit int, deep nesting
             raise ConfigError(f"{path} is not valid JSON: {show(str(exc), 200)}") from None
         if not isinstance(data, dict):

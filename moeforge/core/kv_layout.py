@@ -147,7 +147,7 @@ class KVCacheSpec:
     @property
     def bytes_per_sequence(self) -> int:
         """Bytes a contiguous sequence holds whatever its length (V4's rings; 0 for the other layouts)."""
-        if self.layer_buffers is None:
+        if self.layer_buffers is None or self.block_size is not None:  # paged: each block holds its own rings
             return 0
         return sum(b.ring * b.width for layer in self.layer_buffers for b in layer) * dtype_size(self.dtype)
 
@@ -167,7 +167,10 @@ class KVCacheSpec:
         return [*self.shape[:-1], self.buffer_widths[index]]
 
     def bytes_for(self, seq_len: int, batch_size: int = 1) -> int:
-        """Bytes of cache for ``batch_size`` sequences of ``seq_len`` tokens (all layers)."""
+        """Bytes of cache for ``batch_size`` sequences of ``seq_len`` tokens (all layers; V4's paged pools: whole
+        blocks, rings included)."""
+        if self.layer_buffers is not None and self.block_size is not None:
+            return -(-seq_len // self.block_size) * self.bytes_per_block * batch_size
         return (self.bytes_per_token * seq_len + self.bytes_per_sequence) * batch_size
 
     def validate(self) -> None:
@@ -291,11 +294,14 @@ def v4_spec(config: ModelConfig, *, max_seq_len: int, block_size: int | None = N
             dtype: str = DEFAULT_DTYPE) -> KVCacheSpec:
     """DeepSeek-V4's cache (layout ``v4_hybrid``, ``kv_layout_v4.py``): per layer its window ring, and on compressed
     layers the compressor's pending ring and entries (CSA: the indexer's too); contiguous buffers [B, rows, w], or
-    pools [num_blocks, rows per block, w] with ``block_size``. ``bytes_per_token`` counts what grows with the context
-    (the entries), rounded up; the rings are ``bytes_per_sequence`` (contiguous) or part of ``bytes_per_block``."""
+    pools [num_blocks, rows per block, w] with ``block_size``. ``bytes_per_token`` counts what grows with the context,
+    rounded up: contiguous, the entries (the rings are ``bytes_per_sequence``); paged, a block's bytes / block size
+    (its rings included)."""
     layers = [layer_buffers(config, i) for i in range(config.num_hidden_layers)]
     past, present = (POOL_PREFIX, POOL_OUT_PREFIX) if block_size is not None else (PAST_PREFIX, PRESENT_PREFIX)
     per_token = sum(b.values_per_token for layer in layers for b in layer)
+    if block_size is not None:  # a block's rings count too: a pool grows by whole blocks
+        per_token = sum(b.rows_per_block(block_size) * b.width for layer in layers for b in layer) / block_size
     first = layers[0][0]
     shape: list[int | str] = ([POOL_AXIS, first.rows_per_block(block_size), first.width] if block_size is not None
                               else [BATCH_AXIS, first.rows_per_sequence(max_seq_len), first.width])

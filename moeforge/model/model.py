@@ -30,7 +30,10 @@ KVCache = tuple[LayerCache, ...]
 
 # What a compile of DeepSeek-V4 says: every compile stage (export, sharding, pipeline stages, streamed weights) builds
 # a ``CausalLM``, and DeepSeek-V4 runs in PyTorch only for now (``DeepseekV4ForCausalLM``).
-V4_COMPILE_REFUSAL = "DeepSeek-V4 compiles are not supported yet: run it with --backend torch"
+# DeepSeek-V4 is its own class (model/deepseek_v4.py: ``loader.new_model`` builds it), and its graph is exported with
+# its cache (compile/v4_export.py), never as the other families' stateless graph.
+V4_COMPILE_REFUSAL = ("DeepSeek-V4 is built by moeforge.model.loader.new_model (DeepseekV4ForCausalLM) and exported "
+                      "with its cache by moeforge.compile.v4_export, not as a stateless CausalLM graph")
 
 
 class ModelOutput(NamedTuple):

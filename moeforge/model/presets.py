@@ -186,6 +186,35 @@ def _deepseek_v32() -> ModelConfig:
                                   dsa=DSAConfig(index_topk=2048, index_head_dim=128, index_n_heads=64))
 
 
+def _deepseek_v4(name: str, **fields: Any) -> ModelConfig:
+    """A released DeepSeek-V4's shapes, read as its config.json would be (``ModelConfig.from_hf_dict``): transformers'
+    DeepseekV4Config defaults are V4-Flash's; ``fields`` override them."""
+    hf: dict[str, Any] = {"model_type": "deepseek_v4", "vocab_size": 129280, "max_position_embeddings": 1048576,
+                          "bos_token_id": 0, "eos_token_id": 1, "rms_norm_eps": 1e-6, **fields}
+    return ModelConfig.from_hf_dict(hf, name=name)
+
+
+def _v4_layer_types(layers: int, first_hca: int) -> list[str]:
+    """``first_hca`` HCA layers, then CSA and HCA alternating (the released V4s' pattern)."""
+    rest = ["compressed_sparse_attention", "heavily_compressed_attention"]
+    return ["heavily_compressed_attention"] * first_hca + [rest[i % 2] for i in range(layers - first_hca)]
+
+
+def _deepseek_v4_flash() -> ModelConfig:
+    # deepseek-ai/DeepSeek-V4-Flash (284 B, 13 B active): transformers' DeepseekV4Config defaults: 43 layers of 4096,
+    # 64 heads of 512 over one KV head, 256 experts top-6, CSA every 4 tokens (top 512), HCA every 128.
+    return _deepseek_v4("deepseek-v4-flash", hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
+                        layer_types=_v4_layer_types(43, 3))
+
+
+def _deepseek_v4_pro() -> ModelConfig:
+    # deepseek-ai/DeepSeek-V4-Pro (1.6 T, 49 B active), as its model card describes it: 61 layers of 7168, 128 heads
+    # of 512 (q_lora_rank 1536, 16 output groups of 1024), 384 experts top-6 of 3072, the indexer's top 1024.
+    return _deepseek_v4("deepseek-v4-pro", hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+                        q_lora_rank=1536, o_groups=16, o_lora_rank=1024, n_routed_experts=384,
+                        moe_intermediate_size=3072, index_topk=1024, layer_types=_v4_layer_types(61, 2))
+
+
 def _kimi_k2() -> ModelConfig:
     # moonshotai/Kimi-K2-Instruct config.json (model_type kimi_k2, the DeepSeek-V3 architecture): 64 heads,
     # 384 experts in one group, 1 dense layer, YaRN x32 with beta 1/1 over rope_theta 50000.
@@ -261,6 +290,8 @@ PRESETS: dict[str, Preset] = {
     "deepseek-v2-lite": Preset(_deepseek_v2_lite(), None, "DeepSeek-V2-Lite 16B shapes, no weights"),
     "deepseek-v3": Preset(_deepseek_v3(), None, "DeepSeek-V3 671B shapes, no weights"),
     "deepseek-v3.2": Preset(_deepseek_v32(), None, "DeepSeek-V3.2 671B shapes (+ DSA indexer), no weights"),
+    "deepseek-v4-flash": Preset(_deepseek_v4_flash(), None, "DeepSeek-V4-Flash 284B shapes (CSA/HCA, mHC), no weights"),
+    "deepseek-v4-pro": Preset(_deepseek_v4_pro(), None, "DeepSeek-V4-Pro 1.6T shapes (CSA/HCA, mHC), no weights"),
     "kimi-k2": Preset(_kimi_k2(), None, "Kimi-K2 1T shapes (DeepSeek-V3 architecture), no weights"),
     "qwen3-30b-a3b": Preset(_qwen3_30b_a3b(), None, "Qwen3-30B-A3B shapes, no weights"),
     "glm-4.5-air": Preset(_glm45_air(), None, "GLM-4.5-Air 106B shapes, no weights"),

@@ -45,6 +45,10 @@ class CacheAddress:
     step_end: torch.Tensor
     first_index: torch.Tensor
     block_tokens: int
+    # Contiguous steps: (B, S), the tokens are B rows of S (row b = sequence b), and ``context`` the longest row's
+    # cached + new tokens (attention_mask's width): no entry past it is read. None / None for packed (paged) tokens.
+    rows: tuple[int, int] | None = None
+    context: int | None = None
 
     def block_of(self, seq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The pool block holding ``position`` of sequence ``seq`` (same shapes)."""
@@ -59,13 +63,14 @@ class CacheAddress:
         return position >= self.step_start[seq]
 
 
-def contiguous_address(positions: torch.Tensor, max_seq_len: int) -> CacheAddress:
-    """positions [B, S] (row b is cache row b, right after what it holds) -> the address of its B*S tokens."""
+def contiguous_address(positions: torch.Tensor, max_seq_len: int, context: int) -> CacheAddress:
+    """positions [B, S] (row b is cache row b, right after what it holds), ``context`` the longest row's cached + new
+    tokens -> the address of its B*S tokens."""
     b, s = positions.shape
     rows = torch.arange(b, dtype=torch.int64, device=positions.device)
     return CacheAddress(seq=rows[:, None].expand(b, s).reshape(-1), positions=positions.reshape(-1),
                         tables=rows[:, None], step_start=positions[:, 0], step_end=positions[:, -1],
-                        first_index=rows * s, block_tokens=max_seq_len)
+                        first_index=rows * s, block_tokens=max_seq_len, rows=(b, s), context=context)
 
 
 def paged_address(positions: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
@@ -117,7 +122,7 @@ def _window_keys(address: CacheAddress, window: torch.Tensor, kv: torch.Tensor,
 def _compress(address: CacheAddress, comp: KVCompressor, x: torch.Tensor, pending: torch.Tensor,
               entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One compressor over the step: x [T, H] -> (pending ring, entries, both written; each sequence's entries
-    [T, E, w] as the token's sequence reads them after the step)."""
+    [N, E, w] in entry order, as they are after the step)."""
     m, w, c = comp.rate, comp.width, 2 if comp.overlap else 1
     p, seq = address.positions, address.seq
     raw = torch.cat((comp.kv_proj(x), comp.gate_proj(x)), dim=-1)  # [T, 2cw]: kv | gate, before the position bias
@@ -148,12 +153,39 @@ def _compress(address: CacheAddress, comp: KVCompressor, x: torch.Tensor, pendin
     closes_now = closing <= address.step_end[seq]
     value = torch.where(closes_now[:, None], candidate[address.packed_index(seq, closing)], entries[block, row])
     new_entries = entries.index_put((block, row), value)
-    # Every entry row of each token's sequence, in entry order: [T, E, w]
-    count = address.tables.shape[1] * per_block
-    j = torch.arange(count, device=p.device)
-    table_blocks = address.tables[:, torch.div(j, per_block, rounding_mode="floor")]  # [N, E]
-    seq_entries = new_entries[table_blocks, (j % per_block)[None, :].expand_as(table_blocks)]  # [N, E, w]
-    return new_pending, new_entries, seq_entries[seq]
+    return new_pending, new_entries, _sequence_entries(address, new_entries, m)
+
+
+def _entry_places(address: CacheAddress, per_block: int, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block [N, E], row [E]) of every entry a sequence may read, in entry order: its block table's (paged), or the
+    first ceil(context / m) of its row (contiguous: what the longest row has reached, not the whole buffer)."""
+    count = (address.tables.shape[1] * per_block if address.context is None
+             else (address.context + rate - 1) // rate)
+    j = torch.arange(count, device=address.tables.device)
+    return address.tables[:, torch.div(j, per_block, rounding_mode="floor")], j % per_block
+
+
+def _sequence_entries(address: CacheAddress, entries: torch.Tensor, rate: int) -> torch.Tensor:
+    """Each sequence's entries [N, E, w] from the written buffer [blocks, per_block, w]."""
+    blocks, rows = _entry_places(address, entries.shape[1], rate)
+    return entries[blocks, rows[None, :].expand_as(blocks)]
+
+
+def _token_scores(address: CacheAddress, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [T, H, w] . each token's sequence's keys [N, E, w] -> [T, H, E]. Contiguous rows are batched (the keys are
+    read once per row); packed tokens read their sequence's keys each."""
+    if address.rows is not None:
+        b, s = address.rows
+        return torch.matmul(q.reshape(b, s * q.shape[1], -1), keys.transpose(1, 2)).reshape(b * s, q.shape[1], -1)
+    return torch.matmul(q, keys[address.seq].transpose(1, 2))
+
+
+def _token_values(address: CacheAddress, probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs [T, H, E] . each token's sequence's values [N, E, w] -> [T, H, w] (batched as ``_token_scores``)."""
+    if address.rows is not None:
+        b, s = address.rows
+        return torch.matmul(probs.reshape(b, s * probs.shape[1], -1), values).reshape(b * s, probs.shape[1], -1)
+    return torch.matmul(probs, values[address.seq])
 
 
 def _readable(address: CacheAddress, count: int, rate: int) -> torch.Tensor:
@@ -175,33 +207,44 @@ def cached_attention(attn: CompressedAttention, x: torch.Tensor, cos: torch.Tens
     q = apply_rotary_tail(q, cos3, sin3)[0]  # [T, Hn, D]
     kv = apply_rotary_tail(attn.kv_norm(attn.kv_proj(x)).view(1, t, 1, d), cos3, sin3)[0, :, 0]  # [T, D]
 
-    keys, mask, window = _window_keys(address, buffers[0], kv, attn.window)
+    keys, mask, window = _window_keys(address, buffers[0], kv, attn.window)  # [T, W, D], [T, W]
     written: tuple[torch.Tensor, ...] = (window,)
+    # Scores against the window, then (compressed layers) against the entries; one softmax over both and the sink.
+    scores = torch.matmul(q, keys.transpose(1, 2)).masked_fill(~mask[:, None, :], float("-inf"))  # [T, Hn, W]
     comp = attn.compressor
+    entry_scores = picked = seq_entries = None
     if comp is not None:
-        pending, entries, seq_entries = _compress(address, comp, x, buffers[1], buffers[2])
+        pending, entries, seq_entries = _compress(address, comp, x, buffers[1], buffers[2])  # seq_entries [N, E, D]
         written = (window, pending, entries)
         readable = _readable(address, seq_entries.shape[1], comp.rate)  # [T, E]
-        if isinstance(comp, SparseCompressor):
+        if isinstance(comp, SparseCompressor):  # CSA: the indexer's top-k entries, gathered alone
             ix = comp.indexer
             index_pending, index_entries, index_keys = _compress(address, ix, x, buffers[3], buffers[4])
             written = (*written, index_pending, index_entries)
             iq = apply_rotary_tail(ix.q_b_proj(q_resid).view(1, t, ix.n_heads, ix.width), cos3, sin3)[0]  # [T,Hi,Di]
-            scores = F.relu(torch.matmul(iq, index_keys.transpose(1, 2))) * ix.scale  # [T, Hi, E]
+            relu = F.relu(_token_scores(address, iq, index_keys)) * ix.scale  # [T, Hi, E]
             weights = ix.scorer.weights_proj(x) * ix.n_heads ** -0.5  # [T, Hi]
-            index = (scores * weights[..., None]).sum(dim=1).masked_fill(~readable, float("-inf"))  # [T, E]
-            k: int = torch.sym_min(ix.topk, index.shape[1])  # type: ignore[no-untyped-call]
-            top, picked = index.topk(k, dim=-1)  # [T, K]
-            seq_entries = seq_entries.gather(1, picked[..., None].expand(-1, -1, d))  # [T, K, D]
-            readable = top > float("-inf")
-        keys = torch.cat((keys, seq_entries), dim=1)
-        mask = torch.cat((mask, readable), dim=1)
-
-    scores = torch.matmul(q, keys.transpose(1, 2)) * attn.scale  # [T, Hn, W + E]
-    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-    logits = torch.cat((scores, attn.sinks.to(scores.dtype)[None, :, None].expand(t, -1, 1)), dim=-1)
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
-    out = torch.matmul(probs, keys)  # [T, Hn, D]
+            index = (relu * weights[..., None]).sum(dim=1).masked_fill(~readable, float("-inf"))  # [T, E]
+            # topk columns of -inf after the E entries: K = topk whatever E is (no shape-dependent min to export); a
+            # pick among them (fewer readable entries than topk) is not readable, and reads entry 0, masked.
+            index = torch.cat((index, index.new_full((t, ix.topk), float("-inf"))), dim=1)
+            top, chosen = index.topk(ix.topk, dim=-1)  # [T, K]
+            chosen = torch.where(top > float("-inf"), chosen, 0)
+            blocks, rows = _entry_places(address, entries.shape[1], comp.rate)
+            picked = entries[blocks[address.seq[:, None], chosen], rows[chosen]]  # [T, K, D]
+            entry_scores = torch.matmul(q, picked.transpose(1, 2)).masked_fill(
+                ~(top > float("-inf"))[:, None, :], float("-inf"))  # [T, Hn, K]
+        else:  # HCA: every closed entry
+            entry_scores = _token_scores(address, q, seq_entries).masked_fill(~readable[:, None, :], float("-inf"))
+        scores = torch.cat((scores, entry_scores), dim=-1)  # [T, Hn, W + E]
+    logits = torch.cat((scores * attn.scale, attn.sinks.to(scores.dtype)[None, :, None].expand(t, -1, 1)), dim=-1)
+    probs = torch.softmax(logits, dim=-1)  # [T, Hn, W + E + 1]: the sink's column is dropped below
+    window_size = keys.shape[1]
+    out = torch.matmul(probs[..., :window_size], keys)  # [T, Hn, D]
+    if picked is not None:
+        out = out + torch.matmul(probs[..., window_size:-1], picked)
+    elif seq_entries is not None:
+        out = out + _token_values(address, probs[..., window_size:-1], seq_entries)
     out = apply_rotary_tail(out[None], cos3, -sin3)  # [1, T, Hn, D]
     grouped = attn.o_a_proj(out.reshape(1, t, attn.groups, -1))  # [1, T, G, R]
     return attn.o_b_proj(grouped.flatten(2))[0], written

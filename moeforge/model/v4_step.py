@@ -1,6 +1,7 @@
 """DeepSeek-V4 as one inference step over its KV cache buffers: the module a V4 compile exports (contiguous or paged).
 
-    contiguous: (input_ids [B, S], position_ids [B, S], *buffers) -> (logits [B, S, V], *buffers written)
+    contiguous: (input_ids [B, S], position_ids [B, S], attention_mask [B, L], *buffers) -> (logits [B, S, V],
+                *buffers written); L the longest row's cached + new tokens (entries past it are not read)
     paged:      (input_ids [T], position_ids [T], block_tables [N, M], query_start_loc [N+1], logits_indices [K],
                  *pools) -> (logits [K, V], *pools written)
 ``buffers`` / ``pools``: every layer's ``kv_layout_v4.layer_buffers`` in layer order (contiguous [B, rows, w], paged
@@ -42,8 +43,8 @@ class V4StepLM(nn.Module):
             address = paged_address(position_ids, block_tables, query_start_loc, self.block_size)
             ids, positions = input_ids, position_ids
         else:
-            buffers = list(rest)
-            address = contiguous_address(position_ids, self.max_seq_len)
+            attention_mask, *buffers = rest  # only its width is read: the longest row's cached + new tokens
+            address = contiguous_address(position_ids, self.max_seq_len, attention_mask.shape[1])
             ids, positions = input_ids.reshape(-1), position_ids.reshape(-1)
         hidden, written = self.layers(ids, positions, address, buffers)  # [T, H]
         if self.kind == "paged":

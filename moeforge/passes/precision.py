@@ -6,7 +6,10 @@ Everything runs in the half type except the islands that overflow or lose routin
 which keep fp32 inputs, weights and outputs with a Cast on each side:
 - RMSNormalization / SimplifiedLayerNormalization (the mean of squares overflows fp16),
 - Softmax outside attention, and the MoE node (``moeforge.MoERouter`` / ``moeforge.MoEExperts``: routing
-  scores, top-k and the expert mix in fp32).
+  scores, top-k and the expert mix in fp32);
+- with ``keep_fp32_modules``, every node the torch exporter made inside one of those module classes (its
+  ``pkg.torch.onnx.class_hierarchy`` metadata): DeepSeek-V4's router, exported as plain ops, whose near-tied
+  scores flip experts in fp16 (each flip changes that token's cache rows for every later token).
 Attention's own softmax runs in fp32 inside TensorRT's fused kernels. Graph inputs (KV caches) become
 the half type; ``logits`` [B, S, V] stays float32 (a Cast at the end), so samplers see fp32.
 
@@ -36,6 +39,7 @@ from moeforge.passes.base import PassContext
 FP32_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "Softmax",
             "MoE", "MoERouter", "MoEExperts")
 KEEP_FP32_IO = ("logits",)
+CLASS_HIERARCHY = "pkg.torch.onnx.class_hierarchy"  # the torch exporter's node metadata: "['pkg.Outer', 'pkg.Inner']"
 HALF_TYPES = {"fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}
 
 
@@ -44,10 +48,13 @@ class HalfPrecision:
 
     name = "precision"
 
-    def __init__(self, dtype: str) -> None:
+    def __init__(self, dtype: str, keep_fp32_modules: tuple[str, ...] = ()) -> None:
+        """``keep_fp32_modules``: qualified torch module class names (``moeforge.model.deepseek_v4_moe.V4Router``)
+        whose exported nodes stay float32."""
         if dtype not in HALF_TYPES:
             raise ValueError(f"precision {dtype!r}: expected one of {', '.join(HALF_TYPES)}")
         self.dtype = dtype
+        self.keep_fp32_modules = keep_fp32_modules
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         sources = _placeholder_sources(model.graph)
@@ -64,7 +71,7 @@ class HalfPrecision:
         with mock.patch.object(float16, "make_value_info_from_tensor", _value_info_from_dims):
             converted = float16.convert_float_to_float16(
                 proto, keep_io_types=keep, op_block_list=[*float16.DEFAULT_OP_BLOCK_LIST, *FP32_OPS],
-                force_fp16_initializers=True,
+                node_block_list=_nodes_of_modules(proto, self.keep_fp32_modules), force_fp16_initializers=True,
             )
         if self.dtype == "bf16":
             retype_floats(converted, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -113,6 +120,19 @@ def _converted(source: ir.TensorProtocol, dtype: ir.DataType) -> ir.TensorProtoc
         return out
 
     return map_tensor(source, convert, dtype, tuple(source.shape.numpy()), source.name)
+
+
+def _nodes_of_modules(proto: onnx.ModelProto, modules: tuple[str, ...]) -> list[str]:
+    """Names of the nodes the torch exporter made inside a module of one of these classes (its class-hierarchy
+    metadata lists the classes of the modules around the node, outermost first)."""
+    if not modules:
+        return []
+    names = []
+    for node in proto.graph.node:
+        hierarchy = next((m.value for m in node.metadata_props if m.key == CLASS_HIERARCHY), "")
+        if node.name and any(repr(module) in hierarchy for module in modules):
+            names.append(node.name)
+    return names
 
 
 def _value_info_from_dims(tensor: onnx.TensorProto) -> onnx.ValueInfoProto:

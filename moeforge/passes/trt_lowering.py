@@ -15,6 +15,11 @@ Why this order (TensorRT target; the ORT pipeline's reasons for cleanup and rota
    (quant_weights  with ``--quant int8|int4|fp8``: symmetric weight DequantizeLinear, no zero points.)
 7. precision       fp16/bf16 with fp32 norms, softmax and MoE (moeforge/passes/precision.py); last, so
                    every pass above matches fp32 patterns.
+DeepSeek-V4 (``trt_v4_pipeline``): its step graph reads and writes its own cache (moeforge/compile/v4_export.py,
+exported for TensorRT with its routed experts dense, moeforge/model/dense_experts.py), so no rotary or cache pass:
+cleanup, packing, ``sums_as_matmul`` (its Sinkhorn sums as MatMuls, which TensorRT-RTX's Myelin otherwise fuses into
+an exponentially large kernel: moeforge/passes/trt_normalize_sums.py), cleanup, precision (last, as above; its
+router, plain ops here, kept fp32 by the module that made its nodes, as the other families' MoERouter node).
 RMSNorm stays ONNX RMSNormalization (a NORMALIZATION layer); the ORT-only ops (GroupQueryAttention,
 SimplifiedLayerNormalization, com.microsoft.MoE) are never introduced; ``moeforge.MoERouter`` and
 ``moeforge.MoEExperts`` keep their local functions, which the parser inlines (or registered plugins replace).
@@ -33,9 +38,11 @@ from moeforge.passes.precision import HalfPrecision
 from moeforge.passes.quant_weights import QuantConfig, WeightQuantization
 from moeforge.passes.rotary import RotaryFusion
 from moeforge.passes.trt_kv_cache import TrtKVCache
+from moeforge.passes.trt_normalize_sums import SumsAsMatMul
 from moeforge.passes.trt_paged import TrtPagedInputs
 
 ROTARY_OPSET = 23
+V4_ROUTER = "moeforge.model.deepseek_v4_moe.V4Router"  # the exporter's class-hierarchy name of V4's router
 
 
 class OnnxRotary:
@@ -88,4 +95,13 @@ def trt_pipeline(dtype: str = "fp16", kv_cache: str = "contiguous", block_size: 
         passes.append(HalfPrecision(dtype))
     if paged:
         passes.append(TrtPagedInputs())
+    return passes
+
+
+def trt_v4_pipeline(dtype: str = "fp16") -> list[GraphPass]:
+    """Passes for DeepSeek-V4's step graph on the TensorRT target, in order; ``dtype`` fp16 | bf16 (fp32 skips the
+    precision pass)."""
+    passes: list[GraphPass] = [Cleanup(), ProjectionPacking(), SumsAsMatMul(), Cleanup()]
+    if dtype != "fp32":  # its router is plain ops: kept fp32 as the other families' MoERouter node
+        passes.append(HalfPrecision(dtype, keep_fp32_modules=(V4_ROUTER,)))
     return passes

@@ -87,10 +87,8 @@ def token_feeds(kv: KVCacheSpec, prompt_ids: list[int], *, for_engine: bool) -> 
         return packed_feeds([RowInput(0, tuple(prompt_ids), 0, blocks)], all_logits=True)
     ids = np.array([prompt_ids], dtype=np.int64)
     positions = np.arange(ids.shape[1], dtype=np.int64)[None]
-    if for_engine:
+    if for_engine and kv.layer_buffers is None:  # DeepSeek-V4's engine graph has its ONNX Runtime graph's inputs
         return {"input_ids": ids, "position_ids": positions, "past_lengths": np.zeros(1, np.int64)}
-    if kv.layer_buffers is not None:  # DeepSeek-V4: positions say where each token goes; no mask
-        return {"input_ids": ids, "position_ids": positions}
     return {"input_ids": ids, "position_ids": positions, "attention_mask": np.ones_like(ids)}
 
 
@@ -165,7 +163,8 @@ def _run_engine_graph(model_path: Path, feeds: dict[str, np.ndarray]) -> np.ndar
         if bf16:
             model_path.unlink()
             (model_path.parent / (model_path.name + ".data")).unlink(missing_ok=True)
-    (logits,) = session.run(["logits"], feeds)
+    wanted = {i.name for i in session.get_inputs()}
+    (logits,) = session.run(["logits"], {name: value for name, value in feeds.items() if name in wanted})
     return np.asarray(logits)
 
 

@@ -145,7 +145,7 @@ def test_help_offers_what_can_be_built_and_shows_defaults() -> None:
     kv_quant = next(a for a in _subparser("compile")._actions if "--kv-quant" in a.option_strings)
     assert list(kv_quant.choices or ()) == ["int8"] and "fp8" not in (kv_quant.help or "")
     assert "--accuracy-level {0,4}" in compile_help and "0 = fp32 activations" in compile_help
-    assert "(default: 16)" in compile_help  # --kv-block-size
+    assert "default 16, DeepSeek-V4: the smallest multiple" in compile_help  # --kv-block-size
     run_help = " ".join(_help("run").split())
     assert "(default: 32)" in run_help and "(default: 1.0)" in run_help and "(default: None)" not in run_help
     assert "(default: 16)" in " ".join(_help("parity").split())

@@ -134,6 +134,23 @@ def test_paged_prefix_cache_hit_across_compression_boundaries(checkpoint: Callab
     assert list(again.token_ids) == hf_greedy(model, second, STEPS)
 
 
+def test_host_tier_keeps_a_prefix_the_pool_evicted(checkpoint: Callable[[str], tuple[Any, Path]],
+                                                   compiled: Callable[..., Path]) -> None:
+    # A 5-block pool: the second prompt evicts the first one's blocks (rings and entries) to host memory; the third
+    # request shares the first's two full blocks, which come back from there and must be exact.
+    model, _ = checkpoint("every_layer")
+    out = compiled("every_layer", kv_cache="paged")
+    first, other = _prompt(11), _prompt(13)
+    engine = LLMEngine.from_artifact(out, EngineConfig(cache=CacheOptions(kv_blocks=5, host_bytes=64 << 20)))
+    engine.generate([first], SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    engine.generate([other], SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    third = [*first[:35], *_prompt(12, 6)]
+    (again,) = engine.generate([third], SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    tiers = engine.stats().kv_tiers
+    assert tiers is not None and tiers.demotions > 0 and tiers.host_hits >= 1  # (the other may still be in L1)
+    assert list(again.token_ids) == hf_greedy(model, third, STEPS)
+
+
 @pytest.mark.parametrize("flags", [dict(tp=2), dict(tp=2, ep=2, kv_cache="paged")], ids=["tp2", "tp2-ep2-paged"])
 def test_sharded_compile_generates_transformers_tokens(flags: dict[str, object],
                                                        checkpoint: Callable[[str], tuple[Any, Path]],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,17 @@ from safetensors.torch import load_file, save_file
 
 from moeforge.cli import main
 from moeforge.core.config import ModelConfig
-from moeforge.core.errors import CheckpointError, ConfigError, MoeforgeError
+from moeforge.core.errors import CheckpointError, ConfigError
 from moeforge.model.deepseek_v4 import DeepseekV4ForCausalLM
 from moeforge.model.lightning_indexer import LightningIndexer, closed_entries
 from moeforge.model.loader import load_model
-from moeforge.model.model import V4_COMPILE_REFUSAL, CausalLM
 from moeforge.model.presets import get_preset
 from moeforge.model.rope import apply_rotary_tail
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.verify.generate import generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the seeded transformers V4 models
+from v4_hf_models import hf_config, randomise
 
 VOCAB, PROMPT_LEN, STEPS = 96, 40, 16
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -54,36 +57,6 @@ CASES: dict[str, dict[str, Any]] = {
 
 # randomise()'s seed per case: greedy tokens that do not settle into one repeated token within the 16 steps.
 SEEDS = {"every_layer": 1, "dense_topk": 5}
-
-
-def hf_config(**fields: Any) -> Any:
-    base = dict(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_attention_heads=4, head_dim=16,
-                q_lora_rank=16, n_routed_experts=6, num_experts_per_tok=2, o_groups=2, o_lora_rank=8,
-                index_head_dim=8, partial_rotary_factor=0.25, max_position_embeddings=256, routed_scaling_factor=1.5,
-                swiglu_limit=1.0, eos_token_id=None, pad_token_id=None, bos_token_id=None)
-    config = transformers.DeepseekV4Config(**{**base, **fields})
-    config._attn_implementation = "eager"
-    return config
-
-
-@torch.no_grad()
-def randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights with a real spread (HF's std 0.02 gives near-uniform logits), mHC scales near 1, positive correction
-    biases, and a hash table naming K distinct experts per token id."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
-        if name.endswith("scale"):
-            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-        elif p.dim() == 1:
-            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.7 / p.shape[-1] ** 0.5))
-    for name, b in sorted(model.named_buffers()):
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(torch.rand(b.shape, generator=gen) * 0.2)
-        elif name.endswith("tid2eid"):
-            experts = model.config.n_routed_experts
-            b.copy_(torch.rand(b.shape[0], experts, generator=gen).argsort(-1)[:, : b.shape[1]])
 
 
 def hf_model(case: str) -> Any:
@@ -485,12 +458,14 @@ def test_run_with_the_torch_backend_gives_transformers_tokens(saved: tuple[str, 
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == expected
 
 
-def test_compile_is_refused_in_one_line(saved: tuple[str, Any, Path], tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_what_v4_compiles_do_not_take_is_refused_in_one_line(saved: tuple[str, Any, Path], tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # The compiles themselves: tests/compile/test_compile_deepseek_v4.py.
     _, _, folder = saved
-    for model in (str(folder), "tiny-deepseek-v4"):
-        out = tmp_path / "artifact"
-        assert main(["compile", model, "-o", str(out), "--quiet"]) == 2
-        assert V4_COMPILE_REFUSAL in capsys.readouterr().err and not out.exists()
-    with pytest.raises(MoeforgeError, match="--backend torch"), torch.device("meta"):
-        CausalLM(get_preset("tiny-deepseek-v4").config)
+    out = tmp_path / "artifact"
+    for flags, why in ((["--pp", "2"], "--pp with DeepSeek-V4"), (["--stream"], "--stream does not read DeepSeek-V4"),
+                       (["--kv-cache", "paged", "--kv-block-size", "3"], "a block must hold whole windows")):
+        assert main(["compile", str(folder), "-o", str(out), "--quiet", *flags]) == 2
+        assert why in capsys.readouterr().err and not out.exists()
+
+

@@ -1,7 +1,9 @@
 """The TensorRT target (``--target trt``): ``trt_pipeline`` (standard-op attention on a static-length cache or
 paged pools, fp16/bf16 with fp32 islands, optional symmetric weight Q/DQ); the artifact holds the lowered graph,
 golden logits from ONNX Runtime on that exact graph, and the engine plan built beside it. TensorRT-RTX builds
-plans ahead of time on a machine without a GPU; full TensorRT builds for the local GPU."""
+plans ahead of time on a machine without a GPU; full TensorRT builds for the local GPU. DeepSeek-V4: its step graph
+(exported with dense routed experts) through ``trt_v4_pipeline``; no moeforge backend runs that plan yet, so the
+compile needs ``--build-only`` (``compile/plan.check_v4_engine``)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from moeforge.core.kv_layout import KVCacheSpec, paged_spec, static_spec
 from moeforge.core.manifest import MODEL_FILE, Manifest
 from moeforge.passes.base import GraphPass, PassReport
 from moeforge.passes.quant_weights import QuantConfig, WeightQuantization
-from moeforge.passes.trt_lowering import trt_pipeline
+from moeforge.passes.trt_lowering import trt_pipeline, trt_v4_pipeline
 from moeforge.quant.plan import in_features, trt_weight_config
 from moeforge.runtime.backends.trt_adapter import TensorRT, load_tensorrt
 from moeforge.verify.golden import write_golden
@@ -58,6 +60,8 @@ class TrtTarget:
 
     def passes(self, job: CompileJob) -> list[GraphPass]:
         kv, config = self.options.kv, job.config
+        if config.compressed_attention is not None:  # DeepSeek-V4: the exported step already holds its cache
+            return trt_v4_pipeline(self.options.trt.dtype)
         self.weights = trt_weight_config(self.options.quant, in_features(config), config.name or self.options.model)
         return trt_pipeline(self.options.trt.dtype, kv.layout, kv.tokens_per_block, self.weights)
 
@@ -97,7 +101,8 @@ class TrtTarget:
                              max_prefill_tokens=min(opts.max_prefill_tokens, job.max_seq_len),
                              optimization_level=opts.optimization_level,
                              paged_block_size=kv.tokens_per_block if kv.paged else None, max_seq_len=job.max_seq_len,
-                             timing_cache=folder / TIMING_CACHE_FILE, num_ranks=self.options.tp)
+                             timing_cache=folder / TIMING_CACHE_FILE, num_ranks=self.options.tp,
+                             v4_step=manifest.kv_cache.layer_buffers is not None)
         job.stages.stage(f"{trt.impl} engine")
         manifest.engine = build_engine(model_path, folder / PLAN_FILE, build, trt).to_dict()
         manifest.tool_versions[trt.impl] = trt.version

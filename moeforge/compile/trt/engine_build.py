@@ -31,6 +31,7 @@ import onnx
 
 from moeforge.compile.trt.paged_profiles import paged_profiles
 from moeforge.compile.trt.profiles import ProfileSpec
+from moeforge.compile.trt.v4_profiles import v4_paged_profiles, v4_profiles
 from moeforge.core.artifact import external_initializers
 from moeforge.core.errors import MoeforgeError
 from moeforge.ops.collectives.tensorrt import insert_collectives, placeholder_graph
@@ -60,13 +61,19 @@ class BuildOptions:
     paged_block_size: int | None = None  # paged graph (--kv-cache paged): profiles by dimension name
     max_seq_len: int | None = None  # paged: the longest sequence (block-table width = ceil(max_seq_len / Bs))
     num_ranks: int = 1  # > 1: one rank of a sharded artifact (collectives -> IDistCollectiveLayer)
+    v4_step: bool = False  # DeepSeek-V4's step graph (compile/v4_export.py): profiles by dimension name
 
     def profiles(self) -> list[ProfileSpec]:
-        """Decode and prefill profiles: by batch and tokens, or by dimension name for a paged graph."""
+        """Decode and prefill profiles: by batch and tokens, or by dimension name for a paged or V4 graph."""
         if self.paged_block_size:
             if self.max_seq_len is None:
                 raise ValueError("paged profiles need max_seq_len")
-            return paged_profiles(self.paged_block_size, self.max_seq_len, self.max_batch, self.max_prefill_tokens)
+            paged = v4_paged_profiles if self.v4_step else paged_profiles
+            return paged(self.paged_block_size, self.max_seq_len, self.max_batch, self.max_prefill_tokens)
+        if self.v4_step:
+            if self.max_seq_len is None:
+                raise ValueError("DeepSeek-V4 profiles need max_seq_len")
+            return v4_profiles(self.max_seq_len, self.max_batch, self.max_prefill_batch, self.max_prefill_tokens)
         decode_opt = max(1, self.max_batch // 2)
         prefill_opt = max(1, self.max_prefill_tokens // 2)
         return [ProfileSpec("decode", (1, decode_opt, self.max_batch), (1, 1, 1)),

@@ -4,7 +4,9 @@ Dimension letters: B batch, T tokens, S tokens of one step, V vocabulary.
 
 The lowered graph is standard ONNX (TensorScatter, Attention, RotaryEmbedding, RMSNormalization and
 the MoE node's local function), so ONNX Runtime runs the very file TensorRT builds from. Caches are
-numpy arrays carried from one step's present outputs to the next step's past inputs.
+numpy arrays carried from one step's present outputs to the next step's past inputs. Each step feeds what
+the graph takes: the cached lengths (``past_lengths`` [B]) or, DeepSeek-V4's step graph (its ring and entry buffers
+``past_key_values.{i}.{kind}`` [B, rows, w]), an ``attention_mask`` [B, cached + new] of ones.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ def run_steps(model_path: str | Path, ids: np.ndarray, boundaries: Sequence[int]
             dtype = {"tensor(float16)": np.float16, "tensor(float)": np.float32}[value.type]
             caches[value.name] = np.zeros([batch, *value.shape[1:]], dtype)
     names = [o.name for o in session.get_outputs()]
+    wanted = {i.name for i in session.get_inputs()}
     logits = []
     for start, stop in itertools.pairwise(boundaries):
         feeds = {"input_ids": ids[:, start:stop].astype(np.int64),
                  "position_ids": np.tile(np.arange(start, stop, dtype=np.int64), (batch, 1)),
-                 "past_lengths": np.full(batch, start, np.int64), **caches}
-        outputs = dict(zip(names, session.run(names, feeds), strict=True))
+                 "past_lengths": np.full(batch, start, np.int64),
+                 "attention_mask": np.ones((batch, stop), np.int64), **caches}
+        outputs = dict(zip(names, session.run(names, {k: v for k, v in feeds.items() if k in wanted}), strict=True))
         for name in caches:
             caches[name] = outputs[PRESENT_PREFIX + name[len(PAST_PREFIX):]]
         logits.append(outputs["logits"].astype(np.float32))

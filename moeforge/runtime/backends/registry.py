@@ -28,6 +28,7 @@ class BackendSpec:
     ``target``: the manifest target it runs (``compile --target``). ``name``: its ``--backend`` name; ``title``: how
     messages name it.
     ``paged`` / ``sharded``: whether it runs paged KV pools / the ranks of a sharded artifact (``--tp/--ep``).
+    ``kv_layouts``: the KV-cache layouts (``KVCacheSpec.layout``) it binds; None: every layout.
     ``needs_gpu``: it runs only with a CUDA GPU. ``host_kv``: its KV caches are host memory (the engine checks they
     fit before allocating). ``teacher_forced_parity``: ``moeforge parity`` can compare it with PyTorch token by
     token (an ONNX graph it runs), else it is checked against the artifact's golden outputs."""
@@ -43,9 +44,14 @@ class BackendSpec:
     open: Opener
     why_not_paged: str = ""
     why_not_sharded: str = ""
+    kv_layouts: tuple[str, ...] | None = None
+    why_not_layout: str = ""
 
-    def refusal(self, *, paged: bool, sharded: bool) -> str | None:
-        """Why this backend cannot run an artifact of that shape, or None."""
+    def refusal(self, *, paged: bool, sharded: bool, layout: str | None = None) -> str | None:
+        """Why this backend cannot run an artifact of that shape (``layout``: its KV-cache layout, where known), or
+        None."""
+        if layout is not None and self.kv_layouts is not None and layout not in self.kv_layouts:
+            return self.why_not_layout
         if paged and not self.paged:
             return self.why_not_paged
         if sharded and not self.sharded:
@@ -88,7 +94,11 @@ TRT = BackendSpec(
     why_not_paged="moeforge's TensorRT backend runs contiguous-cache engines only (its paged engines take block "
                   "pools and block tables it does not bind yet)",
     why_not_sharded="running sharded TensorRT plans needs NVIDIA GPUs, NCCL and a communicator per execution "
-                    "context, which moeforge's TensorRT backend does not set up yet")
+                    "context, which moeforge's TensorRT backend does not set up yet",
+    kv_layouts=("gqa", "mla_latent", "mla_dsa"),
+    why_not_layout="moeforge's TensorRT backend binds per-head caches [slots, Hkv, L, D] and feeds past_lengths; a "
+                   "DeepSeek-V4 engine takes its ring and entry buffers (layout v4_hybrid) and an attention mask, "
+                   "which it does not bind yet")
 BACKENDS: dict[str, BackendSpec] = {spec.target: spec for spec in (ORT, TRT)}
 
 
@@ -109,19 +119,21 @@ def backend_named(name: str) -> BackendSpec:
     raise ArtifactError(f"no backend named {name!r}; backends: {', '.join(s.name for s in BACKENDS.values())}")
 
 
-def refusal(target: str, *, paged: bool, sharded: bool) -> str | None:
-    """Why no backend can run an artifact compiled for ``target`` with that shape, or None (the compiler asks)."""
+def refusal(target: str, *, paged: bool, sharded: bool, layout: str | None = None) -> str | None:
+    """Why no backend can run an artifact compiled for ``target`` with that shape (``layout``: its KV-cache layout,
+    where known), or None (the compiler asks)."""
     spec = BACKENDS.get(target)
     if spec is None:
         return f"no backend runs target {target!r}"
-    return spec.refusal(paged=paged, sharded=sharded)
+    return spec.refusal(paged=paged, sharded=sharded, layout=layout)
 
 
 def open_backend(artifact: Artifact, options: BackendOptions, *, num_slots: int, num_blocks: int | None = None,
                  collectives: bool = False) -> Backend:
     """Open the backend of ``artifact``: ``ArtifactError`` naming the reason when its backend cannot run it here."""
     spec = backend_for(artifact.manifest)
-    why = spec.refusal(paged=artifact.manifest.kv_cache.paged, sharded=collectives) or spec.unavailable()
+    kv = artifact.manifest.kv_cache
+    why = spec.refusal(paged=kv.paged, sharded=collectives, layout=kv.layout) or spec.unavailable()
     if why:
         advice = "" if spec.target == ORT.target else (
             f"; to run this model here, compile it for ONNX Runtime: moeforge compile {artifact.manifest.source} "

@@ -108,6 +108,10 @@ class TrtEngine:
         if manifest.kv_cache.paged:  # --kv-cache paged: pools + block tables, not slot caches
             raise MoeforgeError(f"{artifact.root} is a paged TensorRT engine (block pools); this backend runs "
                                 "contiguous-cache engines only: compile without --kv-cache paged to serve it here")
+        if manifest.kv_cache.layer_buffers is not None:  # DeepSeek-V4 (v4_hybrid): rings, entries, attention_mask
+            raise MoeforgeError(f"{artifact.root} is a DeepSeek-V4 TensorRT engine (ring and entry buffers, layout "
+                                "v4_hybrid); this backend binds per-head caches and past_lengths only: compile the "
+                                "model with --target ort to run it")
         return cls(artifact.root / manifest.engine["plan_file"], manifest.engine, kv_cache=manifest.kv_cache,
                    num_slots=num_slots, cuda_graphs=cuda_graphs)
 
