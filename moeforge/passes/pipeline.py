@@ -45,6 +45,7 @@ from moeforge.passes.packing import ProjectionPacking
 from moeforge.passes.paged_kv import PagedKVInsertion
 from moeforge.passes.rms_norm import RmsNormFusion, SkipRmsNormFusion
 from moeforge.passes.rotary import RotaryFusion
+from moeforge.passes.weight_matmuls import WeightMatMuls
 
 
 def ort_pipeline(kv_cache: str = "contiguous", block_size: int = DEFAULT_BLOCK_SIZE) -> list[GraphPass]:
@@ -68,8 +69,10 @@ def ort_pipeline(kv_cache: str = "contiguous", block_size: int = DEFAULT_BLOCK_S
 
 def v4_pipeline() -> list[GraphPass]:
     """DeepSeek-V4 (``moeforge/compile/v4_export.py``): its graph already reads and writes its cache, so no cache
-    insertion; the rewrites that keep the math (folding, RMSNorm fusion, sibling projections packed)."""
-    return [Cleanup(), RmsNormFusion(), ProjectionPacking(), Cleanup()]
+    insertion; the rewrites that keep the math (folding, RMSNorm fusion, sibling projections packed), then every
+    weight as a 2-D MatMul initializer for the quantisation passes (``weight_matmuls``: its Gemms, routed experts and
+    grouped o_a_proj), after packing so that the indexer's projections stay apart from the ones quantised."""
+    return [Cleanup(), RmsNormFusion(), ProjectionPacking(), WeightMatMuls(), Cleanup()]
 
 
 def run_passes(

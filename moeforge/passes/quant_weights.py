@@ -20,8 +20,9 @@ All zero points are 0 (symmetric), except with ``QuantConfig.asymmetric`` (``--q
 (standard ONNX; ``quant_lowering`` turns it into MatMulNBits plus the block sums' share of the offsets). Experts
 [E, N, K] take the same chain along K (axis 2, offsets [E, N, K/bs, 1]); ``sparse_experts`` runs it per expert.
 Not quantised: the embedding Gather (a table lookup), the MoE
-router (its MatMul picks experts: kept fp32 like norms and softmax, which have no weights here), DSA's indexer
-projections (they pick the tokens sparse attention reads; ``indexer_matmuls``), and
+router (its MatMul picks experts: kept fp32 like norms and softmax, which have no weights here), DSA's and
+DeepSeek-V4's indexer projections (they pick the tokens sparse attention reads; ``indexer_matmuls``,
+``INDEXER_WEIGHT``), DeepSeek-V4's hyper-connection weights (``HC_WEIGHT``: they mix the residual streams), and
 every weight named in ``QuantConfig.keep`` (mixed precision). AWQ scales ``s`` [K] multiply the
 weight rows before quantising; a ``Mul(x, 1/s)`` on the activation keeps the product unchanged.
 """
@@ -42,9 +43,17 @@ from moeforge.ops.node_builder import lazy_tensor
 from moeforge.passes.base import MS_DOMAIN, PassContext, add_initializer, required
 from moeforge.passes.paged_kv import LOGITS_3D
 from moeforge.passes.quant_math import QuantizedWeight, quantize, quantize_asym, quantize_fp8_exact
+from moeforge.passes.weight_matmuls import ROUTED_EXPERT
 
 # The MoE router's weight (HF ``mlp.gate.weight``; not ``gate_proj``): experts are chosen from its logits.
 ROUTER_WEIGHT = re.compile(r"(^|\.)gate\.weight")
+# DeepSeek-V4's hyper-connection (mHC) weights, HF ``attn_hc.fn`` / ``ffn_hc.fn`` / ``hc_head.hc_fn``: matched on the
+# initializer's name or on the parameter the exporter recorded (``%p_model_model_layers_0_attn_hc_fn``: the export
+# folds their transposes into unnamed constants). They mix the residual streams: fp32, like the router.
+HC_WEIGHT = re.compile(r"(attn_hc|ffn_hc)[._]fn$|hc_head[._]hc_fn$")
+# DeepSeek-V4's indexer projections (``...self_attn.compressor.indexer.*``), by name: like DSA's (``indexer_matmuls``)
+# they pick the compressed entries attention reads.
+INDEXER_WEIGHT = re.compile(r"(^|\.)indexer\.")
 MOE_WEIGHT_INPUTS = (2, 4, 6)  # com.microsoft.MoE: fc1_experts_weights, fc2_..., fc3_...
 
 
@@ -66,6 +75,12 @@ class QuantTarget:
     @property
     def is_moe(self) -> bool:
         return self.node.op_type == "MoE"
+
+    @property
+    def routed_expert(self) -> bool:
+        """Routed experts' weights: a MoE op's stack, or one expert's MatMul (DeepSeek-V4, ``weight_matmuls``).
+        Calibration leaves them alone (RTN weights, fp32 activations): a prompt set need not reach every expert."""
+        return self.is_moe or ROUTED_EXPERT.search(self.name) is not None
 
     @property
     def is_lm_head(self) -> bool:
@@ -154,7 +169,7 @@ def quant_targets(model: ir.Model) -> list[QuantTarget]:
         if node.op_type == "MatMul" and node.domain == "":
             weight = node.inputs[1]
             if (weight is None or _const(weight) is None or weight.shape is None or len(weight.shape) != 2
-                    or ROUTER_WEIGHT.search(weight.name or "") or node in indexer):
+                    or _fp32_kind(node, weight, indexer) is not None):
                 continue
             name = required(weight.name, f"{node.name}: weight name")
             targets.append(QuantTarget(name, _label(node, weight), node, 1, weight.shape.numpy()))
@@ -166,6 +181,28 @@ def quant_targets(model: ir.Model) -> list[QuantTarget]:
                     shape = required(weight.shape, f"{name}: shape").numpy()
                     targets.append(QuantTarget(name, name, node, index, shape))
     return targets
+
+
+def always_fp32_weights(model: ir.Model) -> list[str]:
+    """What kinds of MatMul weights ``quant_targets`` leaves fp32 in ``model``, beyond the router (always listed):
+    ``hyper-connections (mHC)`` and ``indexer``, when it has them (for the manifest's ``always_fp32``)."""
+    indexer = indexer_matmuls(model)
+    kinds = {_fp32_kind(node, node.inputs[1], indexer) for node in model.graph
+             if node.op_type == "MatMul" and node.domain == "" and node.inputs[1] is not None}
+    return [kind for kind in ("hyper-connections (mHC)", "indexer") if kind in kinds]
+
+
+def _fp32_kind(node: ir.Node, weight: ir.Value, indexer: set[ir.Node]) -> str | None:
+    """Why the weight of MatMul ``node`` stays fp32 (router, hyper-connections (mHC), indexer), or None."""
+    name = weight.name or ""
+    if ROUTER_WEIGHT.search(name):
+        return "router"
+    params = re.findall(r"%p_(\w+)", node.metadata_props.get("pkg.torch.onnx.fx_node", ""))  # the parameters read
+    if any(HC_WEIGHT.search(p) for p in (name, *params)):
+        return "hyper-connections (mHC)"
+    if node in indexer or INDEXER_WEIGHT.search(name):
+        return "indexer"
+    return None
 
 
 class WeightQuantization:

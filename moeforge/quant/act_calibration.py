@@ -246,7 +246,8 @@ class ActivationPlan:
         """Ranges (and SmoothQuant scales) of every MatMul activation that will get Q/DQ, on the fp32 ``model``
         before weights are quantised: quantised MatMul weights except the LM head, the router, MoE experts,
         ``keep`` (``--keep-fp``) and labels matching ``spec.keep``."""
-        candidates = [t for t in quant_targets(model) if not t.is_moe and not t.is_lm_head and t.name not in keep]
+        candidates = [t for t in quant_targets(model)
+                      if not t.routed_expert and not t.is_lm_head and t.name not in keep]
         targets = [(t, x) for t in candidates if not spec.keeps(t.label) and (x := activation_name(t))]
         if not targets:
             raise ActivationCalibrationError("the model has no MatMul whose activations can be quantised")
@@ -284,7 +285,8 @@ class ActivationPlan:
             "scales": scales,
             "fp32_activations": {
                 "patterns": list(self.spec.keep), "layers": self.kept,
-                "always": ["lm_head", "router", "moe_experts (com.microsoft.MoE/QMoE take no quantised activations)"],
+                "always": ["lm_head", "router", "moe_experts (com.microsoft.MoE/QMoE take no quantised activations; "
+                           "DeepSeek-V4's per-expert MatMuls alike: a prompt set need not reach every expert)"],
                 "weights": "int8 per channel (MatMulNBits)" if int8 else "fp8 per channel"},
             "onnxruntime_cpu": ("MatMulIntegerToFloat (uint8 x uint8, zero point 128), fused by ONNX Runtime at "
                                 "session load from the Q/DQ pairs" if int8 else

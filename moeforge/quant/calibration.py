@@ -121,7 +121,10 @@ class GraphRunner:
         }
         feeds = {k: v for k, v in feeds.items() if k in self.inputs}
         for name, arg in self.inputs.items():
-            if name.startswith(PAST_PREFIX):
+            if name.startswith(PAST_PREFIX) and len(arg.shape) == 3:  # DeepSeek-V4 (v4_hybrid): [B, rows, w]
+                _, rows, width = arg.shape
+                feeds[name] = np.zeros((1, rows, width), np.float32)  # an empty cache: zero rows
+            elif name.startswith(PAST_PREFIX):
                 _, heads, _, dim = arg.shape
                 feeds[name] = np.zeros((1, heads, s, dim), np.int8 if arg.type == "tensor(int8)" else np.float32)
         feeds.update(weights or {})

@@ -32,7 +32,13 @@ from moeforge.passes.base import GraphPass, PassContext
 from moeforge.passes.quant_activations import ActivationQuantization, OrtActivationLowering
 from moeforge.passes.quant_lowering import QuantLowering
 from moeforge.passes.quant_math import awq_search
-from moeforge.passes.quant_weights import QuantConfig, QuantTarget, WeightQuantization, quant_targets
+from moeforge.passes.quant_weights import (
+    QuantConfig,
+    QuantTarget,
+    WeightQuantization,
+    always_fp32_weights,
+    quant_targets,
+)
 from moeforge.passes.shared_embedding import SharedEmbedding
 from moeforge.passes.sparse_experts import SparseExperts
 from moeforge.quant.act_calibration import ActivationPlan, activation_name, fetch_groups, weight_array
@@ -146,6 +152,7 @@ class QuantPlan:
     activations: ActivationPlan | None = None
     activations_quantized: int = 0
     embedding: str = "fp32"  # the embedding lookup's table: fp32, or the LM head's codes (shared_embedding)
+    fp32_kinds: list[str] = field(default_factory=list)  # weights kept fp32 beside the router (mHC, indexer)
     prepared: bool = False
 
     def prepare(self, model: ir.Model) -> None:
@@ -153,6 +160,7 @@ class QuantPlan:
         if self.prepared:
             return
         self.targets = quant_targets(model)
+        self.fp32_kinds = always_fp32_weights(model)
         self.heads = frozenset(t.name for t in self.targets if t.is_lm_head)
         self.spec = resolved_spec(self.spec, sorted({t.in_features for t in self.targets}), "the weights")
         if self.fp8_source and self.kind != "fp8":
@@ -197,14 +205,16 @@ class QuantPlan:
             "symmetric": not scheme.asymmetric, "accuracy_level": self.spec.level, "keep_fp": self.spec.keep_fp,
             **({"asym_offsets": self.spec.asym_offsets or "exact"} if scheme.asymmetric else {}),
             "lm_head": head_label, "calibration_prompts": len(self.prompts),
-            "always_fp32": ["norms", "softmax", "router", *(["embedding lookup"] if self.embedding == "fp32" else [])],
+            "always_fp32": ["norms", "softmax", "router", *self.fp32_kinds,
+                            *(["embedding lookup"] if self.embedding == "fp32" else [])],
             "embedding": self.embedding,
             "sensitivity": self.sensitivity, "layers": layers,
         }
         if self.activations is not None:
             summary["activations"] = self.activations.summary(self.activations_quantized)
             for layer, target in zip(layers, self.targets, strict=True):  # weight-only: MoE experts, --act-keep-fp32
-                if layer["precision"] == scheme.name and (target.is_moe or target.label in self.activations.kept):
+                weight_only = target.routed_expert or target.label in self.activations.kept
+                if layer["precision"] == scheme.name and weight_only:
                     layer["precision"] = self.kind
         return summary
 
@@ -238,14 +248,14 @@ class WeightSensitivity(_PlannedPass):
 
 
 class AwqScales(_PlannedPass):
-    """``int4-awq``: per-input-channel scales for every 2D MatMul weight (MoE experts stay RTN; the LM head is
+    """``int4-awq``: per-input-channel scales for every 2D MatMul weight (routed experts stay RTN; the LM head is
     int8 under int4 schemes, which needs no AWQ)."""
 
     name = "quant_awq"
 
     def run(self, model: ir.Model, ctx: PassContext) -> int:
         plan = self.plan
-        targets = [t for t in plan.targets if not t.is_moe and not t.is_lm_head and t.name not in plan.chosen]
+        targets = [t for t in plan.targets if not t.routed_expert and not t.is_lm_head and t.name not in plan.chosen]
         names = {t.name: activation_name(t) for t in targets}
         runner = GraphRunner(model, extra_outputs=tuple(dict.fromkeys(names.values())), **runner_options(ctx))
         # Statistics without holding every activation row: counts and means first, then each target's seeded

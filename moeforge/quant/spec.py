@@ -94,9 +94,10 @@ class QuantSpec:
         return check_options(self.weights or "fp32", a.method, a.percentile, a.smooth_alpha, a.keep_fp32)
 
 
-def validate(spec: QuantSpec, *, target: str, kv_cache: str) -> None:
+def validate(spec: QuantSpec, *, target: str, kv_cache: str, kv_layout: str | None = None) -> None:
     """Refuse every combination that cannot be built, naming the problem and the fix. Needs no model: run it
-    before the expensive stages. ``target``: ort | trt; ``kv_cache``: contiguous | paged."""
+    before the expensive stages. ``target``: ort | trt; ``kv_cache``: contiguous | paged; ``kv_layout``: the model's
+    cache layout (``core.kv_layout.KVLayout``, from its config) where the caller knows it, None where not."""
     scheme = spec.scheme if spec.weights in SCHEMES else None
     if spec.weights is not None and scheme is None:
         raise QuantError(f"--quant {spec.weights!r} is unknown; choose one of {', '.join(SCHEMES)}")
@@ -105,7 +106,7 @@ def validate(spec: QuantSpec, *, target: str, kv_cache: str) -> None:
     else:
         _check_weights(spec, scheme, target)
     if spec.kv_cache is not None:
-        _check_kv_cache(spec, target=target, paged=kv_cache == "paged")
+        _check_kv_cache(spec, target=target, paged=kv_cache == "paged", kv_layout=kv_layout)
     what = spec.calibration_use
     if what is not None and kv_cache == "paged":
         what = what if what == "--keep-fp" else f"--quant {what}"
@@ -169,12 +170,18 @@ def _check_weights(spec: QuantSpec, scheme: Scheme, target: str) -> None:
         raise QuantError("--keep-fp / --lm-head fp32 are not wired for --target trt; drop them")
 
 
-def _check_kv_cache(spec: QuantSpec, *, target: str, paged: bool) -> None:
+def _check_kv_cache(spec: QuantSpec, *, target: str, paged: bool, kv_layout: str | None) -> None:
     kv = KV_SCHEMES.get(spec.kv_cache or "")
     if kv is None:
         raise KVQuantError(f"--kv-quant {spec.kv_cache!r} is unknown; choose one of {', '.join(KV_CHOICES)}")
     if kv.unavailable is not None:
         raise KVQuantError(f"--kv-quant {kv.name} is not available: {kv.unavailable}; use --kv-quant int8")
+    if kv_layout == "v4_hybrid":
+        raise KVQuantError(f"--kv-quant {kv.name} stores GroupQueryAttention's per-head key/value caches as {kv.dtype} "
+                           "with calibrated scales; DeepSeek-V4's cache (layout v4_hybrid: sliding-window rings, the "
+                           "compressors' pending rows and compressed entries, read and written by its own step graph) "
+                           "has no such cache to quantise: drop --kv-quant (the cache stays float32; --quant still "
+                           "quantises the weights)")
     if paged:
         raise KVQuantError(f"--kv-quant {kv.name} needs --kv-cache contiguous: the paged attention op reads "
                            "fp32 pools")
