@@ -54,8 +54,8 @@ class ContiguousBackend(ABC):
             raise ArtifactError("this backend runs per-slot contiguous caches and the artifact's kv_cache is paged "
                                 "(block pools): run it with the paged backend, or compile without --kv-cache paged")
         self.kv_cache = kv_cache
-        # DeepSeek-V4's rings hold the last rows only: a row may not start before its slot's end (rejected drafts)
-        self.multi_logit_rows = kv_cache.layer_buffers is None
+        if kv_cache.layer_buffers is not None:  # DeepSeek-V4's rings hold the last rows only: no rejected drafts
+            self.multi_logit_rows = False  # (a subclass's own False, TensorRT's, stays as it is)
         self._num_slots, self._max_seq_len, self._vocab = num_slots, max_seq_len, vocab_size
         self.max_prefill_tokens = max_prefill_tokens  # None: a prefill chunk runs whole
         self.max_decode_batch = max_decode_batch  # None: all decodes of a step in one run

@@ -276,8 +276,8 @@ class PagedOrtBackend:
         self.kv = kv_cache
         self.num_blocks = num_blocks
         self._num_slots, self._vocab = num_slots, vocab_size
-        # DeepSeek-V4's rings hold each block's last rows: a rewind past a rejected draft would read overwritten ones
-        self.multi_logit_rows = kv_cache.layer_buffers is None
+        if kv_cache.layer_buffers is not None:  # DeepSeek-V4's rings hold each block's last rows: a rewind past a
+            self.multi_logit_rows = False  # rejected draft would read overwritten ones
 
     @property
     def num_slots(self) -> int:
