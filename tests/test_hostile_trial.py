@@ -37,24 +37,21 @@ from moeforge.parallel.eplb import METRIC, EplbError, Placement, parse_stats, re
 from moeforge.runtime.kv_tiers import disk_tier
 from moeforge.runtime.kv_tiers.disk_tier import DiskTier
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: the deep folder chains
+from deep_tree import add_file, deep_tree
+
 NO_USER = "~moeforge-no-such-user-4c1d"  # Path.expanduser raises RuntimeError on it
 
 
 def _deep_tree(root: Path, depth: int, outside: Path) -> None:
     """``root`` holding a chain of ``depth`` folders, with a link to ``outside`` at the bottom and at the top."""
-    root.mkdir()
-    (root / "top-link").symlink_to(outside)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # by descriptor: the path grows past PATH_MAX
-    try:
-        for _ in range(depth):
-            os.mkdir("d", dir_fd=fd)
-            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = child
+
+    def bottom(fd: int) -> None:
         os.symlink(outside, "bottom-link", dir_fd=fd)
-        os.close(os.open("file", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
-    finally:
-        os.close(fd)
+        add_file("file")(fd)
+
+    deep_tree(root, depth, bottom)
+    (root / "top-link").symlink_to(outside)
 
 
 # ----------------------------------------------------------------------------------------------- safe_paths

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,6 +40,9 @@ from moeforge.core.errors import MoeforgeError
 from moeforge.core.manifest import MAX_SEQ_LEN, Manifest
 from moeforge.core.safe_paths import remove_tree
 from moeforge.runtime.engine import BackendOptions, EngineConfig, LLMEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the deep folder chains
+from deep_tree import add_file, deep_tree
 
 DATA_FILE = "model.onnx.data"
 DEAD_PID = 999_999_999  # above any pid_max: never a live process
@@ -568,20 +572,8 @@ DEEP = 3000  # folders, far past the recursion limit (os.walk, shutil.rmtree) an
 
 
 def _deep_tree(top: Path, depth: int = DEEP, bottom_file: bool = False) -> None:
-    """``top/d/d/.../d`` ``depth`` folders deep (made by descriptor: the path outgrows PATH_MAX), with a file
-    ``x`` in the deepest one if ``bottom_file``."""
-    top.mkdir()
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(depth):
-            os.mkdir("d", dir_fd=fd)
-            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = child
-        if bottom_file:
-            os.close(os.open("x", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
-    finally:
-        os.close(fd)
+    """``top/d/d/.../d`` ``depth`` folders deep, with a file ``x`` in the deepest one if ``bottom_file``."""
+    deep_tree(top, depth, add_file("x") if bottom_file else None)
 
 
 def test_force_replaces_an_artifact_holding_a_3000_deep_folder_tree(tiny_artifact: Path, art: Path,
