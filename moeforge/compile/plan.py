@@ -183,9 +183,6 @@ def resolve_block_size(options: CompileOptions, config: ModelConfig) -> CompileO
     do not divide is refused (``kv_layout_v4.check_block_size``). Other models: unchanged."""
     if config.compressed_attention is None:
         return options
-    if options.pp > 1:
-        raise MoeforgeError("--pp with DeepSeek-V4 is not supported yet (its stages would pass the hc_mult residual "
-                            "streams and the token ids of the hash-routed layers): compile with --tp / --ep instead")
     if options.placement is not None:
         raise MoeforgeError("--placement with DeepSeek-V4 is not supported yet: compile without --placement")
     check_v4_engine(options)

@@ -11,6 +11,9 @@ usual one:
                 cached + new tokens), every buffer [B, rows, w] -> logits [B, S, V], every buffer
     paged:      input_ids, position_ids [T], block_tables [N, M], query_start_loc [N+1], logits_indices [K], every
                 pool [num_blocks, rows, w] -> logits [K, V], every pool
+A pipeline stage (``model/pipeline_stages.py`` ``v4_stage_model``, paged only): after stage 0 ``hidden_states_in``
+[T, N * H] (the mHC streams) follows position_ids; before the last stage the output ``hidden_states`` [T, N * H]
+replaces logits.
 Buffer names: ``kv_layout.v4_names`` (``past_key_values.{i}.{kind}`` -> ``present.{i}.{kind}``, paged
 ``kv_pool.{i}.{kind}`` -> ``kv_pool_out.{i}.{kind}``).
 """
@@ -38,6 +41,7 @@ from moeforge.core.kv_layout_v4 import compress_rates, layer_buffers
 from moeforge.model.deepseek_v4 import DeepseekV4ForCausalLM
 from moeforge.model.dense_experts import dense_routed_experts
 from moeforge.model.lazy_weights import LazyWeights
+from moeforge.model.pipeline_stages import HIDDEN_INPUT, HIDDEN_OUTPUT, StageSpec, boundary_width
 from moeforge.model.v4_step import CacheKind, V4StepLM
 from moeforge.ops.collectives import torch_op as collectives
 
@@ -54,7 +58,9 @@ def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyW
     own_names = _tensor_names(model)
     device = torch.device("meta") if weights is not None else torch.device("cpu")
     kind: CacheKind = "paged" if kv.paged else "contiguous"
-    step = V4StepLM(model, kind, max_seq_len=kv.max_seq_len, block_size=kv.block_size)
+    stage: StageSpec | None = model.pipeline_stage
+    step = V4StepLM(model, kind, max_seq_len=kv.max_seq_len, block_size=kv.block_size, stage=stage)
+    streams_in = [HIDDEN_INPUT] if step.takes_streams else []  # a later pipeline stage's input [T, N * H]
     buffers = [b for i in range(config.num_hidden_layers) for b in layer_buffers(config, i)]
     names = [n for layer in kv.past_input_names for n in layer]
     outputs = [n for layer in kv.present_output_names for n in layer]
@@ -67,15 +73,17 @@ def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyW
         blocks = 4
         example: tuple[torch.Tensor, ...] = (
             torch.zeros(5, dtype=i64, device=device), torch.arange(5, dtype=i64, device=device),
+            *(torch.zeros(5, boundary_width(config), dtype=f32, device=device) for _ in streams_in),
             torch.zeros(2, 3, dtype=i32, device=device), torch.tensor([0, 2, 5], dtype=i32, device=device),
             torch.tensor([1, 4], dtype=i64, device=device),
             *(torch.zeros(blocks, b.rows_per_block(kv.block_size), b.width, dtype=f32, device=device)
               for b in buffers))
         pool = torch.export.Dim("num_blocks")
         # forward(input_ids, position_ids, *rest): the exporter wants the star-args' shapes as one tuple
-        dynamic: tuple[object, ...] = ({0: tokens}, {0: tokens}, ({0: seqs, 1: width}, {0: seqs + 1},
-                                       {0: torch.export.Dim("num_logits")}, *({0: pool} for _ in buffers)))
-        input_names = ["input_ids", "position_ids", *PAGED_STEP_INPUTS, *names]
+        dynamic: tuple[object, ...] = ({0: tokens}, {0: tokens}, (*({0: tokens} for _ in streams_in),
+                                       {0: seqs, 1: width}, {0: seqs + 1}, {0: torch.export.Dim("num_logits")},
+                                       *({0: pool} for _ in buffers)))
+        input_names = ["input_ids", "position_ids", *streams_in, *PAGED_STEP_INPUTS, *names]
     else:
         batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
         length = kv.max_seq_len
@@ -94,7 +102,8 @@ def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyW
     with _quiet_torchvision_skips(), _without_slices_split(), warnings.catch_warnings(), torch.no_grad(), experts:
         warnings.simplefilter("ignore")
         program = torch.onnx.export(step, example, dynamo=True, opset_version=OPSET, verbose=False,
-                                    input_names=input_names, output_names=["logits", *outputs],
+                                    input_names=input_names,
+                                    output_names=[HIDDEN_OUTPUT if step.returns_streams else "logits", *outputs],
                                     dynamic_shapes=dynamic, optimize=weights is None,
                                     custom_translation_table=dict(collectives.TRANSLATIONS))
         assert program is not None

@@ -15,6 +15,8 @@ The checkpoint's multi-token-prediction module (``mtp.*``) is loaded and kept in
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -80,6 +82,9 @@ class DeepseekV4ForCausalLM(CausalLM):
     """DeepSeek-V4 with an LM head; the cache is one tuple per layer (``compressed_attention.py``)."""
 
     model: DeepseekV4Model
+    # A pipeline stage's ``StageSpec`` (``pipeline_stages.v4_stage_model``; typed loosely: that module imports this
+    # one); None: the whole model.
+    pipeline_stage: Any = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, "absorb")  # mla_impl: no MLA here, kept for the interface

@@ -11,7 +11,12 @@ overrides it. ``stage_model`` builds the stage's ``StageLM`` from the whole mode
 its layers renumbered from 0, its config (``stage_config``) with that many layers, so every pass works on a stage graph
 as on a whole one.
 
-Dimension letters: B batch, S tokens, H hidden, V vocabulary.
+DeepSeek-V4 (``v4_stage_model``): what crosses its stage boundary is the ``hc_mult`` streams of mHC, [T, N * H] per
+packed token (``boundary_width``), and every stage also takes the token ids (a hash-routed MoE layer picks its experts
+by ``tid2eid[input_ids]`` wherever it sits); stage 0 holds the embedding, the last the HyperHead, final norm and head.
+``model/v4_step.py`` runs a stage (its model's ``pipeline_stage``).
+
+Dimension letters: B batch, S tokens, T packed tokens, H hidden, N mHC streams, V vocabulary.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from torch import nn
 
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import MoeforgeError
+from moeforge.model.deepseek_v4 import DeepseekV4ForCausalLM
 from moeforge.model.model import CausalLM, KVCache, ModelOutput
 from moeforge.model.rank_model import TensorSlice
+from moeforge.model.rank_model_v4 import RankDeepseekV4
 from moeforge.model.sharding import plan_sharding
 from moeforge.ops.collectives import torch_op as collectives  # noqa: F401  (registers torch.ops.moeforge.all_gather)
 
@@ -95,7 +102,7 @@ def stage_costs(config: ModelConfig, specs: list[StageSpec], bytes_per_weight: f
         elif tensor.name == "model.norm.weight":
             norm = tensor.per_rank_numel
     head = head or embedding  # tied: the last stage holds its own copy of the table
-    if config.mla is not None:
+    if config.mla is not None or config.compressed_attention is not None:  # not split by tp (V4: the average)
         kv_layer = config.kv_cache_values_per_token()
     else:
         kv_layer = 2 * max(config.num_key_value_heads // tp, 1) * config.head_dim
@@ -178,13 +185,27 @@ def stage_config(config: ModelConfig, spec: StageSpec) -> ModelConfig:
     """The config the stage's graph is built and checked with: its layers only, renumbered from 0 (the per-layer
     fields, MoE's first dense layers and dense_layers, follow the renumbering)."""
     changes: dict[str, Any] = {"num_hidden_layers": spec.num_layers}
+
+    def renumbered(layers: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(i - spec.first_layer for i in layers if spec.first_layer <= i < spec.last_layer)
+
     if config.moe is not None:
         moe = config.moe
         changes["moe"] = dataclasses.replace(
             moe, first_k_dense_replace=min(max(moe.first_k_dense_replace - spec.first_layer, 0), spec.num_layers),
-            dense_layers=tuple(i - spec.first_layer for i in moe.dense_layers
-                               if spec.first_layer <= i < spec.last_layer))
+            dense_layers=renumbered(moe.dense_layers), hash_layers=renumbered(moe.hash_layers))
+    attention = config.compressed_attention
+    if attention is not None:  # DeepSeek-V4: each layer's type (sliding, CSA, HCA) follows the renumbering
+        changes["compressed_attention"] = dataclasses.replace(
+            attention, layer_types=attention.layer_types[spec.first_layer: spec.last_layer])
     return config.replace(**changes)
+
+
+def boundary_width(config: ModelConfig) -> int:
+    """Values per token that cross a stage boundary: the residual stream, ``hidden_size`` (DeepSeek-V4: its
+    ``hc_mult`` streams, ``hc_mult * hidden_size``, flattened per token)."""
+    streams = config.hyper_connections.hc_mult if config.hyper_connections is not None else 1
+    return streams * config.hidden_size
 
 
 class StageLM(CausalLM):
@@ -215,10 +236,13 @@ class StageLM(CausalLM):
 
 
 @torch.no_grad()
-def stage_model(source: CausalLM, spec: StageSpec, group_size: int = 1) -> StageLM:
+def stage_model(source: CausalLM, spec: StageSpec, group_size: int = 1) -> CausalLM:
     """Stage ``spec`` of ``source`` (the whole model, or a tensor-parallel rank's ``RankCausalLM`` with ``group_size``
     its tp): a ``StageLM`` sharing ``source``'s modules for its layers (renumbered from 0), the embedding on stage 0,
-    the final norm and head on the last (a tied head: the embedding table, held by the last stage as its head)."""
+    the final norm and head on the last (a tied head: the embedding table, held by the last stage as its head).
+    DeepSeek-V4: ``v4_stage_model``."""
+    if isinstance(source, DeepseekV4ForCausalLM):
+        return v4_stage_model(source, spec, group_size)
     config = stage_config(source.config, spec)
     with torch.device("meta"):
         stage = StageLM(config, source.mla_impl)
@@ -241,6 +265,37 @@ def stage_model(source: CausalLM, spec: StageSpec, group_size: int = 1) -> Stage
         head = nn.Linear(1, 1, bias=False)
         table = source.model.embed_tokens.weight  # [V (/ N), H]
         head.weight = nn.Parameter(table.detach().clone(), requires_grad=False)
+        stage.lm_head = head
+    return stage
+
+
+@torch.no_grad()
+def v4_stage_model(source: DeepseekV4ForCausalLM, spec: StageSpec, group_size: int = 1) -> DeepseekV4ForCausalLM:
+    """DeepSeek-V4's stage ``spec`` of ``source`` (the whole model or a tensor-parallel rank's ``RankDeepseekV4``, whose
+    class it keeps, ``group_size`` its tp): a model sharing ``source``'s modules for its layers, with
+    ``pipeline_stage`` set to ``spec``. A tied table is copied for the stage that lacks it, as for other models."""
+    config = stage_config(source.config, spec)
+    with torch.device("meta"):
+        stage = type(source)(config)
+    stage.pipeline_stage = spec
+    if isinstance(stage, RankDeepseekV4):
+        stage.group_size = group_size  # its head gathers the vocabulary-parallel logits
+    full = source.model
+    stage.model.layers = nn.ModuleList(list(full.layers[spec.first_layer: spec.last_layer]))
+    stage.model.rotary = copy.deepcopy(full.rotary)  # derived buffers: every stage has its own
+    stage.model.compress_rotary = copy.deepcopy(full.compress_rotary)
+    tied = source.lm_head is None and spec.pp > 1
+    embedding = copy.deepcopy(full.embed_tokens) if tied else full.embed_tokens
+    stage.model.embed_tokens = embedding if spec.has_embedding else None  # type: ignore[assignment]
+    stage.model.norm = full.norm if spec.has_head else None  # type: ignore[assignment]
+    stage.model.hc_head = full.hc_head if spec.has_head else None  # type: ignore[assignment]
+    if not spec.has_head:
+        stage.lm_head = None
+    elif source.lm_head is not None:
+        stage.lm_head = source.lm_head
+    elif not spec.has_embedding:  # tied embeddings: the last stage holds its own copy of the table as its head
+        head = nn.Linear(1, 1, bias=False)
+        head.weight = nn.Parameter(full.embed_tokens.weight.detach().clone(), requires_grad=False)  # [V (/ N), H]
         stage.lm_head = head
     return stage
 

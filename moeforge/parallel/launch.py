@@ -30,8 +30,10 @@ import torch.distributed as dist
 
 from moeforge.compile.sharded_compile import load_rank, read_sharded
 from moeforge.core.artifact import Artifact, artifact_digest
+from moeforge.core.config import ModelConfig
 from moeforge.core.errors import ArtifactError, GroupArtifactError, MoeforgeError
 from moeforge.core.manifest import Manifest
+from moeforge.model.pipeline_stages import boundary_width
 from moeforge.ops.collectives.ort import (
     DEFAULT_TIMEOUT_S,
     CollectiveError,
@@ -141,7 +143,9 @@ def start_world(path: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> World
     topology = Topology(sharded.pp, sharded.tp, rank)
     group = stage_groups(topology, timeout_s)  # every rank creates every stage's group, in order
     set_collective_group(group)  # the graph's tp collectives stay inside the stage
-    return World(rank, world, children, topology, group, int(sharded.model_config["hidden_size"]))
+    # What crosses a stage boundary per token: the hidden state (DeepSeek-V4: its hc_mult mHC streams)
+    width = boundary_width(ModelConfig.from_dict(sharded.model_config))
+    return World(rank, world, children, topology, group, width)
 
 
 def _open_rank(path: str | Path, world: World) -> Artifact:

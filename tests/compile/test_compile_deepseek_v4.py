@@ -4,7 +4,8 @@ Two configs between them have every layer type (sliding, CSA with its indexer's 
 MoE layers, mHC with 4 and 2 streams, YaRN and plain RoPE on the compressed layers, and tied embeddings. A 40-token
 prompt and 12 greedy steps cross the sliding window and many compression boundaries. Each artifact must generate
 transformers' greedy tokens: contiguous (default options), paged (default block size), tp 2 and tp 2 / ep 2; the
-paged engine must serve a batch of prompts and a prefix-cache hit that ends inside a compressed window exactly.
+paged engine must serve a batch of prompts and a prefix-cache hit that ends inside a compressed window exactly; a
+pp 2 artifact passes the mHC streams and the token ids from stage to stage.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -159,6 +161,28 @@ def test_sharded_compile_generates_transformers_tokens(flags: dict[str, object],
     out = compiled("every_layer", **flags)
     prompt = _prompt(3)
     # In its own process: `moeforge run` starts one process per rank from its own command line.
+    command = [sys.executable, "-P", "-m", "moeforge.cli", "run", str(out), "--prompt-ids", ",".join(map(str, prompt)),
+               "--max-new-tokens", str(STEPS), "--ignore-eos", "--json", "--quiet"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == hf_greedy(model, prompt, STEPS)
+
+
+def test_pipeline_stages_pass_the_streams_and_token_ids(checkpoint: Callable[[str], tuple[Any, Path]],
+                                                        compiled: Callable[..., Path]) -> None:
+    # --pp 2 with the hash-routed layer (layer 1) on stage 1: that stage needs the token ids as well as stage 0's
+    # mHC streams; stage 0 holds the embedding and one HCA layer, stage 1 the rest and its own copy of the tied table.
+    model, _ = checkpoint("hca_first")
+    out = compiled("hca_first", pp=2, pp_layers="0-0,1-2", kv_cache="paged")
+    sharded = json.loads((out / "sharded.json").read_text())
+    assert sharded["pp"] == 2 and [stage["layers"] for stage in sharded["stages"]] == [[0, 1], [1, 3]]
+    width = model.config.hc_mult * model.config.hidden_size
+    for rank, layers in ((0, 1), (1, 2)):
+        artifact = load_artifact(out / f"rank{rank}")
+        assert len(artifact.manifest.kv_cache.layer_buffers or []) == layers  # each stage caches its own layers
+        inputs = {i.name: i.shape for i in ort.InferenceSession(str(artifact.model_path)).get_inputs()}
+        assert "input_ids" in inputs and (rank == 0 or inputs["hidden_states_in"][1] == width)
+    prompt = _prompt(3)
     command = [sys.executable, "-P", "-m", "moeforge.cli", "run", str(out), "--prompt-ids", ",".join(map(str, prompt)),
                "--max-new-tokens", str(STEPS), "--ignore-eos", "--json", "--quiet"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)

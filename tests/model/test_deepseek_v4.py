@@ -463,7 +463,7 @@ def test_what_v4_compiles_do_not_take_is_refused_in_one_line(saved: tuple[str, A
     # The compiles themselves: tests/compile/test_compile_deepseek_v4.py.
     _, _, folder = saved
     out = tmp_path / "artifact"
-    for flags, why in ((["--pp", "2"], "--pp with DeepSeek-V4"), (["--stream"], "--stream does not read DeepSeek-V4"),
+    for flags, why in ((["--stream"], "--stream does not read DeepSeek-V4"),
                        (["--kv-cache", "paged", "--kv-block-size", "3"], "a block must hold whole windows")):
         assert main(["compile", str(folder), "-o", str(out), "--quiet", *flags]) == 2
         assert why in capsys.readouterr().err and not out.exists()

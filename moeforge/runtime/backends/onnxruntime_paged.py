@@ -363,7 +363,8 @@ class PagedOrtBackend:
             assert runner.hidden_dtype is not None
             if hidden.shape[0] != len(feeds["input_ids"]):
                 raise ValueError(f"the hidden state has {hidden.shape[0]} rows for {len(feeds['input_ids'])} tokens")
-            del feeds["input_ids"]
+            # input_ids stay in the feeds: bound only where the stage's graph takes them (DeepSeek-V4's, for its
+            # hash-routed layers), skipped by the runner elsewhere
             feeds[HIDDEN_INPUT] = hidden.astype(runner.hidden_dtype, copy=False)
         self._pools.zero_blocks(self._first_written_blocks(step.rows))
         return runner.run(feeds, step.argmax_only)

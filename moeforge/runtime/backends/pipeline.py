@@ -314,7 +314,11 @@ class PipelineBackend(RankCoordinator):
     def world_size(self) -> int:
         return self.topology.pp * self.topology.tp
 
-    multi_logit_rows = True  # paged stages: rows may ask for num_logits > 1 (kept whole by the split)
+    @property
+    def multi_logit_rows(self) -> bool:
+        """Rows may ask for num_logits > 1 (kept whole by the split) where the stages' paged backend allows it (not
+        over DeepSeek-V4's rings)."""
+        return bool(getattr(self.local, "multi_logit_rows", False))
 
     def op_time_shares(self) -> dict[str, float] | None:
         return None
