@@ -27,7 +27,9 @@ import onnx_ir as ir
 import torch
 
 from moeforge.compile.onnx_export import (
+    LAYER_OUTPUT,
     OPSET,
+    _add_layer_markers,
     _forget_former_inputs,
     _quiet_torchvision_skips,
     _source_names,
@@ -59,7 +61,11 @@ def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyW
     device = torch.device("meta") if weights is not None else torch.device("cpu")
     kind: CacheKind = "paged" if kv.paged else "contiguous"
     stage: StageSpec | None = model.pipeline_stage
-    step = V4StepLM(model, kind, max_seq_len=kv.max_seq_len, block_size=kv.block_size, stage=stage)
+    # Each layer's streams are marked (``layer_output.{i}``, for parity --per-layer) where a stage is the whole model.
+    mark_layers = stage is None
+    step = V4StepLM(model, kind, max_seq_len=kv.max_seq_len, block_size=kv.block_size, stage=stage,
+                    mark_layers=mark_layers)
+    marked = [LAYER_OUTPUT.format(i) for i in range(config.num_hidden_layers)] if mark_layers else []
     streams_in = [HIDDEN_INPUT] if step.takes_streams else []  # a later pipeline stage's input [T, N * H]
     buffers = [b for i in range(config.num_hidden_layers) for b in layer_buffers(config, i)]
     names = [n for layer in kv.past_input_names for n in layer]
@@ -103,7 +109,8 @@ def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyW
         warnings.simplefilter("ignore")
         program = torch.onnx.export(step, example, dynamo=True, opset_version=OPSET, verbose=False,
                                     input_names=input_names,
-                                    output_names=[HIDDEN_OUTPUT if step.returns_streams else "logits", *outputs],
+                                    output_names=[HIDDEN_OUTPUT if step.returns_streams else "logits", *outputs,
+                                                  *marked],
                                     dynamic_shapes=dynamic, optimize=weights is None,
                                     custom_translation_table=dict(collectives.TRANSLATIONS))
         assert program is not None
@@ -116,5 +123,7 @@ def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyW
         mask = onnx_model.graph.inputs[2]
         assert mask.shape is not None
         mask.shape = ir.Shape([mask.shape[0], "total_sequence_length"])
+    if marked:
+        _add_layer_markers(onnx_model)  # Add(x, 0) markers the passes keep; the compile records and drops them
     _forget_former_inputs(onnx_model.graph)
     return onnx_model

@@ -30,12 +30,14 @@ CacheKind = Literal["contiguous", "paged"]
 
 class V4StepLM(nn.Module):
     """One step of ``model`` over its cache buffers; ``max_seq_len`` bounds positions (contiguous), ``block_size``
-    is the pool block size (paged); ``stage``: the pipeline stage ``model`` is (None: the whole model)."""
+    is the pool block size (paged); ``stage``: the pipeline stage ``model`` is (None: the whole model);
+    ``mark_layers``: the outputs end with every layer's streams [T, N, H] (``moeforge parity --per-layer``)."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, kind: CacheKind, *, max_seq_len: int,
-                 block_size: int | None = None, stage: StageSpec | None = None) -> None:
+                 block_size: int | None = None, stage: StageSpec | None = None, mark_layers: bool = False) -> None:
         super().__init__()
         self.model, self.kind, self.max_seq_len, self.block_size = model, kind, max_seq_len, block_size
+        self.mark_layers = mark_layers  # also return each layer's streams [T, N, H] (parity --per-layer)
         if stage is not None and kind != "paged":
             raise ValueError("a DeepSeek-V4 pipeline stage runs over a paged cache")
         self.takes_streams = stage is not None and not stage.has_embedding
@@ -58,7 +60,8 @@ class V4StepLM(nn.Module):
             address = contiguous_address(position_ids, self.max_seq_len, attention_mask.shape[1])
             ids, positions = input_ids.reshape(-1), position_ids.reshape(-1)
         h = self.streams(ids) if streams_in is None else streams_in.view(1, ids.shape[0], self.hc_mult, -1)
-        h, written = self.layers(ids, positions, address, buffers, h)  # [1, T, N, H]
+        each: list[torch.Tensor] = []
+        h, written = self.layers(ids, positions, address, buffers, h, each if self.mark_layers else None)
         if self.returns_streams:
             return (h.reshape(ids.shape[0], -1), *written)  # [T, N * H] of every token, for the next stage
         decoder = self.model.model
@@ -67,7 +70,7 @@ class V4StepLM(nn.Module):
             hidden = hidden[logits_indices]  # [K, H]
         else:
             hidden = hidden.view(*input_ids.shape, -1)
-        return (self.model.lm_logits(hidden), *written)
+        return (self.model.lm_logits(hidden), *written, *each)
 
     @property
     def hc_mult(self) -> int:
@@ -81,8 +84,9 @@ class V4StepLM(nn.Module):
         return embedded[None, :, None, :].expand(-1, -1, self.hc_mult, -1).contiguous()
 
     def layers(self, ids: torch.Tensor, positions: torch.Tensor, address: CacheAddress, buffers: list[torch.Tensor],
-               h: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The streams h [1, T, N, H] through every layer (ids, positions [T]) -> the streams and the buffers."""
+               h: torch.Tensor, each: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The streams h [1, T, N, H] through every layer (ids, positions [T]) -> the streams and the buffers;
+        ``each`` (when given) gets every layer's streams [T, N, H]."""
         decoder = self.model.model
         main, compress = decoder.rotary(positions[None]), decoder.compress_rotary(positions[None])
         written: list[torch.Tensor] = []
@@ -98,4 +102,6 @@ class V4StepLM(nn.Module):
             h = HyperConnection.expand(h, out[None], post, comb)
             x, post, comb = layer.ffn_hc(h)
             h = HyperConnection.expand(h, layer.mlp(layer.post_attention_layernorm(x), ids[None]), post, comb)
+            if each is not None:
+                each.append(h[0])
         return h, written

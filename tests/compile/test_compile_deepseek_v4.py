@@ -210,3 +210,17 @@ def test_speculative_decoding_is_refused_not_wrong(compiled: Callable[..., Path]
 def test_parity_against_pytorch_passes(compiled: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
     out = compiled("every_layer", kv_cache="paged")
     assert main(["parity", str(out), "--json"]) == 0, capsys.readouterr().out
+
+
+def test_parity_per_layer_compares_every_layers_streams(checkpoint: Callable[[str], tuple[Any, Path]],
+                                                        compiled: Callable[..., Path],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # The contiguous step graph keeps each layer's mHC streams [T, N, H] as a named value: --per-layer compares them
+    # with the PyTorch model's, layer by layer.
+    model, _ = checkpoint("every_layer")
+    out = compiled("every_layer")
+    assert len(load_artifact(out).manifest.layer_outputs) == model.config.num_hidden_layers
+    assert main(["parity", str(out), "--per-layer", "--json", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["layers"]) == model.config.num_hidden_layers and report["first_diverging_layer"] is None
+    assert max(row["max_abs_err"] for row in report["layers"]) < 1e-4
