@@ -211,6 +211,8 @@ def main() -> None:
     parser.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
     parser.add_argument("--ep-compare", action="store_true", help="also time --tp 2 --ep 2 against unsharded")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/moe_speed.json"))
+    parser.add_argument("--note", action="append", default=[],
+                        help="a line for the results' notes (how this run differs from the defaults, and why)")
     args = parser.parse_args()
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
@@ -260,7 +262,7 @@ def main() -> None:
         print(f"expert parallel: {json.dumps(ep)}", flush=True)
     table = markdown(summary, args.batches, args.prefill_len)
     print(table)
-    results = {"genai_builder": genai_builder_support(),
+    results = {**({"notes": args.note} if args.note else {}), "genai_builder": genai_builder_support(),
                "shape": shape.to_dict(), "parameters": parameter_count(shape), "models": models,
                "compiles": compiles, "threads": threads, "rounds": args.rounds, "batches": args.batches,
                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "prefill_len": args.prefill_len,

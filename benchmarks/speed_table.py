@@ -79,6 +79,16 @@ def _fraction(row: dict[str, Any]) -> str:
     return "-" if row.get("fraction") is None else f"{row['fraction']:.2f}"
 
 
+def _bandwidth(row: dict[str, Any]) -> str:
+    """The row's bandwidth (the highest best of its run's probes) and the probes' spread, lowest median to highest
+    best; the bandwidth alone for results whose rows did not record their probes."""
+    probes = row.get("bandwidth_probes") or []
+    if not probes:
+        return f"{row['bandwidth_gb_s']:.1f}"
+    low, high = min(p["median_gb_s"] for p in probes), max(p["best_gb_s"] for p in probes)
+    return f"{row['bandwidth_gb_s']:.1f} ({low:.1f}-{high:.1f})"
+
+
 def _router(row: dict[str, Any]) -> str:
     """The router's share of the profiled step and its microseconds (benchmarks/router_share.py), or a dash."""
     router = row.get("router") or {}
@@ -97,7 +107,8 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
              f"alternating rounds, medians): greedy decode of {r['new_tokens']} tokens from {r['prompt_len']}-token "
              f"prompts, prefill of {r['prefill_len']} tokens. The same weights as GGUF (llama.cpp) and as an HF "
              "folder of their dequantised values (moeforge's streamed compile): int8 from the Q8_0 file, int4-asym "
-             "from the Q4_1 file (Q4_1 projections and experts, Q8_0 embedding and head).", "", r["markdown"], ""]
+             "from the Q4_1 file (Q4_1 projections and experts, Q8_0 embedding and head)."
+             + "".join(f" {note}" for note in r.get("notes", [])), "", r["markdown"], ""]
     accuracy = r.get("accuracy") or {}
     if accuracy:
         lines += ["Teacher-forced accuracy against moeforge's PyTorch model of the dequantised weights "
@@ -132,14 +143,15 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
                                   else ""))
         lines += [f"Decode against the memory roofline (`moeforge bench --roofline`; {where}): the bytes a step reads "
                   "(weights no routing skips + the union of the routed experts + the KV cache) over that bandwidth, "
-                  "against the measured step; kernel time from a profiled run.", "",
+                  "against the measured step; kernel time from a profiled run. Each row's bandwidth is the highest "
+                  "best of its run's probes, with their spread (lowest median to highest best).", "",
                   "The kernel floor (`benchmarks/kernel_ceiling.py`) is the same step made of ONNX Runtime's kernels "
                   "alone, on the artifact's shapes with fresh weights: the routed experts' bytes at their MatMulNBits "
                   "rate plus the LM head, the other MatMulNBits and the float MatMuls, each timed by itself. Kernel "
                   "rates are GB/s.", "",
                   "| artifact | step MiB | routed experts MiB | LM head MiB | experts / layer | measured ms | "
-                  "roofline ms | fraction | kernel floor ms | kernel GB/s: experts / head / other / float | "
-                  "kernel time | router (profiled) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "bandwidth GB/s (spread) | roofline ms | fraction | kernel floor ms | "
+                  "kernel GB/s: experts / head / other / float | kernel time | router (profiled) |", "|---" * 13 + "|"]
         mib = 2**20
         for key, row in roof.items():
             if key == "bandwidth":
@@ -149,6 +161,7 @@ def _moe_section(moe: dict[str, Any]) -> list[str]:
             lines.append(f"| {key} | {row['step_bytes'] / mib:.0f} | {row['active_expert_bytes'] / mib:.0f} | "
                          f"{row['head_bytes'] / mib:.0f} | {sum(active) / max(len(active), 1):.1f} of "
                          f"{max(row['experts_per_layer'] or [0])} | {row['measured_step_ms']:.1f} | "
+                         f"{_bandwidth(row)} | "
                          f"{row['roofline_step_ms']:.1f} | {_fraction(row)} | {_floor(row)} | {shares} | "
                          f"{_router(row)} |")
         lines.append("")

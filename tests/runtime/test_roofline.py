@@ -237,6 +237,29 @@ def test_a_stale_low_cache_is_not_the_runs_bandwidth(int8_artifact, probe_at, tm
     assert read_bandwidth(folder=tmp_path).best_gb_s == 400.0  # the cache now holds the full probe's number
 
 
+def test_a_busy_first_runs_cache_is_not_used_the_real_probe_is(int8_artifact, monkeypatch, tmp_path, capsys):
+    """The same with this machine's own probe (the short one, ~0.1 s each): the cache holds 0.01 GB/s, as a first run
+    on a machine busy enough leaves it, and bench --roofline uses the bandwidth its two probes measured, never the
+    cached number, and gives no fraction above 1."""
+    monkeypatch.setenv("MOEFORGE_CACHE_DIR", str(tmp_path))
+    stale = _cache(tmp_path, MIN_GB_S, timedelta(days=30))
+    code, out, err = _bench(capsys, int8_artifact, "--json")
+    assert code == 0, err
+    roof = json.loads(out)["moeforge_onnxruntime"]["roofline"]
+    probes = roof["bandwidth_probes"]
+    assert roof["bandwidth_source"] == "probed in this run" and "bandwidth_cache" not in roof
+    assert [p["when"] for p in probes[:2]] == ["before", "after"]
+    assert {p["probe_bytes"] for p in probes} == {bandwidth_mod.run_probe_bytes()}
+    assert roof["bandwidth_gb_s"] == max(p["best_gb_s"] for p in probes) > 100 * stale["best_gb_s"]
+    assert roof["achieved_gb_s"] > stale["best_gb_s"]  # against the cached number it would be above 1
+    if roof["fraction"] is None:  # the tiny step's bytes fit in the last-level cache: no result, and why
+        assert roof["fraction_suspect"] in ("bytes", "bandwidth") and "re-probed once" in roof["fraction_reason"]
+    else:
+        assert 0 < roof["fraction"] <= 1
+    assert json.loads((tmp_path / CACHE_FILE).read_text())[bandwidth_mod._cache_key(roof["bandwidth_threads"])] \
+        == stale  # the cache untouched: only --remeasure-bandwidth replaces it
+
+
 def test_the_cache_as_a_fallback_says_its_age_and_the_spread_is_printed(int8_artifact, probe_at, tmp_path, capsys):
     _cache(tmp_path, 900.0, timedelta(days=3))  # above anything the tiny step reads: no re-probe
     code, out, err = _bench(capsys, int8_artifact, "--cached-bandwidth")
