@@ -223,9 +223,25 @@ def kv_plan_lines(options: CompileOptions, config: ModelConfig) -> list[str]:
           else contiguous_spec(config, max_seq_len=max_len))
     where = f"{kv.block_size}-token blocks" if kv.paged else "per-sequence buffers"
     lengths = sorted({max_len, config.max_position_embeddings})
-    return [f"KV cache: {kv.layout} in {where}, {kv.dtype}: {format_bytes(kv.bytes_per_token)} per token (all layers)"
-            + (f" + {format_bytes(kv.bytes_per_sequence)} of rings per sequence" if kv.bytes_per_sequence else ""),
-            "  per sequence: " + ", ".join(f"{format_bytes(kv.bytes_for(n))} at {n:,} tokens" for n in lengths)]
+    lines = [f"KV cache: {kv.layout} in {where}, {kv.dtype}: {format_bytes(kv.bytes_per_token)} per token (all layers)"
+             + (f" + {format_bytes(kv.bytes_per_sequence)} of rings per sequence" if kv.bytes_per_sequence else ""),
+             "  per sequence: " + ", ".join(f"{format_bytes(kv.bytes_for(n))} at {n:,} tokens" for n in lengths)]
+    if kv.paged and kv.layer_buffers is not None:
+        lines.append(_v4_block_trade_off(config, max_len, kv.block_size or 0))
+    return lines
+
+
+def _v4_block_trade_off(config: ModelConfig, max_len: int, block_size: int) -> str:
+    """DeepSeek-V4 paged: each block keeps its own rings (window, pending) so that a cached prefix block is a pure
+    function of its prefix; larger blocks spread them over more tokens (coarser prefix sharing), and contiguous
+    buffers keep them once per sequence. The per-token cost of a few larger block sizes, and contiguous's."""
+    sizes = [block_size * k for k in (2, 4, 8)]
+    per_token = [paged_spec(config, max_seq_len=max_len, block_size=size).bytes_per_token for size in sizes]
+    costs = ", ".join(f"{size}: {format_bytes(cost)}" for size, cost in zip(sizes, per_token, strict=True))
+    contiguous = contiguous_spec(config, max_seq_len=max_len)
+    return (f"  each block holds its own rings (its prefix's window and pending tokens): per token at --kv-block-size "
+            f"{costs}; --kv-cache contiguous: {format_bytes(contiguous.bytes_per_token)} + "
+            f"{format_bytes(contiguous.bytes_per_sequence)} per sequence")
 
 
 def check_split(config: ModelConfig, tp: int, ep: int, pp: int = 1) -> None:

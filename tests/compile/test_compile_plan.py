@@ -14,6 +14,8 @@ from moeforge.compile.driver import CompileOptions, compile_model
 from moeforge.compile.plan import LAYER_FACTOR, PER_LAYER_BYTES, RUNTIME_BYTES, plan_compile
 from moeforge.core.errors import MoeforgeError
 from moeforge.core.host_memory import memory_limit, parse_size
+from moeforge.core.kv_layout import contiguous_spec, paged_spec
+from moeforge.core.sizes import format_bytes
 from moeforge.model.loader import load_config
 
 
@@ -80,3 +82,17 @@ def test_sizes_and_the_memory_limit() -> None:
             parse_size(bad)
     limit = memory_limit()
     assert limit is not None and limit > 2**28
+
+
+def test_v4_paged_plan_states_the_block_size_trade_off(capsys: pytest.CaptureFixture[str]) -> None:
+    # DeepSeek-V4-Flash paged: each 128-token block keeps its own rings; the plan states the per-token cost at larger
+    # blocks (falling) and contiguous buffers' (rings once per sequence), each equal to that layout's KVCacheSpec.
+    assert main(["compile", "deepseek-v4-flash", "-o", "unused", "--plan", "--kv-cache", "paged"]) == 0
+    out = capsys.readouterr().out
+    config = load_config("deepseek-v4-flash")
+    costs = [paged_spec(config, max_seq_len=2048, block_size=b).bytes_per_token for b in (128, 256, 512, 1024)]
+    assert costs == sorted(costs, reverse=True)
+    assert f"128-token blocks, float32: {format_bytes(costs[0])} per token" in out
+    assert f"256: {format_bytes(costs[1])}, 512: {format_bytes(costs[2])}, 1024: {format_bytes(costs[3])}" in out
+    contiguous = contiguous_spec(config, max_seq_len=2048)
+    assert f"--kv-cache contiguous: {format_bytes(contiguous.bytes_per_token)} + " in out
