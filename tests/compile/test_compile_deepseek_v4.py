@@ -113,8 +113,9 @@ def test_paged_compile_default_block_size(case: str, checkpoint: Callable[[str],
     model, _ = checkpoint(case)
     out = compiled(case, kv_cache="paged")
     kv = load_artifact(out).manifest.kv_cache
-    rates = list(model.config.compress_rates.values())
-    assert kv.block_size == math.lcm(16, *rates)  # whole windows of every rate in a block
+    # Whole windows of every rate in a block, and at least twice the sliding window (rings cost <= half a row a token)
+    quantum = math.lcm(16, *model.config.compress_rates.values())
+    assert kv.block_size == quantum * max(1, math.ceil(2 * model.config.sliding_window / quantum))
     prompts = [_prompt(s, n) for s, n in ((3, 40), (6, 23), (7, 5), (8, 33))]
     expected = [hf_greedy(model, p, STEPS) for p in prompts]
     assert _engine_tokens(out, prompts) == expected

@@ -85,14 +85,18 @@ def test_sizes_and_the_memory_limit() -> None:
 
 
 def test_v4_paged_plan_states_the_block_size_trade_off(capsys: pytest.CaptureFixture[str]) -> None:
-    # DeepSeek-V4-Flash paged: each 128-token block keeps its own rings; the plan states the per-token cost at larger
-    # blocks (falling) and contiguous buffers' (rings once per sequence), each equal to that layout's KVCacheSpec.
+    # DeepSeek-V4-Flash paged: the default block (256 tokens: a multiple of its compress rates, at least twice its
+    # 128-token window) keeps its own rings; the plan states the per-token cost at larger blocks (falling) and
+    # contiguous buffers' (rings once per sequence), each equal to that layout's KVCacheSpec.
     assert main(["compile", "deepseek-v4-flash", "-o", "unused", "--plan", "--kv-cache", "paged"]) == 0
     out = capsys.readouterr().out
     config = load_config("deepseek-v4-flash")
-    costs = [paged_spec(config, max_seq_len=2048, block_size=b).bytes_per_token for b in (128, 256, 512, 1024)]
+    assert config.sliding_window == 128
+    blocks = (256, 512, 1024, 2048)
+    costs = [paged_spec(config, max_seq_len=2048, block_size=b).bytes_per_token for b in blocks]
     assert costs == sorted(costs, reverse=True)
-    assert f"128-token blocks, float32: {format_bytes(costs[0])} per token" in out
-    assert f"256: {format_bytes(costs[1])}, 512: {format_bytes(costs[2])}, 1024: {format_bytes(costs[3])}" in out
+    assert f"256-token blocks, float32: {format_bytes(costs[0])} per token" in out
+    assert ", ".join(f"{b}: {format_bytes(c)}" for b, c in zip(blocks[1:], costs[1:], strict=True)) in out
     contiguous = contiguous_spec(config, max_seq_len=2048)
     assert f"--kv-cache contiguous: {format_bytes(contiguous.bytes_per_token)} + " in out
+    assert paged_spec(config, max_seq_len=2048, block_size=128).bytes_per_token > costs[0]  # the former default
