@@ -68,16 +68,11 @@ def compile_model(options: CompileOptions) -> CompileResult | ShardedCompileResu
 
 def resolve_stream(options: CompileOptions) -> CompileOptions:
     """``options`` with ``stream`` decided: as given, or (None) streamed wherever the streamed compile applies -- a
-    Hugging Face safetensors folder (every target, every scheme); presets and GGUF files load whole."""
-    if options.stream and load_config(options.model).compressed_attention is not None:
-        raise MoeforgeError("--stream does not read DeepSeek-V4 checkpoints yet (their int64 hash-routing tables and "
-                            "MTP tensors): drop --stream, the compile loads the model whole")
+    Hugging Face safetensors folder (every family, DeepSeek-V4 included; every target, every scheme); presets and
+    GGUF files load whole."""
     if options.stream is not None:
         return options
-    applies = resolve_source(options.model).kind == "hf"
-    if applies and load_config(options.model).compressed_attention is not None:
-        applies = False  # DeepSeek-V4 loads whole for now (its checkpoint's int64 hash tables and MTP tensors)
-    return dataclasses.replace(options, stream=applies)
+    return dataclasses.replace(options, stream=resolve_source(options.model).kind == "hf")
 
 
 def _target(options: CompileOptions) -> Target:

@@ -38,6 +38,7 @@ from moeforge.ops.moe_router import torch_op as router_op
 from moeforge.ops.sparse_mla import function as sparse_mla_function
 from moeforge.ops.sparse_mla import torch_op as sparse_mla_op
 from moeforge.ops.sparse_mla.schema import SparseMLAAttrs
+from moeforge.passes.cleanup import quiet_multi_output_folding
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +190,7 @@ def export_stateless(model: CausalLM, mark_layers: bool = False, weights: LazyWe
     example = (tokens, positions)
     output = HIDDEN_OUTPUT if isinstance(model, StageLM) and not model.spec.has_head else "logits"
     with (_moe_boundaries(model), _sparse_mla_nodes(model), _quiet_torchvision_skips(), _without_slices_split(),
-          warnings.catch_warnings(),
-          torch.no_grad()):
+          quiet_multi_output_folding(), warnings.catch_warnings(), torch.no_grad()):
         warnings.simplefilter("ignore")  # the exporter is chatty about deprecated pytree APIs
         wrapper = _StatelessLM(model, mark_layers)
         program = torch.onnx.export(
@@ -254,13 +254,14 @@ def attach_lazy_weights(model: ir.Model, weights: LazyWeights, sources: dict[str
         source = sources.get(name)
         if source is None or value.const_value is None:
             continue
-        if value.dtype != ir.DataType.FLOAT:
-            raise MoeforgeError(f"{name}: the streamed compile handles float32 weights, the graph has {value.dtype}")
+        if value.dtype not in (ir.DataType.FLOAT, ir.DataType.INT64):  # INT64: DeepSeek-V4's tid2eid tables
+            raise MoeforgeError(f"{name}: the streamed compile handles float32 weights and int64 tables, the graph has "
+                                f"{value.dtype}")
         shape = ir.Shape(weights.shape(source))  # the model's (meta) shape: the graph's too
         if weights.is_expert_stack(source):  # written (and read) one expert at a time
             value.const_value = ExpertStack(_expert_reader(weights, source), ir.DataType.FLOAT, shape.numpy(), name)
         else:
-            value.const_value = ir.LazyTensor(_reader(weights, source), ir.DataType.FLOAT, shape, name=name)
+            value.const_value = ir.LazyTensor(_reader(weights, source), value.dtype, shape, name=name)
         attached += 1
     return attached
 
@@ -292,12 +293,13 @@ def fold_weight_transposes(model: ir.Model) -> int:
         perm = tuple(perm_attr.as_ints()) if perm_attr is not None else tuple(reversed(range(len(source.shape))))
         dims = ir.Shape([source.shape[i] for i in perm])
         name = out.name
-        lazy = ir.LazyTensor(_transposed(source.const_value, perm), ir.DataType.FLOAT, dims, name=name)
+        dtype = source.const_value.dtype  # float32, or int64 (DeepSeek-V4's tid2eid, when indexed through a Transpose)
+        lazy = ir.LazyTensor(_transposed(source.const_value, perm), dtype, dims, name=name)
         constant = ir.node("Constant", [], attributes={"value": lazy})
         graph.insert_before(node, constant)
         out.name = None
         constant.outputs[0].name = name
-        constant.outputs[0].shape, constant.outputs[0].type = dims, ir.TensorType(ir.DataType.FLOAT)
+        constant.outputs[0].shape, constant.outputs[0].type = dims, ir.TensorType(dtype)
         ir.convenience.replace_all_uses_with(out, constant.outputs[0])
         graph.remove(node, safe=True)
         if not source.uses() and source.name is not None and source.name in graph.initializers:

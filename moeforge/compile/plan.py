@@ -183,8 +183,6 @@ def resolve_block_size(options: CompileOptions, config: ModelConfig) -> CompileO
     do not divide is refused (``kv_layout_v4.check_block_size``). Other models: unchanged."""
     if config.compressed_attention is None:
         return options
-    if options.placement is not None:
-        raise MoeforgeError("--placement with DeepSeek-V4 is not supported yet: compile without --placement")
     check_v4_engine(options)
     if options.kv.block_size is None:
         size = default_block_size(config, DEFAULT_BLOCK_SIZE)

@@ -46,6 +46,7 @@ from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.pipeline_stages import HIDDEN_INPUT, HIDDEN_OUTPUT, StageSpec, boundary_width
 from moeforge.model.v4_step import CacheKind, V4StepLM
 from moeforge.ops.collectives import torch_op as collectives
+from moeforge.passes.cleanup import quiet_multi_output_folding
 
 PAGED_STEP_INPUTS = ("block_tables", "query_start_loc", "logits_indices")
 
@@ -105,7 +106,8 @@ def export_v4_step(model: DeepseekV4ForCausalLM, kv: KVCacheSpec, weights: LazyW
         dynamic = ({0: batch, 1: seq}, {0: batch, 1: seq}, ({0: batch, 1: total}, *({0: batch} for _ in buffers)))
         input_names = ["input_ids", "position_ids", "attention_mask", *names]
     experts = dense_routed_experts(model) if dense_experts else contextlib.nullcontext(0)
-    with _quiet_torchvision_skips(), _without_slices_split(), warnings.catch_warnings(), torch.no_grad(), experts:
+    with (_quiet_torchvision_skips(), quiet_multi_output_folding(), _without_slices_split(), warnings.catch_warnings(),
+          torch.no_grad(), experts):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(step, example, dynamo=True, opset_version=OPSET, verbose=False,
                                     input_names=input_names,

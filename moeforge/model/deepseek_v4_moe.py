@@ -20,7 +20,7 @@ from torch import nn
 
 from moeforge.core.config import ModelConfig
 from moeforge.model.mlp import SwiGLU
-from moeforge.model.moe import RoutedExperts, hold_local_experts
+from moeforge.model.moe import RoutedExperts, SlotTable, local_choices
 
 
 class V4Router(nn.Module):
@@ -57,8 +57,9 @@ class V4Router(nn.Module):
 
 class V4MoE(nn.Module):
     """out = sum_k w_k * expert_k(x) + shared_experts(x), experts picked by ``V4Router``. A tensor-parallel rank
-    (``rank_model_v4.py``) holds some experts from ``first_expert`` (or a slice of each) and sums the ranks'
-    partial outputs with ``reduce``."""
+    (``rank_model_v4.py``) holds some experts from ``first_expert`` (or a slice of each; with an expert placement,
+    ``slot_table``: slots holding logical experts, replicas included) and sums the ranks' partial outputs with
+    ``reduce``. The placement applies to hash-routed layers too: ``tid2eid`` names the same logical experts."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -70,14 +71,15 @@ class V4MoE(nn.Module):
         self.shared_experts = SwiGLU(config.hidden_size, moe.moe_intermediate_size, moe.swiglu_limit)
         self.num_routed = moe.n_routed_experts
         self.first_expert = 0
+        self.slot_table: SlotTable | None = None
         self.reduce: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         # x [B, S, H], input_ids [B, S]
         flat = x.reshape(-1, x.shape[-1])
         expert_ids, weights = self.gate(flat, input_ids.reshape(-1))
-        if self.experts.num_experts != self.num_routed:  # an expert-parallel rank: its own experts only
-            expert_ids, weights = hold_local_experts(expert_ids, weights, self.first_expert, self.experts.num_experts)
+        expert_ids, weights = local_choices(expert_ids, weights, routed=self.num_routed, held=self.experts.num_experts,
+                                            first=self.first_expert, slot_table=self.slot_table)  # [T, K] local
         routed: torch.Tensor = self.experts(flat, expert_ids, weights).view_as(x)
         out: torch.Tensor = routed + self.shared_experts(x)
         return out if self.reduce is None else self.reduce(out)

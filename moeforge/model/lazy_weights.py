@@ -1,13 +1,15 @@
 """A model whose weights stay in the checkpoint: the streamed compile's source (issue 34's first stage).
 
 ``open_lazy_model`` builds the ``CausalLM`` on the meta device (no weight memory), checks every checkpoint tensor's
-name and shape against it from the safetensors headers alone, and returns ``LazyWeights``: each tensor read (FP8
-dequantised, cast to float32, checked finite) only when asked, through the checkpoint's memory map. The exporter
+name and shape against it from the safetensors headers alone, and returns ``LazyWeights``: each tensor read (FP8 and
+FP4 dequantised, cast to float32, checked finite; DeepSeek-V4's hash-routing tables as int64, their expert ids checked)
+only when asked, through the checkpoint's memory map. The exporter
 traces the meta model and makes each initializer an ``onnx_ir.LazyTensor`` over ``LazyWeights.read``; the artifact
 writer then reads, transforms and writes one tensor at a time (``moeforge/compile/onnx_export.py``).
 
 Derived buffers (RoPE's ``inv_freq``) are not in a checkpoint: ``LazyWeights`` computes them from the config on a
-CPU copy of their module, as ``CausalLM.reset_buffers`` does after an eager load.
+CPU copy of their module, as ``CausalLM.reset_buffers`` does after an eager load. DeepSeek-V4's multi-token-prediction
+tensors (``mtp.*``) are not read: the model keeps them unrun (``DeepseekV4ForCausalLM.mtp``) and no graph holds them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import CheckpointError, MoeforgeError
-from moeforge.model.loader import LoadedModel, resolve_source
+from moeforge.model.deepseek_v4_names import MTP_PREFIX
+from moeforge.model.loader import LoadedModel, check_index_table, new_model, resolve_source
 from moeforge.model.mla import MLAImpl
 from moeforge.model.model import CausalLM
 from moeforge.model.rank_model import TensorSlice
@@ -42,9 +45,9 @@ def is_expert_stack_name(name: str, ndim: int) -> bool:
 
 @dataclass
 class LazyWeights:
-    """The tensors of a meta-device model by state-dict name: ``read(name)`` -> float32 array, from the checkpoint
-    (or, for a derived buffer, computed from the config). Nothing is cached: each read is fresh, so a caller that
-    drops the array frees it."""
+    """The tensors of a meta-device model by state-dict name: ``read(name)`` -> float32 array (int64 for an integer
+    tensor: DeepSeek-V4's tid2eid), from the checkpoint (or, for a derived buffer, computed from the config). Nothing is
+    cached: each read is fresh, so a caller that drops the array frees it."""
 
     model: CausalLM
     checkpoint: HFCheckpoint
@@ -88,13 +91,14 @@ class LazyWeights:
         return [name for name in self._tensors if self.stored(name) is not None]
 
     def total_bytes(self) -> int:
-        """The float32 bytes of every stored tensor (what a streamed compile reads, once each at least)."""
-        return sum(4 * math.prod(self.shape(name)) for name in self.stored_names())
+        """The bytes of every stored tensor as read (float32; int64 tables), what a streamed compile reads once at
+        least."""
+        return sum(self._meta_tensor(name).element_size() * math.prod(self.shape(name)) for name in self.stored_names())
 
     def read(self, name: str) -> np.ndarray:
-        """``name``'s values as a float32 array (a fresh copy)."""
+        """``name``'s values as a float32 array, int64 for an integer tensor (a fresh copy)."""
         piece = self.stored(name)
-        array = self._derived_buffer(name) if piece is None else self._read(piece)
+        array = self._derived_buffer(name) if piece is None else self._read(piece, name)
         if name not in self._read_once and piece is not None:
             self._read_once.add(name)
             self.bytes_read_once += array.nbytes
@@ -142,7 +146,12 @@ class LazyWeights:
         result: np.ndarray = tensor.numpy()
         return result
 
-    def _read(self, piece: TensorSlice) -> np.ndarray:
+    def _read(self, piece: TensorSlice, name: str) -> np.ndarray:
+        if not self._meta_tensor(name).is_floating_point():  # DeepSeek-V4's tid2eid [V, K]: replicated, read whole
+            table = self.checkpoint.read(piece.source).to(torch.int64)
+            check_index_table(piece.source, table, self.model.config)
+            result: np.ndarray = table.numpy()
+            return result
         if piece.indices is not None:  # an expert placement's slots: whole experts by index, zeros for an empty slot
             experts = {e: self.checkpoint.read_slice(piece.source, 0, e, e + 1)[0].to(torch.float32)
                        for e in sorted(set(piece.indices)) if e >= 0}
@@ -188,7 +197,7 @@ def open_lazy_model(spec: str, *, mla_impl: MLAImpl = "absorb", check_finite: bo
     config = ModelConfig.from_hf_json(folder / "config.json")
     checkpoint = read_hf_checkpoint(folder, config)
     with torch.device("meta"):
-        model = CausalLM(config, mla_impl)
+        model = new_model(config, mla_impl)  # DeepSeek-V4: its own subclass
     _check_against(model, checkpoint, config)
     tokenizer = Tokenizer.from_file(folder) if (folder / TOKENIZER_FILE).is_file() else None
     return LoadedModel(model.eval(), config, tokenizer, source), LazyWeights(model, checkpoint, check_finite)
@@ -199,6 +208,8 @@ def _check_against(model: CausalLM, checkpoint: HFCheckpoint, config: ModelConfi
     checkpoint holds nothing else: the checks ``build_from_tensors`` makes, without reading a value."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for name in checkpoint.keys():
+        if name.startswith(MTP_PREFIX) and config.compressed_attention is not None:
+            continue  # DeepSeek-V4's MTP module: not compiled, never read
         if name not in expected:
             raise CheckpointError(f"checkpoint tensor {name!r} has no place in a {config.model_type} model")
         if tuple(checkpoint.shape(name)) != expected[name]:

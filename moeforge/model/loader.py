@@ -197,7 +197,7 @@ def build_from_tensors(
             )
         if not tensor.is_floating_point():  # DeepSeek-V4's tid2eid: the experts of each token id
             value = tensor.to(meta[name].dtype)
-            _check_index_table(name, value, config)
+            check_index_table(name, value, config)
         else:
             value = tensor.to(torch.float32 if name.endswith(_KEEP_FP32_SUFFIXES) else dtype)
             if check_finite:
@@ -212,7 +212,7 @@ def build_from_tensors(
     return model.eval()
 
 
-def _check_index_table(name: str, table: torch.Tensor, config: ModelConfig) -> None:
+def check_index_table(name: str, table: torch.Tensor, config: ModelConfig) -> None:
     """A hash layer's tid2eid [V, K] must name experts that exist (an index out of range would fail mid-run)."""
     experts = config.moe.n_routed_experts if config.moe is not None else 0
     if name.endswith(INTEGER_SUFFIX) and table.numel() and not (0 <= int(table.min()) and int(table.max()) < experts):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeforge.core.config import ModelConfig
+from moeforge.model.expert_slots import EMPTY
 from moeforge.model.mlp import SwiGLU, swiglu
 from moeforge.model.routing import route_tokens
 
@@ -99,6 +100,36 @@ def route_to_replicas(expert_ids: torch.Tensor, logical_to_slot: torch.Tensor,
     return slots
 
 
+# An expert placement's routing table of one MoE layer (``ExpertSlots.slot_table``): (logical_to_slot [E, R_max],
+# replica_count [E]) as nested tuples, turned into constants at trace time (not buffers: nothing to read from a
+# checkpoint).
+SlotTable = tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]
+
+
+def local_choices(expert_ids: torch.Tensor, weights: torch.Tensor, *, routed: int, held: int, first: int,
+                  slot_table: SlotTable | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's global choices [T, K] as a block's that holds ``held`` of the ``routed`` experts (or placement
+    slots) from ``first``: unchanged when it holds every routed expert, else ``hold_local_experts``; with a
+    placement, each logical choice first goes to one of its replicas' slots (``route_to_replicas``) and the rank
+    holds slots, not experts. Whoever picked the experts (a learned router, DeepSeek-V4's token-id hash) is alike."""
+    if slot_table is not None:
+        table, counts = slot_table
+        # The tables are constants with values (CPU): a streamed compile traces on the meta device, where a
+        # tensor has none, so the lookup runs on CPU and its result moves back (both moves export as nothing).
+        slots = route_to_replicas(expert_ids.cpu(), torch.tensor(table, dtype=torch.int64),
+                                  torch.tensor(counts, dtype=torch.int64)).to(expert_ids.device)
+        return hold_local_experts(slots, weights, first, held)
+    if held == routed:
+        return expert_ids, weights
+    return hold_local_experts(expert_ids, weights, first, held)
+
+
+def slot_stack(stacked: torch.Tensor, held: tuple[int, ...]) -> torch.Tensor:
+    """Stacked expert weights [E, ...] -> a placement rank's [S, ...]: slot s a copy of expert ``held[s]``'s
+    (``EMPTY``: zeros, a slot nothing routes to)."""
+    return torch.stack([stacked[e] if e != EMPTY else torch.zeros_like(stacked[0]) for e in held])
+
+
 class MoEBlock(nn.Module):
     """out = sum_k w_k * expert_k(x) + shared_experts(x).
 
@@ -113,9 +144,7 @@ class MoEBlock(nn.Module):
         moe = config.moe
         assert moe is not None
         self.first_expert = 0  # expert parallelism: the global id of this block's first routed expert (or slot)
-        # Expert placement with replicas (``moeforge compile --placement``): (logical_to_slot [E, R_max], replica_count
-        # [E]) as nested tuples, turned into constants at trace time (not buffers: nothing to read from a checkpoint).
-        self.slot_table: tuple[tuple[tuple[int, ...], ...], tuple[int, ...]] | None = None
+        self.slot_table: SlotTable | None = None  # an expert placement with replicas (``compile --placement``)
         self.reduce: nn.Module | None = None  # tensor parallelism: sums the ranks' partial outputs
         self.gate = MoERouter(config)
         self.experts = RoutedExperts(moe.n_routed_experts, config.hidden_size, moe.moe_intermediate_size)
@@ -126,19 +155,10 @@ class MoEBlock(nn.Module):
         )
 
     def local_routing(self, expert_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router's global choices [T, K] as this block's: unchanged when it holds every routed expert, else
-        (an expert-parallel rank) ``hold_local_experts``; with a placement, each logical choice first goes to one of
-        its replicas' slots (``route_to_replicas``) and the rank holds slots, not experts."""
-        if self.slot_table is not None:
-            table, counts = self.slot_table
-            # The tables are constants with values (CPU): a streamed compile traces on the meta device, where a
-            # tensor has none, so the lookup runs on CPU and its result moves back (both moves export as nothing).
-            slots = route_to_replicas(expert_ids.cpu(), torch.tensor(table, dtype=torch.int64),
-                                      torch.tensor(counts, dtype=torch.int64)).to(expert_ids.device)
-            return hold_local_experts(slots, weights, self.first_expert, self.experts.num_experts)
-        if self.experts.num_experts == self.gate.moe.n_routed_experts:
-            return expert_ids, weights
-        return hold_local_experts(expert_ids, weights, self.first_expert, self.experts.num_experts)
+        """The router's global choices [T, K] as this block's (``local_choices``: its experts, or its placement's
+        slots)."""
+        return local_choices(expert_ids, weights, routed=self.gate.moe.n_routed_experts,
+                             held=self.experts.num_experts, first=self.first_expert, slot_table=self.slot_table)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, S, H]

@@ -32,12 +32,11 @@ from torch import nn
 
 from moeforge.core.config import ModelConfig
 from moeforge.model.deepseek_v4 import DeepseekV4ForCausalLM
-from moeforge.model.expert_slots import EMPTY, ExpertSlots
+from moeforge.model.expert_slots import ExpertSlots
 from moeforge.model.mlp import SwiGLU
 from moeforge.model.model import CausalLM
-from moeforge.model.moe import MoEBlock
+from moeforge.model.moe import MoEBlock, slot_stack
 from moeforge.model.rank_model_v4 import shard_v4_model
-from moeforge.model.sharding import ShardingError
 from moeforge.ops.collectives import torch_op as collectives  # noqa: F401  (registers torch.ops.moeforge.all_reduce / all_gather)
 
 
@@ -195,13 +194,19 @@ def rank_sources(config: ModelConfig, layout: RankLayout,
         return TensorSlice(name, dim, rank * part, (rank + 1) * part)
 
     def source(name: str) -> TensorSlice | None:
-        if name == "model.rotary.inv_freq":
+        if name.endswith(".inv_freq"):  # RoPE's (DeepSeek-V4: also its compressed layers' and compressors')
             return None
         name = name.replace(".mlp.inner.", ".mlp.")  # AllReduced wraps a dense MLP's partial sums
         parts = name.split(".")
         leaf = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
         if leaf in ("embed_tokens", "lm_head"):
             return TensorSlice(name, 0, *layout.vocab)
+        if "compressor" in parts:  # DeepSeek-V4's compressors and indexer write the cache every rank keeps: replicated
+            return TensorSlice(name)
+        if "self_attn" in parts and leaf == "sinks":  # DeepSeek-V4 (rank_model_v4): one per query head
+            return TensorSlice(name, 0, *layout.heads)
+        if "self_attn" in parts and leaf in ("o_a_proj", "o_b_proj"):  # V4: the rank's output groups, row-parallel
+            return split(name, 0 if leaf == "o_a_proj" else 1)
         if "self_attn" in parts and leaf in ("q_proj", "q_b_proj", "kv_b_proj", "k_proj", "v_proj"):
             kv = leaf in ("k_proj", "v_proj")
             first, last = layout.kv_heads if kv else layout.heads
@@ -252,10 +257,9 @@ def shard_model(model: CausalLM, tp: int, ep: int, rank: int,
     layout = rank_layout(config, tp, ep, rank, slots)
     local: CausalLM
     if isinstance(model, DeepseekV4ForCausalLM):
-        if slots is not None:
-            raise ShardingError("--placement with DeepSeek-V4 is not supported yet: compile without --placement")
         assert layout.experts is not None
-        local, local_config = shard_v4_model(model, tp, ep, rank, layout.heads, layout.experts, AllReduce)
+        local, local_config = shard_v4_model(model, tp, ep, rank, layout.heads, layout.experts, AllReduce,
+                                             slots if ep > 1 else None)
     else:
         local_config = rank_config(config, tp, ep)
         with torch.device("meta"):
@@ -329,9 +333,7 @@ def _shard_mlp(src: Any, config: ModelConfig, layout: RankLayout, index: int,
     if ep > 1 and layout.expert_slots is not None:  # an expert placement: this rank's slots, replicas included
         held = layout.expert_slots[moe_index]
         for name in ("gate_proj", "up_proj", "down_proj"):
-            stacked = getattr(src.experts, name)  # [E, ...]
-            picked = torch.stack([stacked[e] if e != EMPTY else torch.zeros_like(stacked[0]) for e in held])
-            setattr(experts, name, nn.Parameter(picked, requires_grad=False))
+            setattr(experts, name, nn.Parameter(slot_stack(getattr(src.experts, name), held), requires_grad=False))
         experts.num_experts = len(held)
         block.first_expert = layout.experts[0]
         assert slots is not None

@@ -7,7 +7,9 @@ The rules (``sharding.py`` lists them per parameter):
   (the indexer reads the residual too), the shared key/value head (kv_proj, kv_norm), the compressors and the lightning
   indexer -- every rank keeps the whole cache, as MLA's latent is kept on every rank.
 - MoE: router (and tid2eid) on every rank; routed experts whole per rank (ep == tp) or each split (ep == 1); the
-  shared expert split like a dense MLP; one AllReduce sums both.
+  shared expert split like a dense MLP; one AllReduce sums both. With an expert placement (``--placement``) a rank
+  holds its slots (copies of logical experts, replicas included) and routes every layer's choices, the hash layers'
+  too, to them (``moe.local_choices``); every V4 layer is a MoE layer, so MoE layer i is decoder layer i.
 - mHC (attn_hc, ffn_hc, hc_head), norms: replicated; embedding and LM head vocab-parallel as for every family.
 """
 
@@ -25,7 +27,9 @@ from moeforge.core.config import ModelConfig
 from moeforge.model.compressed_attention import CompressedAttention, GroupedLinear
 from moeforge.model.deepseek_v4 import DeepseekV4ForCausalLM
 from moeforge.model.deepseek_v4_moe import V4MoE
+from moeforge.model.expert_slots import ExpertSlots
 from moeforge.model.mlp import SwiGLU
+from moeforge.model.moe import slot_stack
 
 
 class RankDeepseekV4(DeepseekV4ForCausalLM):
@@ -59,10 +63,11 @@ def _slice(t: torch.Tensor, dim: int, lo: int, hi: int) -> nn.Parameter:
 
 @torch.no_grad()
 def shard_v4_model(model: DeepseekV4ForCausalLM, tp: int, ep: int, rank: int, heads: tuple[int, int],
-                   experts: tuple[int, int], reduce: type[nn.Module]) -> tuple[RankDeepseekV4, ModelConfig]:
-    """Rank ``rank``'s model: query heads ``heads`` [first, last), routed experts ``experts`` (ep > 1), collectives
-    made by ``reduce(group_size)`` (``rank_model.AllReduce``). Vocabulary-parallel embedding and head are the
-    caller's (shared with every family)."""
+                   experts: tuple[int, int], reduce: type[nn.Module],
+                   slots: ExpertSlots | None = None) -> tuple[RankDeepseekV4, ModelConfig]:
+    """Rank ``rank``'s model: query heads ``heads`` [first, last), routed experts ``experts`` (ep > 1; with an expert
+    placement ``slots``, its slots), collectives made by ``reduce(group_size)`` (``rank_model.AllReduce``).
+    Vocabulary-parallel embedding and head are the caller's (shared with every family)."""
     config = model.config
     attn_config = config.compressed_attention
     assert attn_config is not None
@@ -77,7 +82,7 @@ def shard_v4_model(model: DeepseekV4ForCausalLM, tp: int, ep: int, rank: int, he
     d = config.head_dim
     groups_per_rank = attn_config.o_groups // tp
     g0, g1 = rank * groups_per_rank, (rank + 1) * groups_per_rank
-    for src_layer, dst_layer in zip(full.layers, dst.layers, strict=True):
+    for index, (src_layer, dst_layer) in enumerate(zip(full.layers, dst.layers, strict=True)):
         for name in ("attn_hc", "ffn_hc", "input_layernorm", "post_attention_layernorm"):
             setattr(dst_layer, name, copy.deepcopy(getattr(src_layer, name)))
         src = cast(CompressedAttention, src_layer.self_attn)
@@ -92,7 +97,8 @@ def shard_v4_model(model: DeepseekV4ForCausalLM, tp: int, ep: int, rank: int, he
         attn.o_a_proj = grouped
         row_parallel = _RowParallel(_slice(src.o_b_proj.weight, 1, g0 * rank_rows, g1 * rank_rows), reduce(tp))
         setattr(attn, "o_b_proj", row_parallel)  # noqa: B010  (another module type than nn.Linear)
-        dst_layer.mlp = _shard_moe(cast(V4MoE, src_layer.mlp), local_config, tp, ep, rank, experts, reduce(tp))
+        dst_layer.mlp = shard_v4_moe(cast(V4MoE, src_layer.mlp), local_config, tp, ep, rank, experts, reduce(tp),
+                                     slots, index)
     return local, local_config
 
 
@@ -109,8 +115,11 @@ class _RowParallel(nn.Module):
         return out
 
 
-def _shard_moe(src: V4MoE, local_config: ModelConfig, tp: int, ep: int, rank: int, experts: tuple[int, int],
-               reduce: nn.Module) -> V4MoE:
+def shard_v4_moe(src: V4MoE, local_config: ModelConfig, tp: int, ep: int, rank: int, experts: tuple[int, int],
+                 reduce: nn.Module, slots: ExpertSlots | None = None, layer: int = 0) -> V4MoE:
+    """Rank ``rank``'s part of MoE layer ``layer`` (``src``): its routed experts ``experts`` (ep > 1; with an expert
+    placement ``slots``, the slots ``experts`` names, each a copy of its logical expert) or a slice of each (ep == 1),
+    its slice of the shared expert, ``reduce`` summing the ranks' partial outputs."""
     moe = local_config.moe
     assert moe is not None
     with torch.device("meta"):
@@ -119,10 +128,16 @@ def _shard_moe(src: V4MoE, local_config: ModelConfig, tp: int, ep: int, rank: in
     routed = src.experts
     if ep > 1:
         first, last = experts
+        held = None if slots is None else slots.rank_experts(layer, rank)
         for name in ("gate_proj", "up_proj", "down_proj"):
-            setattr(block.experts, name, _slice(getattr(routed, name), 0, first, last))
+            stacked = getattr(routed, name)  # [E, ...]
+            part = _slice(stacked, 0, first, last) if held is None else nn.Parameter(slot_stack(stacked, held),
+                                                                                      requires_grad=False)
+            setattr(block.experts, name, part)
         block.experts.num_experts = last - first
         block.first_expert = first
+        if slots is not None:
+            block.slot_table = slots.slot_table(layer, moe.n_routed_experts)
     else:
         size = moe.moe_intermediate_size
         lo, hi = rank * size, (rank + 1) * size

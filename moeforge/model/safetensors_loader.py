@@ -29,7 +29,9 @@ block-wise (``moeforge.model.fp8``); ``_scale_inv`` tensors never appear in our 
 
 DeepSeek-V4 (``moeforge.model.deepseek_v4_names``): transformers' names, or the published checkpoint's (``layers.N.attn.
 wq_a.weight`` + ``.scale``), read as ours; a hash layer's ``mlp.gate.tid2eid`` is an integer table; the MTP module's
-``mtp.*`` tensors are read under their own names and kept; FP4 experts (``expert_dtype`` fp4) are refused for now.
+``mtp.*`` tensors are read under their own names and kept. Routed experts in FP4 (``quantization_config.expert_dtype``
+"fp4": e2m1 pairs per byte, I8 / U8 / F4, a ue8m0 or float32 scale per 32 values along K) are dequantised exactly to
+float32 (``moeforge.model.fp4``), one expert at a time.
 
 Ignored on purpose: the DeepSeek-V3 multi-token-prediction layer(s) ``model.layers.{k}.*`` with
 k >= num_hidden_layers, rotary ``inv_freq`` buffers, and ``lm_head.weight`` when embeddings are tied.
@@ -53,6 +55,7 @@ from safetensors import SafetensorError, safe_open
 from moeforge.core.config import ModelConfig
 from moeforge.core.errors import CheckpointError
 from moeforge.model.deepseek_v4_names import INTEGER_SUFFIX, MTP_PREFIX, v4_expected_keys, v4_name
+from moeforge.model.fp4 import as_bytes, dequantize_fp4, fp4_scale_shape
 from moeforge.model.fp8 import dequantize_fp8_blockwise, fp8_scale_shape
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,8 @@ _FP8_DTYPES = ("F8_E4M3",)  # safetensors' dtype string for torch.float8_e4m3fn
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _SCALE_DTYPES = (*_FLOAT_DTYPES, "F8_E8M0")  # F8_E8M0: DeepSeek-V4's ue8m0 block scales
 _INT_DTYPES = ("I64", "I32")  # DeepSeek-V4's tid2eid tables only
+# DeepSeek-V4's FP4 experts: two e2m1 values per byte (F4: torch.float4_e2m1fn_x2, whose header shape counts values).
+_FP4_DTYPES = ("I8", "U8", "F4")
 # At most 9 digits: int() of a crafted 5000-digit layer index would raise; such a name is just unexpected.
 _LAYER_RE = re.compile(r"^model\.layers\.(\d{1,9})\.")
 _EXPERT_RE = re.compile(r"^model\.layers\.\d{1,9}\.mlp\.experts\.(\d{1,9})\.")
@@ -151,12 +156,20 @@ class _Info:
 
 @dataclass(frozen=True)
 class _Source:
-    """A stored tensor to read, with its FP8 scale when it has one."""
+    """A stored tensor to read, with its FP8 (or, ``fp4``, FP4) scale when it has one."""
 
     key: str
     info: _Info
     scale_key: str | None = None
     scale_info: _Info | None = None
+    fp4: bool = False  # packed e2m1 pairs [..., K/2] (``moeforge.model.fp4``)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the values (an FP4 tensor's K unpacked)."""
+        if self.fp4 and self.info.dtype != "F4":  # I8 / U8 bytes hold two values each; F4's header counts values
+            return (*self.info.shape[:-1], 2 * self.info.shape[-1])
+        return self.info.shape
 
 
 @dataclass(frozen=True)
@@ -194,12 +207,11 @@ class HFCheckpoint:
         self.config = config
         self.dtype = dtype
         self.fp8_block = _fp8_block_size(self.folder)
-        if config.compressed_attention is not None:
-            _refuse_fp4_experts(self.folder)
+        self.fp4_experts = config.compressed_attention is not None and _expert_dtype(self.folder) == "fp4"
         infos = _canonical_names(_scan(self.folder), config)
         self.files: tuple[Path, ...] = tuple(sorted({i.file for i in infos.values()}))
         _check_counts_present(self.folder, infos, config)
-        self._plan = _make_plan(infos, config, self.fp8_block)
+        self._plan = _make_plan(infos, config, self.fp8_block, self.fp4_experts)
         self._shapes = {name: _planned_shape(p) for name, p in self._plan.items()}
         _check_experts_consistent(config, self._shapes, self._plan)
 
@@ -341,19 +353,20 @@ def _scan(folder: Path) -> dict[str, _Info]:
     return infos
 
 
-def _refuse_fp4_experts(folder: Path) -> None:
-    """DeepSeek-V4 checkpoints whose experts are FP4 (e2m1 pairs per byte, a scale per 32 values) are not read yet."""
+def _expert_dtype(folder: Path) -> str | None:
+    """DeepSeek-V4's routed-expert format, config.json's quantization_config.expert_dtype ("fp8" or "fp4"; None when
+    unquantised), as transformers' FineGrainedFP8Config reads it."""
     try:
         hf = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError, RecursionError):
-        return  # config problems are reported by ModelConfig.from_hf_json
+        return None  # config problems are reported by ModelConfig.from_hf_json
     quant = hf.get("quantization_config") if isinstance(hf, dict) else None
-    dtype = (quant.get("expert_dtype") if isinstance(quant, dict) else None) or hf.get("expert_dtype")
-    if dtype == "fp4":
-        raise CheckpointError(
-            f"{folder}: the experts are FP4 (expert_dtype fp4), which moeforge does not read yet; use a checkpoint "
-            "with FP8 or BF16 experts (dequantise it with transformers: from_pretrained(..., "
-            "quantization_config=FineGrainedFP8Config(dequantize=True)), then save_pretrained)")
+    dtype = (quant.get("expert_dtype") if isinstance(quant, dict) else None) or \
+        (hf.get("expert_dtype") if isinstance(hf, dict) else None)
+    if dtype not in (None, "fp8", "fp4"):
+        raise CheckpointError(f"{folder / 'config.json'}: quantization_config.expert_dtype must be \"fp8\" or "
+                              f"\"fp4\", got {dtype!r:.40}")
+    return dtype
 
 
 def _canonical_names(infos: dict[str, _Info], config: ModelConfig) -> dict[str, _Info]:
@@ -414,7 +427,8 @@ def _listed(names: list[str]) -> str:
     return shown + (f" ... ({len(names)} in all)" if len(names) > _MAX_LISTED else "")
 
 
-def _make_plan(infos: dict[str, _Info], config: ModelConfig, block: tuple[int, int]) -> dict[str, _Plan]:
+def _make_plan(infos: dict[str, _Info], config: ModelConfig, block: tuple[int, int],
+               fp4_experts: bool = False) -> dict[str, _Plan]:
     consumed: set[str] = set()
     skipped_mtp: list[str] = []
     ignored: set[str] = set()
@@ -442,9 +456,8 @@ def _make_plan(infos: dict[str, _Info], config: ModelConfig, block: tuple[int, i
                 raise CheckpointError(f"{info.file.name}: {key} (token -> experts table) is stored as {info.dtype}, "
                                       f"not an integer type ({', '.join(_INT_DTYPES)}): re-download or re-save it")
             return _Source(key, info)
-        if info.dtype in ("I8", "U8") and ".experts." in key and config.compressed_attention is not None:
-            raise CheckpointError(f"{info.file.name}: {key} is stored as {info.dtype}: packed FP4 experts, which "
-                                  "moeforge does not read yet; use a checkpoint with FP8 or BF16 experts")
+        if info.dtype in _FP4_DTYPES and ".experts." in key and config.compressed_attention is not None:
+            return fp4_source(key, info, scale_key, infos.get(scale_key))
         if info.dtype not in (*_FLOAT_DTYPES, *_FP8_DTYPES):
             raise CheckpointError(
                 f"{info.file.name}: tensor {key} is stored as {info.dtype}, but the model needs floating-point "
@@ -477,6 +490,29 @@ def _make_plan(infos: dict[str, _Info], config: ModelConfig, block: tuple[int, i
             consumed.add(scale_key)
             return _Source(key, info, scale_key, scale_info)
         return _Source(key, info)
+
+    def fp4_source(key: str, info: _Info, scale_key: str, scale_info: _Info | None) -> _Source:
+        """A routed expert's packed e2m1 weight [..., out, K/2] with its scale [..., out, ceil(K/32)]."""
+        if not fp4_experts:
+            raise CheckpointError(
+                f"{info.file.name}: {key} is stored as {info.dtype} (packed FP4 experts?) but config.json's "
+                "quantization_config does not say expert_dtype \"fp4\": add it, or re-download the checkpoint")
+        if scale_info is None:
+            raise CheckpointError(f"{info.file.name}: FP4 expert weight {key} has no {scale_key} (.scale): the scale "
+                                  "per 32 values is needed to dequantise it; re-download the checkpoint")
+        if scale_info.dtype not in _SCALE_DTYPES:
+            raise CheckpointError(f"{scale_info.file.name}: FP4 scale {scale_key} is stored as {scale_info.dtype}, "
+                                  f"but scales must be {', '.join(_SCALE_DTYPES)}; re-download the checkpoint")
+        src = _Source(key, info, scale_key, scale_info, fp4=True)
+        try:
+            want = fp4_scale_shape(src.shape)
+        except ValueError as exc:
+            raise CheckpointError(f"{info.file.name}: FP4 expert weight {key}: {exc}") from None
+        if scale_info.shape != want:
+            raise CheckpointError(f"{scale_info.file.name}: {scale_key} has shape {list(scale_info.shape)} but FP4 "
+                                  f"{key} of {list(src.shape)} values (a scale per 32 along K) needs {list(want)}")
+        consumed.update((key, scale_key))
+        return src
 
     plan: dict[str, _Plan] = {}
     missing: list[str] = []
@@ -564,22 +600,22 @@ def _expert_plan(
             "found); the checkpoint is incomplete or n_routed_experts is wrong"
         )
     srcs = tuple(source(k) for k in per_expert)
-    shapes = {s.info.shape for s in srcs}
-    if len(shapes) != 1 or len(srcs[0].info.shape) != 2:
-        odd = next(s for s in srcs if s.info.shape != srcs[0].info.shape or len(s.info.shape) != 2)
+    shapes = {(s.shape, s.fp4) for s in srcs}
+    if len(shapes) != 1 or len(srcs[0].shape) != 2:
+        odd = next(s for s in srcs if (s.shape, s.fp4) != (srcs[0].shape, srcs[0].fp4) or len(s.shape) != 2)
         raise CheckpointError(
-            f"{prefix}: per-expert {proj} weights differ in shape or are not 2-D ({srcs[0].key} "
-            f"{list(srcs[0].info.shape)} vs {odd.key} {list(odd.info.shape)})"
+            f"{prefix}: per-expert {proj} weights differ in shape or format or are not 2-D ({srcs[0].key} "
+            f"{list(srcs[0].shape)} {srcs[0].info.dtype} vs {odd.key} {list(odd.shape)} {odd.info.dtype})"
         )
     return _Stacked(srcs)
 
 
 def _planned_shape(plan: _Plan) -> tuple[int, ...]:
     if isinstance(plan, _Direct):
-        return plan.src.info.shape
+        return plan.src.shape
     if isinstance(plan, _Stacked):
-        return (len(plan.srcs), *plan.srcs[0].info.shape)
-    e, two_i, h = plan.src.info.shape
+        return (len(plan.srcs), *plan.srcs[0].shape)
+    e, two_i, h = plan.src.shape
     return (e, two_i // 2, h)
 
 
@@ -638,19 +674,39 @@ class _Reader(contextlib.AbstractContextManager["_Reader"]):
         return t
 
     def read(self, src: _Source) -> torch.Tensor:
-        """The whole stored tensor, dequantised when FP8, in the requested dtype."""
+        """The whole stored tensor, dequantised when FP8 or FP4, in the requested dtype."""
         t = self._get(src.info)
         if src.scale_key is None:
             return self._cast(t)
         assert src.scale_info is not None
         scale = self._get(src.scale_info)
+        if src.fp4:
+            return dequantize_fp4(t, scale, dtype=self.dtype or torch.float32)
         return dequantize_fp8_blockwise(t, scale, self.block, dtype=self.dtype or torch.float32)
+
+    def _read_fp4_part(self, src: _Source, dim: int, start: int, stop: int) -> torch.Tensor:
+        """FP4 ``src``[start:stop] along ``dim``: whole rows (dim < last) with their scales, or the groups of 32 along
+        K that cover the slice, dequantised, then trimmed."""
+        assert src.scale_info is not None
+        last = len(src.shape) - 1
+        lo, hi = (start, stop) if dim < last else (start // 32 * 32, min(-(-stop // 32) * 32, src.shape[last]))
+        packed = (slice(lo, hi) if dim < last else slice(lo // 2, hi // 2))
+        groups = (slice(lo, hi) if dim < last else slice(lo // 32, -(-hi // 32)))
+        if src.info.dtype == "F4":  # safetensors slices F4 by values but returns bytes: read it whole
+            part = as_bytes(self._get(src.info))[(*(slice(None),) * dim, packed)]
+        else:
+            part = self._get(src.info, _along(dim, packed.start, packed.stop))
+        scale = self._get(src.scale_info, _along(dim, groups.start, groups.stop))
+        whole = dequantize_fp4(part, scale, dtype=self.dtype or torch.float32)
+        return whole.narrow(dim, start - lo, stop - start).contiguous()
 
     def read_part(self, src: _Source, dim: int, start: int, stop: int) -> torch.Tensor:
         """``src``[start:stop] along ``dim``, reading only that part of the mapped file (FP8: the scale blocks that
         cover it, dequantised, then trimmed)."""
         if src.scale_key is None:
             return self._cast(self._get(src.info, _along(dim, start, stop)).contiguous())
+        if src.fp4:
+            return self._read_fp4_part(src, dim, start, stop)
         assert src.scale_info is not None and dim < 2, "FP8 weights are 2-D, in blocks over both dims"
         block = self.block[dim]
         lo, hi = start // block * block, min(-(-stop // block) * block, src.info.shape[dim])
@@ -664,7 +720,7 @@ class _Reader(contextlib.AbstractContextManager["_Reader"]):
         if isinstance(plan, _Direct):
             return self.read(plan.src) if part is None else self.read_part(plan.src, *part)
         if isinstance(plan, _FusedHalf):
-            two_i = plan.src.info.shape[1]
+            two_i = plan.src.shape[1]
             rows = slice(0, two_i // 2) if plan.half == 0 else slice(two_i // 2, two_i)
             if plan.src.scale_key is None:
                 # Read only the needed half ([E, I, H]) straight from the mapped file.

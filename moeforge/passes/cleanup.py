@@ -3,6 +3,10 @@ dead-code removal."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 import onnxscript.optimizer
@@ -25,7 +29,8 @@ class Cleanup:
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         before = _count_nodes(model)
-        onnxscript.optimizer.fold_constants(model)
+        with quiet_multi_output_folding():
+            onnxscript.optimizer.fold_constants(model)
         common.CommonSubexpressionEliminationPass()(model)
         drop_reshape_round_trips(model.graph)
         common.RemoveUnusedNodesPass()(model)  # first: a dead second consumer blocks the collapse below
@@ -37,6 +42,28 @@ class Cleanup:
         common.RemoveUnusedFunctionsPass()(model)  # type: ignore[no-untyped-call]  # onnx-ir: unannotated __init__
         common.RemoveUnusedOpsetsPass()(model)
         return max(before - _count_nodes(model), 0)
+
+
+# onnxscript's constant folder warns once per constant node it cannot fold because it has several outputs (a Split of
+# a constant): nothing is wrong, the node stays as it is, but DeepSeek-V4's step graph has dozens of them and the
+# warnings flooded `moeforge compile`'s output.
+_FOLDING_LOGGER = "onnxscript.optimizer._constant_folding"
+
+
+def _not_multi_output_skip(record: logging.LogRecord) -> bool:
+    return not (isinstance(record.msg, str) and record.msg.startswith("Skipping constant folding for op")
+                and "multiple outputs" in record.msg)
+
+
+@contextlib.contextmanager
+def quiet_multi_output_folding() -> Iterator[None]:
+    """Drop exactly onnxscript's "Skipping constant folding for op X with multiple outputs" warnings."""
+    logger = logging.getLogger(_FOLDING_LOGGER)
+    logger.addFilter(_not_multi_output_skip)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_multi_output_skip)
 
 
 def _count_nodes(model: ir.Model) -> int:

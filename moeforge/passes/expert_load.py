@@ -18,6 +18,11 @@ experts, ``S`` another rank's):
 
     hits = Cast(ReduceMax(Cast(Equal(Unsqueeze(ids, 2), Range(S)), int32), axes=[1]), bool)      [T, S]
 
+DeepSeek-V4's step graph (``v4_pipeline``; its MoE exported from torch, no MoE node) runs each routed expert (or slot)
+``e`` of a layer on ``NonZero(Equal(ids, e))``: ``per_expert_loops`` reads a layer's hits from those ids, one layer per
+group of ``Equal`` nodes on one ids tensor [T, K] against the constants 0 .. S - 1 (S its stacked experts, ``S`` on an
+expert-parallel rank another rank's), by the rule above.
+
 Graphs without MoE nodes get no output.
 """
 
@@ -32,39 +37,80 @@ from moeforge.passes.base import MS_DOMAIN, PassContext, add_initializer
 
 MOE_OPS = {(MS_DOMAIN, "MoE"), (MS_DOMAIN, "QMoE")}
 _IDS, _GATE = moe_op.INPUTS.index("expert_ids"), moe_op.INPUTS.index("gate_proj")
+_INTEGERS = (ir.DataType.INT64, ir.DataType.INT32)
 
 
 class ExpertLoadOutput:
-    """Add the ``expert_hits`` output; returns the number of MoE layers it covers."""
+    """Add the ``expert_hits`` output; returns the number of MoE layers it covers. ``per_expert_loops``: read them
+    from the per-expert ``Equal`` loops of a graph without MoE nodes (DeepSeek-V4's step graph)."""
 
     name = "expert_load"
+
+    def __init__(self, per_expert_loops: bool = False) -> None:
+        self.per_expert_loops = per_expert_loops
 
     def apply(self, model: ir.Model, ctx: PassContext) -> int:
         graph = model.graph
         if any(value.name == EXPERT_HITS for value in graph.outputs):
             return 0
+        if self.per_expert_loops:
+            return _add_output(graph, [(node, len(group)) for node, group in _expert_loops(graph)], loops=True)
         moe_nodes = [n for n in graph if (n.domain, n.op_type) in MOE_OPS and len(n.inputs) > 1
                      and n.inputs[1] is not None]
         local_nodes = [n for n in graph if (n.domain, n.op_type) == (moe_op.DOMAIN, moe_op.OP_TYPE)]
-        if not moe_nodes and not local_nodes:
-            return 0
         if moe_nodes and local_nodes:  # one numbering per graph: never mix a layer's experts with another's slots
             return 0
-        axis = add_initializer(graph, f"{EXPERT_HITS}/axis0", np.array([0], np.int64))
-        layers = []
-        for i, node in enumerate(moe_nodes or local_nodes):
-            stem = f"{EXPERT_HITS}/{i}"
-            new_nodes = _lowered_hits(node, stem) if moe_nodes else _local_hits(graph, node, stem)
-            layer = ir.node("Unsqueeze", [new_nodes[-1].outputs[0], axis], name=f"{stem}/Unsqueeze")
-            layer.outputs[0].name = f"{stem}/layer"
-            graph.insert_after(node, [*new_nodes, layer])
-            layers.append(layer.outputs[0])
-        concat = ir.node("Concat", layers, attributes={"axis": 0}, name=f"{EXPERT_HITS}/Concat")
-        concat.outputs[0].name = EXPERT_HITS
-        concat.outputs[0].dtype = ir.DataType.BOOL
-        graph.append(concat)
-        graph.outputs.append(concat.outputs[0])
-        return len(moe_nodes or local_nodes)
+        return _add_output(graph, [(n, 0) for n in moe_nodes or local_nodes], loops=False)
+
+
+def _add_output(graph: ir.Graph, layers_from: list[tuple[ir.Node, int]], loops: bool) -> int:
+    """``expert_hits`` from one node per MoE layer: a lowered MoE node (its router_probs), an unlowered
+    ``moeforge.MoEExperts`` (its ids), or (``loops``) the last ``Equal`` of a layer's expert loop with its S."""
+    if not layers_from:
+        return 0
+    lowered = (layers_from[0][0].domain, layers_from[0][0].op_type) in MOE_OPS
+    axis = add_initializer(graph, f"{EXPERT_HITS}/axis0", np.array([0], np.int64))
+    layers = []
+    for i, (node, experts) in enumerate(layers_from):
+        stem = f"{EXPERT_HITS}/{i}"
+        if loops:
+            ids = node.inputs[0]
+            assert ids is not None  # an expert loop's Equal reads its ids (``_expert_loops``)
+            new_nodes = _ids_hits(graph, ids, experts, stem)
+        else:
+            new_nodes = _lowered_hits(node, stem) if lowered else _local_hits(graph, node, stem)
+        layer = ir.node("Unsqueeze", [new_nodes[-1].outputs[0], axis], name=f"{stem}/Unsqueeze")
+        layer.outputs[0].name = f"{stem}/layer"
+        graph.insert_after(node, [*new_nodes, layer])
+        layers.append(layer.outputs[0])
+    concat = ir.node("Concat", layers, attributes={"axis": 0}, name=f"{EXPERT_HITS}/Concat")
+    concat.outputs[0].name = EXPERT_HITS
+    concat.outputs[0].dtype = ir.DataType.BOOL
+    graph.append(concat)
+    graph.outputs.append(concat.outputs[0])
+    return len(layers)
+
+
+def _expert_loops(graph: ir.Graph) -> list[tuple[ir.Node, list[ir.Node]]]:
+    """Per MoE layer in graph order: the last node of its expert loop and the loop's ``Equal`` nodes, one per expert
+    (``Equal(ids [T, K], e)`` feeding ``NonZero``, the constants e exactly 0 .. S - 1)."""
+    groups: dict[ir.Value, list[ir.Node]] = {}
+    for node in graph:
+        if node.op_type != "Equal" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        ids, const = node.inputs
+        value = None if const is None else ir.convenience.get_const_tensor(const)
+        if (ids is None or value is None or value.shape.dims != () or value.dtype not in _INTEGERS
+                or ids.shape is None or ids.shape.rank() != 2
+                or not any(user.op_type == "NonZero" for user, _ in node.outputs[0].uses())):
+            continue
+        groups.setdefault(ids, []).append(node)
+    loops = []
+    for group in groups.values():
+        experts = sorted(_scalar(n.inputs[1]) for n in group)
+        if experts == list(range(len(group))) and len(group) > 1:
+            loops.append((group[-1], group))
+    return loops
 
 
 def _lowered_hits(node: ir.Node, stem: str) -> list[ir.Node]:
@@ -76,12 +122,23 @@ def _lowered_hits(node: ir.Node, stem: str) -> list[ir.Node]:
     return [is_inf, chosen]
 
 
+def _scalar(value: ir.Value | None) -> int:
+    tensor = None if value is None else ir.convenience.get_const_tensor(value)
+    assert tensor is not None
+    return int(tensor.numpy())
+
+
 def _local_hits(graph: ir.Graph, node: ir.Node, stem: str) -> list[ir.Node]:
     """[T, S] bool from an unlowered ``moeforge.MoEExperts`` node's local ids [T, K] (S: its stacked experts)."""
     ids, gate = node.inputs[_IDS], node.inputs[_GATE]
     experts = gate.shape[0] if gate is not None and gate.shape is not None else None
     if ids is None or not isinstance(experts, int):
         raise ValueError(f"{node.name}: expert_hits needs the ids and a static expert count (gate_proj [S, I, H])")
+    return _ids_hits(graph, ids, experts, stem)
+
+
+def _ids_hits(graph: ir.Graph, ids: ir.Value, experts: int, stem: str) -> list[ir.Node]:
+    """[T, S] bool from local ids [T, K] (0 .. S - 1 the block's experts, S another rank's)."""
     slots = add_initializer(graph, f"{stem}/slots", np.arange(experts, dtype=np.int64))  # [S]
     last = add_initializer(graph, f"{stem}/axis2", np.array([2], np.int64))
     over_k = add_initializer(graph, f"{stem}/axis1", np.array([1], np.int64))

@@ -71,8 +71,10 @@ def v4_pipeline() -> list[GraphPass]:
     """DeepSeek-V4 (``moeforge/compile/v4_export.py``): its graph already reads and writes its cache, so no cache
     insertion; the rewrites that keep the math (folding, RMSNorm fusion, sibling projections packed), then every
     weight as a 2-D MatMul initializer for the quantisation passes (``weight_matmuls``: its Gemms, routed experts and
-    grouped o_a_proj), after packing so that the indexer's projections stay apart from the ones quantised."""
-    return [Cleanup(), RmsNormFusion(), ProjectionPacking(), WeightMatMuls(), Cleanup()]
+    grouped o_a_proj), after packing so that the indexer's projections stay apart from the ones quantised; last the
+    ``expert_hits`` output read from the routed experts' per-expert loops (``expert_load``)."""
+    return [Cleanup(), RmsNormFusion(), ProjectionPacking(), WeightMatMuls(), Cleanup(),
+            ExpertLoadOutput(per_expert_loops=True)]
 
 
 def run_passes(

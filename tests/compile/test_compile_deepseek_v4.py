@@ -25,8 +25,11 @@ import torch
 
 from moeforge.cli import main
 from moeforge.compile.driver import CompileOptions, compile_model
+from moeforge.compile.sharded_compile import read_sharded
 from moeforge.core.artifact import load_artifact
 from moeforge.core.errors import MoeforgeError
+from moeforge.model.expert_slots import load_plan
+from moeforge.parallel.eplb import Placement, write_plan
 from moeforge.runtime.engine import CacheOptions, EngineConfig, EngineConfigError, LLMEngine, SpeculativeOptions
 from moeforge.runtime.sampler import SamplingParams
 
@@ -189,6 +192,55 @@ def test_pipeline_stages_pass_the_streams_and_token_ids(checkpoint: Callable[[st
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == hf_greedy(model, prompt, STEPS)
+
+
+def _hf_router_counts(model: Any, tokens: list[int]) -> np.ndarray:
+    """[L, E]: the experts transformers' routers (top-k and hash) pick for ``tokens``, counted per layer."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("Router")]
+    counts = np.zeros((len(routers), model.config.n_routed_experts), np.int64)
+
+    def record(index: int) -> Any:
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            counts[index] += np.bincount(output[2].reshape(-1).numpy(), minlength=counts.shape[1])
+        return hook
+
+    handles = [router.register_forward_hook(record(i)) for i, router in enumerate(routers)]
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    for handle in handles:
+        handle.remove()
+    return counts
+
+
+def test_placed_compile_generates_transformers_tokens_and_measures_the_load(
+        checkpoint: Callable[[str], tuple[Any, Path]], compiled: Callable[..., Path], tmp_path: Path) -> None:
+    """``--tp 2 --ep 2 --placement``: each rank holds its half of the experts plus a replica of the other half's
+    most loaded one, in every layer (the hash-routed one too). The ranks generate transformers' tokens, and the run's
+    ``--expert-load-out`` (read from the graph's expert loops, slots summed back to logical experts) equals
+    transformers' routers on the tokens run, a load ``moeforge eplb`` plans from."""
+    model, _ = checkpoint("every_layer")
+    prompt = _prompt(3)
+    expected = hf_greedy(model, prompt, STEPS)
+    load = _hf_router_counts(model, prompt + expected[:-1])  # [L, E]: the tokens the run feeds
+    experts, half = load.shape[1], load.shape[1] // 2
+    rows = [[*range(half - 1, -1, -1), half + int(np.argmax(row[half:])),
+             *range(experts - 1, half - 1, -1), int(np.argmax(row[:half]))] for row in load]
+    counts = np.stack([np.bincount(row, minlength=experts) for row in rows])
+    plan = write_plan(Placement("global", 2, 2, 1, 1, load, np.array(rows), counts), tmp_path / "plan.json")
+    out = compiled("every_layer", tp=2, ep=2, placement=str(plan))
+    assert read_sharded(out).placement is not None
+    stats = tmp_path / "stats.json"
+    command = [sys.executable, "-P", "-m", "moeforge.cli", "run", str(out), "--prompt-ids", ",".join(map(str, prompt)),
+               "--max-new-tokens", str(STEPS), "--ignore-eos", "--json", "--quiet", "--expert-load-out", str(stats)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == expected
+    record = json.loads(stats.read_text())
+    np.testing.assert_array_equal(np.array(record["layers"]), load)
+    assert np.array(record["rank_load"]).sum() == load.sum()  # each choice computed by exactly one rank
+    again = tmp_path / "again.json"
+    assert main(["eplb", str(stats), "-o", str(again), "--ep", "2", "--redundant", "2"]) == 0
+    load_plan(again).check(len(load), experts, 2, "every_layer")
 
 
 def test_compile_refuses_a_block_size_that_splits_windows(checkpoint: Callable[[str], tuple[Any, Path]],

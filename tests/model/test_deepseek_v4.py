@@ -35,7 +35,7 @@ from moeforge.runtime.sampler import SamplingParams
 from moeforge.verify.generate import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the seeded transformers V4 models
-from v4_hf_models import hf_config, randomise
+from v4_hf_models import fp8_ue8m0, hf_config, hf_greedy, published_name, randomise, write_published
 
 VOCAB, PROMPT_LEN, STEPS = 96, 40, 16
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -244,24 +244,6 @@ def test_parameter_count_is_transformers(saved: tuple[str, Any, Path]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
-def _published_name(key: str) -> str:
-    """transformers' save_pretrained name (the published leaf names under "model.") -> the published name."""
-    leaf = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-            "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
-            "model.hc_head.hc_scale": "hc_head_scale"}
-    return leaf.get(key, key.removeprefix("model."))
-
-
-def _fp8_ue8m0(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (float8_e4m3fn blocks, float8_e8m0fnu scales): a power-of-two scale per block x block."""
-    out, inn = w.shape
-    blocks = w.reshape(out // block, block, inn // block, block)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
-    q = (blocks / scale[:, None, :, None]).reshape(out, inn).to(torch.float8_e4m3fn)
-    return q, scale.to(torch.float8_e8m0fnu)
-
-
 @torch.no_grad()
 def test_published_fp8_checkpoint_loads_with_its_mtp_module(tmp_path: Path) -> None:
     # The release's layout: published names, FP8 projections with ue8m0 `.scale` blocks (compressor and indexer
@@ -273,9 +255,9 @@ def test_published_fp8_checkpoint_loads_with_its_mtp_module(tmp_path: Path) -> N
     published: dict[str, torch.Tensor] = {}
     quantised = (".wq_a.", ".wq_b.", ".wkv.", ".wo_a.", ".wo_b.", ".w1.", ".w2.", ".w3.")
     for key, value in tensors.items():
-        name = _published_name(key)
+        name = published_name(key)
         if name.endswith(".weight") and any(q in name for q in quantised) and ".compressor." not in name:
-            q, scale = _fp8_ue8m0(value, 8)
+            q, scale = fp8_ue8m0(value, 8)
             published[name], published[name.removesuffix("weight") + "scale"] = q, scale
             tensors[key] = (q.to(torch.float32).reshape(value.shape[0] // 8, 8, -1, 8)
                             * scale.to(torch.float32)[:, None, :, None]).reshape(value.shape)
@@ -320,13 +302,74 @@ def _hf_state(model_hf: Any, saved: dict[str, torch.Tensor]) -> dict[str, torch.
     return state
 
 
-def test_fp4_experts_are_refused_by_name(saved: tuple[str, Any, Path], tmp_path: Path) -> None:
-    _, _, folder = saved
-    hf_json = json.loads((folder / "config.json").read_text())
-    hf_json["quantization_config"] = {"quant_method": "fp8", "expert_dtype": "fp4"}
+@pytest.mark.parametrize("k", [64, 16])
+@pytest.mark.parametrize("stored", ["int8", "uint8", "float4_e2m1fn_x2"])
+@pytest.mark.parametrize("scale_dtype", ["float8_e8m0fnu", "float32"])
+def test_fp4_dequantises_as_transformers(k: int, stored: str, scale_dtype: str) -> None:
+    # Every code in every nibble, K of 2 groups or one partial group: transformers' own dequantisation as reference.
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from moeforge.model.fp4 import dequantize_fp4
+
+    gen = torch.Generator().manual_seed(k)
+    packed = torch.randint(0, 256, (2, 5, k // 2), generator=gen, dtype=torch.uint8)
+    packed[0].view(-1)[:16] = torch.arange(16, dtype=torch.uint8) * 17  # codes 0..15 in both nibbles
+    scale = torch.exp2(torch.randint(-6, 4, (2, 5, -(-k // 32)), generator=gen).float()).to(getattr(torch, scale_dtype))
+    theirs = torch.stack([Fp8Dequantize(None)._dequantize_one(packed[e].view(torch.int8), scale[e], torch.float32)
+                          for e in range(2)])
+    ours = dequantize_fp4(packed.view(getattr(torch, stored)), scale)
+    assert ours.shape == (2, 5, k) and ours.dtype == torch.float32
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_published_fp4_experts_load_as_transformers_reads_them(tmp_path: Path) -> None:
+    # DeepSeek-V4-Flash's layout: routed experts FP4 (e2m1 pairs in int8, a ue8m0 scale per 32 values), the rest FP8.
+    # transformers reads the same folder (dequantising on CPU); logits and greedy tokens must be its own.
+    torch.manual_seed(0)
+    model_hf = transformers.DeepseekV4ForCausalLM(hf_config(**{**CASES["dense_topk"], "moe_intermediate_size": 64}))
+    randomise(model_hf, SEEDS["dense_topk"])
+    write_published(model_hf.eval(), tmp_path, experts="fp4")
+    reference = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    loaded = load_model(str(tmp_path))
+    ids = _prompt()
+    theirs = reference(ids).logits[0]
+    _close(loaded.model(ids, torch.arange(PROMPT_LEN)[None]).logits[0], theirs)
+    assert (theirs - model_hf(ids).logits[0]).abs().max() > 0.05  # the FP4 rounding is really in the weights
+    tokens = hf_greedy(reference, ids[0].tolist(), STEPS)
+    assert generate(loaded.model, ids[0].tolist(), SamplingParams(max_tokens=STEPS)).token_ids == tokens
+    assert len(set(tokens)) > 2
+
+
+@pytest.mark.parametrize("packed", [torch.int8, torch.float4_e2m1fn_x2])
+def test_fp4_experts_read_in_parts_as_whole(packed: torch.dtype, tmp_path: Path) -> None:
+    # The streamed compile reads one expert, or a tp rank's rows / groups of 32 along K: each part is that of the whole.
+    from moeforge.model.safetensors_loader import read_hf_checkpoint
+
+    torch.manual_seed(0)
+    model_hf = transformers.DeepseekV4ForCausalLM(hf_config(**{**CASES["dense_topk"], "moe_intermediate_size": 64}))
+    randomise(model_hf, 2)
+    write_published(model_hf.eval(), tmp_path, experts="fp4", packed=packed)
+    checkpoint = read_hf_checkpoint(tmp_path, ModelConfig.from_hf_json(tmp_path / "config.json"))
+    for proj in ("gate_proj", "down_proj"):
+        name = f"model.layers.1.mlp.experts.{proj}"
+        whole = checkpoint.read(name)
+        assert whole.shape == checkpoint.shape(name) and whole.dtype == torch.float32
+        for dim, start, stop in ((0, 2, 3), (1, 16, 32), (2, 32, 64), (2, 8, 40)):
+            if stop <= whole.shape[dim]:
+                torch.testing.assert_close(checkpoint.read_slice(name, dim, start, stop),
+                                           whole.narrow(dim, start, stop - start), rtol=0, atol=0)
+
+
+def test_fp4_experts_need_the_config_to_say_so(tmp_path: Path) -> None:
+    # Packed int8 experts without expert_dtype fp4 are refused by name (read as floats they would be garbage).
+    torch.manual_seed(0)
+    model_hf = transformers.DeepseekV4ForCausalLM(hf_config(**{**CASES["dense_topk"], "moe_intermediate_size": 64}))
+    write_published(model_hf.eval(), tmp_path, experts="fp4")
+    hf_json = json.loads((tmp_path / "config.json").read_text())
+    del hf_json["quantization_config"]["expert_dtype"]
     (tmp_path / "config.json").write_text(json.dumps(hf_json))
-    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
-    with pytest.raises(CheckpointError, match="FP4"):
+    with pytest.raises(CheckpointError, match="expert_dtype"):
         load_model(str(tmp_path))
 
 
@@ -463,8 +506,7 @@ def test_what_v4_compiles_do_not_take_is_refused_in_one_line(saved: tuple[str, A
     # The compiles themselves: tests/compile/test_compile_deepseek_v4.py.
     _, _, folder = saved
     out = tmp_path / "artifact"
-    for flags, why in ((["--stream"], "--stream does not read DeepSeek-V4"),
-                       (["--kv-cache", "paged", "--kv-block-size", "3"], "a block must hold whole windows")):
+    for flags, why in ((["--kv-cache", "paged", "--kv-block-size", "3"], "a block must hold whole windows"),):
         assert main(["compile", str(folder), "-o", str(out), "--quiet", *flags]) == 2
         assert why in capsys.readouterr().err and not out.exists()
 

@@ -11,7 +11,7 @@ from moeforge.model.rank_model import rank_layout, rank_sources, shard_model
 
 CASES = [("tiny-deepseek-v3", 2, 2), ("tiny-deepseek-v3", 2, 1), ("tiny-deepseek-v2", 4, 4), ("tiny-llama", 2, 1),
          ("tiny-llama", 4, 1), ("tiny-qwen3-moe", 2, 2), ("tiny-qwen3-moe", 2, 1), ("tiny-glm4-moe", 2, 1),
-         ("tiny-mixtral", 2, 2)]
+         ("tiny-mixtral", 2, 2), ("tiny-deepseek-v4", 2, 1), ("tiny-deepseek-v4", 2, 2)]
 
 
 @pytest.mark.parametrize(("name", "tp", "ep"), CASES)
