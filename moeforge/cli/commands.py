@@ -50,6 +50,7 @@ from moeforge.runtime.expert_stats import check_expert_load_out, save_expert_loa
 from moeforge.runtime.request import check_room, prompt_token_ids
 from moeforge.runtime.roofline import format_roofline
 from moeforge.runtime.sampler import SamplingParams
+from moeforge.runtime.structured_output import StructuredOutput, StructuredOutputError
 from moeforge.serve import ServeOptions, serve
 from moeforge.serve.listener import bind_listeners
 from moeforge.serve.runner import engine_config, model_name, server_config
@@ -109,15 +110,33 @@ def _sampling_params(args: argparse.Namespace, vocab_size: int, prompt_len: int,
     """The run's SamplingParams, checked up front by the rules the engine and the reference apply, in flag names."""
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-                            stop_token_ids=stop_token_ids)
+                            stop_token_ids=stop_token_ids, structured_output=_json_schema(args))
     params.validate(vocab_size, RUN_FLAGS)
     check_room(prompt_len, params.max_tokens, limit, limit_name, RUN_FLAGS)
     return params
 
 
+def _json_schema(args: argparse.Namespace) -> StructuredOutput | None:
+    """``--json-schema FILE`` as the output's constraint, refused naming the file when it is not a JSON schema."""
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return None
+    try:
+        spec = StructuredOutput.json_schema(Path(path).read_text())
+        spec.validate()
+    except OSError as exc:
+        raise MoeforgeError(f"--json-schema {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise MoeforgeError(f"--json-schema {path} is not UTF-8 text: {exc}") from None
+    except StructuredOutputError as exc:
+        raise MoeforgeError(f"--json-schema {path}: {exc}") from None
+    return spec
+
+
 def _check_sampling_flags(args: argparse.Namespace) -> None:
     """The sampling flags by SamplingParams' rules (the one set), right after parsing: before a model loads or a rank
     starts. What needs the model (its vocabulary, its context) is checked once it is known (``_sampling_params``)."""
+    _json_schema(args)
     SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed).validate(vocab_size=0, names=RUN_FLAGS)
 
@@ -299,6 +318,9 @@ def _run_torch(args: argparse.Namespace) -> int:
     if args.expert_load_out is not None:
         raise MoeforgeError("--expert-load-out counts an artifact's routing (the graph's expert_hits); run a compiled "
                             "artifact, or leave the flag out with --backend torch")
+    if getattr(args, "json_schema", None) is not None:
+        raise MoeforgeError("--json-schema: constrained decoding runs on compiled artifacts (their engine masks the "
+                            "tokens): compile the model (moeforge compile MODEL -o DIR) and run the artifact")
     if args.speculative_tokens:
         raise MoeforgeError("--speculative-tokens: speculative decoding runs on compiled artifacts (their engine "
                             "verifies the drafts); PyTorch generates one token per step: compile the model (moeforge "

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     run.add_argument("--mla-impl", choices=["absorb", "naive"], default="absorb", help="MLA cache layout")
     run.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    run.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                     help="constrain the output to JSON valid against the JSON schema in FILE (constrained decoding, "
+                          "compiled artifacts)")
     run.add_argument("--quiet", action="store_true", help="no stage lines on stderr (loading, generating)")
     run.add_argument("--expert-load-out", type=Path, default=None, metavar="FILE",
                      help="write the expert-load statistics of this run (routed tokens per MoE layer and expert, per "

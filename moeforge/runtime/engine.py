@@ -5,7 +5,10 @@ preemption) and alone changes a request's status; the backend runs them on its c
 row per running request) and returns each row's last logits; the sampler picks tokens; the
 scheduler records them. The engine owns the slots, stop strings (they need the tokenizer) and
 metrics. With ``SpeculativeOptions.tokens`` it also drafts each greedy request's next tokens after a
-step (moeforge/runtime/speculative.py); the next decode feeds them, and sampling verifies them (``_verify``).
+step (moeforge/runtime/speculative.py); the next decode feeds them, and sampling verifies them (``_verify``). A
+request with ``SamplingParams.structured_output`` is decoded under its grammar (moeforge/runtime/grammar.py): its
+token mask is computed on a thread while the backend runs the step, the sampler applies it to its row, and the
+request stops as soon as its output is a complete match.
 
 Per-request state lives on one ``Request`` (moeforge/runtime/request.py). The engine holds each in
 ``requests`` from ``add_request`` until its final output has been returned, then drops it; the
@@ -29,6 +32,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +60,7 @@ from moeforge.runtime.engine_config import (
     SpeculativeOptions,
     check_host_memory,
 )
+from moeforge.runtime.grammar import GrammarCompiler, GrammarState
 from moeforge.runtime.kv_cache_manager import KVCacheConfig, KVCacheManager
 from moeforge.runtime.kv_tiers.tiers import KVTiers
 from moeforge.runtime.output_text import OutputText
@@ -122,6 +127,10 @@ class LLMEngine:
             long_prefill_chunk=config.scheduling.long_prefill_chunk, max_model_len=backend.max_seq_len,
         ), self.kv)
         self.sampler = Sampler()
+        # Constrained decoding (SamplingParams.structured_output): specs compiled against the tokenizer, and one
+        # thread that computes a step's token masks while the backend runs it.
+        self.grammars = GrammarCompiler(tokenizer, backend.vocab_size) if tokenizer is not None else None
+        self._mask_thread: ThreadPoolExecutor | None = None
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
         self.requests: dict[int, Request] = {}  # added, final output not returned yet (read-only outside)
@@ -173,6 +182,11 @@ class LLMEngine:
         else:
             ids = prompt_token_ids(prompt, self.backend.vocab_size)
         check_room(len(ids), params.max_tokens, self.backend.max_seq_len, "the artifact's max_seq_len")
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise RequestError("structured output needs the artifact's tokenizer, and this artifact has none",
+                                   param="response_format")
+            self.grammars.compile(params.structured_output)  # StructuredOutputError: the spec cannot be used
         if not params.ignore_eos and self.eos_token_ids:
             params = dataclasses.replace(params, stop_token_ids=tuple({*params.stop_token_ids, *self.eos_token_ids}))
         return ids, params
@@ -181,6 +195,8 @@ class LLMEngine:
         request = Request(next(self._ids), ids, params)
         if self.tokenizer is not None:
             request.text = OutputText(self.tokenizer, params.stop_strings)
+        if params.structured_output is not None and self.grammars is not None:
+            request.grammar = self.grammars.new_state(params.structured_output)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         self.kv.prefetch(ids)  # its prefix blocks below the pool start loading before its turn
@@ -289,6 +305,7 @@ class LLMEngine:
             done = self.scheduler.fail(plan, f"the model step failed ({type(exc).__name__}: {exc})")
         else:
             done = self.scheduler.update(plan, sampled)
+            done.extend(self._advance_grammars(sampled))
         now = time.perf_counter()
         for request_id in sampled:
             request = self.requests[request_id]
@@ -328,11 +345,15 @@ class LLMEngine:
             rows.append(RowInput(request.slot, tuple(item.token_ids), item.start, tuple(item.block_table),
                                  item.num_draft_tokens + 1))
             argmax_only = argmax_only and request.params.argmax_only
+        sample_rows = [i for i, item in enumerate(plan.scheduled) if item.completes_prompt]
+        masks = self._start_masks([self.requests[plan.scheduled[i].request_id].grammar for i in sample_rows])
         start = time.perf_counter()
-        logits = self.backend.execute(StepInput(tuple(rows), argmax_only))
+        try:
+            logits = self.backend.execute(StepInput(tuple(rows), argmax_only))
+        finally:  # the matchers are touched again only after their masks are done
+            bitmask = masks.result() if masks is not None else None
         self.metrics.execute_seconds += time.perf_counter() - start
         self.metrics.steps += 1
-        sample_rows = [i for i, item in enumerate(plan.scheduled) if item.completes_prompt]
         for item in plan.scheduled:
             if item.is_prefill_chunk:
                 self.metrics.prefill_tokens += item.num_tokens
@@ -341,12 +362,12 @@ class LLMEngine:
         if not sample_rows:
             return {}, {}
         if any(item.num_draft_tokens for item in plan.scheduled):
-            return self._verify(plan, logits)
+            return self._verify(plan, logits, bitmask)
         requests = [self.requests[plan.scheduled[i].request_id] for i in sample_rows]
         out = self.sampler.sample(
             logits if len(sample_rows) == len(logits) else logits[sample_rows],  # no copy in steady decode
             [r.params for r in requests], [r.generator for r in requests],
-            [r.output_token_ids for r in requests], [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests], [r.prompt_token_ids for r in requests], bitmask,
         )
         tokens = {r.request_id: t for r, t in zip(requests, out.token_ids.tolist(), strict=True)}
         if all(r.params.logprobs is None for r in requests):
@@ -356,7 +377,30 @@ class LLMEngine:
                     if r.params.logprobs is not None}
         return tokens, logprobs
 
-    def _verify(self, plan: SchedulerOutput, logits: np.ndarray
+    def _start_masks(self, states: list[GrammarState | None]) -> Future[np.ndarray] | None:
+        """Start computing the token masks of a step's sampled rows (``GrammarCompiler.fill_bitmask``) on the mask
+        thread, so that they are ready when the backend's step is; None when no row is constrained."""
+        if self.grammars is None or all(state is None for state in states):
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeforge-grammar")
+        return self._mask_thread.submit(self.grammars.fill_bitmask, states)
+
+    def _advance_grammars(self, sampled: dict[int, int | list[int]]) -> list[Request]:
+        """Feed each constrained request its sampled tokens; finish (stop) those whose output is now complete: a
+        finished grammar allows only end-of-sequence. Returns the requests it finished."""
+        finished = []
+        for request_id, tokens in sampled.items():
+            request = self.requests[request_id]
+            if request.grammar is None:
+                continue
+            request.grammar.accept([tokens] if isinstance(tokens, int) else tokens)
+            if request.grammar.is_finished and not request.is_finished:
+                self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
+        return finished
+
+    def _verify(self, plan: SchedulerOutput, logits: np.ndarray, bitmask: np.ndarray | None = None
                 ) -> tuple[dict[int, int | list[int]], dict[int, tuple[float, list[tuple[int, float]]]]]:
         """``_execute``'s sampling for a step with draft tokens (their requests are greedy, ``argmax_only``): per
         decode with drafts, the drafts that equal the argmax after the token before them, then the argmax after the
@@ -367,8 +411,11 @@ class LLMEngine:
                   for item, end in zip(plan.scheduled, ends, strict=True) if item.completes_prompt]
         lines = [line for _, span in picked for line in span]
         owners = [self.requests[item.request_id] for item, span in picked for _ in span]  # per line, its request
+        if bitmask is not None:  # one mask per sampled request: its lines (a constrained request has one) share it
+            bitmask = bitmask[np.repeat(np.arange(len(picked)), [len(span) for _, span in picked])]
         out = self.sampler.sample(logits[lines], [r.params for r in owners], [r.generator for r in owners],
-                                  [r.output_token_ids for r in owners], [r.prompt_token_ids for r in owners])
+                                  [r.output_token_ids for r in owners], [r.prompt_token_ids for r in owners],
+                                  bitmask)
         greedy, at = out.token_ids.tolist(), 0
         tokens: dict[int, int | list[int]] = {}
         logprobs = {}

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeforge.core.errors import MoeforgeError
+from moeforge.runtime.grammar import GrammarState
 from moeforge.runtime.output_text import OutputText
 from moeforge.runtime.sampler import SamplingParams
 from moeforge.runtime.speculative import Drafter
@@ -153,6 +154,8 @@ class Request:
     num_reported_tokens: int = 0  # output tokens already returned to the caller (streaming deltas)
     # The output's text (incremental detokenisation, stop strings: runtime/output_text.py); None without a tokenizer.
     text: OutputText | None = None
+    # With ``params.structured_output``: its matcher (runtime/grammar.py), advanced by every sampled token.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         self.generator = self.params.make_generator()

@@ -4,6 +4,8 @@ Dimension letters: B batch rows, R rows a transform acts on, V vocabulary.
 
 Processing order (vLLM / Hugging Face semantics), each step on the output of the previous one:
 
+0. the request's token mask, when constrained decoding gives one (``token_bitmask``: disallowed tokens get -inf;
+   a greedy row reads one bit to see that its argmax is allowed, and is masked only when it is not);
 1. repetition penalty over prompt + output tokens (HF: a positive logit is divided by the
    penalty, a negative one multiplied, so a penalty > 1 always makes a seen token less likely);
 2. presence penalty over output tokens (subtracted once per distinct token, as in vLLM/OpenAI);
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeforge.core.errors import MoeforgeError
+from moeforge.runtime.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_PRESENCE_PENALTY = 2.0  # vLLM and the OpenAI API accept [-2, 2]
@@ -62,7 +65,9 @@ class SamplingParams:
     """Per-request sampling parameters. temperature 0 is greedy; top_k 0, top_p 1.0, min_p 0.0,
     repetition_penalty 1.0 and presence_penalty 0.0 are off. ``logprobs`` (vLLM's meaning): None returns no
     logprobs (and costs nothing per step); N >= 0 returns the chosen token's and the N most likely ones'.
-    ``max_tokens``, the stop fields and ``ignore_eos`` are read by the engine, not by the sampler."""
+    ``max_tokens``, the stop fields and ``ignore_eos`` are read by the engine, not by the sampler.
+    ``structured_output``: what the output must match (a JSON schema...); the engine enforces it by constrained
+    decoding, handing the sampler a token mask for the request's row (``Sampler.sample``'s ``token_bitmask``)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -76,6 +81,7 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists for the stop fields but store tuples, so the params stay hashable. One string is one stop
@@ -128,6 +134,8 @@ class SamplingParams:
         check(not bad, "stop_token_ids", f"must be token ids in [0, {vocab_size}), got {bad[:5]}")
         check(all(isinstance(s, str) and s for s in self.stop_strings), "stop_strings",
               f"must be non-empty strings, got {list(self.stop_strings)[:5]}")
+        check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+              "structured_output", f"must be None or a StructuredOutput, got {type(self.structured_output).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -138,7 +146,7 @@ class SamplingParams:
         """The token is the argmax of the raw logits and nothing else is read from them: greedy, no penalties,
         no logprobs (a backend may then approximate every other logit, see ``StepInput.argmax_only``)."""
         return (self.temperature == 0.0 and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
-                and self.logprobs is None)
+                and self.logprobs is None and self.structured_output is None)
 
     def make_generator(self) -> np.random.Generator | None:
         """The request's own generator (None without a seed): the same seed gives the same tokens."""
@@ -323,10 +331,14 @@ class Sampler:
         generators: Sequence[np.random.Generator | None],
         output_tokens: Sequence[Sequence[int]],
         prompt_tokens: Sequence[Sequence[int]],
+        token_bitmask: np.ndarray | None = None,
     ) -> SampleOutput:
         """Pick one token per row of logits [B, V]. ``generators[i]`` is row i's own generator (see
         ``SamplingParams.make_generator``) or None; it is advanced by one draw when row i samples
-        and not at all when it is greedy. ``output_tokens``/``prompt_tokens``: tokens so far per row."""
+        and not at all when it is greedy. ``output_tokens``/``prompt_tokens``: tokens so far per row.
+        ``token_bitmask`` int32 [B, ceil(V / 32)]: row i may only pick the tokens whose bit is set (bit t of word
+        t // 32; all ones: unconstrained), applied before everything else (constrained decoding,
+        runtime/grammar.py); logprobs stay those of the raw logits."""
         if len(generators) != len(params):
             raise ValueError(f"generators has {len(generators)} rows, params has {len(params)}")
         if logits.ndim != 2:
@@ -334,7 +346,11 @@ class Sampler:
         for name, seq in (("params", params), ("output_tokens", output_tokens), ("prompt_tokens", prompt_tokens)):
             if len(seq) != logits.shape[0]:
                 raise ValueError(f"{name} has {len(seq)} rows, logits has {logits.shape[0]}")
-        if all(q.greedy and q.repetition_penalty == 1.0 and q.presence_penalty == 0.0 for q in params):
+        raw = logits
+        fast = all(q.greedy and q.repetition_penalty == 1.0 and q.presence_penalty == 0.0 for q in params)
+        if token_bitmask is not None and not fast:
+            logits = apply_token_bitmask(logits, token_bitmask)
+        if fast:
             # The serving hot path: plain greedy needs no processed copy of the logits, only argmax -- which
             # returns a row's first NaN if it holds one (NaN compares as the maximum), so the NaN check reads one
             # value per row. It runs right after the kernels have swept the caches, when each distinct numpy
@@ -342,6 +358,8 @@ class Sampler:
             tokens = logits.argmax(axis=-1)  # [B] intp (int64 here)
             if any(math.isnan(logits[row, token]) for row, token in enumerate(tokens.tolist())):
                 _raise_nan(logits)
+            if token_bitmask is not None:
+                tokens = _masked_argmax(logits, tokens, token_bitmask)
             if all(q.logprobs is None for q in params):
                 return SampleOutput(tokens.astype(np.int64, copy=False), self._no_logprobs(len(tokens)),
                                     [[] for _ in params])
@@ -357,12 +375,46 @@ class Sampler:
         # greedy step's host work.
         chosen = np.full(len(tokens), np.nan, np.float32)
         wanted = np.array([i for i, q in enumerate(params) if q.logprobs is not None], dtype=np.int64)
+        logits = raw
         if wanted.size:
             rows = logits[wanted]
             picked = rows[np.arange(len(wanted)), tokens[wanted]].astype(np.float64)
             chosen[wanted] = picked - logsumexp(rows, rows.max(axis=-1))
         top = [_top_n(raw_logprobs(logits[i]), q.logprobs) if q.logprobs else [] for i, q in enumerate(params)]
         return SampleOutput(tokens, chosen, top)
+
+
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """logits [B, V] with -inf where ``bitmask`` int32 [B, ceil(V / 32)] has a 0 bit; the input itself when no row is
+    constrained (every word -1), else a copy. A row that allows no token is refused (the grammar always allows one)."""
+    if bitmask.shape != (logits.shape[0], (logits.shape[1] + 31) // 32):
+        raise ValueError(f"token_bitmask must be [{logits.shape[0]}, {(logits.shape[1] + 31) // 32}], got "
+                         f"{bitmask.shape}")
+    rows = np.flatnonzero((bitmask != -1).any(axis=-1))
+    if not rows.size:
+        return logits
+    bits = np.unpackbits(np.ascontiguousarray(bitmask[rows]).view(np.uint8), axis=-1, bitorder="little")
+    allowed = bits[:, :logits.shape[1]].astype(bool)
+    if not allowed.any(axis=-1).all():
+        raise ValueError(f"token_bitmask rows {rows[~allowed.any(axis=-1)].tolist()[:5]} allow no token")
+    out = logits.copy()
+    out[rows] = np.where(allowed, logits[rows], -np.inf)
+    return out
+
+
+def _masked_argmax(logits: np.ndarray, tokens: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """The argmax of each row of logits [B, V] among the tokens ``bitmask`` allows, given the unmasked argmax
+    ``tokens`` [B]: a row whose argmax is allowed keeps it (one bit read, the common case under a grammar the model
+    follows), only the others are masked (``apply_token_bitmask``) and searched again."""
+    if bitmask.shape != (logits.shape[0], (logits.shape[1] + 31) // 32):
+        raise ValueError(f"token_bitmask must be [{logits.shape[0]}, {(logits.shape[1] + 31) // 32}], got "
+                         f"{bitmask.shape}")
+    words = bitmask[np.arange(len(tokens)), tokens >> 5].astype(np.int64) & 0xFFFFFFFF
+    blocked = np.flatnonzero(((words >> (tokens & 31)) & 1) == 0)
+    if blocked.size:
+        tokens = tokens.copy()
+        tokens[blocked] = apply_token_bitmask(logits[blocked], bitmask[blocked]).argmax(axis=-1)
+    return tokens
 
 
 def _raise_nan(logits: np.ndarray) -> None:

@@ -25,7 +25,9 @@ from moeforge.core.errors import MoeforgeError, TokenizerError
 from moeforge.model.chat_template import check_chat_template
 from moeforge.model.tokenizer import Tokenizer
 from moeforge.runtime.engine import LLMEngine
+from moeforge.runtime.structured_output import MAX_GRAMMAR_CHARS
 from moeforge.serve.api_errors import error_response, install_error_handlers
+from moeforge.serve.chat_tools import MAX_TOOLS
 from moeforge.serve.engine_loop import EngineLoop
 from moeforge.serve.metrics import CONTENT_TYPE, ServerMetrics
 from moeforge.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -47,7 +49,9 @@ class ServerConfig:
     running ones before new ones get a 429. ``chat_template`` (Jinja source) replaces the tokenizer's.
     ``profile_steps`` > 0 profiles the first that many engine steps for ``moeforge:attention_time_share``.
     ``max_body_bytes``: a request body larger than this is refused with 413 before it is parsed.
-    ``stall_timeout_s``: a client that reads nothing this long while its requests produce is aborted."""
+    ``stall_timeout_s``: a client that reads nothing this long while its requests produce is aborted.
+    ``max_schema_chars``: the largest ``response_format`` schema or grammar, and the most characters all of a
+    request's tool parameter schemas may have; ``max_tools``: the most tools a request may give (400 beyond)."""
 
     model_name: str
     max_queued: int = DEFAULT_MAX_QUEUED
@@ -56,8 +60,13 @@ class ServerConfig:
     profile_steps: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    max_schema_chars: int = MAX_GRAMMAR_CHARS
+    max_tools: int = MAX_TOOLS
 
     def __post_init__(self) -> None:
+        if self.max_schema_chars < 1 or self.max_tools < 0:
+            raise ValueError(f"max_schema_chars must be >= 1 and max_tools >= 0, got {self.max_schema_chars}, "
+                             f"{self.max_tools}")
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.max_body_bytes < 1:
@@ -195,7 +204,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                             tokenize=engine.tokenize,
                             chat_tokenizer=_chat_tokenizer(engine.tokenizer, config.chat_template),
                             max_seq_len=max_seq_len, admission=state.admission, metrics=metrics,
-                            stall_timeout_s=config.stall_timeout_s)
+                            stall_timeout_s=config.stall_timeout_s, grammars=engine.grammars,
+                            max_schema_chars=config.max_schema_chars, max_tools=config.max_tools)
     created = int(time.time())
 
     @asynccontextmanager

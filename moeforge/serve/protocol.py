@@ -1,9 +1,12 @@
 """The OpenAI API's request and response bodies (the subset the server implements), as pydantic models.
 
 Requests ignore fields they do not know (clients send many optional ones); fields whose meaning the engine
-cannot honour (``echo``, ``suffix``, ``frequency_penalty``, ``logit_bias``, ``best_of``, ``tools`` /
-``functions``, a ``response_format`` other than text) are refused with a 400 naming them rather than silently
-dropped. Types are strict: ``"max_tokens": "5"`` or ``true`` is not a number (a 400 naming the field).
+cannot honour (``echo``, ``suffix``, ``frequency_penalty``, ``logit_bias``, ``best_of``, the deprecated
+``functions`` / ``function_call``, ``tools`` on completions) are refused with a 400 naming them rather than silently
+dropped. ``response_format``: ``text``, ``json_object``, ``json_schema`` ({"json_schema": {"name", "schema",
+"strict"}}) and two extensions, ``{"type": "grammar", "grammar": TEXT, "syntax": "lark" | "gbnf"}`` and
+``{"type": "regex", "pattern": TEXT}``: constrained decoding (``runtime/grammar.py``). Types are strict:
+``"max_tokens": "5"`` or ``true`` is not a number (a 400 naming the field).
 Extensions, as vLLM names them: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids`` (each choice then carries its ``token_ids``, the response its
 ``prompt_token_ids``).
@@ -16,6 +19,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictInt, model_serializer
 
 from moeforge.runtime.sampler import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from moeforge.runtime.structured_output import StructuredOutput
 
 MAX_N = 16  # choices per request: each is a request in the engine
 
@@ -75,30 +79,58 @@ class SamplingRequest(BaseModel):
             raise UnsupportedField("logit_bias", "logit_bias is not supported")
         if self.best_of not in (None, self.n):
             raise UnsupportedField("best_of", "best_of is not supported (n choices are returned as sampled)")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise UnsupportedField(name, f"{name} (tool and function calling) is not supported")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise UnsupportedField(name, f"{name} is not supported (no tool or function calling)")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise UnsupportedField("response_format", "response_format other than text (JSON mode, schemas) is "
-                                   "not supported")
+        if self.functions:
+            raise UnsupportedField("functions", "functions (deprecated) is not supported: use tools")
+        if self.function_call not in (None, "none"):
+            raise UnsupportedField("function_call", "function_call (deprecated) is not supported: use tool_choice")
+        self.structured_output()  # refuses a malformed response_format
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint ``response_format`` asks for (None: plain text); ``UnsupportedField`` when malformed."""
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutput.json_object()
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise UnsupportedField("response_format", "response_format json_schema needs "
+                                       "{'json_schema': {'name': ..., 'schema': {...}}}: the schema as a JSON object")
+            return StructuredOutput.json_schema(schema)
+        if kind == "grammar":
+            grammar, syntax = rf.get("grammar"), rf.get("syntax", "lark")
+            if not isinstance(grammar, str) or syntax not in ("lark", "gbnf"):
+                raise UnsupportedField("response_format", "response_format grammar needs {'grammar': TEXT, "
+                                       "'syntax': 'lark' or 'gbnf'}")
+            return StructuredOutput.grammar(grammar, syntax)
+        if kind == "regex":
+            if not isinstance(rf.get("pattern"), str):
+                raise UnsupportedField("response_format", "response_format regex needs {'pattern': TEXT}")
+            return StructuredOutput.regex(rf["pattern"])
+        raise UnsupportedField("response_format", f"response_format type {kind!r} is not supported: use text, "
+                               "json_object, json_schema, grammar or regex")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         """The engine's params for choice ``choice`` (0..n-1). With a seed, choice i samples with seed + i, so
-        the n choices differ and choice 0 equals a single-choice request with that seed."""
+        the n choices differ and choice 0 equals a single-choice request with that seed. ``structured``: the
+        output's constraint (``response_format``, or a forced tool call's grammar)."""
         seed = None if self.seed is None else (self.seed + choice) % 2**64
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_k=max(self.top_k or 0, 0), top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty, seed=seed,
             max_tokens=max_tokens, stop_token_ids=tuple(self.stop_token_ids or ()), stop_strings=self.stop_strings,
-            logprobs=logprobs, ignore_eos=self.ignore_eos)
+            logprobs=logprobs, ignore_eos=self.ignore_eos, structured_output=structured)
 
 
 class CompletionRequest(SamplingRequest):
@@ -110,6 +142,8 @@ class CompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.tools:
+            raise UnsupportedField("tools", "tools are not supported on /v1/completions: use /v1/chat/completions")
         if self.echo:
             raise UnsupportedField("echo", "echo is not supported")
         if self.suffix:
@@ -135,9 +169,10 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id...: passed on to the chat template
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, tool_calls...: passed on to the chat template
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: content as one string (text parts joined)."""
@@ -146,7 +181,10 @@ class ChatMessage(BaseModel):
             if any(part.type != "text" for part in content):
                 raise UnsupportedField("messages", "only text content parts are supported")
             content = "".join(part.text or "" for part in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        message = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -155,15 +193,15 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # a forced call: one, unless true
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise UnsupportedField("tools", "tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise UnsupportedField("response_format", "only response_format type 'text' is supported")
+        if self.tool_choice not in (None, "none", "auto") and self.structured_output() is not None:
+            raise UnsupportedField("tool_choice", "a forced tool call and a response_format cannot be combined")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
 
@@ -235,9 +273,23 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
-class AssistantMessage(BaseModel):
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(_Body):
+    omit_if_none = ("reasoning_content", "tool_calls")
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Body):
@@ -260,10 +312,26 @@ class ChatCompletionResponse(_Body):
     prompt_token_ids: list[int] | None = None
 
 
+class FunctionCallDelta(_Body):
+    omit_if_none = ("name", "arguments")
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Body):
+    omit_if_none = ("id", "type")
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class Delta(_Body):
-    omit_if_none = ("role", "content")
+    omit_if_none = ("role", "content", "reasoning_content", "tool_calls")
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Body):

@@ -65,9 +65,9 @@ def test_strings_and_booleans_are_not_numbers_and_unsupported_fields_are_named(s
     for field, value in (("max_tokens", "5"), ("max_tokens", True), ("n", 2.0), ("seed", "1"), ("stream", "yes")):
         response = post("/v1/completions", **{field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
-    for path, field, value in (("/v1/completions", "best_of", 3), ("/v1/chat/completions", "tools", [{"type": "f"}]),
-                               ("/v1/chat/completions", "tool_choice", "auto"),
-                               ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    for path, field, value in (("/v1/completions", "best_of", 3), ("/v1/completions", "tools", [{"type": "f"}]),
+                               ("/v1/chat/completions", "function_call", "auto"),
+                               ("/v1/chat/completions", "response_format", {"type": "xml"}),
                                ("/v1/chat/completions", "functions", [{"name": "f"}])):
         response = post(path, **{field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
@@ -75,6 +75,7 @@ def test_strings_and_booleans_are_not_numbers_and_unsupported_fields_are_named(s
     # What is honoured as OpenAI means it passes: a float temperature given as an int, text format, best_of = n.
     assert post("/v1/completions", temperature=0, best_of=1).status_code == 200
     assert post("/v1/chat/completions", response_format={"type": "text"}, tool_choice="none").status_code == 200
+    assert post("/v1/chat/completions", response_format={"type": "json_object"}, tool_choice="auto").status_code == 200
 
 
 def test_errors_name_the_api_field_not_a_cli_flag(shared_server):
