@@ -24,6 +24,7 @@ from torch import nn
 
 from moeforge.core.config import V4_FAMILIES
 from moeforge.core.errors import MoeforgeError
+from moeforge.core.log_filters import without_records
 from moeforge.model import moe_op
 from moeforge.model.lazy_weights import LazyWeights
 from moeforge.model.mla import MLAttention
@@ -95,19 +96,13 @@ class _MoEBoundary(nn.Module):
 _REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
 
 
-def _not_torchvision_skip(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("torchvision is not installed")
+def _is_torchvision_skip(record: logging.LogRecord) -> bool:
+    return str(record.msg).startswith("torchvision is not installed")
 
 
-@contextlib.contextmanager
-def _quiet_torchvision_skips() -> Iterator[None]:
+def _quiet_torchvision_skips() -> contextlib.AbstractContextManager[None]:
     """Drop exactly the exporter's "torchvision is not installed. Skipping torchvision::..." warnings."""
-    logger = logging.getLogger(_REGISTRATION_LOGGER)
-    logger.addFilter(_not_torchvision_skip)
-    try:
-        yield
-    finally:
-        logger.removeFilter(_not_torchvision_skip)
+    return without_records(_REGISTRATION_LOGGER, _is_torchvision_skip)
 
 
 # onnxscript's default rewrite rule that replaces Slice(x, 0, n/2), Slice(x, n/2, n) by a Split.

@@ -248,9 +248,17 @@ def stage_model(source: CausalLM, spec: StageSpec, group_size: int = 1) -> Causa
         stage = StageLM(config, source.mla_impl)
     stage.spec = spec
     stage.group_size = group_size
+    _share_modules(stage, source, spec)
+    return stage
+
+
+def _share_modules(stage: CausalLM, source: CausalLM, spec: StageSpec) -> None:
+    """Give ``stage`` (built on the meta device) ``source``'s modules of stage ``spec``: its layers, its own copy of
+    the RoPE (every stage has one: each is released with its own stage), the embedding on stage 0, the final norm and
+    head on the last."""
     full = source.model
     stage.model.layers = nn.ModuleList(list(full.layers[spec.first_layer: spec.last_layer]))
-    stage.model.rotary = copy.deepcopy(full.rotary)  # every stage has one: each is released with its own stage
+    stage.model.rotary = copy.deepcopy(full.rotary)
     # A tied table is also the last stage's head: stage 0 takes its own copy, so that releasing stage 0's weights
     # once its graph is written (compile/stages.py) leaves the source's table for the last stage to copy.
     tied = source.lm_head is None and spec.pp > 1
@@ -263,10 +271,9 @@ def stage_model(source: CausalLM, spec: StageSpec, group_size: int = 1) -> Causa
         stage.lm_head = source.lm_head
     elif not spec.has_embedding:  # tied embeddings: the last stage holds its own copy of the table as its head
         head = nn.Linear(1, 1, bias=False)
-        table = source.model.embed_tokens.weight  # [V (/ N), H]
+        table = full.embed_tokens.weight  # [V (/ N), H]
         head.weight = nn.Parameter(table.detach().clone(), requires_grad=False)
         stage.lm_head = head
-    return stage
 
 
 @torch.no_grad()
@@ -280,23 +287,10 @@ def v4_stage_model(source: DeepseekV4ForCausalLM, spec: StageSpec, group_size: i
     stage.pipeline_stage = spec
     if isinstance(stage, RankDeepseekV4):
         stage.group_size = group_size  # its head gathers the vocabulary-parallel logits
+    _share_modules(stage, source, spec)
     full = source.model
-    stage.model.layers = nn.ModuleList(list(full.layers[spec.first_layer: spec.last_layer]))
-    stage.model.rotary = copy.deepcopy(full.rotary)  # derived buffers: every stage has its own
     stage.model.compress_rotary = copy.deepcopy(full.compress_rotary)
-    tied = source.lm_head is None and spec.pp > 1
-    embedding = copy.deepcopy(full.embed_tokens) if tied else full.embed_tokens
-    stage.model.embed_tokens = embedding if spec.has_embedding else None  # type: ignore[assignment]
-    stage.model.norm = full.norm if spec.has_head else None  # type: ignore[assignment]
     stage.model.hc_head = full.hc_head if spec.has_head else None  # type: ignore[assignment]
-    if not spec.has_head:
-        stage.lm_head = None
-    elif source.lm_head is not None:
-        stage.lm_head = source.lm_head
-    elif not spec.has_embedding:  # tied embeddings: the last stage holds its own copy of the table as its head
-        head = nn.Linear(1, 1, bias=False)
-        head.weight = nn.Parameter(full.embed_tokens.weight.detach().clone(), requires_grad=False)  # [V (/ N), H]
-        stage.lm_head = head
     return stage
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common
@@ -13,6 +12,7 @@ import onnxscript.optimizer
 from onnxscript.rewriter.pattern import RewriteRuleSet
 from onnxscript.rewriter.rules.common import reshape_reshape_rule
 
+from moeforge.core.log_filters import without_records
 from moeforge.passes.base import PassContext
 
 
@@ -50,20 +50,14 @@ class Cleanup:
 _FOLDING_LOGGER = "onnxscript.optimizer._constant_folding"
 
 
-def _not_multi_output_skip(record: logging.LogRecord) -> bool:
-    return not (isinstance(record.msg, str) and record.msg.startswith("Skipping constant folding for op")
-                and "multiple outputs" in record.msg)
+def _is_multi_output_skip(record: logging.LogRecord) -> bool:
+    return (isinstance(record.msg, str) and record.msg.startswith("Skipping constant folding for op")
+            and "multiple outputs" in record.msg)
 
 
-@contextlib.contextmanager
-def quiet_multi_output_folding() -> Iterator[None]:
+def quiet_multi_output_folding() -> contextlib.AbstractContextManager[None]:
     """Drop exactly onnxscript's "Skipping constant folding for op X with multiple outputs" warnings."""
-    logger = logging.getLogger(_FOLDING_LOGGER)
-    logger.addFilter(_not_multi_output_skip)
-    try:
-        yield
-    finally:
-        logger.removeFilter(_not_multi_output_skip)
+    return without_records(_FOLDING_LOGGER, _is_multi_output_skip)
 
 
 def _count_nodes(model: ir.Model) -> int:

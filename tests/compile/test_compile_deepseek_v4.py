@@ -95,6 +95,17 @@ def _engine_tokens(artifact: Path, prompts: list[list[int]], config: EngineConfi
     return [list(o.token_ids) for o in outputs]
 
 
+def _run_ranks(artifact: Path, prompt: list[int], *flags: str) -> list[int]:
+    """The greedy tokens ``moeforge run`` generates from a sharded artifact, in its own process (it starts one process
+    per rank from its own command line)."""
+    command = [sys.executable, "-P", "-m", "moeforge.cli", "run", str(artifact), "--prompt-ids",
+               ",".join(map(str, prompt)), "--max-new-tokens", str(STEPS), "--ignore-eos", "--json", "--quiet", *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    tokens: list[int] = json.loads(done.stdout.strip().splitlines()[-1])["token_ids"]
+    return tokens
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_default_compile_generates_transformers_tokens(case: str, checkpoint: Callable[[str], tuple[Any, Path]],
                                                        compiled: Callable[..., Path]) -> None:
@@ -164,12 +175,7 @@ def test_sharded_compile_generates_transformers_tokens(flags: dict[str, object],
     model, _ = checkpoint("every_layer")
     out = compiled("every_layer", **flags)
     prompt = _prompt(3)
-    # In its own process: `moeforge run` starts one process per rank from its own command line.
-    command = [sys.executable, "-P", "-m", "moeforge.cli", "run", str(out), "--prompt-ids", ",".join(map(str, prompt)),
-               "--max-new-tokens", str(STEPS), "--ignore-eos", "--json", "--quiet"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == hf_greedy(model, prompt, STEPS)
+    assert _run_ranks(out, prompt) == hf_greedy(model, prompt, STEPS)
 
 
 def test_pipeline_stages_pass_the_streams_and_token_ids(checkpoint: Callable[[str], tuple[Any, Path]],
@@ -187,11 +193,7 @@ def test_pipeline_stages_pass_the_streams_and_token_ids(checkpoint: Callable[[st
         inputs = {i.name: i.shape for i in ort.InferenceSession(str(artifact.model_path)).get_inputs()}
         assert "input_ids" in inputs and (rank == 0 or inputs["hidden_states_in"][1] == width)
     prompt = _prompt(3)
-    command = [sys.executable, "-P", "-m", "moeforge.cli", "run", str(out), "--prompt-ids", ",".join(map(str, prompt)),
-               "--max-new-tokens", str(STEPS), "--ignore-eos", "--json", "--quiet"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == hf_greedy(model, prompt, STEPS)
+    assert _run_ranks(out, prompt) == hf_greedy(model, prompt, STEPS)
 
 
 def _hf_router_counts(model: Any, tokens: list[int]) -> np.ndarray:
@@ -230,11 +232,7 @@ def test_placed_compile_generates_transformers_tokens_and_measures_the_load(
     out = compiled("every_layer", tp=2, ep=2, placement=str(plan))
     assert read_sharded(out).placement is not None
     stats = tmp_path / "stats.json"
-    command = [sys.executable, "-P", "-m", "moeforge.cli", "run", str(out), "--prompt-ids", ",".join(map(str, prompt)),
-               "--max-new-tokens", str(STEPS), "--ignore-eos", "--json", "--quiet", "--expert-load-out", str(stats)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == expected
+    assert _run_ranks(out, prompt, "--expert-load-out", str(stats)) == expected
     record = json.loads(stats.read_text())
     np.testing.assert_array_equal(np.array(record["layers"]), load)
     assert np.array(record["rank_load"]).sum() == load.sum()  # each choice computed by exactly one rank
