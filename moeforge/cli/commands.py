@@ -31,6 +31,7 @@ from moeforge.core.ort_session import UNPACKED_WEIGHTS
 from moeforge.core.progress import StageLog, ticking
 from moeforge.core.run_bandwidth import RunBandwidth
 from moeforge.core.safe_paths import check_output_file, expand_user
+from moeforge.core.strict_json import read_regular_file
 from moeforge.model.lazy_weights import check_streamable, open_lazy_model
 from moeforge.model.loader import LoadedModel, load_config, load_model, resolve_source
 from moeforge.model.tokenizer import Tokenizer
@@ -121,11 +122,11 @@ def _json_schema(args: argparse.Namespace) -> StructuredOutput | None:
     path = getattr(args, "json_schema", None)
     if path is None:
         return None
+    # A regular file of bounded size (a FIFO would block, a huge file would be read whole): refused naming the fix.
+    text = read_regular_file(path, what="--json-schema", fix="give the path of a JSON schema file")
     try:
-        spec = StructuredOutput.json_schema(Path(path).read_text())
+        spec = StructuredOutput.json_schema(text.decode("utf-8"))
         spec.validate()
-    except OSError as exc:
-        raise MoeforgeError(f"--json-schema {path}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
         raise MoeforgeError(f"--json-schema {path} is not UTF-8 text: {exc}") from None
     except StructuredOutputError as exc:

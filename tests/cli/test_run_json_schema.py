@@ -1,6 +1,7 @@
 """``moeforge run --json-schema FILE``: the output validates against the schema; a bad file is refused naming it."""
 
 import json
+import os
 
 import jsonschema
 import pytest
@@ -30,11 +31,14 @@ def test_run_with_a_json_schema_prints_valid_json(capsys, tmp_path, tiny):
 
 
 @pytest.mark.parametrize(("content", "reason"), [
-    (None, "cannot read"), ("{bad", "not valid JSON"), ('"a string"', "must be a JSON object"),
+    (None, "does not exist"), ("fifo", "not a regular file"), ("{bad", "not valid JSON"),
+    ('"a string"', "must be a JSON object"),
 ])
 def test_a_bad_schema_file_is_refused_before_loading(capsys, tmp_path, tiny, content, reason):
     schema = tmp_path / "schema.json"
-    if content is not None:
+    if content == "fifo":  # a FIFO would block a plain read: refused without opening it for a blocking read
+        os.mkfifo(schema)
+    elif content is not None:
         schema.write_text(content)
     code = main(["run", str(tiny), "--prompt", "hello", "--json-schema", str(schema), "--quiet"])
     err = capsys.readouterr().err
